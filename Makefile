@@ -1,0 +1,138 @@
+# shmrpc — build, test, bench. `make help` lists the targets.
+#
+#   make demo              install what is missing, build, run a small job
+#   make check             install what is missing, build, run every test
+#   make check SAN=address (or SAN=thread) the same under a sanitizer
+#   make bench             figures beside their peers (BENCH lines)
+#   make install PREFIX=/usr/local
+
+CC       ?= gcc
+PREFIX   ?= /usr/local
+SAN      ?=
+TEST_TIMEOUT ?= 120
+DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev
+BENCH_PKGS := python3-torch python3-numpy
+
+ifeq ($(SAN),)
+BUILD    ?= build
+SANFLAGS :=
+else ifeq ($(SAN),address)
+BUILD    ?= build/san-address
+SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+else ifeq ($(SAN),thread)
+BUILD    ?= build/san-thread
+SANFLAGS := -fsanitize=thread -fno-omit-frame-pointer
+else
+$(error SAN must be address or thread)
+endif
+
+WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes
+CPPFLAGS += -I. -Iinclude -D_GNU_SOURCE
+CFLAGS   += -std=gnu11 -O2 -g -fPIC -fvisibility=hidden $(WARN) $(SANFLAGS)
+LDFLAGS  += $(SANFLAGS)
+# liburing is linked statically so that the library runs where only its
+# .so is carried (the GPU machine); xxHash is compiled inline.
+URING_A  := $(firstword $(wildcard /usr/lib/$(shell $(CC) -dumpmachine)/liburing.a /usr/lib/liburing.a))
+LIBS     := $(if $(URING_A),$(URING_A),-luring) -lpthread
+
+LIB_SRCS := $(wildcard common/*.c shm/*.c ipc/*.c worker/*.c)
+LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o)
+TESTLIB_SRCS := $(wildcard tests/lib/*.c)
+TESTLIB_OBJS := $(TESTLIB_SRCS:%.c=$(BUILD)/obj/%.o)
+TEST_SRCS := $(wildcard tests/*.c)
+TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+BENCH_SRCS := $(wildcard bench/*.c)
+BENCHES  := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
+EXAMPLE_SRCS := $(wildcard examples/*.c)
+EXAMPLES := $(EXAMPLE_SRCS:examples/%.c=$(BUILD)/examples/%)
+TOOL_SRCS := $(wildcard tools/*.c)
+TOOLS    := $(TOOL_SRCS:tools/%.c=$(BUILD)/bin/%)
+LAUNCHER_SRCS := $(wildcard launcher/*.c)
+LAUNCHER := $(if $(LAUNCHER_SRCS),$(BUILD)/bin/shmrun)
+RUNNER   := $(BUILD)/bin/shmrpc-test-runner
+
+.PHONY: all deps bench-deps check demo bench fuzz install clean help
+all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER)
+
+help:
+	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+
+# Debian packages: apt-get update once, then install what is missing.
+deps:
+	@sh .ci/deps.sh $(DEB_PKGS)
+bench-deps:
+	@sh .ci/deps.sh $(DEB_PKGS) $(BENCH_PKGS)
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c -o $@ $<
+
+$(BUILD)/libshmrpc.a: $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/libshmrpc.so: $(LIB_OBJS)
+	$(CC) -shared -Wl,-soname,libshmrpc.so.0 -Wl,--no-undefined $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TESTLIB_OBJS) $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/bin/%: $(BUILD)/obj/tools/%.o $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/bin/shmrun: $(LAUNCHER_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(RUNNER): $(BUILD)/obj/tests/runner/runner.o
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^
+
+# The fuzz target needs clang's libFuzzer runtime (libclang-rt-14-dev).
+FUZZ_CC  ?= clang
+FUZZ_BIN := build/fuzz/frame_decode
+fuzz: $(FUZZ_BIN)
+$(FUZZ_BIN): fuzz/frame_decode.c common/error.c ipc/frame.c ipc/ring.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(CPPFLAGS) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -o $@ \
+		fuzz/frame_decode.c common/error.c ipc/frame.c ipc/ring.c
+
+check: deps
+	@$(MAKE) --no-print-directory all
+	@fuzz=; if [ -z "$(SAN)" ] && sh .ci/has-fuzzer.sh "$(FUZZ_CC)"; then \
+		$(MAKE) --no-print-directory fuzz && fuzz="$(FUZZ_BIN)"; fi; \
+	SHMRPC_BUILD=$(BUILD) SHMRPC_FUZZ="$$fuzz" $(RUNNER) -t $(TEST_TIMEOUT) $(TESTS)
+
+demo: deps
+	@$(MAKE) --no-print-directory all
+	@sh examples/demo.sh $(BUILD)
+
+bench: bench-deps
+	@$(MAKE) --no-print-directory all
+	@sh bench/run.sh $(BUILD)
+
+install: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(LAUNCHER) $(TOOLS)
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
+	install -m 644 $(BUILD)/libshmrpc.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(BUILD)/libshmrpc.so $(DESTDIR)$(PREFIX)/lib/libshmrpc.so.0
+	ln -sf libshmrpc.so.0 $(DESTDIR)$(PREFIX)/lib/libshmrpc.so
+	install -m 644 include/shmrpc.h $(DESTDIR)$(PREFIX)/include/
+	$(if $(LAUNCHER)$(TOOLS),install -m 755 $(LAUNCHER) $(TOOLS) $(DESTDIR)$(PREFIX)/bin/)
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(shell sed -n 's/.*SHMRPC_VERSION_STRING "\(.*\)"/\1/p' include/shmrpc.h)|' \
+		shmrpc.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/shmrpc.pc
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+.SECONDARY:

@@ -1,0 +1,43 @@
+/* Doorbell ring and the futex syscalls; the protocol is in doorbell.h. */
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ipc/doorbell.h"
+
+/* Shared futexes (no FUTEX_PRIVATE_FLAG): sleeper and waker are different processes. */
+int ipc_futex_wait(_Atomic uint32_t *word, uint32_t seq, uint64_t timeout_ns)
+{
+	struct timespec ts, *tsp = NULL;
+
+	if (timeout_ns) {
+		ts.tv_sec = (time_t)(timeout_ns / 1000000000u);
+		ts.tv_nsec = (long)(timeout_ns % 1000000000u);
+		tsp = &ts;
+	}
+	if (syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seq, tsp, NULL, 0) == 0)
+		return 0;
+	return -errno == -EWOULDBLOCK ? -EAGAIN : -errno;
+}
+
+int ipc_futex_wake(_Atomic uint32_t *word)
+{
+	long n = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+
+	return n < 0 ? -errno : (int)n;
+}
+
+void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
+{
+	/* seq_cst RMW, then seq_cst load of sleepers: pairs with the sleeper's
+	 * seq_cst increment of sleepers before its FUTEX_WAIT (doorbell.h). */
+	atomic_fetch_add_explicit(&target->doorbell, 1, memory_order_seq_cst);
+	if (atomic_load_explicit(&target->sleepers, memory_order_seq_cst) == 0)
+		return;
+	ipc_futex_wake(&target->doorbell);
+	if (me) /* relaxed: a statistic read by inspectors only */
+		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
+}

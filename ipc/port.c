@@ -1,0 +1,312 @@
+/* A worker's port: sending into and polling the rings; see port.h. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "common/error.h"
+#include "ipc/doorbell.h"
+#include "ipc/port.h"
+
+/* A blocked sender re-checks its peer this often even without a wake-up. */
+#define SEND_SLICE_NS (20u * 1000u * 1000u)
+
+int ipc_port_open(struct ipc_port *p, struct shm_seg *seg, uint32_t rank, enum ipc_wait_mode mode)
+{
+	uint32_t world = seg->world;
+	int err;
+
+	memset(p, 0, sizeof(*p));
+	if (rank >= world)
+		return shmrpc__fail(-EINVAL, "rank %u out of range: the job has %u workers", rank, world);
+	p->seg = seg;
+	p->rank = rank;
+	p->world = world;
+	p->self = shm_worker(seg, rank);
+	p->payload_csum = !(seg->hdr->flags & SHM_F_NO_PAYLOAD_CSUM);
+	p->out = calloc(world, sizeof(*p->out));
+	p->in = calloc(world, sizeof(*p->in));
+	p->out_lock = calloc(world, sizeof(*p->out_lock));
+	p->in_broken = calloc(world, sizeof(*p->in_broken));
+	if (!p->out || !p->in || !p->out_lock || !p->in_broken) {
+		err = shmrpc__fail(-ENOMEM, "out of memory opening the port of rank %u", rank);
+		goto fail;
+	}
+	for (uint32_t peer = 0; peer < world; peer++) {
+		pthread_mutex_init(&p->out_lock[peer], NULL);
+		if (peer == rank)
+			continue;
+		ipc_ring_open(&p->out[peer], seg, rank, peer, true);
+		ipc_ring_open(&p->in[peer], seg, peer, rank, false);
+	}
+	err = ipc_waiter_init(&p->waiter, p->self, world, mode);
+	if (err)
+		goto fail_locks;
+	/* Acquire pairs with the launcher's release when it set up the slot. */
+	p->generation = atomic_load_explicit(&p->self->generation, memory_order_acquire);
+	/* Release: a peer that reads our pid (acquire) may watch it at once. */
+	atomic_store_explicit(&p->self->pid, (uint32_t)getpid(), memory_order_release);
+	return 0;
+
+fail_locks:
+	for (uint32_t peer = 0; peer < world; peer++)
+		pthread_mutex_destroy(&p->out_lock[peer]);
+fail:
+	free(p->out);
+	free(p->in);
+	free(p->out_lock);
+	free(p->in_broken);
+	return err;
+}
+
+void ipc_port_close(struct ipc_port *p)
+{
+	ipc_waiter_destroy(&p->waiter);
+	for (uint32_t peer = 0; peer < p->world; peer++)
+		pthread_mutex_destroy(&p->out_lock[peer]);
+	free(p->out);
+	free(p->in);
+	free(p->out_lock);
+	free(p->in_broken);
+	memset(p, 0, sizeof(*p));
+}
+
+uint32_t ipc_port_max_payload(const struct ipc_port *p)
+{
+	return p->seg->ring_size / 2 - IPC_REC_PREFIX - (uint32_t)sizeof(struct ipc_frame_hdr);
+}
+
+bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer)
+{
+	/* Acquire pairs with the launcher's release store of DEAD. */
+	uint32_t st = atomic_load_explicit(&shm_worker(p->seg, peer)->state, memory_order_acquire);
+
+	return st != SHM_WORKER_DEAD && !ipc_waiter_is_dead(&p->waiter, peer);
+}
+
+static size_t iov_bytes(const struct ipc_msg *m)
+{
+	size_t n = 0;
+
+	for (int i = 0; i < m->iovcnt; i++)
+		n += m->iov[i].iov_len;
+	return n;
+}
+
+static int check_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, size_t len)
+{
+	if (dst >= p->world || dst == p->rank)
+		return shmrpc__fail(-EINVAL, "worker %u cannot send to rank %u: %s", p->rank, dst,
+				    dst == p->rank ? "that is itself" : "no such rank");
+	if (len > ipc_port_max_payload(p))
+		return shmrpc__fail(-EMSGSIZE,
+				    "a %zu-byte payload does not fit in a frame: rings of %u bytes "
+				    "carry at most %u bytes per frame (raise --ring-size, or send "
+				    "large data as tensors)",
+				    len, p->seg->ring_size, ipc_port_max_payload(p));
+	if (m->type == 0 || (m->flags & ~IPC_FRAME_F_MORE))
+		return shmrpc__fail(-EINVAL, "frame type 0 or unknown flags 0x%x", m->flags);
+	return 0;
+}
+
+/* Writes the frame into dst's ring if it fits now; caller holds the lock. */
+static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint32_t len)
+{
+	struct ipc_ring *r = &p->out[dst];
+	struct ipc_frame_hdr *h = ipc_ring_reserve(r, (uint32_t)sizeof(*h) + len);
+	uint8_t *at;
+
+	if (!h)
+		return false;
+	*h = (struct ipc_frame_hdr){
+		.type = m->type,
+		.flags = m->flags,
+		.payload_len = len,
+		.msg_id = m->msg_id,
+		.src = (uint16_t)p->rank,
+		.dst = (uint16_t)dst,
+		.src_gen = p->generation,
+	};
+	at = (uint8_t *)(h + 1);
+	for (int i = 0; i < m->iovcnt; i++) {
+		memcpy(at, m->iov[i].iov_base, m->iov[i].iov_len);
+		at += m->iov[i].iov_len;
+	}
+	ipc_frame_seal(h, h + 1, p->payload_csum);
+	ipc_ring_commit(r);
+	return true;
+}
+
+static void sent(struct ipc_port *p, uint32_t dst, uint32_t len)
+{
+	ipc_doorbell_ring(shm_worker(p->seg, dst), p->self);
+	/* Relaxed: statistics, read by inspectors only. */
+	atomic_fetch_add_explicit(&p->self->frames_sent, 1, memory_order_relaxed);
+	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
+}
+
+int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
+{
+	size_t len = iov_bytes(m);
+	int err = check_send(p, dst, m, len);
+	bool ok;
+
+	if (err)
+		return err;
+	if (!ipc_port_peer_alive(p, dst))
+		return -SHMRPC_EPEERDEAD;
+	pthread_mutex_lock(&p->out_lock[dst]);
+	ok = put_frame(p, dst, m, (uint32_t)len);
+	pthread_mutex_unlock(&p->out_lock[dst]);
+	if (!ok)
+		return -EAGAIN;
+	sent(p, dst, (uint32_t)len);
+	return 0;
+}
+
+int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint64_t timeout_ns)
+{
+	uint64_t deadline = timeout_ns ? shmrpc_now_ns() + timeout_ns : UINT64_MAX;
+	size_t len = iov_bytes(m);
+	int err = check_send(p, dst, m, len);
+
+	if (err)
+		return err;
+	pthread_mutex_lock(&p->out_lock[dst]);
+	for (;;) {
+		uint64_t now, slice;
+		uint32_t seq;
+
+		if (!ipc_port_peer_alive(p, dst)) {
+			err = -SHMRPC_EPEERDEAD;
+			break;
+		}
+		if (put_frame(p, dst, m, (uint32_t)len))
+			break;
+		now = shmrpc_now_ns();
+		if (now >= deadline) {
+			err = -ETIMEDOUT;
+			break;
+		}
+		/* Read seq before announcing: a consumer freeing space after this
+		 * bumps our doorbell and the futex wait returns at once. */
+		seq = ipc_doorbell_seq(p->self);
+		if (ipc_ring_wait_space_prepare(&p->out[dst], (uint32_t)(sizeof(struct ipc_frame_hdr) + len)))
+			continue;
+		/* Relaxed: a statistic. */
+		atomic_fetch_add_explicit(&p->self->send_waits, 1, memory_order_relaxed);
+		slice = deadline - now < SEND_SLICE_NS ? deadline - now : SEND_SLICE_NS;
+		/* seq_cst: pairs with the waker's bump-then-load (doorbell.h). */
+		atomic_fetch_add_explicit(&p->self->sleepers, 1, memory_order_seq_cst);
+		ipc_futex_wait(&p->self->doorbell, seq, slice);
+		atomic_fetch_sub_explicit(&p->self->sleepers, 1, memory_order_seq_cst);
+	}
+	ipc_ring_wait_space_done(&p->out[dst]);
+	pthread_mutex_unlock(&p->out_lock[dst]);
+	if (err)
+		return err == -SHMRPC_EPEERDEAD
+			       ? shmrpc__fail(err, "worker %u cannot send to worker %u: it died", p->rank, dst)
+			       : shmrpc__fail(err, "worker %u: no room towards worker %u before the timeout",
+					      p->rank, dst);
+	sent(p, dst, (uint32_t)len);
+	return 0;
+}
+
+bool ipc_port_want_space(struct ipc_port *p, uint32_t dst, uint32_t len)
+{
+	return ipc_ring_wait_space_prepare(&p->out[dst], (uint32_t)sizeof(struct ipc_frame_hdr) + len);
+}
+
+static void report(struct ipc_port *p)
+{
+	/* Relaxed: a statistic. */
+	atomic_fetch_add_explicit(&p->self->corrupt_frames, 1, memory_order_relaxed);
+	fprintf(stderr, "shmrpc: worker %u: %s; dropped\n", p->rank, shmrpc_errmsg());
+}
+
+int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
+{
+	uint64_t bytes = 0;
+	int n = 0;
+
+	for (uint32_t i = 0; i < p->world && n < max; i++) {
+		uint32_t src = (p->next_src + i) % p->world;
+		struct ipc_ring *r = &p->in[src];
+		int got = 0;
+
+		if (src == p->rank || p->in_broken[src])
+			continue;
+		while (n < max) {
+			const uint8_t *rec;
+			struct ipc_frame f;
+			uint32_t len;
+			int rc = ipc_ring_peek(r, &rec, &len);
+
+			if (rc == 0)
+				break;
+			if (rc < 0) {
+				p->in_broken[src] = true;
+				shmrpc__fail(rc, "the ring from worker %u is corrupt and is no longer read",
+					     src);
+				report(p);
+				break;
+			}
+			if (ipc_frame_decode(rec, len, src, p->rank, &f) == 0) {
+				fn(arg, &f);
+				bytes += f.hdr.payload_len;
+			} else {
+				report(p);
+			}
+			ipc_ring_consume(r, len);
+			got++;
+			n++;
+		}
+		if (got && ipc_ring_release(r))
+			ipc_doorbell_ring(shm_worker(p->seg, src), p->self);
+	}
+	p->next_src = (p->next_src + 1) % p->world;
+	if (n) {
+		/* Relaxed: statistics. */
+		atomic_fetch_add_explicit(&p->self->frames_recv, (uint64_t)n, memory_order_relaxed);
+		atomic_fetch_add_explicit(&p->self->bytes_recv, bytes, memory_order_relaxed);
+	}
+	return n;
+}
+
+static bool has_input(struct ipc_port *p)
+{
+	for (uint32_t src = 0; src < p->world; src++) {
+		if (src == p->rank || p->in_broken[src])
+			continue;
+		/* Acquire pairs with the producer's release of tail. */
+		if (atomic_load_explicit(&p->in[src].ctl->tail, memory_order_acquire) != p->in[src].pos)
+			return true;
+	}
+	return false;
+}
+
+int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
+{
+	uint32_t seq;
+
+	ipc_waiter_poll(&p->waiter);
+	seq = ipc_doorbell_seq(p->self);
+	if (has_input(p) || ipc_waiter_has_news(&p->waiter))
+		return 0;
+	return ipc_waiter_sleep(&p->waiter, seq, timeout_ns);
+}
+
+int ipc_port_watch(struct ipc_port *p, uint32_t peer, pid_t pid)
+{
+	if (peer >= p->world)
+		return shmrpc__fail(-EINVAL, "no rank %u to watch", peer);
+	return ipc_waiter_watch(&p->waiter, peer, pid);
+}
+
+bool ipc_port_take_dead(struct ipc_port *p, uint32_t *peer)
+{
+	return ipc_waiter_take_dead(&p->waiter, peer);
+}

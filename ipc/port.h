@@ -1,0 +1,82 @@
+/*
+ * A worker's port: its view of the job's rings (one outgoing ring towards
+ * each peer, one incoming ring from each), its doorbell and its waiter.
+ *
+ * Threads. One thread (the loop thread) polls the incoming rings and
+ * waits with ipc_port_wait; it must never block in a send, or two workers
+ * whose rings towards each other are full would wait on each other for
+ * ever: it uses ipc_port_try_send, or hands the send to another thread.
+ * Any other thread may use ipc_port_send, which waits for ring space;
+ * sends towards one peer are serialised by a lock of this process.
+ */
+#ifndef SHMRPC_IPC_PORT_H
+#define SHMRPC_IPC_PORT_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "common/compiler.h"
+#include "ipc/frame.h"
+#include "ipc/ring.h"
+#include "ipc/wait.h"
+#include "shm/segment.h"
+
+struct ipc_msg {
+	uint16_t type;
+	uint16_t flags; /* IPC_FRAME_F_MORE only; checksum flags are the port's */
+	uint64_t msg_id;
+	const struct iovec *iov;
+	int iovcnt;
+};
+
+struct ipc_port {
+	struct shm_seg *seg;
+	uint32_t rank;
+	uint32_t world;
+	uint32_t generation;
+	bool payload_csum;
+	struct shm_worker *self;
+	struct ipc_ring *out; /* [world], towards each peer */
+	struct ipc_ring *in;  /* [world], from each peer */
+	pthread_mutex_t *out_lock;
+	bool *in_broken; /* a ring whose shared state went bad is not read again */
+	uint32_t next_src;
+	struct ipc_waiter waiter;
+};
+
+typedef void (*ipc_frame_fn)(void *arg, const struct ipc_frame *f);
+
+/* Opens rank's port in an attached segment and records this process's pid
+ * in its slot. mode: IPC_WAIT_AUTO reads SHMRPC_WAIT. */
+SHMRPC_HIDDEN int ipc_port_open(struct ipc_port *p, struct shm_seg *seg, uint32_t rank,
+				enum ipc_wait_mode mode);
+SHMRPC_HIDDEN void ipc_port_close(struct ipc_port *p);
+
+/* The largest payload one frame can carry. */
+SHMRPC_HIDDEN uint32_t ipc_port_max_payload(const struct ipc_port *p);
+
+/* Sends a frame: 0, -EAGAIN (try_send: ring full), -EMSGSIZE, -EINVAL (bad
+ * rank or self), -SHMRPC_EPEERDEAD, -ETIMEDOUT (timeout_ns, 0 = none). */
+SHMRPC_HIDDEN int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
+SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
+				uint64_t timeout_ns);
+
+/* Loop thread: hands up to max frames to fn (their payload valid during the
+ * call only); returns how many records were taken, corrupt ones included. */
+SHMRPC_HIDDEN int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max);
+/* Loop thread: asks to be woken when a frame of len payload bytes fits
+ * towards dst; true if it fits already. */
+SHMRPC_HIDDEN bool ipc_port_want_space(struct ipc_port *p, uint32_t dst, uint32_t len);
+/* Loop thread: sleeps until a frame, ring space asked for, a death, or the
+ * timeout (0: none). 0 or -ETIMEDOUT. */
+SHMRPC_HIDDEN int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns);
+/* Watches peer's process for death (pid from its slot, or given). */
+SHMRPC_HIDDEN int ipc_port_watch(struct ipc_port *p, uint32_t peer, pid_t pid);
+/* Loop thread: pops a peer whose death was not reported yet. */
+SHMRPC_HIDDEN bool ipc_port_take_dead(struct ipc_port *p, uint32_t *peer);
+/* Any thread: false once peer is known dead (slot state or pidfd). */
+SHMRPC_HIDDEN bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer);
+
+#endif

@@ -1,0 +1,267 @@
+/*
+ * Creating and attaching the job segment.
+ *
+ * The segment is a memfd: it has no name in /dev/shm, so nothing is left
+ * behind whatever dies, and it goes away with the last fd and mapping.
+ * Creation commits every page with fallocate() so that a full tmpfs or a
+ * memory limit is an error here, with the size asked for, and never a
+ * SIGBUS later; the size is then sealed so no process can shrink it under
+ * the others.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "common/error.h"
+#include "shm/segment.h"
+
+struct shm_shape {
+	uint64_t worker_off, ring_ctl_off, ring_data_off, total;
+};
+
+static uint64_t align_up(uint64_t v, uint64_t a)
+{
+	return (v + a - 1) & ~(a - 1);
+}
+
+static bool is_pow2(uint32_t v)
+{
+	return v && !(v & (v - 1));
+}
+
+/* The one place where the layout is computed, by creator and attacher alike. */
+static bool shm_shape(uint32_t world, uint32_t ring_size, struct shm_shape *s)
+{
+	uint64_t nrings;
+
+	if (world < 1 || world > SHM_MAX_WORLD || !is_pow2(ring_size) ||
+	    ring_size < SHM_RING_MIN || ring_size > SHM_RING_MAX)
+		return false;
+	nrings = (uint64_t)world * (world - 1);
+	s->worker_off = sizeof(struct shm_header);
+	s->ring_ctl_off = align_up(s->worker_off + world * (uint64_t)sizeof(struct shm_worker),
+				   SHMRPC_CACHELINE);
+	s->ring_data_off = align_up(s->ring_ctl_off + nrings * sizeof(struct shm_ring_ctl), SHM_PAGE);
+	s->total = align_up(s->ring_data_off + nrings * ring_size, SHM_PAGE);
+	return true;
+}
+
+uint32_t shm_default_ring_size(uint32_t world)
+{
+	/* 64 KiB per ring while the rings stay under 64 MiB in all, smaller
+	 * beyond (16 KiB at 64 workers); never below SHM_RING_MIN. */
+	const uint64_t budget = 64ull << 20;
+	uint64_t nrings = world > 1 ? (uint64_t)world * (world - 1) : 1;
+	uint32_t size = 64u * 1024u;
+
+	while (size > SHM_RING_MIN && nrings * size > budget)
+		size >>= 1;
+	return size;
+}
+
+uint64_t shm_seg_bytes(uint32_t world, uint32_t ring_size)
+{
+	struct shm_shape s;
+
+	return shm_shape(world, ring_size, &s) ? s.total : 0;
+}
+
+static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t world,
+		     uint32_t ring_size)
+{
+	seg->hdr = (struct shm_header *)seg->base;
+	seg->world = world;
+	seg->ring_size = ring_size;
+	seg->worker_off = s->worker_off;
+	seg->ring_ctl_off = s->ring_ctl_off;
+	seg->ring_data_off = s->ring_data_off;
+}
+
+int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
+{
+	uint32_t ring_size = p->ring_size ? p->ring_size : shm_default_ring_size(p->world_size);
+	struct shm_shape s;
+	struct shm_header *h;
+	int fd, err;
+
+	memset(seg, 0, sizeof(*seg));
+	seg->fd = -1;
+	if (!shm_shape(p->world_size, ring_size, &s))
+		return shmrpc__fail(-EINVAL,
+				    "cannot create a job segment for %u workers with %u-byte rings: "
+				    "world size must be 1..%u and ring size a power of two in %u..%u",
+				    p->world_size, ring_size, SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX);
+
+	fd = memfd_create("shmrpc-job", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return shmrpc__fail(-errno, "memfd_create failed: %s", strerror(errno));
+	if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)s.total) < 0) {
+		err = -errno;
+		goto fail_fd;
+	}
+	/* Commit the memory now: ENOSPC/ENOMEM here instead of SIGBUS later. */
+	err = posix_fallocate(fd, 0, (off_t)s.total);
+	if (err) {
+		close(fd);
+		return shmrpc__fail(-err,
+				    "cannot commit %llu bytes for the job segment (%u workers, %u-byte "
+				    "rings): %s; free memory or /dev/shm space, or pass a smaller "
+				    "--ring-size",
+				    (unsigned long long)s.total, p->world_size, ring_size, strerror(err));
+	}
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
+		err = -errno;
+		goto fail_fd;
+	}
+	seg->base = mmap(NULL, s.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (seg->base == MAP_FAILED) {
+		err = -errno;
+		seg->base = NULL;
+		goto fail_fd;
+	}
+	seg->fd = fd;
+	seg->size = s.total;
+	seg_fill(seg, &s, p->world_size, ring_size);
+
+	h = seg->hdr;
+	h->magic = SHM_MAGIC;
+	h->format_version = SHM_FORMAT_VERSION;
+	h->header_size = sizeof(*h);
+	h->total_size = s.total;
+	h->world_size = p->world_size;
+	h->flags = p->flags;
+	h->created_ns = shmrpc_realtime_ns();
+	h->launcher_pid = (uint32_t)getpid();
+	h->ring_size = ring_size;
+	h->worker_off = s.worker_off;
+	h->ring_ctl_off = s.ring_ctl_off;
+	h->ring_data_off = s.ring_data_off;
+	h->worker_size = sizeof(struct shm_worker);
+	h->ring_ctl_size = sizeof(struct shm_ring_ctl);
+	snprintf(h->job_name, sizeof(h->job_name), "%s", p->job_name ? p->job_name : "shmrpc");
+
+	for (uint32_t src = 0; src < p->world_size; src++) {
+		for (uint32_t dst = 0; dst < p->world_size; dst++) {
+			struct shm_ring_ctl *c;
+
+			if (src == dst)
+				continue;
+			c = shm_ring(seg, src, dst);
+			c->data_off = (uint64_t)(shm_ring_data(seg, src, dst) - seg->base);
+			c->size = ring_size;
+			c->src = (uint16_t)src;
+			c->dst = (uint16_t)dst;
+		}
+	}
+	return 0;
+
+fail_fd:
+	close(fd);
+	return shmrpc__fail(err, "cannot create the job segment: %s", strerror(-err));
+}
+
+int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
+{
+	struct shm_header h;
+	struct shm_shape s;
+	struct stat st;
+	ssize_t n;
+
+	memset(seg, 0, sizeof(*seg));
+	seg->fd = -1;
+	if (fstat(fd, &st) < 0)
+		return shmrpc__fail(-errno, "cannot attach to fd %d: %s", fd, strerror(errno));
+	/* Read the header with pread first: never map what we have not checked. */
+	n = pread(fd, &h, sizeof(h), 0);
+	if (n < 0)
+		return shmrpc__fail(-errno, "cannot read segment header: %s", strerror(errno));
+	if ((size_t)n < offsetof(struct shm_header, format_version) + 4 || h.magic != SHM_MAGIC)
+		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc segment (bad magic)");
+	if (h.format_version != SHM_FORMAT_VERSION)
+		return shmrpc__fail(-SHMRPC_EVERSION,
+				    "segment format %u, this library reads format %u: run the job "
+				    "and its tools from the same shmrpc build",
+				    h.format_version, SHM_FORMAT_VERSION);
+	if ((size_t)n < sizeof(h) || (uint64_t)st.st_size < sizeof(h))
+		return shmrpc__fail(-SHMRPC_ETRUNC, "segment truncated: %lld bytes, header alone is %zu",
+				    (long long)st.st_size, sizeof(h));
+	if (h.header_size != sizeof(h) || h.worker_size != sizeof(struct shm_worker) ||
+	    h.ring_ctl_size != sizeof(struct shm_ring_ctl) ||
+	    !shm_shape(h.world_size, h.ring_size, &s) || s.total != h.total_size ||
+	    s.worker_off != h.worker_off || s.ring_ctl_off != h.ring_ctl_off ||
+	    s.ring_data_off != h.ring_data_off)
+		return shmrpc__fail(-SHMRPC_EBADSEG,
+				    "not a shmrpc segment: header layout is inconsistent "
+				    "(world %u, ring size %u, total %llu)",
+				    h.world_size, h.ring_size, (unsigned long long)h.total_size);
+	if ((uint64_t)st.st_size < h.total_size)
+		return shmrpc__fail(-SHMRPC_ETRUNC,
+				    "segment truncated: %lld bytes, header says %llu",
+				    (long long)st.st_size, (unsigned long long)h.total_size);
+
+	seg->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE,
+			 MAP_SHARED, fd, 0);
+	if (seg->base == MAP_FAILED) {
+		seg->base = NULL;
+		return shmrpc__fail(-errno, "cannot map the job segment (%llu bytes): %s",
+				    (unsigned long long)h.total_size, strerror(errno));
+	}
+	seg->fd = fd;
+	seg->readonly = readonly;
+	seg->size = h.total_size;
+	seg_fill(seg, &s, h.world_size, h.ring_size);
+	return 0;
+}
+
+int shm_seg_attach_path(struct shm_seg *seg, const char *path, bool readonly)
+{
+	int fd = open(path, (readonly ? O_RDONLY : O_RDWR) | O_CLOEXEC);
+	int err;
+
+	if (fd < 0)
+		return shmrpc__fail(-errno, "cannot open %s: %s", path, strerror(errno));
+	err = shm_seg_attach_fd(seg, fd, readonly);
+	if (err)
+		close(fd);
+	return err;
+}
+
+int shm_seg_attach_env(struct shm_seg *seg)
+{
+	const char *v = getenv(SHMRPC_ENV_JOB_FD);
+	char *end;
+	long fd;
+	int err;
+
+	if (!v || !*v)
+		return shmrpc__fail(-ENOENT, "%s is not set: start this program with shmrun",
+				    SHMRPC_ENV_JOB_FD);
+	fd = strtol(v, &end, 10);
+	if (*end || fd < 0 || fd > 1 << 20)
+		return shmrpc__fail(-EINVAL, "%s=%s is not a file descriptor", SHMRPC_ENV_JOB_FD, v);
+	err = shm_seg_attach_fd(seg, (int)fd, false);
+	if (err == -EBADF)
+		return shmrpc__fail(err, "%s=%ld is not open in this process: was it started by shmrun?",
+				    SHMRPC_ENV_JOB_FD, fd);
+	if (err == 0)
+		(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* programs we exec need not inherit it */
+	return err;
+}
+
+void shm_seg_detach(struct shm_seg *seg)
+{
+	if (seg->base)
+		munmap(seg->base, seg->size);
+	if (seg->fd >= 0)
+		close(seg->fd);
+	seg->base = NULL;
+	seg->hdr = NULL;
+	seg->fd = -1;
+}
