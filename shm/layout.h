@@ -4,7 +4,7 @@
  * and _Static_asserts so that a change of layout cannot go unnoticed.
  *
  *   offset 0            struct shm_header            (one page)
- *   worker_off          struct shm_worker[world]     (256 B each)
+ *   worker_off          struct shm_worker[world]     (320 B each)
  *   ring_ctl_off        struct shm_ring_ctl[nrings]  (256 B each)
  *   ring_data_off       ring data, ring_size bytes each, page aligned
  *
@@ -70,12 +70,20 @@ enum shm_worker_state {
 	SHM_WORKER_DEAD = 3,    /* died; exit_info says how */
 };
 
+/* Agent states (shm_worker.agent_state). */
+enum shm_agent_state {
+	SHM_AGENT_NONE = 0,    /* no agent yet (or the program does not use one) */
+	SHM_AGENT_READY = 1,   /* shmrpc_init done: serving requests */
+	SHM_AGENT_LEAVING = 2, /* arrived at the graceful-shutdown barrier, still serving */
+	SHM_AGENT_GONE = 3,    /* left the job */
+};
+
 /* exit_info encoding: kind in the high byte, code or signal below. */
 #define SHM_EXIT_CODE(c) ((1u << 24) | ((uint32_t)(c) & 0xffu))
 #define SHM_EXIT_SIGNAL(s) ((2u << 24) | ((uint32_t)(s) & 0xffu))
 
 /*
- * One slot per rank, four cache lines, so that the doorbell (written by
+ * One slot per rank, five cache lines, so that the doorbell (written by
  * every peer) never shares a line with the owner's counters.
  */
 struct shm_worker {
@@ -108,13 +116,28 @@ struct shm_worker {
 	_Atomic uint64_t send_waits; /* times a send waited for ring space */
 	_Atomic uint64_t wakeups_sent; /* FUTEX_WAKE syscalls made */
 
-	/* line 3: reserved for the RPC agent's counters (same rules). */
-	_Atomic uint64_t agent[8];
+	/* lines 3-4: the RPC agent (worker/). agent_state is written by the
+	 * owner with release and read with acquire (the startup and shutdown
+	 * barriers); the rest are gauges and counters written only by the
+	 * owner (relaxed), named as torch.distributed.rpc names them where it
+	 * does, read by peers and inspectors that accept stale values. */
+	_Atomic uint32_t agent_state; /* SHM_AGENT_* */
+	_Atomic uint32_t thread_pool_size;
+	_Atomic uint32_t num_idle_threads;
+	uint32_t pad3;
+	_Atomic uint64_t client_active_calls; /* requests sent, reply not yet in */
+	_Atomic uint64_t server_active_calls; /* requests being run here now */
+	_Atomic uint64_t num_pending_futures; /* requests received, not started */
+	_Atomic uint64_t calls_served;
+	_Atomic uint64_t errors;       /* requests answered with an EXCEPTION */
+	_Atomic uint64_t timeouts;     /* calls of ours that timed out */
+	_Atomic uint64_t late_replies; /* replies that came after their timeout */
+	_Atomic uint64_t agent_reserved[7];
 };
 _Static_assert(offsetof(struct shm_worker, doorbell) == 64, "doorbell on its own line");
 _Static_assert(offsetof(struct shm_worker, heartbeat_ns) == 128, "counters on their own line");
-_Static_assert(offsetof(struct shm_worker, agent) == 192, "agent counters on their own line");
-_Static_assert(sizeof(struct shm_worker) == 256, "worker slot is four lines");
+_Static_assert(offsetof(struct shm_worker, agent_state) == 192, "agent on its own lines");
+_Static_assert(sizeof(struct shm_worker) == 320, "worker slot is five lines");
 
 /*
  * Control block of one SPSC ring. `tail` and `head` are byte counters that
