@@ -30,10 +30,11 @@ WARN     := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototy
 CPPFLAGS += -I. -Iinclude -D_GNU_SOURCE
 CFLAGS   += -std=gnu11 -O2 -g -fPIC -fvisibility=hidden $(WARN) $(SANFLAGS)
 LDFLAGS  += $(SANFLAGS)
-# liburing is linked statically so that the library runs where only its
-# .so is carried (the GPU machine); xxHash is compiled inline.
-URING_A  := $(firstword $(wildcard /usr/lib/$(shell $(CC) -dumpmachine)/liburing.a /usr/lib/liburing.a))
-LIBS     := $(if $(URING_A),$(URING_A),-luring) -lpthread
+# liburing and msgpack-c are linked statically so that the library runs
+# where only its .so is carried (the GPU machine); xxHash is compiled inline.
+MULTIARCH := $(shell $(CC) -dumpmachine)
+static_or = $(or $(firstword $(wildcard /usr/lib/$(MULTIARCH)/lib$(1).a /usr/lib/lib$(1).a)),-l$(1))
+LIBS     := $(call static_or,uring) $(call static_or,msgpackc) -lpthread
 
 LIB_SRCS := $(wildcard common/*.c shm/*.c ipc/*.c worker/*.c)
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o)

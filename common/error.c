@@ -7,7 +7,7 @@
 #include "shmrpc.h"
 #include "common/error.h"
 
-static _Thread_local char errmsg[512];
+static _Thread_local char errmsg[1024];
 
 int shmrpc__fail(int err, const char *fmt, ...)
 {
@@ -55,6 +55,8 @@ const char *shmrpc_strerror(int err)
 		return "corrupted frame (checksum mismatch)";
 	case -SHMRPC_EPEERDEAD:
 		return "peer worker died";
+	case -SHMRPC_EREMOTE:
+		return "the remote call failed";
 	default:
 		return strerror(-err);
 	}

@@ -32,9 +32,139 @@ extern "C" {
 #define SHMRPC_ECORRUPT EBADMSG           /* a frame failed its checksum or bounds check */
 #define SHMRPC_EPEERDEAD ECONNRESET       /* the peer worker died */
 
+#define SHMRPC_EREMOTE EREMOTEIO          /* the remote function failed (see the future's error) */
+
 SHMRPC_API const char *shmrpc_strerror(int err);
 SHMRPC_API const char *shmrpc_errmsg(void);
 SHMRPC_API const char *shmrpc_version(void);
+
+/*
+ * Values: arguments and results. A value is a small tagged struct; strings,
+ * bytes and lists point to memory owned by whoever made the value: the
+ * caller for arguments, the call (shmrpc_call_alloc) for results, the future
+ * for values received. On the wire they are MessagePack (docs/PROTOCOL.md).
+ */
+enum shmrpc_type {
+	SHMRPC_NIL = 0,
+	SHMRPC_BOOL = 1,
+	SHMRPC_INT = 2,
+	SHMRPC_FLOAT = 3,
+	SHMRPC_STR = 4,   /* UTF-8, len bytes, NUL-terminated when received */
+	SHMRPC_BYTES = 5,
+	SHMRPC_LIST = 6,  /* len items */
+	SHMRPC_MAP = 7,   /* len pairs: items[2i] is a key, items[2i+1] its value */
+};
+
+typedef struct shmrpc_value {
+	uint32_t type; /* enum shmrpc_type */
+	uint32_t len;
+	union {
+		int b;
+		int64_t i;
+		double f;
+		const char *s;
+		const void *p;
+		const struct shmrpc_value *items;
+	} u;
+} shmrpc_value;
+
+static inline shmrpc_value shmrpc_nil(void) { shmrpc_value v = { SHMRPC_NIL, 0, { 0 } }; return v; }
+static inline shmrpc_value shmrpc_bool(int b) { shmrpc_value v = { SHMRPC_BOOL, 0, { .b = !!b } }; return v; }
+static inline shmrpc_value shmrpc_int(int64_t i) { shmrpc_value v = { SHMRPC_INT, 0, { .i = i } }; return v; }
+static inline shmrpc_value shmrpc_float(double f) { shmrpc_value v = { SHMRPC_FLOAT, 0, { .f = f } }; return v; }
+static inline shmrpc_value shmrpc_strn(const char *s, uint32_t n) { shmrpc_value v = { SHMRPC_STR, n, { .s = s } }; return v; }
+static inline shmrpc_value shmrpc_str(const char *s) { return shmrpc_strn(s, (uint32_t)__builtin_strlen(s)); }
+static inline shmrpc_value shmrpc_bytes(const void *p, uint32_t n) { shmrpc_value v = { SHMRPC_BYTES, n, { .p = p } }; return v; }
+static inline shmrpc_value shmrpc_list(const shmrpc_value *items, uint32_t n) { shmrpc_value v = { SHMRPC_LIST, n, { .items = items } }; return v; }
+static inline shmrpc_value shmrpc_map(const shmrpc_value *kv, uint32_t npairs) { shmrpc_value v = { SHMRPC_MAP, npairs, { .items = kv } }; return v; }
+
+/* "int", "str", ... */
+SHMRPC_API const char *shmrpc_type_name(uint32_t type);
+
+/* ---- The job ---------------------------------------------------------- */
+
+struct shmrpc_options {
+	const char *name;    /* this worker's name; NULL: from shmrun (SHMRPC_NAME) */
+	int num_threads;     /* executor threads; 0: 4 */
+	int64_t timeout_ms;  /* default call timeout; 0: 60000; <0: none */
+	int64_t startup_timeout_ms; /* waiting for every worker to join; 0: 60000 */
+};
+
+struct shmrpc_worker_info {
+	int rank;
+	char name[48];
+};
+
+/* Attaches to the job this process was started in by shmrun, starts the
+ * agent and waits until every worker of the job has joined. */
+SHMRPC_API int shmrpc_init(const struct shmrpc_options *opts);
+/* graceful: wait (up to timeout_ms; <=0: none) until no worker of the job has
+ * calls in flight, then all leave together. Otherwise leave now. */
+SHMRPC_API int shmrpc_shutdown(int graceful, int64_t timeout_ms);
+SHMRPC_API int shmrpc_rank(void);
+SHMRPC_API int shmrpc_world_size(void);
+/* By name (NULL: this worker) or by rank. -ENOENT / -EINVAL when unknown. */
+SHMRPC_API int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out);
+SHMRPC_API int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out);
+
+/* ---- Serving ---------------------------------------------------------- */
+
+typedef struct shmrpc_call shmrpc_call;
+
+/*
+ * A registered function. Runs on an executor thread. Returns 0 with
+ * *result set, or the value of shmrpc_call_error(). Memory for the result
+ * comes from shmrpc_call_alloc (freed after the reply is sent) or is static.
+ */
+typedef int (*shmrpc_fn)(shmrpc_call *call, const shmrpc_value *args, uint32_t nargs,
+			 shmrpc_value *result, void *user);
+
+/*
+ * Registers fn under name. sig, when not NULL, is the argument types, one
+ * letter each: n nil, b bool, i int, f float (an int is accepted), s str,
+ * y bytes, l list, m map, v any; calls with another count or type fail with
+ * a clear error before fn runs. May be called before or after shmrpc_init.
+ */
+SHMRPC_API int shmrpc_register(const char *name, const char *sig, shmrpc_fn fn, void *user);
+SHMRPC_API void *shmrpc_call_alloc(shmrpc_call *call, size_t n);
+/* The rank of the caller. */
+SHMRPC_API int shmrpc_call_caller(const shmrpc_call *call);
+/* Records an error for the caller (type e.g. "ValueError", message) and a
+ * backtrace of this side; returns -SHMRPC_EREMOTE for fn to return. */
+SHMRPC_API int shmrpc_call_error(shmrpc_call *call, const char *type, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* ---- Calling ---------------------------------------------------------- */
+
+typedef struct shmrpc_future shmrpc_future;
+
+#define SHMRPC_TIMEOUT_DEFAULT (-1) /* the timeout given to shmrpc_init */
+#define SHMRPC_TIMEOUT_NONE 0
+
+/* Calls fn on worker dst. timeout_ms: SHMRPC_TIMEOUT_DEFAULT, SHMRPC_TIMEOUT_NONE or ms.
+ * rpc_async: *out is a future to wait on and free. rpc_sync: waits; on
+ * success *out holds the result (free it with shmrpc_future_free), on
+ * failure *out is NULL and shmrpc_errmsg() says what happened. */
+SHMRPC_API int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+				int64_t timeout_ms, shmrpc_future **out);
+SHMRPC_API int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+			       int64_t timeout_ms, shmrpc_future **out);
+
+/* Waits up to timeout_ms (<0: for ever). 0 when it succeeded, -ETIMEDOUT when
+ * still pending, or the call's error (the text in shmrpc_errmsg()). */
+SHMRPC_API int shmrpc_future_wait(shmrpc_future *f, int64_t timeout_ms);
+SHMRPC_API int shmrpc_future_done(shmrpc_future *f);
+/* The result, valid until shmrpc_future_free; NULL unless it succeeded. */
+SHMRPC_API const shmrpc_value *shmrpc_future_value(shmrpc_future *f);
+/* 0, or the error code; *msg (if not NULL) the full text. */
+SHMRPC_API int shmrpc_future_error(shmrpc_future *f, const char **msg);
+/* For remote errors: the error's type ("ValueError") and the remote backtrace. */
+SHMRPC_API const char *shmrpc_future_error_type(shmrpc_future *f);
+SHMRPC_API const char *shmrpc_future_remote_backtrace(shmrpc_future *f);
+/* cb runs once the future completes (at once if it has), on an executor
+ * thread: it may call rpc_sync. */
+SHMRPC_API int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg);
+SHMRPC_API void shmrpc_future_free(shmrpc_future *f);
 
 #ifdef __cplusplus
 }

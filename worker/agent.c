@@ -1,0 +1,453 @@
+/*
+ * The agent's life: shmrpc_init (attach, start the threads, the startup
+ * barrier), the loop thread, and shmrpc_shutdown (the shutdown barrier).
+ *
+ * Both barriers live in the worker slots: each worker publishes its
+ * agent_state (READY, then LEAVING, then GONE) with release, and reads the
+ * others' with acquire. A graceful shutdown first waits until this
+ * worker's own calls are answered, then says LEAVING and keeps serving
+ * until every worker has said LEAVING (or died): at that point nobody has a
+ * call in flight, so nobody can send another request, and all leave.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "ipc/doorbell.h"
+#include "shm/exit_info.h"
+#include "worker/agent.h"
+#include "worker/executor.h"
+#include "worker/msg.h"
+
+#define DEFAULT_THREADS 4
+#define DEFAULT_TIMEOUT_MS 60000
+#define DEATH_GRACE_NS (50u * 1000u * 1000u) /* waiting for the launcher's cause of death */
+#define LOOP_MAX_SLEEP_NS (100u * 1000u * 1000u)
+#define BARRIER_POLL_US 200
+
+struct agent *worker_agent;
+
+static uint32_t agent_state(const struct agent *ag, uint32_t r)
+{
+	/* Acquire pairs with the owner's release store of its state. */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->agent_state, memory_order_acquire);
+}
+
+static uint32_t worker_state(const struct agent *ag, uint32_t r)
+{
+	/* Acquire pairs with the launcher's release of DEAD/EXITED (exit_info before it). */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->state, memory_order_acquire);
+}
+
+static void set_agent_state(struct agent *ag, uint32_t st)
+{
+	/* Release: what we did before (names, threads) is visible with the state. */
+	atomic_store_explicit(&ag->self->agent_state, st, memory_order_release);
+	for (uint32_t r = 0; r < ag->world; r++)
+		if (r != ag->rank)
+			ipc_doorbell_ring(shm_worker(&ag->seg, r), ag->self);
+}
+
+void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len)
+{
+	const struct shm_worker *w = shm_worker(&ag->seg, r);
+	size_t n = strnlen(w->name, SHM_NAME_MAX);
+
+	/* The slot is shared: copy a bounded name, never trust a terminator. */
+	if (n == 0 || n == SHM_NAME_MAX)
+		snprintf(buf, len, "worker%u", r);
+	else
+		snprintf(buf, len, "%.*s", (int)n, w->name);
+}
+
+void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len)
+{
+	char name[SHM_NAME_MAX], cause[96];
+	uint32_t st = worker_state(ag, r);
+
+	agent_peer_name(ag, r, name, sizeof(name));
+	if (st == SHM_WORKER_DEAD) {
+		shm_exit_info_format(atomic_load_explicit(&shm_worker(&ag->seg, r)->exit_info,
+							  memory_order_relaxed),
+				     cause, sizeof(cause));
+		snprintf(buf, len, "worker %u (%s) died: %s", r, name, cause);
+	} else if (st == SHM_WORKER_EXITED || agent_state(ag, r) == SHM_AGENT_GONE) {
+		snprintf(buf, len, "worker %u (%s) has left the job", r, name);
+	} else {
+		snprintf(buf, len, "worker %u (%s) died", r, name);
+	}
+}
+
+int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, const void *payload,
+	       size_t len)
+{
+	struct iovec iov = { (void *)payload, len };
+	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1 };
+	int rc = ipc_port_send(&ag->port, dst, &m, 0);
+
+	if (rc == -SHMRPC_EPEERDEAD) {
+		char why[160];
+
+		agent_peer_gone_text(ag, dst, why, sizeof(why));
+		return shmrpc__fail(rc, "%s", why);
+	}
+	return rc;
+}
+
+/* ---- the loop thread ---- */
+
+static void on_frame(void *arg, const struct ipc_frame *f)
+{
+	struct agent *ag = arg;
+
+	if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
+		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->payload,
+			      f->hdr.payload_len);
+	else
+		client_on_reply(ag, f);
+}
+
+/* A peer's pidfd fired: fail its calls once the launcher has said how it
+ * died (or after a short grace, if no launcher records it). */
+static void settle_deaths(struct agent *ag, uint64_t now)
+{
+	uint32_t peer;
+
+	while (ipc_port_take_dead(&ag->port, &peer))
+		if (!ag->gone[peer] && !ag->dying_since[peer])
+			ag->dying_since[peer] = now;
+	for (peer = 0; peer < ag->world; peer++) {
+		char why[160];
+		uint32_t st;
+
+		if (!ag->dying_since[peer])
+			continue;
+		st = worker_state(ag, peer);
+		if (st != SHM_WORKER_DEAD && st != SHM_WORKER_EXITED &&
+		    now - ag->dying_since[peer] < DEATH_GRACE_NS)
+			continue;
+		agent_peer_gone_text(ag, peer, why, sizeof(why));
+		client_fail_peer(ag, peer, why);
+		ag->dying_since[peer] = 0;
+		ag->gone[peer] = true;
+	}
+}
+
+static bool any_dying(const struct agent *ag)
+{
+	for (uint32_t r = 0; r < ag->world; r++)
+		if (ag->dying_since[r])
+			return true;
+	return false;
+}
+
+static void *loop_main(void *arg)
+{
+	struct agent *ag = arg;
+
+	for (uint32_t r = 0; r < ag->world; r++)
+		if (r != ag->rank && ipc_port_watch(&ag->port, r, 0))
+			fprintf(stderr, "shmrpc: worker %u: cannot watch worker %u: %s\n", ag->rank, r,
+				shmrpc_errmsg());
+	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */
+	while (!atomic_load_explicit(&ag->stop, memory_order_relaxed)) {
+		int n = ipc_port_poll(&ag->port, on_frame, ag, 256);
+		uint64_t now = shmrpc_now_ns(), next, sleep_ns;
+
+		settle_deaths(ag, now);
+		next = client_expire(ag, now);
+		if (n)
+			continue;
+		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
+		if (next != UINT64_MAX && next - now < sleep_ns)
+			sleep_ns = next > now ? next - now : 1;
+		/* Relaxed: a liveness stamp for inspectors. */
+		atomic_store_explicit(&ag->self->heartbeat_ns, now, memory_order_relaxed);
+		ipc_port_wait(&ag->port, sleep_ns);
+	}
+	return NULL;
+}
+
+/* ---- init ---- */
+
+static long env_long(const char *name, long dflt)
+{
+	const char *s = getenv(name);
+	char *end;
+	long v;
+
+	if (!s || !*s)
+		return dflt;
+	v = strtol(s, &end, 10);
+	return *end ? -1 : v;
+}
+
+/* Waits until every worker is READY (or beyond); fails naming who is missing. */
+static int startup_barrier(struct agent *ag, uint64_t timeout_ns)
+{
+	uint64_t deadline = shmrpc_now_ns() + timeout_ns;
+
+	for (;;) {
+		uint32_t missing = 0, first = 0;
+
+		for (uint32_t r = 0; r < ag->world; r++) {
+			uint32_t st = worker_state(ag, r);
+
+			if (st == SHM_WORKER_DEAD || st == SHM_WORKER_EXITED) {
+				char why[160];
+
+				agent_peer_gone_text(ag, r, why, sizeof(why));
+				return shmrpc__fail(-SHMRPC_EPEERDEAD, "shmrpc_init on worker %u: %s "
+						    "before the job started", ag->rank, why);
+			}
+			if (agent_state(ag, r) < SHM_AGENT_READY && !missing++)
+				first = r;
+		}
+		if (!missing)
+			return 0;
+		if (shmrpc_now_ns() >= deadline) {
+			char name[SHM_NAME_MAX];
+
+			agent_peer_name(ag, first, name, sizeof(name));
+			return shmrpc__fail(-ETIMEDOUT, "shmrpc_init on worker %u: %u worker(s), "
+					    "worker %u (%s) first, did not join within %llu ms "
+					    "(did they call shmrpc_init?)", ag->rank, missing, first,
+					    name, (unsigned long long)(timeout_ns / 1000000u));
+		}
+		usleep(BARRIER_POLL_US);
+	}
+}
+
+static int check_names(struct agent *ag)
+{
+	char a[SHM_NAME_MAX], b[SHM_NAME_MAX];
+
+	agent_peer_name(ag, ag->rank, a, sizeof(a));
+	for (uint32_t r = 0; r < ag->world; r++) {
+		if (r == ag->rank)
+			continue;
+		agent_peer_name(ag, r, b, sizeof(b));
+		if (strcmp(a, b) == 0)
+			return shmrpc__fail(-EEXIST, "workers %u and %u are both named \"%s\": "
+					    "worker names must be unique", ag->rank < r ? ag->rank : r,
+					    ag->rank < r ? r : ag->rank, a);
+	}
+	return 0;
+}
+
+static void agent_free(struct agent *ag)
+{
+	if (ag->port.seg)
+		ipc_port_close(&ag->port);
+	if (ag->seg.base)
+		shm_seg_detach(&ag->seg);
+	free(ag->dying_since);
+	free(ag->gone);
+	free(ag);
+}
+
+int shmrpc_init(const struct shmrpc_options *opts)
+{
+	struct shmrpc_options o = opts ? *opts : (struct shmrpc_options){ 0 };
+	long rank = env_long("SHMRPC_RANK", -1), world = env_long("SHMRPC_WORLD_SIZE", -1);
+	const char *name = o.name ? o.name : getenv("SHMRPC_NAME");
+	struct agent *ag;
+	int rc;
+
+	if (worker_agent)
+		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
+	if (rank < 0 || world <= 0 || !getenv(SHMRPC_ENV_JOB_FD))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: SHMRPC_RANK, SHMRPC_WORLD_SIZE and %s are "
+				    "not set: start the program with shmrun -n N -- PROG",
+				    SHMRPC_ENV_JOB_FD);
+	if (o.num_threads < 0 || o.num_threads > 1024)
+		return shmrpc__fail(-EINVAL, "shmrpc_init: num_threads %d (give 1 to 1024, or 0 for %d)",
+				    o.num_threads, DEFAULT_THREADS);
+	if (name && (!*name || strlen(name) >= SHM_NAME_MAX))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: a worker name has 1 to %u bytes",
+				    SHM_NAME_MAX - 1);
+	if (!(ag = calloc(1, sizeof(*ag))))
+		return shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
+	rc = shm_seg_attach_env(&ag->seg);
+	if (rc)
+		goto fail;
+	if ((uint32_t)world != ag->seg.world || (uint32_t)rank >= ag->seg.world) {
+		rc = shmrpc__fail(-EINVAL, "shmrpc_init: SHMRPC_RANK %ld / SHMRPC_WORLD_SIZE %ld do not "
+				  "match the job segment (%u workers)", rank, world, ag->seg.world);
+		goto fail;
+	}
+	ag->rank = (uint32_t)rank;
+	ag->world = (uint32_t)world;
+	ag->self = shm_worker(&ag->seg, ag->rank);
+	ag->default_timeout_ns = o.timeout_ms < 0 ? 0
+				 : (uint64_t)(o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS) * 1000000u;
+	ag->dying_since = calloc(ag->world, sizeof(*ag->dying_since));
+	ag->gone = calloc(ag->world, sizeof(*ag->gone));
+	if (!ag->dying_since || !ag->gone) {
+		rc = shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
+		goto fail;
+	}
+	if (name) {
+		/* Our own slot: peers read it only after our READY (release). */
+		memset(ag->self->name, 0, SHM_NAME_MAX);
+		memcpy(ag->self->name, name, strlen(name));
+	}
+	rc = ipc_port_open(&ag->port, &ag->seg, ag->rank, IPC_WAIT_AUTO);
+	if (rc)
+		goto fail;
+	/* Release: the pid is visible to whoever sees RUNNING. */
+	atomic_store_explicit(&ag->self->state, SHM_WORKER_RUNNING, memory_order_release);
+	rc = executor_start(o.num_threads ? o.num_threads : DEFAULT_THREADS, ag->self);
+	if (rc)
+		goto fail;
+	set_agent_state(ag, SHM_AGENT_READY);
+	rc = startup_barrier(ag, (uint64_t)(o.startup_timeout_ms > 0 ? o.startup_timeout_ms
+							       : DEFAULT_TIMEOUT_MS) * 1000000u);
+	if (!rc)
+		rc = check_names(ag);
+	if (rc)
+		goto fail_exec;
+	worker_agent = ag;
+	rc = pthread_create(&ag->loop, NULL, loop_main, ag);
+	if (rc) {
+		worker_agent = NULL;
+		rc = shmrpc__fail(-rc, "cannot start the RPC agent's loop thread");
+		goto fail_exec;
+	}
+	return 0;
+
+fail_exec:
+	executor_stop();
+	set_agent_state(ag, SHM_AGENT_GONE);
+fail:
+	agent_free(ag);
+	return rc;
+}
+
+/* ---- shutdown ---- */
+
+/* True when every worker has arrived at the barrier, left, or died. */
+static bool all_leaving(struct agent *ag, char *busy, size_t len)
+{
+	bool all = true;
+	size_t at = 0;
+
+	for (uint32_t r = 0; r < ag->world; r++) {
+		const struct shm_worker *w = shm_worker(&ag->seg, r);
+		uint32_t st = worker_state(ag, r);
+		char name[SHM_NAME_MAX];
+
+		if (st == SHM_WORKER_DEAD || st == SHM_WORKER_EXITED ||
+		    agent_state(ag, r) >= SHM_AGENT_LEAVING)
+			continue;
+		all = false;
+		if (!busy || at >= len)
+			continue;
+		agent_peer_name(ag, r, name, sizeof(name));
+		/* Relaxed: gauges, for the message only. */
+		at += (size_t)snprintf(busy + at, len - at, "%sworker %u (%s): %llu call(s) in flight, "
+				       "%llu being served", at ? "; " : "", r, name,
+				       (unsigned long long)atomic_load_explicit(&w->client_active_calls,
+										memory_order_relaxed),
+				       (unsigned long long)atomic_load_explicit(&w->server_active_calls,
+										memory_order_relaxed));
+	}
+	return all;
+}
+
+static int graceful_barrier(struct agent *ag, uint64_t deadline)
+{
+	char busy[1024];
+
+	/* Our own calls first: relaxed, the count is ours and settles under the table's lock. */
+	while (atomic_load_explicit(&ag->self->client_active_calls, memory_order_relaxed)) {
+		if (deadline && shmrpc_now_ns() >= deadline)
+			goto timeout;
+		usleep(BARRIER_POLL_US);
+	}
+	set_agent_state(ag, SHM_AGENT_LEAVING);
+	while (!all_leaving(ag, NULL, 0)) {
+		if (deadline && shmrpc_now_ns() >= deadline)
+			goto timeout;
+		usleep(BARRIER_POLL_US);
+	}
+	return 0;
+timeout:
+	busy[0] = '\0';
+	if (all_leaving(ag, busy, sizeof(busy)))
+		snprintf(busy, sizeof(busy), "this worker still has calls in flight");
+	return shmrpc__fail(-ETIMEDOUT, "shmrpc_shutdown on worker %u timed out: still busy: %s",
+			    ag->rank, busy);
+}
+
+int shmrpc_shutdown(int graceful, int64_t timeout_ms)
+{
+	struct agent *ag = worker_agent;
+	char err[1024];
+	int rc = 0;
+
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "shmrpc_shutdown: the RPC agent is not running");
+	if (graceful) {
+		rc = graceful_barrier(ag, timeout_ms > 0 ? shmrpc_now_ns() +
+								(uint64_t)timeout_ms * 1000000u
+							  : 0);
+		snprintf(err, sizeof(err), "%s", shmrpc_errmsg());
+	}
+	set_agent_state(ag, SHM_AGENT_GONE);
+	/* Relaxed store; the doorbell (seq_cst) that follows wakes the loop to see it. */
+	atomic_store_explicit(&ag->stop, true, memory_order_relaxed);
+	ipc_doorbell_ring(ag->self, ag->self);
+	pthread_join(ag->loop, NULL);
+	client_fail_all(ag, "the RPC agent was shut down before the reply came");
+	worker_agent = NULL;
+	executor_stop();
+	agent_free(ag);
+	return rc ? shmrpc__fail(rc, "%s", err) : 0;
+}
+
+/* ---- who is who ---- */
+
+int shmrpc_rank(void)
+{
+	return worker_agent ? (int)worker_agent->rank : -ENOTCONN;
+}
+
+int shmrpc_world_size(void)
+{
+	return worker_agent ? (int)worker_agent->world : -ENOTCONN;
+}
+
+int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
+{
+	struct agent *ag = worker_agent;
+
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (rank < 0 || (uint32_t)rank >= ag->world)
+		return shmrpc__fail(-EINVAL, "no worker of rank %d: the job has %u workers", rank,
+				    ag->world);
+	out->rank = rank;
+	agent_peer_name(ag, (uint32_t)rank, out->name, sizeof(out->name));
+	return 0;
+}
+
+int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
+{
+	struct agent *ag = worker_agent;
+
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (!name)
+		return shmrpc_get_worker_info_by_rank((int)ag->rank, out);
+	for (uint32_t r = 0; r < ag->world; r++) {
+		shmrpc_get_worker_info_by_rank((int)r, out);
+		if (strcmp(out->name, name) == 0)
+			return 0;
+	}
+	return shmrpc__fail(-ENOENT, "no worker named \"%s\" in this job", name);
+}

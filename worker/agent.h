@@ -1,0 +1,64 @@
+/*
+ * The RPC agent of this process: one per process, started by shmrpc_init.
+ *
+ * Threads:
+ *  - the loop thread polls the incoming rings and sleeps on the doorbell
+ *    (ipc_port_wait). It never sends (a full ring must not stop it from
+ *    draining its own, or two workers could wait on each other for ever) and
+ *    never runs user code: requests go to the executor pool, replies
+ *    complete futures, deaths and timeouts fail them.
+ *  - executor threads run requests and callbacks and send replies.
+ *  - user threads call rpc_sync / rpc_async, which send from the calling
+ *    thread (ipc_port_send waits for ring space).
+ */
+#ifndef SHMRPC_WORKER_AGENT_H
+#define SHMRPC_WORKER_AGENT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/compiler.h"
+#include "ipc/port.h"
+#include "shm/segment.h"
+
+struct agent {
+	struct shm_seg seg;
+	struct ipc_port port;
+	uint32_t rank;
+	uint32_t world;
+	struct shm_worker *self;
+	uint64_t default_timeout_ns; /* 0: none */
+	pthread_t loop;
+	_Atomic bool stop;
+	/* Loop thread only: peers whose death was seen, and since when (ns;
+	 * 0 once their calls were failed). */
+	uint64_t *dying_since;
+	bool *gone;
+};
+
+/* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
+SHMRPC_HIDDEN extern struct agent *worker_agent;
+
+/* Name of rank r as its slot says ("worker3" if none). */
+SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);
+/* "worker 3 (worker3) died: killed by signal 9 (SIGKILL)" and similar. */
+SHMRPC_HIDDEN void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len);
+/* Sends a frame from a non-loop thread; the text of a failure in errmsg. */
+SHMRPC_HIDDEN int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id,
+			     const void *payload, size_t len);
+
+/* client.c: the table of calls waiting for their reply (loop thread side). */
+SHMRPC_HIDDEN void client_on_reply(struct agent *ag, const struct ipc_frame *f);
+SHMRPC_HIDDEN void client_complete_local(struct agent *ag, uint16_t type, uint64_t msg_id,
+					 const void *payload, size_t len);
+SHMRPC_HIDDEN uint64_t client_expire(struct agent *ag, uint64_t now);
+SHMRPC_HIDDEN void client_fail_peer(struct agent *ag, uint32_t peer, const char *why);
+SHMRPC_HIDDEN void client_fail_all(struct agent *ag, const char *why);
+
+/* server.c: a request, copied out of the ring, run on an executor thread. */
+SHMRPC_HIDDEN void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
+				 const void *payload, size_t len);
+
+#endif

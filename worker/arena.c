@@ -1,0 +1,48 @@
+/* Bump allocator; see arena.h. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/arena.h"
+
+#define CHUNK_MIN 4096u
+
+struct arena_chunk {
+	struct arena_chunk *next;
+	size_t used, size;
+	_Alignas(16) unsigned char data[];
+};
+
+void *arena_alloc(struct arena *a, size_t n)
+{
+	struct arena_chunk *c = a->head;
+	size_t need = (n + 15u) & ~(size_t)15u;
+	void *p;
+
+	if (need < n)
+		return NULL;
+	if (!c || c->size - c->used < need) {
+		size_t size = need > CHUNK_MIN ? need : CHUNK_MIN;
+
+		if (size > SIZE_MAX - sizeof(*c) || !(c = malloc(sizeof(*c) + size)))
+			return NULL;
+		c->used = 0;
+		c->size = size;
+		c->next = a->head;
+		a->head = c;
+	}
+	p = c->data + c->used;
+	c->used += need;
+	memset(p, 0, n);
+	return p;
+}
+
+void arena_free(struct arena *a)
+{
+	while (a->head) {
+		struct arena_chunk *next = a->head->next;
+
+		free(a->head);
+		a->head = next;
+	}
+}

@@ -1,0 +1,308 @@
+/*
+ * The calling side: encoding a call, the table of calls waiting for their
+ * reply, and what completes them (a reply, a timeout, a death).
+ */
+#include <errno.h>
+#include <msgpack.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "worker/agent.h"
+#include "worker/future.h"
+#include "worker/msg.h"
+#include "worker/value.h"
+
+#define PENDING_BUCKETS 4096u
+
+static struct {
+	pthread_mutex_t lock;
+	shmrpc_future *bucket[PENDING_BUCKETS];
+	uint64_t next_deadline; /* no pending call expires before this (ns) */
+} pending = { .lock = PTHREAD_MUTEX_INITIALIZER, .next_deadline = UINT64_MAX };
+
+/* Ids are unique within this process; a reply is matched by id and sender. */
+static _Atomic uint64_t next_msg_id = 1;
+
+static void count(_Atomic uint64_t *c, int64_t delta)
+{
+	/* Relaxed: gauges and counters for inspectors. */
+	atomic_fetch_add_explicit(c, (uint64_t)delta, memory_order_relaxed);
+}
+
+static void pending_add(shmrpc_future *f)
+{
+	uint32_t b = (uint32_t)(f->msg_id % PENDING_BUCKETS);
+
+	pthread_mutex_lock(&pending.lock);
+	f->hnext = pending.bucket[b];
+	pending.bucket[b] = f;
+	if (f->deadline_ns && f->deadline_ns < pending.next_deadline)
+		pending.next_deadline = f->deadline_ns;
+	pthread_mutex_unlock(&pending.lock);
+}
+
+/* Removes and returns the call msg_id sent to dst; NULL if it is not waiting. */
+static shmrpc_future *pending_take(uint64_t msg_id, uint32_t dst)
+{
+	shmrpc_future **at, *f;
+
+	pthread_mutex_lock(&pending.lock);
+	for (at = &pending.bucket[msg_id % PENDING_BUCKETS]; (f = *at); at = &f->hnext) {
+		if (f->msg_id == msg_id && f->dst == dst) {
+			*at = f->hnext;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&pending.lock);
+	return f;
+}
+
+/* Removes every call for which pred holds; returns them chained by hnext. */
+static shmrpc_future *pending_take_if(bool (*pred)(shmrpc_future *, const void *), const void *arg)
+{
+	shmrpc_future *out = NULL;
+
+	pthread_mutex_lock(&pending.lock);
+	for (uint32_t b = 0; b < PENDING_BUCKETS; b++) {
+		shmrpc_future **at = &pending.bucket[b], *f;
+
+		while ((f = *at)) {
+			if (pred(f, arg)) {
+				*at = f->hnext;
+				f->hnext = out;
+				out = f;
+			} else {
+				at = &f->hnext;
+			}
+		}
+	}
+	pthread_mutex_unlock(&pending.lock);
+	return out;
+}
+
+/* A call is over: the table's reference goes, and so does the active count. */
+static void settled(struct agent *ag, shmrpc_future *f)
+{
+	count(&ag->self->client_active_calls, -1);
+	future_unref(f);
+}
+
+static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
+		     const void *payload, size_t len)
+{
+	shmrpc_future *f = pending_take(msg_id, src);
+
+	if (!f) {
+		count(&ag->self->late_replies, 1);
+		return;
+	}
+	if (type == MSG_EXCEPTION) {
+		struct arena a = { 0 };
+		shmrpc_value v;
+		size_t used;
+		const shmrpc_value *it;
+
+		if (value_unpack(payload, len, &a, &v, &used) == 0 && v.type == SHMRPC_LIST &&
+		    v.len == 3 && (it = v.u.items)[0].type == SHMRPC_STR &&
+		    it[1].type == SHMRPC_STR && it[2].type == SHMRPC_STR)
+			future_fail(f, -SHMRPC_EREMOTE, it[0].u.s, it[1].u.s, it[2].u.s);
+		else
+			future_fail(f, -EBADMSG, NULL, "a malformed EXCEPTION reply came back", NULL);
+		arena_free(&a);
+	} else {
+		future_complete_packed(f, payload, len);
+	}
+	settled(ag, f);
+}
+
+void client_on_reply(struct agent *ag, const struct ipc_frame *fr)
+{
+	complete(ag, fr->hdr.src, fr->hdr.type, fr->hdr.msg_id, fr->payload, fr->hdr.payload_len);
+}
+
+void client_complete_local(struct agent *ag, uint16_t type, uint64_t msg_id, const void *payload,
+			   size_t len)
+{
+	complete(ag, ag->rank, type, msg_id, payload, len);
+}
+
+static void fail_chain(struct agent *ag, shmrpc_future *f, int err, const char *why, bool timeout)
+{
+	while (f) {
+		shmrpc_future *next = f->hnext;
+		char msg[256];
+
+		if (timeout) {
+			snprintf(msg, sizeof(msg),
+				 "RPC ran for more than the set timeout (%lld ms) and will now be "
+				 "marked with an error",
+				 (long long)f->timeout_ms);
+			count(&ag->self->timeouts, 1);
+		}
+		future_fail(f, err, NULL, timeout ? msg : why, NULL);
+		settled(ag, f);
+		f = next;
+	}
+}
+
+static bool expired(shmrpc_future *f, const void *now)
+{
+	return f->deadline_ns && f->deadline_ns <= *(const uint64_t *)now;
+}
+
+static bool min_deadline(shmrpc_future *f, const void *arg)
+{
+	uint64_t *min = (uint64_t *)arg;
+
+	if (f->deadline_ns && f->deadline_ns < *min)
+		*min = f->deadline_ns;
+	return false;
+}
+
+uint64_t client_expire(struct agent *ag, uint64_t now)
+{
+	uint64_t next = UINT64_MAX;
+	bool due;
+
+	pthread_mutex_lock(&pending.lock);
+	due = now >= pending.next_deadline;
+	if (due) /* recomputed below; a call added meanwhile lowers it again */
+		pending.next_deadline = UINT64_MAX;
+	else
+		next = pending.next_deadline;
+	pthread_mutex_unlock(&pending.lock);
+	if (!due)
+		return next;
+	fail_chain(ag, pending_take_if(expired, &now), -ETIMEDOUT, NULL, true);
+	pending_take_if(min_deadline, &next); /* takes nothing: finds the earliest */
+	pthread_mutex_lock(&pending.lock);
+	if (next < pending.next_deadline)
+		pending.next_deadline = next;
+	next = pending.next_deadline;
+	pthread_mutex_unlock(&pending.lock);
+	return next;
+}
+
+static bool to_peer(shmrpc_future *f, const void *peer)
+{
+	return f->dst == *(const uint32_t *)peer;
+}
+
+static bool any(shmrpc_future *f, const void *arg)
+{
+	(void)f;
+	(void)arg;
+	return true;
+}
+
+void client_fail_peer(struct agent *ag, uint32_t peer, const char *why)
+{
+	fail_chain(ag, pending_take_if(to_peer, &peer), -SHMRPC_EPEERDEAD, why, false);
+}
+
+void client_fail_all(struct agent *ag, const char *why)
+{
+	fail_chain(ag, pending_take_if(any, NULL), -ESHUTDOWN, why, false);
+}
+
+/* ---- public API ---- */
+
+static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args, uint32_t nargs)
+{
+	msgpack_packer pk;
+	shmrpc_value list = shmrpc_list(args, nargs);
+	size_t n = strlen(fn);
+
+	msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+	if (n == 0 || n > UINT32_MAX)
+		return shmrpc__fail(-EINVAL, "a function name cannot be empty");
+	if (msgpack_pack_array(&pk, 2) || msgpack_pack_str_with_body(&pk, fn, n))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a call");
+	return value_pack(&pk, &list);
+}
+
+int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		     int64_t timeout_ms, shmrpc_future **out)
+{
+	struct agent *ag = worker_agent;
+	msgpack_sbuffer sb;
+	shmrpc_future *f;
+	char why[256];
+	int rc;
+
+	if (!out || !fn || (nargs && !args))
+		return shmrpc__fail(-EINVAL, "shmrpc_rpc_async: fn, out and args must be given");
+	*out = NULL;
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (dst < 0 || (uint32_t)dst >= ag->world)
+		return shmrpc__fail(-EINVAL, "cannot call %s() on rank %d: the job has %u workers "
+				    "(ranks 0 to %u)", fn, dst, ag->world, ag->world - 1);
+	if ((uint32_t)dst != ag->rank && !ipc_port_peer_alive(&ag->port, (uint32_t)dst)) {
+		agent_peer_gone_text(ag, (uint32_t)dst, why, sizeof(why));
+		return shmrpc__fail(-SHMRPC_EPEERDEAD, "cannot call %s(): %s", fn, why);
+	}
+	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
+		timeout_ms = (int64_t)(ag->default_timeout_ns / 1000000u);
+	else if (timeout_ms < 0)
+		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
+				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
+	msgpack_sbuffer_init(&sb);
+	rc = encode_call(&sb, fn, args, nargs);
+	if (rc) {
+		msgpack_sbuffer_destroy(&sb);
+		return rc;
+	}
+	if (!(f = future_new())) {
+		msgpack_sbuffer_destroy(&sb);
+		return shmrpc__fail(-ENOMEM, "out of memory making a future");
+	}
+	/* Relaxed: only uniqueness matters. */
+	f->msg_id = atomic_fetch_add_explicit(&next_msg_id, 1, memory_order_relaxed);
+	f->dst = (uint32_t)dst;
+	f->timeout_ms = timeout_ms;
+	f->deadline_ns = timeout_ms ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
+	future_ref(f); /* the table's reference */
+	count(&ag->self->client_active_calls, 1);
+	/* In the table before it is sent: the reply may come back at once. */
+	pending_add(f);
+	if ((uint32_t)dst == ag->rank) {
+		server_submit(ag, ag->rank, MSG_SCRIPT_CALL, f->msg_id, sb.data, sb.size);
+		rc = 0;
+	} else {
+		rc = agent_send(ag, (uint32_t)dst, MSG_SCRIPT_CALL, f->msg_id, sb.data, sb.size);
+	}
+	msgpack_sbuffer_destroy(&sb);
+	if (rc) {
+		char msg[1024];
+
+		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		if (pending_take(f->msg_id, f->dst))
+			settled(ag, f);
+		future_unref(f);
+		return shmrpc__fail(rc, "cannot call %s() on worker %d: %s", fn, dst, msg);
+	}
+	*out = f;
+	return 0;
+}
+
+int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		    int64_t timeout_ms, shmrpc_future **out)
+{
+	shmrpc_future *f;
+	int rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
+
+	if (rc)
+		return rc;
+	future_wait_until(f, 0);
+	if (f->err) {
+		rc = shmrpc__fail(f->err, "%s", f->errmsg ? f->errmsg : "unknown error");
+		future_unref(f);
+		return rc;
+	}
+	*out = f;
+	return 0;
+}

@@ -1,0 +1,196 @@
+/* The executor pool; see executor.h. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "worker/executor.h"
+#include "worker/future.h"
+
+static struct {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	struct job *head, *tail;
+	pthread_t *threads;
+	int nthreads;
+	int idle;
+	int helpers; /* threads waiting on a future inside executor_help_until */
+	bool stop;
+	struct shm_worker *gauges;
+} ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static _Thread_local bool on_executor;
+
+struct callback_job {
+	struct job base;
+	shmrpc_future *f;
+	void (*fn)(shmrpc_future *, void *);
+	void *arg;
+};
+
+static void set_idle(int delta)
+{
+	ex.idle += delta;
+	/* Relaxed: a gauge for inspectors. */
+	atomic_store_explicit(&ex.gauges->num_idle_threads, (uint32_t)ex.idle, memory_order_relaxed);
+}
+
+/* Takes the next job; ex.lock held. */
+static struct job *pop(void)
+{
+	struct job *j = ex.head;
+
+	if (j) {
+		ex.head = j->next;
+		if (!ex.head)
+			ex.tail = NULL;
+	}
+	return j;
+}
+
+static void *thread_main(void *arg)
+{
+	(void)arg;
+	on_executor = true;
+	pthread_mutex_lock(&ex.lock);
+	for (;;) {
+		struct job *j = pop();
+
+		if (j) {
+			pthread_mutex_unlock(&ex.lock);
+			j->run(j);
+			pthread_mutex_lock(&ex.lock);
+			continue;
+		}
+		if (ex.stop)
+			break;
+		set_idle(1);
+		pthread_cond_wait(&ex.cond, &ex.lock);
+		set_idle(-1);
+	}
+	pthread_mutex_unlock(&ex.lock);
+	return NULL;
+}
+
+int executor_start(int nthreads, struct shm_worker *gauges)
+{
+	pthread_condattr_t ca;
+
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&ex.cond, &ca);
+	pthread_condattr_destroy(&ca);
+	ex.gauges = gauges;
+	ex.stop = false;
+	ex.idle = 0;
+	ex.threads = calloc((size_t)nthreads, sizeof(*ex.threads));
+	if (!ex.threads)
+		return shmrpc__fail(-ENOMEM, "out of memory starting %d executor threads", nthreads);
+	for (ex.nthreads = 0; ex.nthreads < nthreads; ex.nthreads++) {
+		int rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main, NULL);
+
+		if (rc) {
+			executor_stop();
+			return shmrpc__fail(-rc, "cannot start executor thread %d of %d", ex.nthreads + 1,
+					    nthreads);
+		}
+	}
+	/* Relaxed: a gauge. */
+	atomic_store_explicit(&gauges->thread_pool_size, (uint32_t)nthreads, memory_order_relaxed);
+	return 0;
+}
+
+void executor_stop(void)
+{
+	pthread_mutex_lock(&ex.lock);
+	ex.stop = true;
+	pthread_cond_broadcast(&ex.cond);
+	pthread_mutex_unlock(&ex.lock);
+	for (int i = 0; i < ex.nthreads; i++)
+		pthread_join(ex.threads[i], NULL);
+	free(ex.threads);
+	ex.threads = NULL;
+	ex.nthreads = 0;
+	pthread_cond_destroy(&ex.cond);
+}
+
+void executor_submit(struct job *j)
+{
+	j->next = NULL;
+	pthread_mutex_lock(&ex.lock);
+	if (ex.tail)
+		ex.tail->next = j;
+	else
+		ex.head = j;
+	ex.tail = j;
+	/* A helper may take it as well as an idle thread: wake all when helpers wait. */
+	if (ex.helpers)
+		pthread_cond_broadcast(&ex.cond);
+	else
+		pthread_cond_signal(&ex.cond);
+	pthread_mutex_unlock(&ex.lock);
+}
+
+static void run_callback(struct job *j)
+{
+	struct callback_job *c = (struct callback_job *)j;
+
+	c->fn(c->f, c->arg);
+	future_unref(c->f);
+	free(c);
+}
+
+int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *), void *arg)
+{
+	struct callback_job *c = malloc(sizeof(*c));
+
+	if (!c)
+		return shmrpc__fail(-ENOMEM, "out of memory queueing a future callback");
+	future_ref(f);
+	*c = (struct callback_job){ { NULL, run_callback }, f, fn, arg };
+	executor_submit(&c->base);
+	return 0;
+}
+
+void executor_kick(void)
+{
+	pthread_mutex_lock(&ex.lock);
+	if (ex.helpers)
+		pthread_cond_broadcast(&ex.cond);
+	pthread_mutex_unlock(&ex.lock);
+}
+
+bool executor_on_worker_thread(void)
+{
+	return on_executor;
+}
+
+int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
+
+	pthread_mutex_lock(&ex.lock);
+	/* Acquire pairs with the completer's release of done. */
+	while (!atomic_load_explicit(&f->done, memory_order_acquire)) {
+		struct job *j = pop();
+
+		if (j) {
+			pthread_mutex_unlock(&ex.lock);
+			j->run(j);
+			pthread_mutex_lock(&ex.lock);
+			continue;
+		}
+		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
+			break;
+		ex.helpers++;
+		if (deadline_ns)
+			pthread_cond_timedwait(&ex.cond, &ex.lock, &ts);
+		else
+			pthread_cond_wait(&ex.cond, &ex.lock);
+		ex.helpers--;
+	}
+	pthread_mutex_unlock(&ex.lock);
+	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
+}

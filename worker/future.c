@@ -1,0 +1,208 @@
+/* Futures; see future.h. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "worker/executor.h"
+#include "worker/future.h"
+#include "worker/value.h"
+
+shmrpc_future *future_new(void)
+{
+	shmrpc_future *f = calloc(1, sizeof(*f));
+	pthread_condattr_t ca;
+
+	if (!f)
+		return NULL;
+	pthread_mutex_init(&f->lock, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&f->cond, &ca);
+	pthread_condattr_destroy(&ca);
+	atomic_init(&f->refs, 1);
+	return f;
+}
+
+void future_ref(shmrpc_future *f)
+{
+	/* Relaxed: taking a reference needs no ordering; dropping one does. */
+	atomic_fetch_add_explicit(&f->refs, 1, memory_order_relaxed);
+}
+
+void future_unref(shmrpc_future *f)
+{
+	/* acq_rel: the last holder sees every write of the others before freeing. */
+	if (atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) != 1)
+		return;
+	while (f->cbs) {
+		struct future_cb *next = f->cbs->next;
+
+		free(f->cbs);
+		f->cbs = next;
+	}
+	arena_free(&f->arena);
+	free(f->errmsg);
+	free(f->errtype);
+	free(f->backtrace);
+	pthread_mutex_destroy(&f->lock);
+	pthread_cond_destroy(&f->cond);
+	free(f);
+}
+
+/* Marks f done, wakes its waiters and queues its callbacks; f->lock held on entry. */
+static void finish(shmrpc_future *f)
+{
+	struct future_cb *cbs = f->cbs;
+
+	f->cbs = NULL;
+	/* Release pairs with the acquire in shmrpc_future_done and the waits. */
+	atomic_store_explicit(&f->done, 1, memory_order_release);
+	pthread_cond_broadcast(&f->cond);
+	pthread_mutex_unlock(&f->lock);
+	executor_kick();
+	while (cbs) {
+		struct future_cb *next = cbs->next;
+
+		executor_submit_callback(f, cbs->fn, cbs->arg);
+		free(cbs);
+		cbs = next;
+	}
+}
+
+void future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
+{
+	size_t used;
+	int rc;
+
+	pthread_mutex_lock(&f->lock);
+	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
+		pthread_mutex_unlock(&f->lock);
+		return;
+	}
+	rc = value_unpack(buf, len, &f->arena, &f->value, &used);
+	if (rc == 0 && used != len)
+		rc = shmrpc__fail(-EBADMSG, "a reply of %zu bytes holds %zu bytes after its value",
+				  len, len - used);
+	if (rc) {
+		f->err = rc;
+		f->errmsg = strdup(shmrpc_errmsg());
+	}
+	finish(f);
+}
+
+void future_fail(shmrpc_future *f, int err, const char *type, const char *msg, const char *backtrace)
+{
+	pthread_mutex_lock(&f->lock);
+	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
+		pthread_mutex_unlock(&f->lock);
+		return;
+	}
+	f->err = err;
+	f->errmsg = strdup(msg);
+	f->errtype = type ? strdup(type) : NULL;
+	f->backtrace = backtrace ? strdup(backtrace) : NULL;
+	finish(f);
+}
+
+static bool is_done(shmrpc_future *f)
+{
+	/* Acquire pairs with the release in finish(): the result is visible. */
+	return atomic_load_explicit(&f->done, memory_order_acquire);
+}
+
+int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct timespec ts;
+	int rc = 0;
+
+	if (is_done(f))
+		return 0;
+	if (executor_on_worker_thread())
+		return executor_help_until(f, deadline_ns);
+	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
+	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
+	pthread_mutex_lock(&f->lock);
+	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)
+		rc = deadline_ns ? pthread_cond_timedwait(&f->cond, &f->lock, &ts)
+				 : pthread_cond_wait(&f->cond, &f->lock);
+	pthread_mutex_unlock(&f->lock);
+	return is_done(f) ? 0 : -ETIMEDOUT;
+}
+
+/* ---- public API ---- */
+
+int shmrpc_future_wait(shmrpc_future *f, int64_t timeout_ms)
+{
+	int rc = future_wait_until(f, timeout_ms < 0 ? 0
+						     : shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u);
+
+	if (rc)
+		return shmrpc__fail(rc, "the call has not completed within %lld ms",
+				    (long long)timeout_ms);
+	if (f->err)
+		return shmrpc__fail(f->err, "%s", f->errmsg ? f->errmsg : "unknown error");
+	return 0;
+}
+
+int shmrpc_future_done(shmrpc_future *f)
+{
+	return is_done(f);
+}
+
+const shmrpc_value *shmrpc_future_value(shmrpc_future *f)
+{
+	return is_done(f) && !f->err ? &f->value : NULL;
+}
+
+int shmrpc_future_error(shmrpc_future *f, const char **msg)
+{
+	if (!is_done(f)) {
+		if (msg)
+			*msg = "the call has not completed";
+		return -EINPROGRESS;
+	}
+	if (msg)
+		*msg = f->err ? f->errmsg : NULL;
+	return f->err;
+}
+
+const char *shmrpc_future_error_type(shmrpc_future *f)
+{
+	return is_done(f) ? f->errtype : NULL;
+}
+
+const char *shmrpc_future_remote_backtrace(shmrpc_future *f)
+{
+	return is_done(f) ? f->backtrace : NULL;
+}
+
+int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg)
+{
+	struct future_cb *c;
+
+	if (!cb)
+		return shmrpc__fail(-EINVAL, "shmrpc_future_then: no callback given");
+	pthread_mutex_lock(&f->lock);
+	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
+		pthread_mutex_unlock(&f->lock);
+		return executor_submit_callback(f, cb, arg);
+	}
+	c = malloc(sizeof(*c));
+	if (!c) {
+		pthread_mutex_unlock(&f->lock);
+		return shmrpc__fail(-ENOMEM, "out of memory adding a callback");
+	}
+	*c = (struct future_cb){ f->cbs, cb, arg };
+	f->cbs = c;
+	pthread_mutex_unlock(&f->lock);
+	return 0;
+}
+
+void shmrpc_future_free(shmrpc_future *f)
+{
+	if (f)
+		future_unref(f);
+}

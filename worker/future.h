@@ -1,0 +1,57 @@
+/*
+ * Futures: the result of a call, completed once by the loop thread (a
+ * reply, a timeout, a death) or by the caller (a failed send). Waiters are
+ * user threads (condition variable) or executor threads, which run queued
+ * work while they wait (executor.h) so that nested calls cannot starve the
+ * pool.
+ */
+#ifndef SHMRPC_WORKER_FUTURE_H
+#define SHMRPC_WORKER_FUTURE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "shmrpc.h"
+#include "common/compiler.h"
+#include "worker/arena.h"
+
+struct future_cb {
+	struct future_cb *next;
+	void (*fn)(shmrpc_future *f, void *arg);
+	void *arg;
+};
+
+struct shmrpc_future {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+	_Atomic int done; /* release by the completer, acquire by readers */
+	_Atomic int refs;
+	int err;
+	char *errmsg;
+	char *errtype;
+	char *backtrace;
+	shmrpc_value value;
+	struct arena arena;
+	struct future_cb *cbs;
+	/* The call it stands for (client side). */
+	uint64_t msg_id;
+	uint32_t dst;
+	uint64_t deadline_ns; /* 0: none */
+	int64_t timeout_ms;
+	struct shmrpc_future *hnext; /* pending table chain */
+};
+
+SHMRPC_HIDDEN shmrpc_future *future_new(void);
+SHMRPC_HIDDEN void future_ref(shmrpc_future *f);
+SHMRPC_HIDDEN void future_unref(shmrpc_future *f);
+/* Completes with a MessagePack value: decoded into the future's arena. */
+SHMRPC_HIDDEN void future_complete_packed(shmrpc_future *f, const void *buf, size_t len);
+/* Completes with an error; type and backtrace may be NULL. */
+SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, const char *msg,
+			       const char *backtrace);
+/* Waits until done or deadline_ns (0: none); an executor thread runs
+ * queued work meanwhile. 0, or -ETIMEDOUT. */
+SHMRPC_HIDDEN int future_wait_until(shmrpc_future *f, uint64_t deadline_ns);
+
+#endif

@@ -1,0 +1,34 @@
+/*
+ * Values on the wire: shmrpc_value <-> MessagePack (msgpack-c). Decoding
+ * first walks the bytes with a checker that trusts no length: every string,
+ * container count and nesting depth is bounded by the bytes actually there,
+ * so a hostile or corrupt payload cannot make the decoder allocate or read
+ * more than it holds. Extension types 1 (tensor) and 2 (RRef fork data) are
+ * reserved (docs/PROTOCOL.md).
+ */
+#ifndef SHMRPC_WORKER_VALUE_H
+#define SHMRPC_WORKER_VALUE_H
+
+#include <msgpack.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shmrpc.h"
+#include "common/compiler.h"
+#include "worker/arena.h"
+
+#define VALUE_MAX_DEPTH 64
+#define VALUE_EXT_TENSOR 1
+#define VALUE_EXT_RREF 2
+
+/* Appends v; -EINVAL (with errmsg) for an unknown type or too deep nesting. */
+SHMRPC_HIDDEN int value_pack(msgpack_packer *pk, const shmrpc_value *v);
+/* Decodes one value from [buf, buf+len) into out, allocating from a;
+ * *used gets the bytes taken. -EBADMSG with errmsg on malformed input. */
+SHMRPC_HIDDEN int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out,
+			       size_t *used);
+/* Checks args against a signature (shmrpc_register); -EINVAL with errmsg. */
+SHMRPC_HIDDEN int value_check_sig(const char *fn, const char *sig, const shmrpc_value *args,
+				  uint32_t nargs);
+
+#endif
