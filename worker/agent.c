@@ -150,7 +150,11 @@ static void *loop_main(void *arg)
 	struct agent *ag = arg;
 
 	for (uint32_t r = 0; r < ag->world; r++)
-		if (r != ag->rank && ipc_port_watch(&ag->port, r, 0))
+		/* Acquire pairs with the peer's release of its pid, before its READY. */
+		if (r != ag->rank &&
+		    ipc_port_watch(&ag->port, r,
+				   (pid_t)atomic_load_explicit(&shm_worker(&ag->seg, r)->pid,
+							       memory_order_acquire)))
 			fprintf(stderr, "shmrpc: worker %u: cannot watch worker %u: %s\n", ag->rank, r,
 				shmrpc_errmsg());
 	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */

@@ -293,8 +293,12 @@ int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t 
 		    int64_t timeout_ms, shmrpc_future **out)
 {
 	shmrpc_future *f;
-	int rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
+	int rc;
 
+	if (!out)
+		return shmrpc__fail(-EINVAL, "shmrpc_rpc_sync: out must be given");
+	*out = NULL;
+	rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
 	if (rc)
 		return rc;
 	future_wait_until(f, 0);

@@ -1,0 +1,21 @@
+/*
+ * Tests that are shmrpc jobs: the test program runs itself under the real
+ * launcher (`shmrun ... -- /proc/self/exe`) and judges the job from the
+ * launcher's exit status and output. In the workers tl_is_worker() is true.
+ */
+#ifndef SHMRPC_TESTS_JOB_H
+#define SHMRPC_TESTS_JOB_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+bool tl_is_worker(void);
+/* Path of shmrun in the build being tested ($SHMRPC_BUILD/bin/shmrun). */
+const char *tl_shmrun_path(void);
+/* Runs shmrun with the NULL-terminated options, then `-- /proc/self/exe`;
+ * stdout+stderr of the whole job go to out (NUL-terminated, truncated to
+ * len). Returns the launcher's exit code, 128+signal if it was killed, -1
+ * if it could not run. */
+int tl_shmrun(char *out, size_t len, const char *opt, ...) __attribute__((sentinel));
+
+#endif
