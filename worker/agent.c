@@ -30,6 +30,7 @@
 #define BARRIER_POLL_US 200
 
 struct agent *worker_agent;
+uint64_t worker_handoff_spin_ns;
 
 static uint32_t agent_state(const struct agent *ag, uint32_t r)
 {
@@ -303,6 +304,12 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	rc = ipc_port_open(&ag->port, &ag->seg, ag->rank, IPC_WAIT_AUTO);
 	if (rc)
 		goto fail;
+	if (ag->port.waiter.mode == IPC_WAIT_SPIN)
+		worker_handoff_spin_ns = UINT64_MAX;
+	else if (ag->port.waiter.fixed_spin_ns >= 0)
+		worker_handoff_spin_ns = (uint64_t)ag->port.waiter.fixed_spin_ns;
+	else
+		worker_handoff_spin_ns = 0;
 	/* Release: the pid is visible to whoever sees RUNNING. */
 	atomic_store_explicit(&ag->self->state, SHM_WORKER_RUNNING, memory_order_release);
 	rc = executor_start(o.num_threads ? o.num_threads : DEFAULT_THREADS, ag->self);

@@ -38,6 +38,14 @@ struct agent {
 	bool *gone;
 };
 
+/*
+ * How long a thread spins at a hand-off between threads before it sleeps:
+ * 0 in the uring and futex modes (measured on a 2-core machine, spinning
+ * there only delays the thread that has the work), SHMRPC_SPIN_NS when set,
+ * and without bound in spin mode, which never sleeps.
+ */
+SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
+
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 

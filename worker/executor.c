@@ -6,8 +6,14 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
+#include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
+
+/* Idle executor threads spin at most this long, whatever the mode: several
+ * per process spinning for ever would starve everything else of CPU. */
+#define EXECUTOR_MAX_SPIN_NS 100000u
 
 static struct {
 	pthread_mutex_t lock;
@@ -16,8 +22,10 @@ static struct {
 	pthread_t *threads;
 	int nthreads;
 	int idle;
+	int sleeping; /* idle threads inside pthread_cond_wait */
+	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
 	int helpers; /* threads waiting on a future inside executor_help_until */
-	bool stop;
+	_Atomic bool stop; /* written under the lock; read without it by spinners */
 	struct shm_worker *gauges;
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
@@ -46,8 +54,18 @@ static struct job *pop(void)
 		ex.head = j->next;
 		if (!ex.head)
 			ex.tail = NULL;
+		/* Relaxed: a hint for spinners; the queue itself is under the lock. */
+		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 	}
 	return j;
+}
+
+static bool spin_work(void *arg)
+{
+	(void)arg;
+	/* Relaxed: only hints to stop spinning; the lock orders the queue. */
+	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
+	       atomic_load_explicit(&ex.stop, memory_order_relaxed);
 }
 
 static void *thread_main(void *arg)
@@ -67,7 +85,17 @@ static void *thread_main(void *arg)
 		if (ex.stop)
 			break;
 		set_idle(1);
-		pthread_cond_wait(&ex.cond, &ex.lock);
+		pthread_mutex_unlock(&ex.lock);
+		bool work = shmrpc_spin_until(spin_work, NULL,
+					      worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
+						      ? worker_handoff_spin_ns
+						      : EXECUTOR_MAX_SPIN_NS);
+		pthread_mutex_lock(&ex.lock);
+		if (!work && !ex.head && !ex.stop) {
+			ex.sleeping++;
+			pthread_cond_wait(&ex.cond, &ex.lock);
+			ex.sleeping--;
+		}
 		set_idle(-1);
 	}
 	pthread_mutex_unlock(&ex.lock);
@@ -125,10 +153,12 @@ void executor_submit(struct job *j)
 	else
 		ex.head = j;
 	ex.tail = j;
-	/* A helper may take it as well as an idle thread: wake all when helpers wait. */
+	atomic_fetch_add_explicit(&ex.queued, 1, memory_order_relaxed);
+	/* A helper may take it as well as an idle thread: wake all when helpers
+	 * wait. A spinning idle thread needs no wake-up at all. */
 	if (ex.helpers)
 		pthread_cond_broadcast(&ex.cond);
-	else
+	else if (ex.sleeping)
 		pthread_cond_signal(&ex.cond);
 	pthread_mutex_unlock(&ex.lock);
 }

@@ -6,6 +6,8 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
+#include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/value.h"
@@ -113,15 +115,22 @@ static bool is_done(shmrpc_future *f)
 	return atomic_load_explicit(&f->done, memory_order_acquire);
 }
 
+static bool spin_done(void *f)
+{
+	return is_done(f);
+}
+
 int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct timespec ts;
 	int rc = 0;
 
-	if (is_done(f))
-		return 0;
+	/* An executor thread must serve queued work rather than spin: the
+	 * reply it waits for may depend on it. */
 	if (executor_on_worker_thread())
 		return executor_help_until(f, deadline_ns);
+	if (shmrpc_spin_until(spin_done, f, worker_handoff_spin_ns))
+		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
 	pthread_mutex_lock(&f->lock);
