@@ -1,0 +1,92 @@
+/*
+ * shmrun -n N [options] -- PROG [ARGS...]: creates the job segment, starts
+ * N workers, watches them until all have ended, and says how it went.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "launcher/shmrun.h"
+
+/* fds 0-2 open, so that no fd of ours lands there and a worker's dup2 of
+ * its output pipes cannot close the segment under it. */
+static void keep_std_fds_open(void)
+{
+	int fd;
+
+	while ((fd = open("/dev/null", O_RDWR)) >= 0 && fd <= 2)
+		;
+	if (fd > 2)
+		close(fd);
+}
+
+/* The launcher holds a pidfd per worker, and two pipes with --tag-output. */
+static int raise_fd_limit(const struct shmrun_opts *o)
+{
+	rlim_t need = (rlim_t)o->nproc * (o->tag_output ? 3 : 1) + 16;
+	struct rlimit rl;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= need)
+		return 0;
+	if (rl.rlim_max < need) {
+		fprintf(stderr, "shmrun: %u workers need %llu open files, the limit is %llu "
+			"(raise it with ulimit -n)\n", o->nproc, (unsigned long long)need,
+			(unsigned long long)rl.rlim_max);
+		return -1;
+	}
+	rl.rlim_cur = need;
+	if (setrlimit(RLIMIT_NOFILE, &rl) < 0) {
+		fprintf(stderr, "shmrun: cannot raise the open-file limit to %llu: %s\n",
+			(unsigned long long)need, strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct shmrun_opts o;
+	struct job j = { .o = &o, .sigfd = -1 };
+	struct shm_seg_params sp;
+	int rc = shmrun_parse_options(argc, argv, &o);
+
+	if (rc >= 0)
+		return rc;
+	rc = SHMRUN_EXIT_FAILED;
+	keep_std_fds_open();
+	j.launcher_pid = getpid();
+	j.start_ns = shmrpc_now_ns();
+	j.procs = calloc(o.nproc, sizeof(*j.procs));
+	if (!j.procs) {
+		fprintf(stderr, "shmrun: out of memory\n");
+		return rc;
+	}
+	for (uint32_t r = 0; r < o.nproc; r++) {
+		j.procs[r].pidfd = -1;
+		j.procs[r].out[0].fd = j.procs[r].out[1].fd = -1;
+	}
+	if (raise_fd_limit(&o) || watch_init(&j))
+		goto out;
+	sp = (struct shm_seg_params){ .world_size = o.nproc, .ring_size = o.ring_size,
+				      .flags = o.seg_flags, .job_name = basename(o.argv[0]) };
+	if (shm_seg_create(&j.seg, &sp)) {
+		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
+		goto out;
+	}
+	if (spawn_workers(&j))
+		watch_stop(&j, STOP_ERROR, SIGTERM);
+	rc = watch_job(&j);
+	if (!o.quiet)
+		report_summary(&j);
+	shm_seg_detach(&j.seg);
+out:
+	watch_free(&j);
+	free(j.procs);
+	return rc;
+}

@@ -1,0 +1,206 @@
+/* shmrun's command line: torchrun's spellings are accepted beside ours. */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shmrpc.h"
+#include "ipc/wait.h"
+#include "launcher/shmrun.h"
+
+#define DEFAULT_GRACE_S 3.0
+#define MAX_SECONDS 1e9 /* keeps seconds * 1e9 inside a uint64_t */
+
+enum {
+	OPT_NAME_FORMAT = 256,
+	OPT_TAG_OUTPUT,
+	OPT_TIMEOUT,
+	OPT_CPU_BIND,
+	OPT_ON_FAILURE,
+	OPT_GRACE,
+	OPT_WAIT,
+	OPT_RING_SIZE,
+	OPT_NO_CSUM,
+	OPT_QUIET,
+	OPT_VERSION,
+};
+
+static const struct option long_opts[] = {
+	{ "nproc-per-node", required_argument, NULL, 'n' },
+	{ "nproc_per_node", required_argument, NULL, 'n' },
+	{ "name-format", required_argument, NULL, OPT_NAME_FORMAT },
+	{ "tag-output", no_argument, NULL, OPT_TAG_OUTPUT },
+	{ "timeout", required_argument, NULL, OPT_TIMEOUT },
+	{ "cpu-bind", no_argument, NULL, OPT_CPU_BIND },
+	{ "on-failure", required_argument, NULL, OPT_ON_FAILURE },
+	{ "grace", required_argument, NULL, OPT_GRACE },
+	{ "wait", required_argument, NULL, OPT_WAIT },
+	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
+	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
+	{ "quiet", no_argument, NULL, OPT_QUIET },
+	{ "version", no_argument, NULL, OPT_VERSION },
+	{ "help", no_argument, NULL, 'h' },
+	{ NULL, 0, NULL, 0 },
+};
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: shmrun -n N [options] -- PROG [ARGS...]\n"
+		"Runs N copies of PROG as one shmrpc job on this machine.\n"
+		"\n"
+		"  -n, --nproc-per-node N  number of workers, 1..%u (also --nproc_per_node)\n"
+		"  --name-format FMT       worker names; {rank} and {local_rank} are replaced\n"
+		"                          (default 'worker{rank}')\n"
+		"  --tag-output            prefix each line the workers print with [rank]\n"
+		"  --timeout SEC           stop the whole job after SEC seconds (exit 124)\n"
+		"  --cpu-bind              pin worker i to the i-th core this process may use\n"
+		"  --on-failure=MODE       abort (default): stop the others when a worker fails;\n"
+		"                          continue: let them finish\n"
+		"  --grace SEC             seconds between SIGTERM and SIGKILL (default 3)\n"
+		"  --wait=MODE             how workers sleep: uring, futex or spin\n"
+		"  --ring-size BYTES       bytes per ring, a power of two in %u..%u\n"
+		"  --no-payload-checksum   frames carry no payload checksum\n"
+		"  --quiet                 no summary line at the end\n"
+		"  --version               print the version and exit\n"
+		"  -h, --help              print this help and exit\n"
+		"\n"
+		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
+		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
+		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX);
+}
+
+static int bad(const char *fmt, ...) SHMRPC_PRINTF(1, 2);
+static int bad(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs("shmrun: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+	usage(stderr);
+	return SHMRUN_EXIT_USAGE;
+}
+
+/* A whole decimal number in [lo, hi]. */
+static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+	unsigned long long v;
+	char *end;
+
+	if (*s < '0' || *s > '9')
+		return false;
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno || *end || v < lo || v > hi)
+		return false;
+	*out = v;
+	return true;
+}
+
+/* Seconds, fractions allowed, in [0, MAX_SECONDS]; zero only if allow_zero. */
+static bool parse_seconds(const char *s, bool allow_zero, uint64_t *ns)
+{
+	char *end;
+	double v;
+
+	errno = 0;
+	v = strtod(s, &end);
+	if (errno || end == s || *end || !isfinite(v) || v < 0 || v > MAX_SECONDS ||
+	    (v == 0 && !allow_zero))
+		return false;
+	*ns = (uint64_t)(v * 1e9);
+	return true;
+}
+
+static bool has_rank_field(const char *fmt)
+{
+	return strstr(fmt, "{rank}") || strstr(fmt, "{local_rank}");
+}
+
+int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
+{
+	uint64_t v;
+	int c;
+
+	*o = (struct shmrun_opts){ .name_format = "worker{rank}",
+				   .grace_ns = (uint64_t)(DEFAULT_GRACE_S * 1e9) };
+	opterr = 0; /* our own messages, each followed by the usage */
+	/* '+': stop at the program, whose own options are not ours. */
+	while ((c = getopt_long(argc, argv, "+:n:h", long_opts, NULL)) != -1) {
+		switch (c) {
+		case 'n':
+			if (!parse_u64(optarg, 1, SHM_MAX_WORLD, &v))
+				return bad("the number of workers must be 1..%u, not '%s'", SHM_MAX_WORLD,
+					   optarg);
+			o->nproc = (uint32_t)v;
+			break;
+		case OPT_NAME_FORMAT:
+			if (!*optarg)
+				return bad("--name-format must not be empty");
+			o->name_format = optarg;
+			break;
+		case OPT_TAG_OUTPUT:
+			o->tag_output = true;
+			break;
+		case OPT_TIMEOUT:
+			if (!parse_seconds(optarg, false, &o->timeout_ns))
+				return bad("--timeout takes a number of seconds above 0, not '%s'", optarg);
+			o->timeout_text = optarg;
+			break;
+		case OPT_CPU_BIND:
+			o->cpu_bind = true;
+			break;
+		case OPT_ON_FAILURE:
+			if (strcmp(optarg, "abort") && strcmp(optarg, "continue"))
+				return bad("--on-failure is abort or continue, not '%s'", optarg);
+			o->keep_going = !strcmp(optarg, "continue");
+			break;
+		case OPT_GRACE:
+			if (!parse_seconds(optarg, true, &o->grace_ns))
+				return bad("--grace takes a number of seconds, not '%s'", optarg);
+			break;
+		case OPT_WAIT:
+			if (ipc_wait_mode_parse(optarg) <= IPC_WAIT_AUTO)
+				return bad("--wait is uring, futex or spin, not '%s'", optarg);
+			o->wait_mode = optarg;
+			break;
+		case OPT_RING_SIZE:
+			if (!parse_u64(optarg, SHM_RING_MIN, SHM_RING_MAX, &v) || (v & (v - 1)))
+				return bad("--ring-size must be a power of two in %u..%u, not '%s'",
+					   SHM_RING_MIN, SHM_RING_MAX, optarg);
+			o->ring_size = (uint32_t)v;
+			break;
+		case OPT_NO_CSUM:
+			o->seg_flags |= SHM_F_NO_PAYLOAD_CSUM;
+			break;
+		case OPT_QUIET:
+			o->quiet = true;
+			break;
+		case OPT_VERSION:
+			printf("shmrun (shmrpc) %s\n", shmrpc_version());
+			return 0;
+		case 'h':
+			usage(stdout);
+			return 0;
+		case ':':
+			return bad("option '%s' needs an argument", argv[optind - 1]);
+		default:
+			return bad("unknown option '%s'", argv[optind - 1]);
+		}
+	}
+	if (!o->nproc)
+		return bad("missing -n N (the number of workers)");
+	if (optind >= argc)
+		return bad("missing the program to run (after --)");
+	if (o->nproc > 1 && !has_rank_field(o->name_format))
+		return bad("--name-format '%s' gives every worker the same name: put {rank} in it",
+			   o->name_format);
+	o->argv = argv + optind;
+	return -1;
+}

@@ -1,0 +1,95 @@
+/* What the launcher tells the user: deaths as they happen, a summary at the end. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "launcher/shmrun.h"
+#include "shm/exit_info.h"
+
+#define SUMMARY_LISTED 3 /* failed workers named in the summary; the rest are counted */
+
+void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len)
+{
+	const char *name = shm_worker(&j->seg, rank)->name;
+
+	/* A worker may rename itself in its slot: read it bounded. */
+	snprintf(buf, len, "worker %u (%.*s)", rank, (int)strnlen(name, SHM_NAME_MAX), name);
+}
+
+void report_death(const struct job *j, uint32_t rank)
+{
+	char who[SHM_NAME_MAX + 32], cause[64];
+
+	report_worker(j, rank, who, sizeof(who));
+	shm_exit_info_format(j->procs[rank].exit_info, cause, sizeof(cause));
+	fprintf(stderr, "shmrun: %s died: %s\n", who, cause);
+}
+
+static void append(char *buf, size_t len, size_t *at, const char *fmt, ...) SHMRPC_PRINTF(4, 5);
+static void append(char *buf, size_t len, size_t *at, const char *fmt, ...)
+{
+	va_list ap;
+	int n;
+
+	if (*at >= len)
+		return;
+	va_start(ap, fmt);
+	n = vsnprintf(buf + *at, len - *at, fmt, ap);
+	va_end(ap);
+	if (n > 0)
+		*at += (size_t)n;
+}
+
+static const char *stopped_why(const struct job *j, char *buf, size_t len)
+{
+	if (j->stop == STOP_SIGNAL)
+		snprintf(buf, len, " by SIG%s", sigabbrev_np(j->stop_signal));
+	else if (j->stop == STOP_TIMEOUT)
+		snprintf(buf, len, " by the timeout");
+	else
+		buf[0] = '\0';
+	return buf;
+}
+
+void report_summary(const struct job *j)
+{
+	uint32_t n = j->o->nproc, ok = 0, stopped = 0, unstarted = 0, listed = 0;
+	char line[1024], who[SHM_NAME_MAX + 32], cause[64], why[32];
+	size_t at = 0;
+
+	for (uint32_t r = 0; r < n; r++) {
+		const struct proc *p = &j->procs[r];
+
+		if (!p->pid)
+			unstarted++;
+		else if (p->stopped)
+			stopped++;
+		else if (!p->failed)
+			ok++;
+	}
+	append(line, sizeof(line), &at, "shmrun: %u worker%s", n, n == 1 ? "" : "s");
+	if (ok == n)
+		append(line, sizeof(line), &at, ", all exited 0");
+	if (j->failed)
+		append(line, sizeof(line), &at, ", %u failed: ", j->failed);
+	for (uint32_t r = 0; r < n && listed < SUMMARY_LISTED; r++) {
+		if (!j->procs[r].failed)
+			continue;
+		report_worker(j, r, who, sizeof(who));
+		shm_exit_info_format(j->procs[r].exit_info, cause, sizeof(cause));
+		append(line, sizeof(line), &at, "%s%s %s", listed++ ? ", " : "", who, cause);
+	}
+	if (j->failed > listed)
+		append(line, sizeof(line), &at, ", ...");
+	if (stopped)
+		append(line, sizeof(line), &at, "%s%u stopped%s", j->failed ? "; " : ", ", stopped,
+		       stopped_why(j, why, sizeof(why)));
+	else if (j->stop == STOP_SIGNAL || j->stop == STOP_TIMEOUT)
+		append(line, sizeof(line), &at, ", job stopped%s", stopped_why(j, why, sizeof(why)));
+	if (ok && ok < n)
+		append(line, sizeof(line), &at, ", %u exited 0", ok);
+	if (unstarted)
+		append(line, sizeof(line), &at, ", %u not started", unstarted);
+	fprintf(stderr, "%s (%.2f s)\n", line, (double)(shmrpc_now_ns() - j->start_ns) / 1e9);
+}

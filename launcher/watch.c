@@ -1,0 +1,267 @@
+/*
+ * Watching the job: one poll() over a signalfd (SIGINT, SIGTERM, SIGHUP),
+ * a pidfd per worker and the --tag-output pipes, with the job's timeout
+ * and the SIGKILL that follows a stop as poll's timeout.
+ *
+ * When a worker ends badly the launcher is the first to know. It records
+ * how in the slot (exit_info, then state DEAD with release: a reader that
+ * sees DEAD with acquire sees exit_info), bumps the slot's and the
+ * header's generation, and rings every doorbell so that sleeping workers
+ * look at once and fail their calls to it.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "ipc/doorbell.h"
+#include "launcher/shmrun.h"
+
+/* What each pollfd stands for. */
+struct watched {
+	uint32_t rank;
+	int what; /* -1: the pidfd; 0, 1: out[what] */
+};
+
+int watch_init(struct job *j)
+{
+	struct sigaction ign = { .sa_handler = SIG_IGN };
+	size_t most = 1 + 3 * (size_t)j->o->nproc; /* the signalfd, then per worker 2 pipes and a pidfd */
+	sigset_t set;
+
+	j->pfd = malloc(most * sizeof(*j->pfd));
+	j->watched = malloc(most * sizeof(*j->watched));
+	if (!j->pfd || !j->watched) {
+		fprintf(stderr, "shmrun: out of memory\n");
+		return -1;
+	}
+	sigemptyset(&set);
+	sigaddset(&set, SIGINT);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGHUP);
+	if (sigprocmask(SIG_BLOCK, &set, &j->worker_sigmask) < 0 ||
+	    (j->sigfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)) < 0) {
+		fprintf(stderr, "shmrun: cannot set up signal handling: %s\n", strerror(errno));
+		return -1;
+	}
+	/* A closed stdout must not kill the launcher while it has workers. */
+	sigaction(SIGPIPE, &ign, &j->worker_sigpipe);
+	/* Ignored SIGCHLD (inherited) would reap the workers before waitid. */
+	signal(SIGCHLD, SIG_DFL);
+	return 0;
+}
+
+void watch_free(struct job *j)
+{
+	free(j->pfd);
+	free(j->watched);
+	if (j->sigfd >= 0)
+		close(j->sigfd);
+}
+
+static void ring_all(const struct job *j)
+{
+	for (uint32_t r = 0; r < j->o->nproc; r++)
+		ipc_doorbell_ring(shm_worker(&j->seg, r), NULL);
+}
+
+static void signal_all(const struct job *j, int sig)
+{
+	/* Through the pidfd: a reaped pid that was reused is never hit. */
+	for (uint32_t r = 0; r < j->o->nproc; r++)
+		if (j->procs[r].pidfd >= 0)
+			syscall(SYS_pidfd_send_signal, j->procs[r].pidfd, sig, NULL, 0);
+}
+
+void watch_stop(struct job *j, enum stop_reason why, int sig)
+{
+	if (j->stop != STOP_NONE) {
+		/* Asked again (a second Ctrl-C): no more grace. */
+		if (why == STOP_SIGNAL) {
+			signal_all(j, SIGKILL);
+			j->kill_at_ns = 0;
+		}
+		return;
+	}
+	j->stop = why;
+	j->stop_signal = sig;
+	/* Release: workers woken by the doorbells read it with acquire. */
+	atomic_store_explicit(&j->seg.hdr->shutting_down, 1, memory_order_release);
+	ring_all(j);
+	signal_all(j, sig);
+	j->kill_at_ns = shmrpc_now_ns() + j->o->grace_ns;
+}
+
+/* How the worker ended, as shm/layout.h encodes it; 0 for exit code 0. */
+static uint32_t reap(struct proc *p)
+{
+	siginfo_t si = { 0 };
+	int rc;
+
+	do
+		rc = waitid(P_PIDFD, (id_t)p->pidfd, &si, WEXITED);
+	while (rc < 0 && errno == EINTR);
+	if (rc < 0) {
+		fprintf(stderr, "shmrun: cannot collect worker pid %d: %s\n", (int)p->pid,
+			strerror(errno));
+		return 0xffffffffu; /* formats as "ended (cause unknown)" */
+	}
+	if (si.si_code == CLD_EXITED)
+		return si.si_status ? SHM_EXIT_CODE(si.si_status) : 0;
+	return SHM_EXIT_SIGNAL(si.si_status);
+}
+
+static void on_worker_end(struct job *j, uint32_t rank)
+{
+	struct proc *p = &j->procs[rank];
+	struct shm_worker *w = shm_worker(&j->seg, rank);
+
+	p->exit_info = reap(p);
+	close(p->pidfd);
+	p->pidfd = -1;
+	j->running--;
+	/* Its last words before the launcher's word on it. */
+	output_finish(&p->out[0]);
+	output_finish(&p->out[1]);
+	if (!p->exit_info) {
+		/* Release: pairs with the readers' acquire of the state. */
+		atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_release);
+		return;
+	}
+	/* Relaxed: published by the release store of DEAD that follows. */
+	atomic_store_explicit(&w->exit_info, p->exit_info, memory_order_relaxed);
+	atomic_store_explicit(&w->state, SHM_WORKER_DEAD, memory_order_release);
+	atomic_fetch_add_explicit(&w->generation, 1, memory_order_release);
+	atomic_fetch_add_explicit(&j->seg.hdr->generation, 1, memory_order_release);
+	ring_all(j);
+	if (j->stop != STOP_NONE) {
+		p->stopped = true;
+		return;
+	}
+	p->failed = true;
+	j->failed++;
+	report_death(j, rank);
+	if (!j->o->keep_going)
+		watch_stop(j, STOP_FAILURE, SIGTERM);
+}
+
+static void on_signal(struct job *j)
+{
+	struct signalfd_siginfo si;
+
+	while (read(j->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
+		watch_stop(j, STOP_SIGNAL, (int)si.ssi_signo);
+}
+
+/* poll's timeout: until the earlier of the two deadlines (0: none), rounded up. */
+static int poll_ms(uint64_t now, uint64_t a, uint64_t b)
+{
+	uint64_t next = a && (!b || a < b) ? a : b;
+
+	if (!next)
+		return -1;
+	if (next <= now)
+		return 0;
+	if (next - now >= (uint64_t)INT_MAX * 1000000u)
+		return INT_MAX;
+	return (int)((next - now + 999999u) / 1000000u);
+}
+
+/* One round of poll; false if poll failed for good. */
+static bool watch_round(struct job *j, uint64_t now, uint64_t deadline)
+{
+	struct pollfd *pfd = j->pfd;
+	struct watched *wd = j->watched;
+	nfds_t nfds = 0;
+
+	pfd[nfds] = (struct pollfd){ .fd = j->sigfd, .events = POLLIN };
+	wd[nfds++] = (struct watched){ 0, -1 };
+	for (uint32_t r = 0; r < j->o->nproc; r++) {
+		struct proc *p = &j->procs[r];
+
+		for (int s = 0; s < 2; s++) {
+			if (p->out[s].fd < 0)
+				continue;
+			pfd[nfds] = (struct pollfd){ .fd = p->out[s].fd, .events = POLLIN };
+			wd[nfds++] = (struct watched){ r, s };
+		}
+		if (p->pidfd < 0)
+			continue;
+		pfd[nfds] = (struct pollfd){ .fd = p->pidfd, .events = POLLIN };
+		wd[nfds++] = (struct watched){ r, -1 };
+	}
+	if (poll(pfd, nfds, poll_ms(now, deadline, j->kill_at_ns)) < 0) {
+		if (errno == EINTR)
+			return true;
+		fprintf(stderr, "shmrun: poll: %s\n", strerror(errno));
+		return false;
+	}
+	if (pfd[0].revents)
+		on_signal(j);
+	/* Output before deaths, so a worker's last lines come before its obituary. */
+	for (nfds_t i = 1; i < nfds; i++) {
+		struct out_stream *s = wd[i].what >= 0 ? &j->procs[wd[i].rank].out[wd[i].what] : NULL;
+
+		if (pfd[i].revents && s && s->fd >= 0)
+			output_pump(s);
+	}
+	for (nfds_t i = 1; i < nfds; i++)
+		if (pfd[i].revents && wd[i].what < 0)
+			on_worker_end(j, wd[i].rank);
+	return true;
+}
+
+static int exit_code(const struct job *j)
+{
+	switch (j->stop) {
+	case STOP_SIGNAL:
+		return 128 + j->stop_signal;
+	case STOP_TIMEOUT:
+		return SHMRUN_EXIT_TIMEOUT;
+	case STOP_ERROR:
+		return SHMRUN_EXIT_FAILED;
+	default:
+		return j->failed ? SHMRUN_EXIT_FAILED : 0;
+	}
+}
+
+int watch_job(struct job *j)
+{
+	uint64_t deadline = j->o->timeout_ns ? j->start_ns + j->o->timeout_ns : 0;
+
+	while (j->running) {
+		uint64_t now = shmrpc_now_ns();
+
+		if (deadline && now >= deadline) {
+			deadline = 0;
+			if (j->stop == STOP_NONE) {
+				fprintf(stderr, "shmrun: job timed out after %s s\n", j->o->timeout_text);
+				watch_stop(j, STOP_TIMEOUT, SIGTERM);
+			}
+		}
+		if (j->kill_at_ns && now >= j->kill_at_ns) {
+			signal_all(j, SIGKILL);
+			j->kill_at_ns = 0;
+		}
+		if (watch_round(j, now, deadline))
+			continue;
+		/* Cannot watch any more: end the job now and collect everyone. */
+		watch_stop(j, STOP_ERROR, SIGKILL);
+		for (uint32_t r = 0; r < j->o->nproc; r++)
+			if (j->procs[r].pidfd >= 0)
+				on_worker_end(j, r);
+	}
+	/* Pipes of workers that never started. */
+	for (uint32_t r = 0; r < j->o->nproc; r++) {
+		output_finish(&j->procs[r].out[0]);
+		output_finish(&j->procs[r].out[1]);
+	}
+	return exit_code(j);
+}
