@@ -217,7 +217,17 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 
 bool ipc_port_want_space(struct ipc_port *p, uint32_t dst, uint32_t len)
 {
-	return ipc_ring_wait_space_prepare(&p->out[dst], (uint32_t)sizeof(struct ipc_frame_hdr) + len);
+	/* Read before the flag goes up, as ipc_port_send does: a consumer that
+	 * frees space after this bumps the doorbell past seq. */
+	uint32_t seq = ipc_doorbell_seq(p->self);
+
+	if (ipc_ring_wait_space_prepare(&p->out[dst], (uint32_t)sizeof(struct ipc_frame_hdr) + len))
+		return true;
+	if (!p->space_seq_set) {
+		p->space_seq = seq;
+		p->space_seq_set = true;
+	}
+	return false;
 }
 
 static void report(struct ipc_port *p)
@@ -293,7 +303,9 @@ int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
 	uint32_t seq;
 
 	ipc_waiter_poll(&p->waiter);
-	seq = ipc_doorbell_seq(p->self);
+	/* An older seq only makes the wait return sooner, never later. */
+	seq = p->space_seq_set ? p->space_seq : ipc_doorbell_seq(p->self);
+	p->space_seq_set = false;
 	if (has_input(p) || ipc_waiter_has_news(&p->waiter))
 		return 0;
 	return ipc_waiter_sleep(&p->waiter, seq, timeout_ns);

@@ -43,6 +43,11 @@ struct ipc_port {
 	pthread_mutex_t *out_lock;
 	bool *in_broken; /* a ring whose shared state went bad is not read again */
 	uint32_t next_src;
+	/* Loop thread: the doorbell as it was before ipc_port_want_space set
+	 * a flag; the next ipc_port_wait compares with it, since the consumer
+	 * may ring for the freed space before that wait reads the doorbell. */
+	bool space_seq_set;
+	uint32_t space_seq;
 	struct ipc_waiter waiter;
 };
 
