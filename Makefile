@@ -9,7 +9,7 @@
 CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
-TEST_TIMEOUT ?= 120
+TEST_TIMEOUT ?= 300
 DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev
 BENCH_PKGS := python3-torch python3-numpy
 

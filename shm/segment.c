@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
@@ -73,6 +74,16 @@ uint64_t shm_seg_bytes(uint32_t world, uint32_t ring_size)
 	return shm_shape(world, ring_size, &s) ? s.total : 0;
 }
 
+/* RAM plus swap: no segment larger than this can ever be committed. */
+static uint64_t machine_bytes(void)
+{
+	struct sysinfo si;
+
+	if (sysinfo(&si) < 0)
+		return UINT64_MAX;
+	return ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
+}
+
 static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t world,
 		     uint32_t ring_size)
 {
@@ -106,8 +117,10 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 		err = -errno;
 		goto fail_fd;
 	}
-	/* Commit the memory now: ENOSPC/ENOMEM here instead of SIGBUS later. */
-	err = posix_fallocate(fd, 0, (off_t)s.total);
+	/* Commit the memory now: ENOSPC/ENOMEM here instead of SIGBUS later.
+	 * A memfd has no size limit: fallocate of more than the machine holds
+	 * does not fail, it runs the OOM killer on other processes. */
+	err = s.total > machine_bytes() ? ENOMEM : posix_fallocate(fd, 0, (off_t)s.total);
 	if (err) {
 		close(fd);
 		return shmrpc__fail(-err,
