@@ -1,0 +1,122 @@
+/*
+ * Request types the agent does not implement yet are answered, not
+ * dropped: rank 0 speaks the wire protocol by hand (a raw port, no agent)
+ * and sends rank 1's agent a PYTHON_CALL, a type that is no message type
+ * at all, and a SCRIPT_CALL whose payload is not MessagePack. Each gets an
+ * EXCEPTION with the request's id and a clear text, and rank 1 keeps
+ * serving: a well-formed SCRIPT_CALL afterwards still gets its SCRIPT_RET.
+ */
+#include <msgpack.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "shm/segment.h"
+#include "ipc/port.h"
+#include "worker/msg.h"
+#include "tests/lib/job.h"
+#include "tests/lib/testlib.h"
+
+struct reply {
+	uint16_t type;
+	uint64_t msg_id;
+	char text[512];
+};
+
+static void on_frame(void *arg, const struct ipc_frame *f)
+{
+	struct reply *r = arg;
+	msgpack_unpacked u;
+	size_t off = 0;
+
+	r->type = f->hdr.type;
+	r->msg_id = f->hdr.msg_id;
+	r->text[0] = '\0';
+	msgpack_unpacked_init(&u);
+	if (f->hdr.type == MSG_EXCEPTION &&
+	    msgpack_unpack_next(&u, (const char *)f->payload, f->hdr.payload_len, &off) ==
+		    MSGPACK_UNPACK_SUCCESS &&
+	    u.data.type == MSGPACK_OBJECT_ARRAY && u.data.via.array.size == 3) {
+		msgpack_object_str s = u.data.via.array.ptr[1].via.str;
+
+		snprintf(r->text, sizeof(r->text), "%.*s", (int)s.size, s.ptr);
+	}
+	msgpack_unpacked_destroy(&u);
+}
+
+/* Sends one raw request to rank 1 and waits for the frame that answers it. */
+static struct reply ask(struct ipc_port *p, uint16_t type, uint64_t id, const void *payload, size_t len)
+{
+	struct iovec iov = { (void *)payload, len };
+	struct ipc_msg m = { .type = type, .msg_id = id, .iov = &iov, .iovcnt = 1 };
+	struct reply r = { 0 };
+
+	CHECK_OK(ipc_port_send(p, 1, &m, 5000000000ull));
+	for (int i = 0; i < 1000 && r.type == 0; i++)
+		if (!ipc_port_poll(p, on_frame, &r, 1))
+			ipc_port_wait(p, 10000000);
+	CHECK(r.type != 0, "no answer to request type %u", type);
+	CHECK(r.msg_id == id, "answer carries id %llu, want %llu", (unsigned long long)r.msg_id,
+	      (unsigned long long)id);
+	return r;
+}
+
+static int raw_worker(void)
+{
+	static const char call[] = "\x92\xa3one\x90"; /* ["one", []] */
+	struct shm_seg seg;
+	struct ipc_port port;
+	struct reply r;
+
+	CHECK_OK(shm_seg_attach_env(&seg));
+	CHECK_OK(ipc_port_open(&port, &seg, 0, IPC_WAIT_AUTO));
+	/* Join the startup barrier as an agent would (release: pairs with its
+	 * acquire). Rank 1 may be LEAVING already: it keeps serving until we go. */
+	atomic_store_explicit(&shm_worker(&seg, 0)->agent_state, SHM_AGENT_READY, memory_order_release);
+	while (atomic_load_explicit(&shm_worker(&seg, 1)->agent_state, memory_order_acquire) <
+	       SHM_AGENT_READY)
+		usleep(1000);
+
+	r = ask(&port, MSG_PYTHON_CALL, 7, "\x90", 1);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "Error on worker 1 (worker1): request type "
+							  "PYTHON_CALL is not supported yet"),
+	      "PYTHON_CALL: type %u, \"%s\"", r.type, r.text);
+	r = ask(&port, 999, 8, "", 0);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "unknown message type 999"), "type 999: \"%s\"",
+	      r.text);
+	r = ask(&port, MSG_SCRIPT_CALL, 9, "\xc1\xc1", 2);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed SCRIPT_CALL"), "garbage: \"%s\"",
+	      r.text);
+	r = ask(&port, MSG_SCRIPT_CALL, 10, call, sizeof(call) - 1);
+	CHECK(r.type == MSG_SCRIPT_RET, "the agent stopped serving: type %u \"%s\"", r.type, r.text);
+	atomic_store_explicit(&shm_worker(&seg, 0)->agent_state, SHM_AGENT_GONE, memory_order_release);
+	ipc_port_close(&port);
+	shm_seg_detach(&seg);
+	return 0;
+}
+
+static int fn_one(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_int(1);
+	return 0;
+}
+
+int main(void)
+{
+	char out[1 << 14];
+
+	if (tl_is_worker()) {
+		if (atoi(getenv("SHMRPC_RANK")) == 0)
+			return raw_worker();
+		CHECK_OK(shmrpc_register("one", "", fn_one, NULL));
+		CHECK_OK(shmrpc_init(NULL));
+		CHECK_OK(shmrpc_shutdown(1, 30000));
+		return 0;
+	}
+	if (access(tl_shmrun_path(), X_OK))
+		return TL_SKIP;
+	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "the job failed");
+	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
+	return 0;
+}
