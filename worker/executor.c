@@ -60,6 +60,20 @@ static struct job *pop(void)
 	return j;
 }
 
+/* Runs the next queued job, if any, without the lock; ex.lock held on
+ * entry and on return. */
+static bool run_next(void)
+{
+	struct job *j = pop();
+
+	if (!j)
+		return false;
+	pthread_mutex_unlock(&ex.lock);
+	j->run(j);
+	pthread_mutex_lock(&ex.lock);
+	return true;
+}
+
 static bool spin_work(void *arg)
 {
 	(void)arg;
@@ -74,14 +88,8 @@ static void *thread_main(void *arg)
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
-		struct job *j = pop();
-
-		if (j) {
-			pthread_mutex_unlock(&ex.lock);
-			j->run(j);
-			pthread_mutex_lock(&ex.lock);
+		if (run_next())
 			continue;
-		}
 		if (ex.stop)
 			break;
 		set_idle(1);
@@ -204,14 +212,8 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	pthread_mutex_lock(&ex.lock);
 	/* Acquire pairs with the completer's release of done. */
 	while (!atomic_load_explicit(&f->done, memory_order_acquire)) {
-		struct job *j = pop();
-
-		if (j) {
-			pthread_mutex_unlock(&ex.lock);
-			j->run(j);
-			pthread_mutex_lock(&ex.lock);
+		if (run_next())
 			continue;
-		}
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
 			break;
 		ex.helpers++;
