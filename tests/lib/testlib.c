@@ -14,7 +14,7 @@ double tl_scale(void)
 	if (v > 0)
 		return v;
 #if defined(__SANITIZE_THREAD__)
-	return 0.05; /* ThreadSanitizer runs these loops 5 to 15 times slower */
+	return 0.02; /* ThreadSanitizer runs these loops 10 to 50 times slower */
 #elif defined(__SANITIZE_ADDRESS__)
 	return 0.1;
 #else
