@@ -15,12 +15,12 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "shm/memfd.h"
 #include "shm/segment.h"
 
 struct shm_shape {
@@ -74,16 +74,6 @@ uint64_t shm_seg_bytes(uint32_t world, uint32_t ring_size)
 	return shm_shape(world, ring_size, &s) ? s.total : 0;
 }
 
-/* RAM plus swap: no segment larger than this can ever be committed. */
-static uint64_t machine_bytes(void)
-{
-	struct sysinfo si;
-
-	if (sysinfo(&si) < 0)
-		return UINT64_MAX;
-	return ((uint64_t)si.totalram + si.totalswap) * si.mem_unit;
-}
-
 static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t world,
 		     uint32_t ring_size)
 {
@@ -100,6 +90,8 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	uint32_t ring_size = p->ring_size ? p->ring_size : shm_default_ring_size(p->world_size);
 	struct shm_shape s;
 	struct shm_header *h;
+	char what[96];
+	void *mem;
 	int fd, err;
 
 	memset(seg, 0, sizeof(*seg));
@@ -110,35 +102,12 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 				    "world size must be 1..%u and ring size a power of two in %u..%u",
 				    p->world_size, ring_size, SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX);
 
-	fd = memfd_create("shmrpc-job", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-	if (fd < 0)
-		return shmrpc__fail(-errno, "memfd_create failed: %s", strerror(errno));
-	if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)s.total) < 0) {
-		err = -errno;
-		goto fail_fd;
-	}
-	/* Commit the memory now: ENOSPC/ENOMEM here instead of SIGBUS later.
-	 * A memfd has no size limit: fallocate of more than the machine holds
-	 * does not fail, it runs the OOM killer on other processes. */
-	err = s.total > machine_bytes() ? ENOMEM : posix_fallocate(fd, 0, (off_t)s.total);
-	if (err) {
-		close(fd);
-		return shmrpc__fail(-err,
-				    "cannot commit %llu bytes for the job segment (%u workers, %u-byte "
-				    "rings): %s; free memory or /dev/shm space, or pass a smaller "
-				    "--ring-size",
-				    (unsigned long long)s.total, p->world_size, ring_size, strerror(err));
-	}
-	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
-		err = -errno;
-		goto fail_fd;
-	}
-	seg->base = mmap(NULL, s.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (seg->base == MAP_FAILED) {
-		err = -errno;
-		seg->base = NULL;
-		goto fail_fd;
-	}
+	snprintf(what, sizeof(what), "the job segment (%u workers, %u-byte rings)", p->world_size,
+		 ring_size);
+	err = shm_memfd_create("shmrpc-job", s.total, what, "--ring-size", &fd, &mem);
+	if (err)
+		return err;
+	seg->base = mem;
 	seg->fd = fd;
 	seg->size = s.total;
 	seg_fill(seg, &s, p->world_size, ring_size);
@@ -174,10 +143,6 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 		}
 	}
 	return 0;
-
-fail_fd:
-	close(fd);
-	return shmrpc__fail(err, "cannot create the job segment: %s", strerror(-err));
 }
 
 int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
