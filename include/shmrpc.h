@@ -10,6 +10,7 @@
 #ifndef SHMRPC_H
 #define SHMRPC_H
 
+#include <dlpack/dlpack.h>
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -53,7 +54,10 @@ enum shmrpc_type {
 	SHMRPC_BYTES = 5,
 	SHMRPC_LIST = 6,  /* len items */
 	SHMRPC_MAP = 7,   /* len pairs: items[2i] is a key, items[2i+1] its value */
+	SHMRPC_TENSOR = 8, /* a tensor in the shared pool: handed over, never copied */
 };
+
+typedef struct shmrpc_tensor shmrpc_tensor;
 
 typedef struct shmrpc_value {
 	uint32_t type; /* enum shmrpc_type */
@@ -65,6 +69,7 @@ typedef struct shmrpc_value {
 		const char *s;
 		const void *p;
 		const struct shmrpc_value *items;
+		shmrpc_tensor *t;
 	} u;
 } shmrpc_value;
 
@@ -76,10 +81,35 @@ static inline shmrpc_value shmrpc_strn(const char *s, uint32_t n) { shmrpc_value
 static inline shmrpc_value shmrpc_str(const char *s) { return shmrpc_strn(s, (uint32_t)__builtin_strlen(s)); }
 static inline shmrpc_value shmrpc_bytes(const void *p, uint32_t n) { shmrpc_value v = { SHMRPC_BYTES, n, { .p = p } }; return v; }
 static inline shmrpc_value shmrpc_list(const shmrpc_value *items, uint32_t n) { shmrpc_value v = { SHMRPC_LIST, n, { .items = items } }; return v; }
+static inline shmrpc_value shmrpc_tensor_value(shmrpc_tensor *t) { shmrpc_value v = { SHMRPC_TENSOR, 0, { .t = t } }; return v; }
 static inline shmrpc_value shmrpc_map(const shmrpc_value *kv, uint32_t npairs) { shmrpc_value v = { SHMRPC_MAP, npairs, { .items = kv } }; return v; }
 
 /* "int", "str", ... */
 SHMRPC_API const char *shmrpc_type_name(uint32_t type);
+
+/* ---- Tensors ------------------------------------------------------------
+ *
+ * A tensor lives in the job's shared pool (shmrun --pool-size). Passing one
+ * as an argument or result hands the receiver a view of the same bytes:
+ * nothing is copied, whatever the size. Each handle owns one reference to
+ * its block; the block is freed when the last handle of any process goes.
+ * A tensor received in a call's arguments or in a future's value belongs
+ * to the call or the future: shmrpc_tensor_retain() keeps it longer.
+ * Contiguous CPU tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
+ */
+#define SHMRPC_TENSOR_MAX_DIMS 8
+
+SHMRPC_API int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape,
+				   shmrpc_tensor **out);
+/* A new handle (one more reference) to the same bytes. */
+SHMRPC_API int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out);
+SHMRPC_API void shmrpc_tensor_free(shmrpc_tensor *t);
+SHMRPC_API void *shmrpc_tensor_data(const shmrpc_tensor *t);
+SHMRPC_API uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t);
+/* The tensor as DLPack sees it; valid while the handle lives. */
+SHMRPC_API const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t);
+/* Where the bytes are in the pool (the same number in every process). */
+SHMRPC_API uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t);
 
 /* ---- The job ---------------------------------------------------------- */
 
@@ -122,7 +152,7 @@ typedef int (*shmrpc_fn)(shmrpc_call *call, const shmrpc_value *args, uint32_t n
 /*
  * Registers fn under name. sig, when not NULL, is the argument types, one
  * letter each: n nil, b bool, i int, f float (an int is accepted), s str,
- * y bytes, l list, m map, v any; calls with another count or type fail with
+ * y bytes, l list, m map, t tensor, v any; calls with another count or type fail with
  * a clear error before fn runs. May be called before or after shmrpc_init.
  */
 SHMRPC_API int shmrpc_register(const char *name, const char *sig, shmrpc_fn fn, void *user);

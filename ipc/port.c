@@ -132,6 +132,8 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 	};
 	at = (uint8_t *)(h + 1);
 	for (int i = 0; i < m->iovcnt; i++) {
+		if (!m->iov[i].iov_len) /* an empty iovec may have no base */
+			continue;
 		memcpy(at, m->iov[i].iov_base, m->iov[i].iov_len);
 		at += m->iov[i].iov_len;
 	}

@@ -54,6 +54,7 @@ int main(int argc, char **argv)
 	struct shmrun_opts o;
 	struct job j = { .o = &o, .sigfd = -1 };
 	struct shm_seg_params sp;
+	struct pool_params pp;
 	int rc = shmrun_parse_options(argc, argv, &o);
 
 	if (rc >= 0)
@@ -79,11 +80,18 @@ int main(int argc, char **argv)
 		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
 		goto out;
 	}
+	pp = (struct pool_params){ .bytes = o.pool_size, .world = o.nproc };
+	if (pool_create(&j.pool, &pp)) {
+		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
+		shm_seg_detach(&j.seg);
+		goto out;
+	}
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
 	if (!o.quiet)
 		report_summary(&j);
+	pool_detach(&j.pool);
 	shm_seg_detach(&j.seg);
 out:
 	watch_free(&j);

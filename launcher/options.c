@@ -23,6 +23,7 @@ enum {
 	OPT_GRACE,
 	OPT_WAIT,
 	OPT_RING_SIZE,
+	OPT_POOL_SIZE,
 	OPT_NO_CSUM,
 	OPT_QUIET,
 	OPT_VERSION,
@@ -39,6 +40,7 @@ static const struct option long_opts[] = {
 	{ "grace", required_argument, NULL, OPT_GRACE },
 	{ "wait", required_argument, NULL, OPT_WAIT },
 	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
+	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
 	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
 	{ "quiet", no_argument, NULL, OPT_QUIET },
 	{ "version", no_argument, NULL, OPT_VERSION },
@@ -63,6 +65,8 @@ static void usage(FILE *f)
 		"  --grace SEC             seconds between SIGTERM and SIGKILL (default 3)\n"
 		"  --wait=MODE             how workers sleep: uring, futex or spin\n"
 		"  --ring-size BYTES       bytes per ring, a power of two in %u..%u\n"
+		"  --pool-size BYTES       the shared tensor pool, e.g. 512M or 4G (default %s),\n"
+		"                          committed when the job starts\n"
 		"  --no-payload-checksum   frames carry no payload checksum\n"
 		"  --quiet                 no summary line at the end\n"
 		"  --version               print the version and exit\n"
@@ -70,7 +74,7 @@ static void usage(FILE *f)
 		"\n"
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
-		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX);
+		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT);
 }
 
 static int bad(const char *fmt, ...) SHMRPC_PRINTF(1, 2);
@@ -103,6 +107,33 @@ static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out)
 	return true;
 }
 
+/* A byte count with an optional K, M, G or T suffix (powers of 1024). */
+static bool parse_bytes(const char *s, uint64_t *out)
+{
+	static const char units[] = "KMGT";
+	unsigned long long v;
+	const char *u;
+	char *end;
+
+	if (*s < '0' || *s > '9')
+		return false;
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno)
+		return false;
+	if (*end) {
+		if (end[1] || !(u = strchr(units, *end)))
+			return false;
+		for (int shift = 10 * (int)(u - units + 1); shift > 0; shift -= 10) {
+			if (v > (~0ull >> 10))
+				return false;
+			v <<= 10;
+		}
+	}
+	*out = v;
+	return v > 0;
+}
+
 /* Seconds, fractions allowed, in [0, MAX_SECONDS]; zero only if allow_zero. */
 static bool parse_seconds(const char *s, bool allow_zero, uint64_t *ns)
 {
@@ -129,6 +160,7 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 	int c;
 
 	*o = (struct shmrun_opts){ .name_format = "worker{rank}",
+				   .pool_size = SHMRUN_POOL_DEFAULT,
 				   .grace_ns = (uint64_t)(DEFAULT_GRACE_S * 1e9) };
 	opterr = 0; /* our own messages, each followed by the usage */
 	/* '+': stop at the program, whose own options are not ours. */
@@ -175,6 +207,11 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 				return bad("--ring-size must be a power of two in %u..%u, not '%s'",
 					   SHM_RING_MIN, SHM_RING_MAX, optarg);
 			o->ring_size = (uint32_t)v;
+			break;
+		case OPT_POOL_SIZE:
+			if (!parse_bytes(optarg, &o->pool_size))
+				return bad("--pool-size must be a byte count like 1073741824, 512M or "
+					   "2G, not '%s'", optarg);
 			break;
 		case OPT_NO_CSUM:
 			o->seg_flags |= SHM_F_NO_PAYLOAD_CSUM;

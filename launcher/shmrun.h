@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "shm/pool.h"
 #include "shm/segment.h"
 
 /* Exit codes of the launcher itself. */
@@ -23,6 +24,9 @@
 #define SHMRUN_EXIT_USAGE 2   /* bad command line */
 #define SHMRUN_EXIT_TIMEOUT 124
 #define SHMRUN_EXIT_NOEXEC 127 /* a worker could not exec its program */
+
+#define SHMRUN_POOL_DEFAULT (256ull << 20)
+#define SHMRUN_POOL_DEFAULT_TEXT "256M"
 
 struct shmrun_opts {
 	uint32_t nproc;
@@ -36,6 +40,7 @@ struct shmrun_opts {
 	const char *timeout_text; /* --timeout as given, for the message */
 	const char *wait_mode;    /* --wait, passed on as SHMRPC_WAIT; NULL: none */
 	uint32_t ring_size;       /* 0: the segment's default */
+	uint64_t pool_size;       /* bytes of tensor data */
 	uint32_t seg_flags;       /* SHM_F_* */
 	char **argv;              /* the program and its arguments */
 };
@@ -71,6 +76,7 @@ enum stop_reason {
 struct job {
 	const struct shmrun_opts *o;
 	struct shm_seg seg;
+	struct shm_pool pool;
 	struct proc *procs; /* [o->nproc] */
 	uint32_t running;   /* started and not reaped yet */
 	uint32_t failed;

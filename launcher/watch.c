@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "shmrpc.h"
 #include "common/clock.h"
 #include "ipc/doorbell.h"
 #include "launcher/shmrun.h"
@@ -118,6 +119,20 @@ static uint32_t reap(struct proc *p)
 	return SHM_EXIT_SIGNAL(si.si_status);
 }
 
+/* Whatever the worker still held in the tensor pool goes back: all of it
+ * after a death, what it forgot to release after a clean exit. Acquire:
+ * the generation it ran as, written before its fork. */
+static void sweep_pool(struct job *j, uint32_t rank)
+{
+	uint32_t gen = atomic_load_explicit(&shm_worker(&j->seg, rank)->generation,
+					    memory_order_acquire);
+	int n = pool_sweep(&j->pool, rank, gen);
+
+	if (n < 0)
+		fprintf(stderr, "shmrun: cannot release what worker %u held in the tensor pool: %s\n",
+			rank, shmrpc_errmsg());
+}
+
 static void on_worker_end(struct job *j, uint32_t rank)
 {
 	struct proc *p = &j->procs[rank];
@@ -130,6 +145,7 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	/* Its last words before the launcher's word on it. */
 	output_finish(&p->out[0]);
 	output_finish(&p->out[1]);
+	sweep_pool(j, rank);
 	if (!p->exit_info) {
 		/* Release: pairs with the readers' acquire of the state. */
 		atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_release);

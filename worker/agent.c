@@ -22,6 +22,7 @@
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
+#include "worker/tensor.h"
 
 #define DEFAULT_THREADS 4
 #define DEFAULT_TIMEOUT_MS 60000
@@ -105,7 +106,9 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 {
 	struct agent *ag = arg;
 
-	if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
+	if (f->hdr.type == MSG_TENSOR_ACK)
+		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
+	else if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
 		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->payload,
 			      f->hdr.payload_len);
 	else
@@ -133,6 +136,7 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 			continue;
 		agent_peer_gone_text(ag, peer, why, sizeof(why));
 		client_fail_peer(ag, peer, why);
+		pins_release_peer(peer);
 		ag->dying_since[peer] = 0;
 		ag->gone[peer] = true;
 	}
@@ -244,8 +248,35 @@ static int check_names(struct agent *ag)
 	return 0;
 }
 
+/* The job's tensor pool, when shmrun made one: mapped, and this process
+ * its holder for our rank, as the generation the launcher gave the slot. */
+static int attach_pool(struct agent *ag)
+{
+	long fd = env_long(SHMRPC_ENV_POOL_FD, -1);
+	int rc;
+
+	if (fd < 0)
+		return 0;
+	rc = pool_attach_fd(&ag->pool, (int)fd);
+	if (rc)
+		return rc;
+	/* Acquire pairs with the launcher's release when it set up the slot. */
+	rc = pool_join(&ag->pool, ag->rank,
+		       atomic_load_explicit(&ag->self->generation, memory_order_acquire));
+	if (rc) {
+		pool_detach(&ag->pool);
+		return rc;
+	}
+	ag->has_pool = true;
+	return 0;
+}
+
 static void agent_free(struct agent *ag)
 {
+	if (ag->has_pool) {
+		pool_leave(&ag->pool, ag->rank);
+		pool_detach(&ag->pool);
+	}
 	if (ag->port.seg)
 		ipc_port_close(&ag->port);
 	if (ag->seg.base)
@@ -296,6 +327,9 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		rc = shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
 		goto fail;
 	}
+	rc = attach_pool(ag);
+	if (rc)
+		goto fail;
 	if (name) {
 		/* Our own slot: peers read it only after our READY (release). */
 		memset(ag->self->name, 0, SHM_NAME_MAX);
@@ -415,8 +449,9 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 	ipc_doorbell_ring(ag->self, ag->self);
 	pthread_join(ag->loop, NULL);
 	client_fail_all(ag, "the RPC agent was shut down before the reply came");
-	worker_agent = NULL;
 	executor_stop();
+	pins_release_all();
+	worker_agent = NULL;
 	agent_free(ag);
 	return rc ? shmrpc__fail(rc, "%s", err) : 0;
 }

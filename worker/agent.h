@@ -21,11 +21,14 @@
 
 #include "common/compiler.h"
 #include "ipc/port.h"
+#include "shm/pool.h"
 #include "shm/segment.h"
 
 struct agent {
 	struct shm_seg seg;
 	struct ipc_port port;
+	struct shm_pool pool;
+	bool has_pool; /* the job has a tensor pool (shmrun makes one) */
 	uint32_t rank;
 	uint32_t world;
 	struct shm_worker *self;
@@ -65,6 +68,8 @@ SHMRPC_HIDDEN uint64_t client_expire(struct agent *ag, uint64_t now);
 SHMRPC_HIDDEN void client_fail_peer(struct agent *ag, uint32_t peer, const char *why);
 SHMRPC_HIDDEN void client_fail_all(struct agent *ag, const char *why);
 
+/* server.c: tells peer that the tensors of its reply msg_id are ours now. */
+SHMRPC_HIDDEN void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id);
 /* server.c: a request, copied out of the ring, run on an executor thread. */
 SHMRPC_HIDDEN void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 				 const void *payload, size_t len);

@@ -13,6 +13,7 @@
 #include "worker/agent.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/tensor.h"
 #include "worker/value.h"
 
 #define PENDING_BUCKETS 4096u
@@ -95,6 +96,8 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 {
 	shmrpc_future *f = pending_take(msg_id, src);
 
+	/* The callee has its own references to our arguments' tensors now. */
+	pins_release(src, msg_id, PIN_REQUEST);
 	if (!f) {
 		count(&ag->self->late_replies, 1);
 		return;
@@ -105,15 +108,15 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 		size_t used;
 		const shmrpc_value *it;
 
-		if (value_unpack(payload, len, &a, &v, &used) == 0 && v.type == SHMRPC_LIST &&
+		if (value_unpack(payload, len, &a, &v, &used, NULL) == 0 && v.type == SHMRPC_LIST &&
 		    v.len == 3 && (it = v.u.items)[0].type == SHMRPC_STR &&
 		    it[1].type == SHMRPC_STR && it[2].type == SHMRPC_STR)
 			future_fail(f, -SHMRPC_EREMOTE, it[0].u.s, it[1].u.s, it[2].u.s);
 		else
 			future_fail(f, -EBADMSG, NULL, "a malformed EXCEPTION reply came back", NULL);
 		arena_free(&a);
-	} else {
-		future_complete_packed(f, payload, len);
+	} else if (future_complete_packed(f, payload, len)) {
+		server_ack_tensors(ag, src, msg_id);
 	}
 	settled(ag, f);
 }
@@ -210,7 +213,8 @@ void client_fail_all(struct agent *ag, const char *why)
 
 /* ---- public API ---- */
 
-static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args, uint32_t nargs)
+static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		       struct tensor_list *sent)
 {
 	msgpack_packer pk;
 	shmrpc_value list = shmrpc_list(args, nargs);
@@ -221,13 +225,14 @@ static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *
 		return shmrpc__fail(-EINVAL, "a function name cannot be empty");
 	if (msgpack_pack_array(&pk, 2) || msgpack_pack_str_with_body(&pk, fn, n))
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a call");
-	return value_pack(&pk, &list);
+	return value_pack(&pk, &list, sent);
 }
 
 int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 		     int64_t timeout_ms, shmrpc_future **out)
 {
 	struct agent *ag = worker_agent;
+	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
 	shmrpc_future *f;
 	char why[256];
@@ -251,17 +256,24 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
 				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
 	msgpack_sbuffer_init(&sb);
-	rc = encode_call(&sb, fn, args, nargs);
+	rc = encode_call(&sb, fn, args, nargs, &sent);
+	if (rc == 0 && !(f = future_new()))
+		rc = shmrpc__fail(-ENOMEM, "out of memory making a future");
 	if (rc) {
+		tensor_list_forget(&sent);
 		msgpack_sbuffer_destroy(&sb);
 		return rc;
 	}
-	if (!(f = future_new())) {
-		msgpack_sbuffer_destroy(&sb);
-		return shmrpc__fail(-ENOMEM, "out of memory making a future");
-	}
 	/* Relaxed: only uniqueness matters. */
 	f->msg_id = atomic_fetch_add_explicit(&next_msg_id, 1, memory_order_relaxed);
+	/* The arguments' tensors stay alive until the callee holds them. */
+	rc = sent.n ? pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, &sent) : 0;
+	tensor_list_forget(&sent);
+	if (rc) {
+		msgpack_sbuffer_destroy(&sb);
+		future_unref(f);
+		return rc;
+	}
 	f->dst = (uint32_t)dst;
 	f->timeout_ms = timeout_ms;
 	f->deadline_ns = timeout_ms ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
@@ -280,6 +292,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 		char msg[1024];
 
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		pins_release(f->dst, f->msg_id, PIN_REQUEST);
 		if (pending_take(f->msg_id, f->dst))
 			settled(ag, f);
 		future_unref(f);

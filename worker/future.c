@@ -46,6 +46,7 @@ void future_unref(shmrpc_future *f)
 		f->cbs = next;
 	}
 	arena_free(&f->arena);
+	tensor_list_free(&f->tensors);
 	free(f->errmsg);
 	free(f->errtype);
 	free(f->backtrace);
@@ -74,17 +75,18 @@ static void finish(shmrpc_future *f)
 	}
 }
 
-void future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
+uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 {
+	uint32_t ntensors;
 	size_t used;
 	int rc;
 
 	pthread_mutex_lock(&f->lock);
 	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
 		pthread_mutex_unlock(&f->lock);
-		return;
+		return 0;
 	}
-	rc = value_unpack(buf, len, &f->arena, &f->value, &used);
+	rc = value_unpack(buf, len, &f->arena, &f->value, &used, &f->tensors);
 	if (rc == 0 && used != len)
 		rc = shmrpc__fail(-EBADMSG, "a reply of %zu bytes holds %zu bytes after its value",
 				  len, len - used);
@@ -92,7 +94,10 @@ void future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 		f->err = rc;
 		f->errmsg = strdup(shmrpc_errmsg());
 	}
+	/* Counted now: after finish() the future may be freed by its owner. */
+	ntensors = f->tensors.n;
 	finish(f);
+	return ntensors;
 }
 
 void future_fail(shmrpc_future *f, int err, const char *type, const char *msg, const char *backtrace)

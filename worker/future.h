@@ -15,6 +15,7 @@
 #include "shmrpc.h"
 #include "common/compiler.h"
 #include "worker/arena.h"
+#include "worker/tensor.h"
 
 struct future_cb {
 	struct future_cb *next;
@@ -33,6 +34,7 @@ struct shmrpc_future {
 	char *backtrace;
 	shmrpc_value value;
 	struct arena arena;
+	struct tensor_list tensors; /* handles of the tensors in value */
 	struct future_cb *cbs;
 	/* The call it stands for (client side). */
 	uint64_t msg_id;
@@ -45,8 +47,9 @@ struct shmrpc_future {
 SHMRPC_HIDDEN shmrpc_future *future_new(void);
 SHMRPC_HIDDEN void future_ref(shmrpc_future *f);
 SHMRPC_HIDDEN void future_unref(shmrpc_future *f);
-/* Completes with a MessagePack value: decoded into the future's arena. */
-SHMRPC_HIDDEN void future_complete_packed(shmrpc_future *f, const void *buf, size_t len);
+/* Completes with a MessagePack value: decoded into the future's arena.
+ * Returns how many tensors it received (the sender waits for an ack). */
+SHMRPC_HIDDEN uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len);
 /* Completes with an error; type and backtrace may be NULL. */
 SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, const char *msg,
 			       const char *backtrace);

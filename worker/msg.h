@@ -2,7 +2,8 @@
  * The message types of the RPC protocol: every request and response of
  * torch.distributed.rpc's request callbacks (DESIGN.md's table), one enum.
  * The value is the frame's `type`; 0 is never used. docs/PROTOCOL.md gives
- * each one's payload.
+ * each one's payload. TENSOR_ACK is shmrpc's own: a caller tells the callee
+ * that it holds the tensors of a reply (worker/tensor.h).
  */
 #ifndef SHMRPC_WORKER_MSG_H
 #define SHMRPC_WORKER_MSG_H
@@ -38,7 +39,8 @@
 	X(RUN_WITH_PROFILING_RESP, 23, false)                 \
 	X(RREF_BACKWARD_REQ, 24, true)                        \
 	X(RREF_BACKWARD_RESP, 25, false)                      \
-	X(EXCEPTION, 26, false)
+	X(EXCEPTION, 26, false)                               \
+	X(TENSOR_ACK, 27, false)
 
 enum worker_msg_type {
 #define X(name, value, is_request) MSG_##name = value,

@@ -16,6 +16,7 @@
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/registry.h"
+#include "worker/tensor.h"
 #include "worker/value.h"
 
 struct request_job {
@@ -30,6 +31,7 @@ struct request_job {
 
 struct shmrpc_call {
 	struct arena arena;
+	struct tensor_list tensors; /* the arguments' tensors, ours until the reply is sent */
 	uint32_t caller;
 	char errtype[64];
 	char errmsg[768];
@@ -86,13 +88,15 @@ static void run_script_call(struct request_job *rq, shmrpc_call *call)
 	struct agent *ag = rq->ag;
 	const struct registry_entry *e;
 	shmrpc_value req, result = shmrpc_nil();
+	struct tensor_list sent = { 0 };
 	const char *fn;
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 	size_t used;
 	int rc;
 
-	if (value_unpack(rq->payload, rq->len, &call->arena, &req, &used) || used != rq->len ||
+	if (value_unpack(rq->payload, rq->len, &call->arena, &req, &used, &call->tensors) ||
+	    used != rq->len ||
 	    req.type != SHMRPC_LIST || req.len != 2 || req.u.items[0].type != SHMRPC_STR ||
 	    req.u.items[1].type != SHMRPC_LIST) {
 		reply_exception(rq, "RuntimeError", "a malformed SCRIPT_CALL request came in", NULL);
@@ -121,7 +125,7 @@ static void run_script_call(struct request_job *rq, shmrpc_call *call)
 	}
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	if (value_pack(&pk, &result))
+	if (value_pack(&pk, &result, &sent))
 		reply_exception(rq, "TypeError", shmrpc_errmsg(), NULL);
 	else if (rq->src != ag->rank && sb.size > ipc_port_max_payload(&ag->port)) {
 		char msg[256];
@@ -130,10 +134,18 @@ static void run_script_call(struct request_job *rq, shmrpc_call *call)
 			 "%u bytes (raise shmrun --ring-size)", fn, sb.size,
 			 ipc_port_max_payload(&ag->port));
 		reply_exception(rq, "RuntimeError", msg, NULL);
+	} else if (sent.n && pins_add(rq->src, rq->msg_id, PIN_REPLY, &sent)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 	} else {
 		send_reply(rq, MSG_SCRIPT_RET, sb.data, sb.size);
 	}
 	msgpack_sbuffer_destroy(&sb);
+	/* Tensors the function made for its result are the call's to free; the
+	 * pins keep them alive until the caller holds them. */
+	for (uint32_t i = 0; i < sent.n; i++)
+		if (!tensor_list_has(&call->tensors, sent.t[i]) && !tensor_list_has_before(&sent, i, sent.t[i]))
+			shmrpc_tensor_free(sent.t[i]);
+	tensor_list_forget(&sent);
 }
 
 static void run_request(struct job *j)
@@ -159,8 +171,46 @@ static void run_request(struct job *j)
 	count(&ag->self->server_active_calls, -1);
 	count(&ag->self->calls_served, 1);
 	arena_free(&call.arena);
+	tensor_list_free(&call.tensors);
 	free(call.backtrace);
 	free(rq);
+}
+
+struct ack_job {
+	struct job base;
+	struct agent *ag;
+	uint32_t peer;
+	uint64_t msg_id;
+};
+
+static void run_ack(struct job *j)
+{
+	struct ack_job *a = (struct ack_job *)j;
+	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, NULL, 0);
+
+	/* A peer that died has had its pins released by its own sweep. */
+	if (rc && rc != -SHMRPC_EPEERDEAD)
+		fprintf(stderr, "shmrpc: worker %u: cannot acknowledge tensors to worker %u: %s\n",
+			a->ag->rank, a->peer, shmrpc_errmsg());
+	free(a);
+}
+
+void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
+{
+	struct ack_job *a;
+
+	if (peer == ag->rank) {
+		pins_release(peer, msg_id, PIN_REPLY);
+		return;
+	}
+	/* Sent from an executor thread: the loop thread never sends. */
+	if (!(a = malloc(sizeof(*a)))) {
+		fprintf(stderr, "shmrpc: worker %u: out of memory acknowledging tensors; worker %u "
+			"keeps them until it ends\n", ag->rank, peer);
+		return;
+	}
+	*a = (struct ack_job){ { NULL, run_ack }, ag, peer, msg_id };
+	executor_submit(&a->base);
 }
 
 void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,

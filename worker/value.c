@@ -3,17 +3,18 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "worker/tensor.h"
 #include "worker/value.h"
 
 const char *shmrpc_type_name(uint32_t type)
 {
-	static const char *const names[] = { "nil", "bool", "int", "float",
-					     "str", "bytes", "list", "map" };
+	static const char *const names[] = { "nil", "bool", "int", "float", "str",
+					     "bytes", "list", "map", "tensor" };
 
 	return type < sizeof(names) / sizeof(names[0]) ? names[type] : "unknown";
 }
 
-static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth)
+static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth, struct tensor_list *sent)
 {
 	if (depth > VALUE_MAX_DEPTH)
 		return shmrpc__fail(-EINVAL, "a value nests deeper than %d levels", VALUE_MAX_DEPTH);
@@ -37,17 +38,23 @@ static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth)
 					       : msgpack_pack_array(pk, v->len);
 
 		for (uint32_t i = 0; i < n && rc == 0; i++)
-			rc = pack(pk, &v->u.items[i], depth + 1);
+			rc = pack(pk, &v->u.items[i], depth + 1, sent);
 		return rc;
 	}
+	case SHMRPC_TENSOR:
+		if (!sent)
+			return shmrpc__fail(-EINVAL, "a tensor cannot travel in this message");
+		if (!v->u.t)
+			return shmrpc__fail(-EINVAL, "a tensor value without a tensor");
+		return tensor_pack(pk, v->u.t) ?: tensor_list_add(sent, v->u.t);
 	default:
 		return shmrpc__fail(-EINVAL, "a value of unknown type %u cannot be sent", v->type);
 	}
 }
 
-int value_pack(msgpack_packer *pk, const shmrpc_value *v)
+int value_pack(msgpack_packer *pk, const shmrpc_value *v, struct tensor_list *sent)
 {
-	int rc = pack(pk, v, 0);
+	int rc = pack(pk, v, 0, sent);
 
 	/* msgpack-c reports a failed buffer write as -1. */
 	return rc == -1 ? shmrpc__fail(-ENOMEM, "out of memory encoding a value") : rc;
@@ -129,7 +136,8 @@ static int check(const uint8_t *p, size_t len, size_t *off, int depth)
 	return 0;
 }
 
-static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v)
+static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
+		   struct tensor_list *got)
 {
 	switch (o->type) {
 	case MSGPACK_OBJECT_NIL:
@@ -178,20 +186,32 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v)
 		if (!items && n)
 			return shmrpc__fail(-ENOMEM, "out of memory decoding %u items", n);
 		for (uint32_t i = 0; i < n; i++) {
-			int rc = map ? convert(&o->via.map.ptr[i].key, a, &items[2 * i]) ||
-					       convert(&o->via.map.ptr[i].val, a, &items[2 * i + 1])
-					 : convert(&o->via.array.ptr[i], a, &items[i]);
+			int rc = map ? convert(&o->via.map.ptr[i].key, a, &items[2 * i], got)
+					     : convert(&o->via.array.ptr[i], a, &items[i], got);
 
+			if (rc == 0 && map)
+				rc = convert(&o->via.map.ptr[i].val, a, &items[2 * i + 1], got);
 			if (rc)
-				return rc < 0 ? rc : -EBADMSG;
+				return rc;
 		}
 		*v = map ? shmrpc_map(items, n) : shmrpc_list(items, n);
 		return 0;
 	}
 	case MSGPACK_OBJECT_EXT:
-		if (o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_RREF)
-			return shmrpc__fail(-ENOTSUP, "%s values are not supported yet",
-					    o->via.ext.type == VALUE_EXT_TENSOR ? "tensor" : "RRef");
+		if (o->via.ext.type == VALUE_EXT_TENSOR && got) {
+			shmrpc_tensor *t;
+			int rc = tensor_unpack(o->via.ext.ptr, o->via.ext.size, &t);
+
+			if (rc == 0 && (rc = tensor_list_add(got, t)))
+				shmrpc_tensor_free(t);
+			if (rc == 0)
+				*v = shmrpc_tensor_value(t);
+			return rc;
+		}
+		if (o->via.ext.type == VALUE_EXT_TENSOR)
+			return shmrpc__fail(-EBADMSG, "a tensor where none can travel");
+		if (o->via.ext.type == VALUE_EXT_RREF)
+			return shmrpc__fail(-ENOTSUP, "RRef values are not supported yet");
 		return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d",
 				    o->via.ext.type);
 	default:
@@ -199,7 +219,8 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v)
 	}
 }
 
-int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out, size_t *used)
+int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out, size_t *used,
+		 struct tensor_list *got)
 {
 	msgpack_unpacked u;
 	size_t off = 0;
@@ -214,7 +235,7 @@ int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out
 	if (msgpack_unpack_next(&u, buf, *used, &off) != MSGPACK_UNPACK_SUCCESS)
 		rc = shmrpc__fail(-EBADMSG, "malformed value (%zu bytes)", *used);
 	else
-		rc = convert(&u.data, a, out);
+		rc = convert(&u.data, a, out, got);
 	msgpack_unpacked_destroy(&u);
 	return rc;
 }
@@ -231,15 +252,16 @@ static bool sig_accepts(char want, const shmrpc_value *v)
 	case 'y': return v->type == SHMRPC_BYTES;
 	case 'l': return v->type == SHMRPC_LIST;
 	case 'm': return v->type == SHMRPC_MAP;
+	case 't': return v->type == SHMRPC_TENSOR;
 	default: return false;
 	}
 }
 
 static const char *sig_name(char want)
 {
-	static const char letters[] = "nbifsylmv";
+	static const char letters[] = "nbifsylmtv";
 	static const char *const names[] = { "nil", "bool", "int", "float", "str",
-					     "bytes", "list", "map", "any" };
+					     "bytes", "list", "map", "tensor", "any" };
 	const char *at = strchr(letters, want);
 
 	return at && want ? names[at - letters] : "?";

@@ -21,12 +21,18 @@
 #define VALUE_EXT_TENSOR 1
 #define VALUE_EXT_RREF 2
 
-/* Appends v; -EINVAL (with errmsg) for an unknown type or too deep nesting. */
-SHMRPC_HIDDEN int value_pack(msgpack_packer *pk, const shmrpc_value *v);
+struct tensor_list;
+
+/* Appends v; -EINVAL (with errmsg) for an unknown type or too deep nesting.
+ * Each tensor met is added to sent (the caller pins them); with sent NULL a
+ * tensor is refused. */
+SHMRPC_HIDDEN int value_pack(msgpack_packer *pk, const shmrpc_value *v, struct tensor_list *sent);
 /* Decodes one value from [buf, buf+len) into out, allocating from a;
- * *used gets the bytes taken. -EBADMSG with errmsg on malformed input. */
+ * *used gets the bytes taken. -EBADMSG with errmsg on malformed input.
+ * Each tensor received becomes a handle added to got (whose owner frees
+ * them); with got NULL a tensor is refused. */
 SHMRPC_HIDDEN int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out,
-			       size_t *used);
+			       size_t *used, struct tensor_list *got);
 /* Checks args against a signature (shmrpc_register); -EINVAL with errmsg. */
 SHMRPC_HIDDEN int value_check_sig(const char *fn, const char *sig, const shmrpc_value *args,
 				  uint32_t nargs);

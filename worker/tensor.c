@@ -1,0 +1,329 @@
+/* Tensor handles, descriptors and pins; see tensor.h. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "shm/pool.h"
+#include "worker/agent.h"
+#include "worker/tensor.h"
+#include "worker/value.h"
+
+/* The descriptor on the wire (little endian, as the machine). */
+struct tensor_wire {
+	uint64_t off;
+	uint64_t nbytes;
+	uint8_t code;
+	uint8_t bits;
+	uint16_t lanes;
+	int32_t ndim;
+	int64_t shape[];
+};
+
+static struct shm_pool *pool_or_fail(void)
+{
+	struct agent *ag = worker_agent;
+
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
+		       NULL;
+	if (!ag->has_pool)
+		return shmrpc__fail(-ENOTSUP, "this job has no tensor pool: start it with shmrun "
+				    "(--pool-size sets its size)"),
+		       NULL;
+	return &ag->pool;
+}
+
+static uint64_t dtype_bytes(DLDataType d)
+{
+	return ((uint64_t)d.bits * d.lanes + 7) / 8;
+}
+
+/* Fills a handle for the block at off; checks shape and size. */
+static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32_t ndim,
+		       const int64_t *shape, shmrpc_tensor **out)
+{
+	uint64_t n = dtype_bytes(dtype);
+	shmrpc_tensor *t;
+
+	if (ndim < 0 || ndim > SHMRPC_TENSOR_MAX_DIMS || n == 0)
+		return shmrpc__fail(-EINVAL, "a tensor has 0 to %d dimensions and a dtype of at "
+				    "least one bit (got %d dimensions, %u bits x %u lanes)",
+				    SHMRPC_TENSOR_MAX_DIMS, ndim, dtype.bits, dtype.lanes);
+	for (int32_t i = 0; i < ndim; i++) {
+		if (shape[i] < 0 || (shape[i] && n > UINT64_MAX / (uint64_t)shape[i]))
+			return shmrpc__fail(-EINVAL, "tensor dimension %d is %lld", i,
+					    (long long)shape[i]);
+		n *= (uint64_t)shape[i];
+	}
+	if (!(t = calloc(1, sizeof(*t))))
+		return shmrpc__fail(-ENOMEM, "out of memory making a tensor handle");
+	t->off = off;
+	t->nbytes = n;
+	memcpy(t->shape, shape, (size_t)ndim * sizeof(*shape));
+	t->dl = (DLTensor){
+		.data = pool_at(p, off, n),
+		.device = { kDLCPU, 0 },
+		.ndim = ndim,
+		.dtype = dtype,
+		.shape = t->shape,
+		.strides = NULL, /* contiguous */
+	};
+	*out = t;
+	return 0;
+}
+
+int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape, shmrpc_tensor **out)
+{
+	struct shm_pool *p = pool_or_fail();
+	shmrpc_tensor *t;
+	uint64_t off;
+	int rc;
+
+	if (!p)
+		return -ENOTSUP;
+	if (!out || (ndim && !shape))
+		return shmrpc__fail(-EINVAL, "shmrpc_tensor_alloc: shape and out must be given");
+	rc = make_handle(p, 0, dtype, ndim, shape, &t);
+	if (rc)
+		return rc;
+	rc = pool_alloc(p, worker_agent->rank, t->nbytes ? t->nbytes : 1, &off);
+	if (rc) {
+		free(t);
+		return rc;
+	}
+	t->off = off;
+	t->dl.data = pool_at(p, off, t->nbytes);
+	*out = t;
+	return 0;
+}
+
+int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
+{
+	struct shm_pool *p = pool_or_fail();
+	int rc;
+
+	if (!p)
+		return -ENOTSUP;
+	rc = make_handle(p, t->off, t->dl.dtype, t->dl.ndim, t->shape, out);
+	if (rc)
+		return rc;
+	rc = pool_ref(p, worker_agent->rank, t->off);
+	if (rc) {
+		free(*out);
+		*out = NULL;
+	}
+	return rc;
+}
+
+void shmrpc_tensor_free(shmrpc_tensor *t)
+{
+	struct agent *ag = worker_agent;
+
+	if (!t)
+		return;
+	/* After shutdown the pool is gone, and pool_leave dropped every reference. */
+	if (ag && ag->has_pool && pool_unref(&ag->pool, ag->rank, t->off))
+		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+	free(t);
+}
+
+void *shmrpc_tensor_data(const shmrpc_tensor *t)
+{
+	return t->dl.data;
+}
+
+uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t)
+{
+	return t->nbytes;
+}
+
+const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t)
+{
+	return &t->dl;
+}
+
+uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t)
+{
+	return t->off;
+}
+
+/* ---- lists ---- */
+
+int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t)
+{
+	if (l->n == l->cap) {
+		uint32_t cap = l->cap ? 2 * l->cap : 4;
+		shmrpc_tensor **n = realloc(l->t, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
+		l->t = n;
+		l->cap = cap;
+	}
+	l->t[l->n++] = t;
+	return 0;
+}
+
+void tensor_list_free(struct tensor_list *l)
+{
+	for (uint32_t i = 0; i < l->n; i++)
+		shmrpc_tensor_free(l->t[i]);
+	free(l->t);
+	*l = (struct tensor_list){ 0 };
+}
+
+void tensor_list_forget(struct tensor_list *l)
+{
+	free(l->t);
+	*l = (struct tensor_list){ 0 };
+}
+
+bool tensor_list_has_before(const struct tensor_list *l, uint32_t n, const shmrpc_tensor *t)
+{
+	for (uint32_t i = 0; i < n && i < l->n; i++)
+		if (l->t[i] == t)
+			return true;
+	return false;
+}
+
+bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t)
+{
+	return tensor_list_has_before(l, l->n, t);
+}
+
+/* ---- descriptors ---- */
+
+int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t)
+{
+	size_t len = sizeof(struct tensor_wire) + (size_t)t->dl.ndim * sizeof(int64_t);
+	struct tensor_wire w = { t->off, t->nbytes, t->dl.dtype.code, t->dl.dtype.bits,
+				 t->dl.dtype.lanes, t->dl.ndim };
+
+	if (msgpack_pack_ext(pk, len, VALUE_EXT_TENSOR) ||
+	    msgpack_pack_ext_body(pk, &w, sizeof(w)) ||
+	    msgpack_pack_ext_body(pk, t->shape, (size_t)t->dl.ndim * sizeof(int64_t)))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a tensor");
+	return 0;
+}
+
+int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
+{
+	struct shm_pool *p = pool_or_fail();
+	struct tensor_wire w;
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	int64_t block;
+	int rc;
+
+	if (!p)
+		return -ENOTSUP;
+	if (len < sizeof(w))
+		return shmrpc__fail(-EBADMSG, "a tensor descriptor of %u bytes is too short", len);
+	memcpy(&w, data, sizeof(w));
+	if (w.ndim < 0 || w.ndim > SHMRPC_TENSOR_MAX_DIMS ||
+	    len != sizeof(w) + (size_t)w.ndim * sizeof(int64_t))
+		return shmrpc__fail(-EBADMSG, "a tensor descriptor with %d dimensions in %u bytes",
+				    w.ndim, len);
+	memcpy(shape, data + sizeof(w), (size_t)w.ndim * sizeof(int64_t));
+	/* Nothing from another process is trusted: the block must exist and hold the bytes. */
+	block = pool_block_size(p, w.off);
+	if (block < 0)
+		return (int)block;
+	rc = make_handle(p, w.off, (DLDataType){ w.code, w.bits, w.lanes }, w.ndim, shape, out);
+	if (rc)
+		return rc;
+	if ((*out)->nbytes != w.nbytes || w.nbytes > (uint64_t)block) {
+		free(*out);
+		return shmrpc__fail(-EBADMSG, "a tensor descriptor says %llu bytes for a shape of %llu "
+				    "bytes in a block of %lld", (unsigned long long)w.nbytes,
+				    (unsigned long long)(*out)->nbytes, (long long)block);
+	}
+	rc = pool_ref(p, worker_agent->rank, w.off);
+	if (rc)
+		free(*out);
+	return rc;
+}
+
+/* ---- pins ---- */
+
+struct pin {
+	struct pin *next;
+	uint32_t peer;
+	enum pin_kind kind;
+	uint64_t msg_id;
+	struct tensor_list held;
+};
+
+static struct {
+	pthread_mutex_t lock;
+	struct pin *head;
+} pins = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct tensor_list *sent)
+{
+	struct pin *pin = calloc(1, sizeof(*pin));
+	int rc = 0;
+
+	if (!pin)
+		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
+	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
+	for (uint32_t i = 0; i < sent->n && rc == 0; i++) {
+		shmrpc_tensor *t;
+
+		rc = shmrpc_tensor_retain(sent->t[i], &t);
+		if (rc == 0 && (rc = tensor_list_add(&pin->held, t)))
+			shmrpc_tensor_free(t);
+	}
+	if (rc) {
+		tensor_list_free(&pin->held);
+		free(pin);
+		return rc;
+	}
+	pthread_mutex_lock(&pins.lock);
+	pin->next = pins.head;
+	pins.head = pin;
+	pthread_mutex_unlock(&pins.lock);
+	return 0;
+}
+
+enum pin_match { MATCH_ONE, MATCH_PEER, MATCH_ALL };
+
+/* Takes out the pins that match; frees them after the lock is dropped. */
+static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	struct pin **at, *pin, *gone = NULL;
+
+	pthread_mutex_lock(&pins.lock);
+	for (at = &pins.head; (pin = *at);) {
+		if (how == MATCH_ALL || (pin->peer == peer && (how == MATCH_PEER ||
+			(pin->msg_id == msg_id && pin->kind == kind)))) {
+			*at = pin->next;
+			pin->next = gone;
+			gone = pin;
+		} else {
+			at = &pin->next;
+		}
+	}
+	pthread_mutex_unlock(&pins.lock);
+	while ((pin = gone)) {
+		gone = pin->next;
+		tensor_list_free(&pin->held);
+		free(pin);
+	}
+}
+
+void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	release_if(MATCH_ONE, peer, msg_id, kind);
+}
+
+void pins_release_peer(uint32_t peer)
+{
+	release_if(MATCH_PEER, peer, 0, PIN_REQUEST);
+}
+
+void pins_release_all(void)
+{
+	release_if(MATCH_ALL, 0, 0, PIN_REQUEST);
+}

@@ -1,0 +1,67 @@
+/*
+ * Tensors in the pool, as the agent handles them.
+ *
+ * Handing over. A tensor travels as a descriptor (pool offset, byte size,
+ * dtype, shape) in a MessagePack extension (docs/PROTOCOL.md). The sender's
+ * block must not be freed before the receiver has taken its own reference,
+ * so the sender pins every tensor of a message (one more reference, held by
+ * its rank) until it knows the receiver has it:
+ *  - a request's tensors: until the reply comes (or its late reply, or the
+ *    callee's death);
+ *  - a reply's tensors: until the caller's TENSOR_ACK (or the caller's death).
+ * A pinned reference of a process that dies goes back with the launcher's
+ * sweep of its holder table, like every other reference it held.
+ */
+#ifndef SHMRPC_WORKER_TENSOR_H
+#define SHMRPC_WORKER_TENSOR_H
+
+#include <msgpack.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "shmrpc.h"
+#include "common/compiler.h"
+
+struct shmrpc_tensor {
+	uint64_t off;
+	uint64_t nbytes;
+	DLTensor dl;
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+};
+
+/* A growing list of tensor handles. */
+struct tensor_list {
+	shmrpc_tensor **t;
+	uint32_t n, cap;
+};
+
+SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
+/* Frees every handle of the list (dropping their references) and the list. */
+SHMRPC_HIDDEN void tensor_list_free(struct tensor_list *l);
+/* Frees the list only: its handles belong to someone else. */
+SHMRPC_HIDDEN void tensor_list_forget(struct tensor_list *l);
+SHMRPC_HIDDEN bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t);
+/* True when t is among the first n handles of l. */
+SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t n,
+					  const shmrpc_tensor *t);
+
+/* Appends t's descriptor to a message being packed. */
+SHMRPC_HIDDEN int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t);
+/* A descriptor received: a new handle holding its own reference. */
+SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out);
+
+enum pin_kind {
+	PIN_REQUEST = 0, /* our request to peer: released by its reply */
+	PIN_REPLY = 1,   /* our reply to peer's request: released by its TENSOR_ACK */
+};
+
+/* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
+SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
+			   const struct tensor_list *sent);
+SHMRPC_HIDDEN void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
+/* peer died: its pins, both kinds, go. */
+SHMRPC_HIDDEN void pins_release_peer(uint32_t peer);
+/* The agent stops: every pin goes. */
+SHMRPC_HIDDEN void pins_release_all(void);
+
+#endif
