@@ -110,6 +110,14 @@ SHMRPC_API uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t);
 SHMRPC_API const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t);
 /* Where the bytes are in the pool (the same number in every process). */
 SHMRPC_API uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t);
+/* DLPack out: *out owns t's reference (t is consumed); its deleter drops it. */
+SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
+/* DLPack in: on success m is consumed (its deleter is called). A tensor that is a
+ * whole block of this job's pool is taken without a copy; other contiguous
+ * host memory is copied into the pool once (counted in the worker's
+ * dlpack_copies). GPU memory is not supported yet. On failure m is still
+ * the caller's. */
+SHMRPC_API int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out);
 
 /* ---- The job ---------------------------------------------------------- */
 

@@ -132,7 +132,8 @@ struct shm_worker {
 	_Atomic uint64_t errors;       /* requests answered with an EXCEPTION */
 	_Atomic uint64_t timeouts;     /* calls of ours that timed out */
 	_Atomic uint64_t late_replies; /* replies that came after their timeout */
-	_Atomic uint64_t agent_reserved[7];
+	_Atomic uint64_t dlpack_copies; /* DLPack imports that had to copy into the pool */
+	_Atomic uint64_t agent_reserved[6];
 };
 _Static_assert(offsetof(struct shm_worker, doorbell) == 64, "doorbell on its own line");
 _Static_assert(offsetof(struct shm_worker, heartbeat_ns) == 128, "counters on their own line");

@@ -327,3 +327,108 @@ void pins_release_all(void)
 {
 	release_if(MATCH_ALL, 0, 0, PIN_REQUEST);
 }
+
+/* ---- DLPack ---- */
+
+struct exported {
+	DLManagedTensor m;
+	shmrpc_tensor *t;
+};
+
+static void exported_delete(DLManagedTensor *m)
+{
+	struct exported *e = m->manager_ctx;
+
+	shmrpc_tensor_free(e->t);
+	free(e);
+}
+
+int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out)
+{
+	struct exported *e;
+
+	if (!t || !out)
+		return shmrpc__fail(-EINVAL, "shmrpc_tensor_to_dlpack: a tensor and out must be given");
+	if (!(e = calloc(1, sizeof(*e))))
+		return shmrpc__fail(-ENOMEM, "out of memory exporting a tensor");
+	e->t = t;
+	e->m.dl_tensor = t->dl;
+	e->m.manager_ctx = e;
+	e->m.deleter = exported_delete;
+	*out = &e->m;
+	return 0;
+}
+
+static bool contiguous(const DLTensor *d)
+{
+	int64_t want = 1;
+
+	if (!d->strides)
+		return true;
+	for (int32_t i = d->ndim - 1; i >= 0; i--) {
+		if (d->shape[i] != 1 && d->strides[i] != want)
+			return false;
+		want *= d->shape[i];
+	}
+	return true;
+}
+
+/* The pool offset of p when it starts a live block of this job's pool. */
+static bool pool_block_at(struct shm_pool *pool, const void *p, uint64_t nbytes, uint64_t *off)
+{
+	const uint8_t *b = p;
+	int64_t size;
+
+	if (b < pool->base + pool->data_off || b >= pool->base + pool->size)
+		return false;
+	*off = (uint64_t)(b - pool->base);
+	size = pool_block_size(pool, *off);
+	return size >= 0 && (uint64_t)size >= nbytes;
+}
+
+int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
+{
+	struct shm_pool *p = pool_or_fail();
+	const DLTensor *d;
+	const uint8_t *src;
+	uint64_t off;
+	int rc;
+
+	if (!m || !out)
+		return shmrpc__fail(-EINVAL, "shmrpc_tensor_from_dlpack: a tensor and out must be given");
+	d = &m->dl_tensor;
+	if (!p)
+		rc = -ENOTSUP;
+	else if (d->device.device_type != kDLCPU && d->device.device_type != kDLCUDAHost)
+		rc = shmrpc__fail(-ENOTSUP, "DLPack tensors on device type %d are not supported yet "
+				  "(CPU memory only)", (int)d->device.device_type);
+	else if (!contiguous(d))
+		rc = shmrpc__fail(-ENOTSUP, "strided DLPack tensors are not supported yet: make it "
+				  "contiguous first");
+	else
+		rc = make_handle(p, 0, d->dtype, d->ndim, d->shape, out);
+	if (rc)
+		return rc; /* m stays the caller's */
+	src = (const uint8_t *)d->data + d->byte_offset;
+	if (pool_block_at(p, src, (*out)->nbytes, &off)) {
+		rc = pool_ref(p, worker_agent->rank, off);
+	} else {
+		rc = pool_alloc(p, worker_agent->rank, (*out)->nbytes ? (*out)->nbytes : 1, &off);
+		if (rc == 0) {
+			memcpy(pool_at(p, off, (*out)->nbytes), src, (*out)->nbytes);
+			/* Relaxed: a counter for inspectors and tests. */
+			atomic_fetch_add_explicit(&worker_agent->self->dlpack_copies, 1,
+						  memory_order_relaxed);
+		}
+	}
+	if (rc) {
+		free(*out);
+		*out = NULL;
+		return rc;
+	}
+	(*out)->off = off;
+	(*out)->dl.data = pool_at(p, off, (*out)->nbytes);
+	if (m->deleter)
+		m->deleter(m);
+	return 0;
+}
