@@ -17,53 +17,7 @@
 #include <unistd.h>
 
 #include "shmrpc.h"
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-
-	return x < y ? -1 : x > y;
-}
-
-/* The value of `metric` on the peer line "BENCH name ..." that holds
- * `filter` (or any, if NULL); 0 when there is none. */
-static double peer(const char *name, const char *filter, const char *metric)
-{
-	const char *path = getenv("SHMRPC_BENCH_PEERS");
-	char line[512], head[96], key[64];
-	double v = 0;
-	FILE *f;
-
-	if (!path || !(f = fopen(path, "r")))
-		return 0;
-	snprintf(head, sizeof(head), "BENCH %s ", name);
-	snprintf(key, sizeof(key), " %s=", metric);
-	while (fgets(line, sizeof(line), f)) {
-		char *at;
-
-		if (strncmp(line, head, strlen(head)) || (filter && !strstr(line, filter)))
-			continue;
-		if ((at = strstr(line, key)))
-			v = atof(at + strlen(key));
-		break;
-	}
-	fclose(f);
-	return v;
-}
-
-static void ratio(const char *label, double ours, double theirs)
-{
-	if (theirs > 0)
-		printf(" %s=%.3g", label, ours / theirs);
-}
+#include "bench/bench.h"
 
 static int nothing(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -91,15 +45,14 @@ static void timed_sync(const char *fn, const shmrpc_value *arg, int n, uint64_t 
 	shmrpc_future *f;
 
 	for (int i = 0; i < n; i++) {
-		uint64_t t0 = now_ns();
+		uint64_t t0 = bench_now_ns();
 
 		if (shmrpc_rpc_sync(1, fn, arg, arg ? 1 : 0, SHMRPC_TIMEOUT_DEFAULT, &f))
 			die(fn);
-		t[i] = now_ns() - t0;
+		t[i] = bench_now_ns() - t0;
 		shmrpc_future_free(f);
 	}
-	qsort(t, (size_t)n, sizeof(*t), cmp_u64);
-	*med = t[n / 2];
+	*med = bench_median(t, n);
 	*p99 = t[(size_t)n * 99 / 100];
 	free(t);
 }
@@ -115,8 +68,8 @@ static void measure(const char *mode, bool quick)
 	snprintf(filter, sizeof(filter), "mode=%s ", mode);
 	printf("BENCH rpc_sync mode=%s median_ns=%llu p99_ns=%llu", mode, (unsigned long long)med,
 	       (unsigned long long)p99);
-	ratio("vs_floor", (double)med, peer("floor", filter, "median_ns"));
-	ratio("vs_torch", (double)med, peer("torch_rpc_sync", NULL, "median_ns"));
+	bench_ratio("vs_floor", (double)med, bench_peer("floor", filter, "median_ns"));
+	bench_ratio("vs_torch", (double)med, bench_peer("torch_rpc_sync", NULL, "median_ns"));
 	printf("\n");
 	if (strcmp(mode, "uring"))
 		return;
@@ -126,7 +79,7 @@ static void measure(const char *mode, bool quick)
 		shmrpc_future **f = malloc((size_t)calls * sizeof(*f));
 		double per_s;
 
-		t0 = now_ns();
+		t0 = bench_now_ns();
 		for (int i = 0; i < calls; i++)
 			if (shmrpc_rpc_async(1, "nothing", NULL, 0, SHMRPC_TIMEOUT_NONE, &f[i]))
 				die("rpc_async");
@@ -135,11 +88,11 @@ static void measure(const char *mode, bool quick)
 				die("rpc_async wait");
 			shmrpc_future_free(f[i]);
 		}
-		per_s = calls * 1e9 / (double)(now_ns() - t0);
+		per_s = calls * 1e9 / (double)(bench_now_ns() - t0);
 		free(f);
 		printf("BENCH rpc_async mode=uring calls_per_s=%.0f", per_s);
 		/* Higher is better here: the ratio says how many times torch's rate. */
-		ratio("vs_torch", per_s, peer("torch_rpc_async", NULL, "calls_per_s"));
+		bench_ratio("vs_torch", per_s, bench_peer("torch_rpc_async", NULL, "calls_per_s"));
 		printf("\n");
 	}
 	for (uint32_t size = 1024; size <= (1u << 20); size *= 1024) {
@@ -151,7 +104,7 @@ static void measure(const char *mode, bool quick)
 		timed_sync("echo", &v, size > 4096 ? n / 20 : n / 2, &med, &p99);
 		printf("BENCH rpc_echo size=%u median_ns=%llu p99_ns=%llu MB_per_s=%.0f", size,
 		       (unsigned long long)med, (unsigned long long)p99, 2.0 * size * 1e3 / (double)med);
-		ratio("vs_torch", (double)med, peer("torch_rpc_echo", sz, "median_ns"));
+		bench_ratio("vs_torch", (double)med, bench_peer("torch_rpc_echo", sz, "median_ns"));
 		printf("\n");
 		free(buf);
 	}
@@ -177,29 +130,16 @@ int main(int argc, char **argv)
 {
 	static const char *const modes[] = { "uring", "futex", "spin" };
 	bool quick = argc > 1 && strcmp(argv[1], "-q") == 0;
-	char self[4096], shmrun[4096];
-	const char *build = getenv("SHMRPC_BUILD");
-	ssize_t n;
 
 	if (getenv("SHMRPC_RANK"))
 		return worker(quick);
-	n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-	if (n < 0)
-		return 1;
-	self[n] = '\0';
-	snprintf(shmrun, sizeof(shmrun), "%s/bin/shmrun", build ? build : "build");
 	for (int m = 0; m < 3; m++) {
-		char wait[32], cmd[10000];
+		char opts[128];
 
-		snprintf(wait, sizeof(wait), "--wait=%s", modes[m]);
-		/* 3 MiB rings carry the 1 MiB echo (a frame is at most half a ring). */
-		snprintf(cmd, sizeof(cmd), "'%s' -n 2 --quiet --ring-size 4194304 %s -- '%s' %s", shmrun,
-			 wait, self, quick ? "-q" : "");
-		fflush(stdout);
-		if (system(cmd) != 0) {
-			fprintf(stderr, "bench/rpc: the %s run failed\n", modes[m]);
+		/* 4 MiB rings carry the 1 MiB echo (a frame is at most half a ring). */
+		snprintf(opts, sizeof(opts), "-n 2 --quiet --ring-size 4194304 --wait=%s", modes[m]);
+		if (bench_run_self(opts, quick))
 			return 1;
-		}
 	}
 	return 0;
 }

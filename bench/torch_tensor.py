@@ -1,0 +1,91 @@
+"""The torch peers of bench/tensor_handoff: a CPU tensor of 1 KiB, 1 MiB,
+64 MiB and 1 GiB sent to another process and back, with
+torch.distributed.rpc (TensorPipe: the bytes are copied through a socket or
+shared memory each way) and with a torch.multiprocessing queue (the tensor
+is moved to shared memory and its fd passed). Prints BENCH torch_rpc_tensor
+and BENCH torch_mp_tensor lines; bench/tensor_handoff prints its own as
+ratios against them. -q: fewer repetitions.
+"""
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+SIZES = [1 << 10, 1 << 20, 64 << 20, 1 << 30]
+
+
+def reps(size, quick):
+    n = 200 if size <= (1 << 20) else (10 if size <= (64 << 20) else 3)
+    return max(2, n // 10) if quick else n
+
+
+def echo(t):
+    return t
+
+
+def median(samples):
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def rpc_worker(rank, port, quick):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=600)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        for size in SIZES:
+            t = torch.empty(size, dtype=torch.uint8)
+            rpc.rpc_sync("w1", echo, args=(t,))
+            samples = []
+            for _ in range(reps(size, quick)):
+                t0 = time.perf_counter_ns()
+                rpc.rpc_sync("w1", echo, args=(t,))
+                samples.append(time.perf_counter_ns() - t0)
+            print(f"BENCH torch_rpc_tensor size={size} median_ns={median(samples)}", flush=True)
+            del t
+    rpc.shutdown()
+
+
+def mp_echo(inq, outq):
+    while True:
+        t = inq.get()
+        if t is None:
+            return
+        outq.put(t)
+
+
+def mp_bench(quick):
+    ctx = mp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=mp_echo, args=(inq, outq))
+    p.start()
+    for size in SIZES:
+        t = torch.empty(size, dtype=torch.uint8).share_memory_()
+        inq.put(t)
+        outq.get()
+        samples = []
+        for _ in range(reps(size, quick)):
+            t0 = time.perf_counter_ns()
+            inq.put(t)
+            outq.get()
+            samples.append(time.perf_counter_ns() - t0)
+        print(f"BENCH torch_mp_tensor size={size} median_ns={median(samples)}", flush=True)
+    inq.put(None)
+    p.join()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    quick = "-q" in sys.argv
+    mp.spawn(rpc_worker, args=(free_port(), quick), nprocs=2, join=True)
+    mp_bench(quick)
