@@ -41,3 +41,14 @@ void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
 	if (me) /* relaxed: a statistic read by inspectors only */
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
+
+void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me)
+{
+	/* seq_cst fence between the tail store that published the frame and
+	 * the load of sleepers: pairs with the sleeper's fence after its
+	 * increment (doorbell.h). */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
+		return;
+	ipc_doorbell_ring(target, me);
+}

@@ -13,6 +13,15 @@
  * otherwise the waker sees the sleeper and wakes it. And if the bump came
  * before the sleeper read seq, the published work came before it as well
  * and the sleeper's check finds it. tests/stress_*.c would hang otherwise.
+ *
+ * Frames skip the bump when nobody sleeps (ipc_doorbell_notify). The
+ * waker publishes its frame (release store of the ring's tail), issues a
+ * seq_cst fence, and reads `sleepers`; the sleeper increments `sleepers`,
+ * issues a seq_cst fence, and then checks its rings and the doorbell
+ * (ipc_waiter_sleep). Of two fences one comes first in the seq_cst order:
+ * if the waker's, the sleeper's check sees the frame and it does not
+ * sleep; if the sleeper's, the waker sees it counted and rings. A waiter
+ * that spins instead of sleeping checks its rings as it spins.
  */
 #ifndef SHMRPC_IPC_DOORBELL_H
 #define SHMRPC_IPC_DOORBELL_H
@@ -30,8 +39,14 @@ static inline uint32_t ipc_doorbell_seq(struct shm_worker *w)
 	return atomic_load_explicit(&w->doorbell, memory_order_acquire);
 }
 
-/* Rings target's doorbell; `me` (may be NULL) counts the syscall. */
+/* Rings target's doorbell; `me` (may be NULL) counts the syscall. For
+ * events the target cannot see in its rings (space freed, a death, a
+ * state change): the doorbell always moves. */
 SHMRPC_HIDDEN void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me);
+/* A frame is published in one of target's rings: rings only if target
+ * sleeps or is about to (a spinning target watches its rings itself), so
+ * the common case costs a fence and a read of a line nobody writes. */
+SHMRPC_HIDDEN void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me);
 
 /* Plain futex wait until the word differs from seq, a wake, or timeout
  * (ns, 0 = none). 0, -EAGAIN (already changed), -ETIMEDOUT or -EINTR. */

@@ -144,7 +144,7 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 
 static void sent(struct ipc_port *p, uint32_t dst, uint32_t len)
 {
-	ipc_doorbell_ring(shm_worker(p->seg, dst), p->self);
+	ipc_doorbell_notify(shm_worker(p->seg, dst), p->self);
 	/* Relaxed: statistics, read by inspectors only. */
 	atomic_fetch_add_explicit(&p->self->frames_sent, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
@@ -300,6 +300,11 @@ static bool has_input(struct ipc_port *p)
 	return false;
 }
 
+static bool has_input_cb(void *p)
+{
+	return has_input(p);
+}
+
 int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
 {
 	uint32_t seq;
@@ -310,7 +315,7 @@ int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
 	p->space_seq_set = false;
 	if (has_input(p) || ipc_waiter_has_news(&p->waiter))
 		return 0;
-	return ipc_waiter_sleep(&p->waiter, seq, timeout_ns);
+	return ipc_waiter_sleep(&p->waiter, seq, timeout_ns, has_input_cb, p);
 }
 
 int ipc_port_watch(struct ipc_port *p, uint32_t peer, pid_t pid)

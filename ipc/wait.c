@@ -327,13 +327,15 @@ bool ipc_waiter_take_dead(struct ipc_waiter *w, uint32_t *id)
 	return false;
 }
 
-/* Spins until the doorbell moves or budget_ns passes; true if it moved. */
-static bool spin_for(struct ipc_waiter *w, uint32_t seq, uint64_t budget_ns, bool yield)
+/* Spins until the doorbell moves, ready(arg), or budget_ns passes; true
+ * unless the budget ran out. */
+static bool spin_for(struct ipc_waiter *w, uint32_t seq, uint64_t budget_ns, bool yield,
+		     bool (*ready)(void *), void *arg)
 {
 	uint64_t start = shmrpc_now_ns();
 
 	for (uint32_t i = 1;; i++) {
-		if (ipc_doorbell_seq(w->self) != seq)
+		if (ipc_doorbell_seq(w->self) != seq || ready(arg))
 			return true;
 		shmrpc_cpu_relax();
 		if ((i & 63) == 0) {
@@ -390,17 +392,20 @@ static int uring_wait(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns)
 	return 0;
 }
 
-int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns)
+int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns,
+		     bool (*ready)(void *arg), void *arg)
 {
 	uint64_t budget = w->fixed_spin_ns >= 0 ? (uint64_t)w->fixed_spin_ns : w->spin_ns;
 	int err;
 
 	if (w->mode == IPC_WAIT_SPIN)
-		return spin_for(w, seq, timeout_ns ? timeout_ns : UINT64_MAX, true) ? 0 : -ETIMEDOUT;
+		return spin_for(w, seq, timeout_ns ? timeout_ns : UINT64_MAX, true, ready, arg)
+			       ? 0
+			       : -ETIMEDOUT;
 
 	if (timeout_ns && budget > timeout_ns)
 		budget = timeout_ns;
-	if (budget && spin_for(w, seq, budget, false)) {
+	if (budget && spin_for(w, seq, budget, false, ready, arg)) {
 		if (w->spin_ns < SPIN_MAX_NS)
 			w->spin_ns *= 2;
 		return 0;
@@ -413,11 +418,15 @@ int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns)
 		timeout_ns -= budget;
 	}
 
-	/* seq_cst: pairs with the waker's bump-then-load (doorbell.h). */
+	/* seq_cst RMW, then a full fence before looking at the rings again:
+	 * pairs with the waker's fence between publishing and reading
+	 * `sleepers` (doorbell.h). Either it sees us and rings, or we see its
+	 * frame. */
 	atomic_fetch_add_explicit(&w->self->sleepers, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
 	/* Re-check after announcing ourselves: a futex wait armed in an earlier
 	 * round compares against an older value, not against seq. */
-	if (atomic_load_explicit(&w->self->doorbell, memory_order_seq_cst) != seq)
+	if (atomic_load_explicit(&w->self->doorbell, memory_order_seq_cst) != seq || ready(arg))
 		err = 0;
 	else if (w->mode == IPC_WAIT_URING)
 		err = uring_wait(w, seq, timeout_ns);

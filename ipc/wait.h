@@ -63,10 +63,14 @@ SHMRPC_HIDDEN void ipc_waiter_destroy(struct ipc_waiter *w);
 SHMRPC_HIDDEN int ipc_waiter_watch(struct ipc_waiter *w, uint32_t id, pid_t pid);
 /*
  * Sleeps until the doorbell differs from seq (read by the caller with
- * ipc_doorbell_seq before it checked for work), a watched process dies, or
- * timeout_ns passes (0: no timeout). 0 or -ETIMEDOUT.
+ * ipc_doorbell_seq before it checked for work), ready(arg) holds, a watched
+ * process dies, or timeout_ns passes (0: no timeout). 0 or -ETIMEDOUT.
+ * ready is the caller's own check for work (its rings): frames are
+ * published with ipc_doorbell_notify, which bumps the doorbell only when
+ * the receiver sleeps, so a spinning waiter must look at the rings.
  */
-SHMRPC_HIDDEN int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns);
+SHMRPC_HIDDEN int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns,
+				   bool (*ready)(void *arg), void *arg);
 /* Notices deaths already reported by the kernel, without blocking. */
 SHMRPC_HIDDEN void ipc_waiter_poll(struct ipc_waiter *w);
 /* True once the death of id was seen (any thread may ask). */
