@@ -8,7 +8,7 @@
  *   BENCH ring_rtt mode=uring|futex|spin median_ns= p99_ns= vs_floor=
  *       an empty frame there and back through the job segment's rings,
  *       doorbells and waiters (ipc_port_*), over the floor of its mode;
- *   BENCH ring_stream size=S frames_per_s= MB_per_s=|GB_per_s=
+ *   BENCH ring_stream size=S mode=uring payload_csum=on|off frames_per_s= MB_per_s=|GB_per_s=
  *       one-way frames as fast as the producer can send them.
  * -q: fewer iterations (the demo).
  */
@@ -337,11 +337,11 @@ struct job {
 	pid_t pid;
 };
 
-static void job_start(struct job *j, enum ipc_wait_mode mode)
+static void job_start(struct job *j, enum ipc_wait_mode mode, uint32_t flags)
 {
 	/* A 64 KiB frame needs a ring of more than 128 KiB (a record is at most
 	 * half a ring); 1 MiB lets the producer run ahead by 15 of them. */
-	struct shm_seg_params sp = { .world_size = 2, .ring_size = 1u << 20 };
+	struct shm_seg_params sp = { .world_size = 2, .ring_size = 1u << 20, .flags = flags };
 	int err;
 
 	memset(j, 0, sizeof(*j));
@@ -370,7 +370,7 @@ static void ring_rtt(enum ipc_wait_mode mode, uint64_t floor_med, int warm, int 
 	char head[64];
 	uint64_t med;
 
-	job_start(&j, mode);
+	job_start(&j, mode, 0);
 	if (j.port.waiter.mode != mode) {
 		fprintf(stderr, "bench/ring_pingpong: no %s wait here; ring_rtt mode=%s skipped\n",
 			ipc_wait_mode_name(mode), ipc_wait_mode_name(mode));
@@ -410,8 +410,8 @@ static void ring_stream(struct job *j, uint32_t size, int n)
 	await_frames(&j->port, &j->rx, j->rx.frames + 1);
 	ns = shmrpc_now_ns() - t0;
 	per_s = (double)n * 1e9 / (double)ns;
-	printf("BENCH ring_stream size=%u mode=%s frames_per_s=%.0f ", size,
-	       ipc_wait_mode_name(j->port.waiter.mode), per_s);
+	printf("BENCH ring_stream size=%u mode=%s payload_csum=%s frames_per_s=%.0f ", size,
+	       ipc_wait_mode_name(j->port.waiter.mode), j->port.payload_csum ? "on" : "off", per_s);
 	if (size >= 4096)
 		printf("GB_per_s=%.2f", per_s * size / 1e9);
 	else
@@ -453,11 +453,15 @@ int main(int argc, char **argv)
 	for (int m = IPC_WAIT_URING; m <= IPC_WAIT_SPIN; m++)
 		ring_rtt((enum ipc_wait_mode)m, floor_med[m], n_ring / 10, n_ring, t);
 
-	/* Streams in the default mode; the receiver's checksum pass reads every byte. */
-	job_start(&j, IPC_WAIT_URING);
-	ring_stream(&j, 64, quick ? 200000 : 5000000);
-	ring_stream(&j, 64u << 10, quick ? 2000 : 40000);
-	job_stop(&j);
+	/* Streams in the default mode; the receiver's checksum pass reads every
+	 * byte. Then the same without payload checksums (shmrun
+	 * --no-payload-checksum; headers are always checked). */
+	for (int csum_off = 0; csum_off <= 1; csum_off++) {
+		job_start(&j, IPC_WAIT_URING, csum_off ? SHM_F_NO_PAYLOAD_CSUM : 0);
+		ring_stream(&j, 64, quick ? 200000 : 5000000);
+		ring_stream(&j, 64u << 10, quick ? 2000 : 40000);
+		job_stop(&j);
+	}
 
 	munmap(word, 4096);
 	free(t);
