@@ -101,12 +101,12 @@ $(RUNNER): $(BUILD)/obj/tests/runner/runner.o
 
 # The fuzz target needs clang's libFuzzer runtime (libclang-rt-14-dev).
 FUZZ_CC  ?= clang
-FUZZ_BIN := build/fuzz/frame_decode
+FUZZ_BIN := build/fuzz/decode
 fuzz: $(FUZZ_BIN)
-$(FUZZ_BIN): fuzz/frame_decode.c common/error.c ipc/frame.c ipc/ring.c
+$(FUZZ_BIN): fuzz/decode.c $(LIB_SRCS)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(CPPFLAGS) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -o $@ \
-		fuzz/frame_decode.c common/error.c ipc/frame.c ipc/ring.c
+		fuzz/decode.c $(LIB_SRCS) $(LIBS)
 
 check: deps
 	@$(MAKE) --no-print-directory all

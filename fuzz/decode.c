@@ -1,14 +1,19 @@
 /*
- * libFuzzer target: whatever bytes sit in a ring, the consumer side
- * (ipc_ring_peek, then ipc_frame_decode on each record) must neither read
- * outside the ring nor accept a frame whose checksums do not hold.
- * The input is [8-byte tail][ring bytes]; the ring is 4 KiB.
+ * libFuzzer target for everything that decodes bytes another process
+ * wrote. Whatever bytes sit in a ring, the consumer side (ipc_ring_peek,
+ * then ipc_frame_decode on each record) must neither read outside the ring
+ * nor accept a frame whose checksums do not hold; and whatever a payload
+ * holds, the value decoder (worker/value.c) must neither read past it nor
+ * allocate more than it can back. The input is [8-byte tail][ring bytes];
+ * the ring is 4 KiB; the bytes after the tail are also decoded as a value.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "ipc/frame.h"
 #include "ipc/ring.h"
+#include "worker/arena.h"
+#include "worker/value.h"
 
 #define FUZZ_RING 4096u
 
@@ -40,6 +45,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (ipc_frame_decode(data, (uint32_t)size, 1, 0, &f) == 0 &&
 		    f.payload + f.hdr.payload_len > data + size)
 			__builtin_trap();
+	}
+	/* The value decoder, as a request or reply payload (no tensors here). */
+	{
+		struct arena a = { 0 };
+		shmrpc_value v;
+		size_t used;
+
+		if (value_unpack(data, size, &a, &v, &used, NULL) == 0 && used > size)
+			__builtin_trap();
+		arena_free(&a);
 	}
 	/* The ring walk, record after record, as a consumer does. */
 	for (int n = 0; n < 1024 && ipc_ring_peek(&r, &rec, &len) == 1; n++) {
