@@ -336,10 +336,15 @@ static int block_at(struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *c
 	return 0;
 }
 
+/* The class of block record idx, or POOL_NCLASS when the record holds no
+ * block: its carver may have died between reserving the record and writing
+ * it, so its offset is checked like anything else read from the pool. */
 static uint32_t block_class(struct shm_pool *p, uint32_t idx)
 {
-	uint64_t rel = p->meta[idx].off - p->data_off;
+	uint64_t off = p->meta[idx].off, rel = off - p->data_off;
 
+	if (off < p->data_off || (rel >> POOL_CHUNK_SHIFT) >= p->nchunks)
+		return POOL_NCLASS;
 	return (uint32_t)(atomic_load_explicit(&p->chunks[rel >> POOL_CHUNK_SHIFT],
 					       memory_order_acquire) >> 32) - 1;
 }
