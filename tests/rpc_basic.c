@@ -226,7 +226,5 @@ int main(void)
 	if (access(tl_shmrun_path(), X_OK))
 		return TL_SKIP;
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "2 workers failed");
-	CHECK(tl_shmrun(out, sizeof(out), "-n", "4", NULL) == 0, "4 workers failed");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	return tl_job_test(worker, "-n", "4", NULL);
 }

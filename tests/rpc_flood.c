@@ -44,13 +44,5 @@ static int worker(void)
 
 int main(void)
 {
-	char out[1 << 14];
-
-	if (tl_is_worker())
-		return worker();
-	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
-	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "the flood failed");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	return tl_job_test(worker, "-n", "2", NULL);
 }

@@ -102,21 +102,17 @@ static int fn_one(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 	return 0;
 }
 
+static int worker(void)
+{
+	if (atoi(getenv("SHMRPC_RANK")) == 0)
+		return raw_worker();
+	CHECK_OK(shmrpc_register("one", "", fn_one, NULL));
+	CHECK_OK(shmrpc_init(NULL));
+	CHECK_OK(shmrpc_shutdown(1, 30000));
+	return 0;
+}
+
 int main(void)
 {
-	char out[1 << 14];
-
-	if (tl_is_worker()) {
-		if (atoi(getenv("SHMRPC_RANK")) == 0)
-			return raw_worker();
-		CHECK_OK(shmrpc_register("one", "", fn_one, NULL));
-		CHECK_OK(shmrpc_init(NULL));
-		CHECK_OK(shmrpc_shutdown(1, 30000));
-		return 0;
-	}
-	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
-	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "the job failed");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	return tl_job_test(worker, "-n", "2", NULL);
 }

@@ -80,14 +80,8 @@ static int worker(void)
 int main(void)
 {
 	struct rlimit rl = { 1024, 1024 };
-	char out[1 << 14];
 
-	if (tl_is_worker())
-		return worker();
-	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
-	CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0, "ulimit -n 1024");
-	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "the job failed");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	/* Inherited by shmrun and the workers. */
+	CHECK(tl_is_worker() || setrlimit(RLIMIT_NOFILE, &rl) == 0, "ulimit -n 1024");
+	return tl_job_test(worker, "-n", "2", NULL);
 }

@@ -7,6 +7,7 @@
 
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
+#include "tests/lib/testlib.h"
 
 bool tl_is_worker(void)
 {
@@ -22,24 +23,50 @@ const char *tl_shmrun_path(void)
 	return path;
 }
 
-int tl_shmrun(char *out, size_t len, const char *opt, ...)
+static int vshmrun(char *out, size_t len, const char *opt, va_list ap)
 {
 	const char *argv[64];
 	char self[PATH_MAX];
 	ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
 	int argc = 0;
-	va_list ap;
 
 	if (n < 0)
 		return -1;
 	self[n] = '\0';
 	argv[argc++] = tl_shmrun_path();
-	va_start(ap, opt);
 	for (const char *a = opt; a && argc < 60; a = va_arg(ap, const char *))
 		argv[argc++] = a;
-	va_end(ap);
 	argv[argc++] = "--";
 	argv[argc++] = self;
 	argv[argc] = NULL;
 	return tl_run(out, len, argv);
+}
+
+int tl_shmrun(char *out, size_t len, const char *opt, ...)
+{
+	va_list ap;
+	int rc;
+
+	va_start(ap, opt);
+	rc = vshmrun(out, len, opt, ap);
+	va_end(ap);
+	return rc;
+}
+
+int tl_job_test(int (*worker)(void), const char *opt, ...)
+{
+	static char out[1 << 16];
+	va_list ap;
+	int rc;
+
+	if (tl_is_worker())
+		return worker();
+	if (access(tl_shmrun_path(), X_OK))
+		return TL_SKIP;
+	va_start(ap, opt);
+	rc = vshmrun(out, sizeof(out), opt, ap);
+	va_end(ap);
+	CHECK(rc == 0, "the job failed: shmrun exited %d", rc);
+	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
+	return 0;
 }

@@ -17,5 +17,12 @@ const char *tl_shmrun_path(void);
  * len). Returns the launcher's exit code, 128+signal if it was killed, -1
  * if it could not run. */
 int tl_shmrun(char *out, size_t len, const char *opt, ...) __attribute__((sentinel));
+/*
+ * The whole main() of most job tests: in a worker, returns worker();
+ * otherwise runs the job with the options (NULL-terminated), and passes
+ * when the launcher exits 0 and nothing is left in /dev/shm. Skips (77)
+ * when shmrun is not built.
+ */
+int tl_job_test(int (*worker)(void), const char *opt, ...) __attribute__((sentinel));
 
 #endif
