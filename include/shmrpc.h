@@ -153,6 +153,8 @@ typedef struct shmrpc_call shmrpc_call;
  * A registered function. Runs on an executor thread. Returns 0 with
  * *result set, or the value of shmrpc_call_error(). Memory for the result
  * comes from shmrpc_call_alloc (freed after the reply is sent) or is static.
+ * A tensor in the result is handed to the call, which frees it once the
+ * caller holds it (an argument's tensor may be returned as it is).
  */
 typedef int (*shmrpc_fn)(shmrpc_call *call, const shmrpc_value *args, uint32_t nargs,
 			 shmrpc_value *result, void *user);
