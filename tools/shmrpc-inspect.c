@@ -1,0 +1,494 @@
+/*
+ * shmrpc-inspect: look inside the running jobs of this user.
+ *
+ *   shmrpc-inspect              one line per live job
+ *   shmrpc-inspect JOB          the header and the worker table of one job
+ *   shmrpc-inspect --json JOB   the same as one JSON object
+ *   shmrpc-inspect --check JOB  "ok", or the anomalies found and exit 1
+ *
+ * JOB is the launcher's pid. A job is found through the launcher's memfd
+ * ("/memfd:shmrpc-job", /proc/PID/fd/N); there is no file to look for. The
+ * segment is mapped PROT_READ: the inspector can never disturb the job.
+ * Every value is a relaxed load of a counter its owner keeps moving, so a
+ * table is a set of recent values, not one instant.
+ *
+ * The tensor pool is not shown: pool_attach_fd maps the pool read-write,
+ * and the inspector maps nothing it could write.
+ *
+ * JSON fields (stable): format_version, launcher_pid, job_name, world_size,
+ * age_s, ring_size, generation, shutting_down, workers: [{rank, name, pid,
+ * state ("EMPTY", "RUNNING", "EXITED", "DEAD"), exit (text or null),
+ * agent_state ("none", "ready", "leaving", "gone"), heartbeat_age_s (null
+ * before the first), calls_served, client_active_calls,
+ * server_active_calls, num_pending_futures, thread_pool_size,
+ * num_idle_threads, errors, timeouts, late_replies, frames_sent,
+ * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out}].
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "ipc/ring.h"
+#include "shm/exit_info.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+#define PROG "shmrpc-inspect"
+#define SEG_LINK "/memfd:shmrpc-job (deleted)"
+
+#define EXIT_ANOMALY 1
+#define EXIT_USAGE 2
+
+/* The worker fields shown besides the lifecycle, in table order. */
+struct counter {
+	const char *key;  /* JSON field */
+	const char *head; /* column header */
+	size_t off;
+	bool wide; /* _Atomic uint64_t, else _Atomic uint32_t */
+};
+
+#define C64(key, head) { #key, head, offsetof(struct shm_worker, key), true }
+#define C32(key, head) { #key, head, offsetof(struct shm_worker, key), false }
+static const struct counter counters[] = {
+	C64(calls_served, "SERVED"),
+	C64(client_active_calls, "CLI"),
+	C64(server_active_calls, "SRV"),
+	C64(num_pending_futures, "PEND"),
+	C32(thread_pool_size, "THR"),
+	C32(num_idle_threads, "IDLE"),
+	C64(errors, "ERR"),
+	C64(timeouts, "TMO"),
+	C64(late_replies, "LATE"),
+	C64(frames_sent, "SENT"),
+	C64(frames_recv, "RECV"),
+	C64(corrupt_frames, "CORRUPT"),
+};
+#define NCOUNTERS (sizeof(counters) / sizeof(counters[0]))
+#define CORRUPT_FRAMES (NCOUNTERS - 1)
+_Static_assert(NCOUNTERS == 12, "CORRUPT_FRAMES is the last counter");
+
+/* One worker slot as read once. */
+struct wsnap {
+	uint32_t state, pid, exit_info, agent;
+	uint64_t hb_age_ns; /* UINT64_MAX: no heartbeat yet */
+	uint64_t val[NCOUNTERS];
+	uint64_t ring_in, ring_out;
+	char name[SHM_NAME_MAX + 1];
+	char exit_text[96]; /* "" unless EXITED or DEAD */
+};
+
+static const char *const state_names[] = { "EMPTY", "RUNNING", "EXITED", "DEAD" };
+static const char *const agent_names[] = { "none", "ready", "leaving", "gone" };
+
+static const char *name_of(const char *const *names, size_t n, uint32_t v)
+{
+	return v < n ? names[v] : "?";
+}
+
+static int fail(const char *fmt, ...) SHMRPC_PRINTF(1, 2);
+static int fail(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs(PROG ": ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+	return EXIT_ANOMALY;
+}
+
+static void usage(FILE *f)
+{
+	fputs("usage: " PROG " [--json | --check] [JOB]\n"
+	      "With no JOB, lists the live shmrpc jobs of this user; with JOB (the\n"
+	      "launcher's pid), shows its header and worker table, read-only.\n"
+	      "  --json     the job as one JSON object\n"
+	      "  --check    print \"ok\", or the anomalies found and exit 1\n"
+	      "  --help     this text\n"
+	      "  --version  the shmrpc version\n",
+	      f);
+}
+
+/*
+ * Finds the job segment among the fds of pid: path gets /proc/PID/fd/N.
+ * 0 when found, -ENOENT when pid holds none, or -errno of /proc.
+ */
+static int find_seg_fd(pid_t pid, char *path, size_t len)
+{
+	char dir[64], link[64];
+	struct dirent *d;
+	DIR *fds;
+	int err = -ENOENT;
+
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)pid);
+	fds = opendir(dir);
+	if (!fds)
+		return -errno;
+	while ((d = readdir(fds))) {
+		ssize_t n;
+
+		if (d->d_name[0] == '.')
+			continue;
+		snprintf(path, len, "%s/%s", dir, d->d_name);
+		n = readlink(path, link, sizeof(link) - 1);
+		if (n < 0)
+			continue;
+		link[n] = '\0';
+		if (strcmp(link, SEG_LINK) == 0) {
+			err = 0;
+			break;
+		}
+	}
+	closedir(fds);
+	return err;
+}
+
+static uint64_t age_ns(const struct shm_seg *seg)
+{
+	uint64_t now = shmrpc_realtime_ns();
+
+	return now > seg->hdr->created_ns ? now - seg->hdr->created_ns : 0;
+}
+
+/* "850ms", "12.3s", "4m05s", "3h07m", "2d04h". */
+static const char *fmt_dur(uint64_t ns, char *buf, size_t len)
+{
+	uint64_t s = ns / 1000000000u;
+
+	if (ns == UINT64_MAX)
+		snprintf(buf, len, "-");
+	else if (ns < 1000000000u)
+		snprintf(buf, len, "%llums", (unsigned long long)(ns / 1000000u));
+	else if (s < 60)
+		snprintf(buf, len, "%.1fs", (double)ns / 1e9);
+	else if (s < 3600)
+		snprintf(buf, len, "%llum%02llus", (unsigned long long)(s / 60), (unsigned long long)(s % 60));
+	else if (s < 86400)
+		snprintf(buf, len, "%lluh%02llum", (unsigned long long)(s / 3600),
+			 (unsigned long long)(s % 3600 / 60));
+	else
+		snprintf(buf, len, "%llud%02lluh", (unsigned long long)(s / 86400),
+			 (unsigned long long)(s % 86400 / 3600));
+	return buf;
+}
+
+/* A name from the segment, bounded and NUL-terminated whatever is there. */
+static void copy_name(char *dst, const char *src)
+{
+	size_t n = strnlen(src, SHM_NAME_MAX);
+
+	memcpy(dst, src, n);
+	dst[n] = '\0';
+}
+
+/* The same name for a terminal: control bytes become '?'. */
+static const char *printable(const char *s, char *buf)
+{
+	size_t i;
+
+	for (i = 0; s[i]; i++)
+		buf[i] = (unsigned char)s[i] < 0x20 || s[i] == 0x7f ? '?' : s[i];
+	buf[i] = '\0';
+	return buf;
+}
+
+static void snap_worker(const struct shm_seg *seg, uint32_t rank, uint64_t now, struct wsnap *s)
+{
+	const struct shm_worker *w = shm_worker(seg, rank);
+	uint64_t hb;
+
+	/* Acquire: exit_info is visible once state says DEAD or EXITED. */
+	s->state = atomic_load_explicit(&w->state, memory_order_acquire);
+	s->pid = atomic_load_explicit(&w->pid, memory_order_relaxed);
+	s->exit_info = atomic_load_explicit(&w->exit_info, memory_order_relaxed);
+	s->agent = atomic_load_explicit(&w->agent_state, memory_order_relaxed);
+	hb = atomic_load_explicit(&w->heartbeat_ns, memory_order_relaxed);
+	s->hb_age_ns = hb == 0 ? UINT64_MAX : now > hb ? now - hb : 0;
+	for (size_t i = 0; i < NCOUNTERS; i++) {
+		const void *p = (const uint8_t *)w + counters[i].off;
+
+		s->val[i] = counters[i].wide ?
+			atomic_load_explicit((const _Atomic uint64_t *)p, memory_order_relaxed) :
+			atomic_load_explicit((const _Atomic uint32_t *)p, memory_order_relaxed);
+	}
+	s->ring_in = s->ring_out = 0;
+	for (uint32_t peer = 0; peer < seg->world; peer++) {
+		if (peer == rank)
+			continue;
+		s->ring_in += ipc_ring_fill(shm_ring(seg, peer, rank));
+		s->ring_out += ipc_ring_fill(shm_ring(seg, rank, peer));
+	}
+	copy_name(s->name, w->name);
+	s->exit_text[0] = '\0';
+	if (s->state == SHM_WORKER_EXITED || s->state == SHM_WORKER_DEAD)
+		shm_exit_info_format(s->exit_info, s->exit_text, sizeof(s->exit_text));
+}
+
+static struct wsnap *snap_job(const struct shm_seg *seg)
+{
+	struct wsnap *ws = calloc(seg->world, sizeof(*ws));
+	uint64_t now = shmrpc_now_ns();
+
+	if (!ws)
+		return NULL;
+	for (uint32_t r = 0; r < seg->world; r++)
+		snap_worker(seg, r, now, &ws[r]);
+	return ws;
+}
+
+static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
+{
+	const struct shm_header *h = seg->hdr;
+	char name[SHM_NAME_MAX + 1], pbuf[SHM_NAME_MAX + 1], dur[32];
+
+	copy_name(name, h->job_name);
+	printf("job            %s\n", printable(name, pbuf));
+	printf("launcher pid   %u\n", h->launcher_pid);
+	printf("format version %u\n", h->format_version);
+	printf("world size     %u\n", seg->world);
+	printf("age            %s\n", fmt_dur(age_ns(seg), dur, sizeof(dur)));
+	printf("ring size      %u\n", seg->ring_size);
+	printf("generation     %u\n", atomic_load_explicit(&h->generation, memory_order_relaxed));
+	if (atomic_load_explicit(&h->shutting_down, memory_order_relaxed))
+		printf("shutting down\n");
+
+	printf("\n%4s %-16s %7s %-7s %-7s %6s", "RANK", "NAME", "PID", "STATE", "AGENT", "BEAT");
+	for (size_t i = 0; i < NCOUNTERS; i++)
+		printf(" %*s", counters[i].wide ? 8 : 4, counters[i].head);
+	printf(" %8s %8s\n", "RING_IN", "RING_OUT");
+	for (uint32_t r = 0; r < seg->world; r++) {
+		const struct wsnap *s = &ws[r];
+
+		printf("%4u %-16s %7u %-7s %-7s %6s", r, printable(s->name, pbuf), s->pid,
+		       name_of(state_names, 4, s->state), name_of(agent_names, 4, s->agent),
+		       fmt_dur(s->hb_age_ns, dur, sizeof(dur)));
+		for (size_t i = 0; i < NCOUNTERS; i++)
+			printf(" %*llu", counters[i].wide ? 8 : 4, (unsigned long long)s->val[i]);
+		printf(" %8llu %8llu\n", (unsigned long long)s->ring_in, (unsigned long long)s->ring_out);
+	}
+	for (uint32_t r = 0; r < seg->world; r++)
+		if (ws[r].exit_text[0])
+			printf("rank %u (%s): %s\n", r, printable(ws[r].name, pbuf), ws[r].exit_text);
+}
+
+static void json_str(const char *s)
+{
+	putchar('"');
+	for (; *s; s++) {
+		unsigned char c = (unsigned char)*s;
+
+		if (c == '"' || c == '\\')
+			printf("\\%c", c);
+		else if (c < 0x20 || c == 0x7f)
+			printf("\\u%04x", c);
+		else
+			putchar(c);
+	}
+	putchar('"');
+}
+
+static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
+{
+	const struct shm_header *h = seg->hdr;
+	char name[SHM_NAME_MAX + 1];
+
+	copy_name(name, h->job_name);
+	printf("{\"format_version\":%u,\"launcher_pid\":%u,\"job_name\":", h->format_version,
+	       h->launcher_pid);
+	json_str(name);
+	printf(",\"world_size\":%u,\"age_s\":%.3f,\"ring_size\":%u,\"generation\":%u,"
+	       "\"shutting_down\":%s,\"workers\":[",
+	       seg->world, (double)age_ns(seg) / 1e9, seg->ring_size,
+	       atomic_load_explicit(&h->generation, memory_order_relaxed),
+	       atomic_load_explicit(&h->shutting_down, memory_order_relaxed) ? "true" : "false");
+	for (uint32_t r = 0; r < seg->world; r++) {
+		const struct wsnap *s = &ws[r];
+
+		printf("%s{\"rank\":%u,\"name\":", r ? "," : "", r);
+		json_str(s->name);
+		printf(",\"pid\":%u,\"state\":\"%s\",\"exit\":", s->pid, name_of(state_names, 4, s->state));
+		if (s->exit_text[0])
+			json_str(s->exit_text);
+		else
+			fputs("null", stdout);
+		printf(",\"agent_state\":\"%s\",\"heartbeat_age_s\":", name_of(agent_names, 4, s->agent));
+		if (s->hb_age_ns == UINT64_MAX)
+			fputs("null", stdout);
+		else
+			printf("%.3f", (double)s->hb_age_ns / 1e9);
+		for (size_t i = 0; i < NCOUNTERS; i++)
+			printf(",\"%s\":%llu", counters[i].key, (unsigned long long)s->val[i]);
+		printf(",\"ring_fill_in\":%llu,\"ring_fill_out\":%llu}", (unsigned long long)s->ring_in,
+		       (unsigned long long)s->ring_out);
+	}
+	printf("]}\n");
+}
+
+/* Prints each anomaly; the number found. */
+static int check(const struct shm_seg *seg, const struct wsnap *ws)
+{
+	char pbuf[SHM_NAME_MAX + 1];
+	int bad = 0;
+
+	for (uint32_t r = 0; r < seg->world; r++) {
+		const struct wsnap *s = &ws[r];
+
+		if (s->state == SHM_WORKER_DEAD) {
+			printf("rank %u (%s) is DEAD: %s\n", r, printable(s->name, pbuf), s->exit_text);
+			bad++;
+		}
+		if (s->val[CORRUPT_FRAMES]) {
+			printf("rank %u (%s) received %llu corrupt frames\n", r, printable(s->name, pbuf),
+			       (unsigned long long)s->val[CORRUPT_FRAMES]);
+			bad++;
+		}
+	}
+	return bad;
+}
+
+/* Attaches to the job whose launcher is pid; quiet: no message on failure. */
+static int attach_job(pid_t pid, struct shm_seg *seg, bool quiet)
+{
+	char path[PATH_MAX], proc[32];
+	struct stat st;
+	int err;
+
+	snprintf(proc, sizeof(proc), "/proc/%d", (int)pid);
+	if (stat(proc, &st) < 0)
+		return quiet ? -1 : fail("no such job: no process %d", (int)pid);
+	if (st.st_uid != getuid())
+		return quiet ? -1 : fail("process %d belongs to another user", (int)pid);
+	err = find_seg_fd(pid, path, sizeof(path));
+	if (err == -ENOENT)
+		return quiet ? -1 : fail("process %d is not a shmrpc job", (int)pid);
+	if (err)
+		return quiet ? -1 : fail("cannot read %s/fd: %s", proc, strerror(-err));
+	if (shm_seg_attach_path(seg, path, true))
+		return quiet ? -1 : fail("%s", shmrpc_errmsg());
+	if (seg->hdr->launcher_pid != (uint32_t)pid) {
+		uint32_t launcher = seg->hdr->launcher_pid;
+
+		shm_seg_detach(seg);
+		return quiet ? -1 :
+			fail("process %d is a worker, not a launcher: the job is %u", (int)pid, launcher);
+	}
+	return 0;
+}
+
+static int list_jobs(void)
+{
+	DIR *proc = opendir("/proc");
+	struct dirent *d;
+	int found = 0;
+
+	if (!proc)
+		return fail("cannot read /proc: %s", strerror(errno));
+	while ((d = readdir(proc))) {
+		char *end, name[SHM_NAME_MAX + 1], pbuf[SHM_NAME_MAX + 1], dur[32];
+		long pid = strtol(d->d_name, &end, 10);
+		uint32_t n[4] = { 0 };
+		struct shm_seg seg;
+
+		if (*end || pid <= 0 || attach_job((pid_t)pid, &seg, true))
+			continue;
+		for (uint32_t r = 0; r < seg.world; r++) {
+			uint32_t st = atomic_load_explicit(&shm_worker(&seg, r)->state, memory_order_relaxed);
+
+			n[st < 4 ? st : 0]++;
+		}
+		if (!found++)
+			printf("%7s %-24s %5s %8s %7s %6s %4s\n", "PID", "JOB", "WORLD", "AGE", "RUNNING",
+			       "EXITED", "DEAD");
+		copy_name(name, seg.hdr->job_name);
+		printf("%7ld %-24s %5u %8s %7u %6u %4u\n", pid, printable(name, pbuf), seg.world,
+		       fmt_dur(age_ns(&seg), dur, sizeof(dur)), n[SHM_WORKER_RUNNING],
+		       n[SHM_WORKER_EXITED], n[SHM_WORKER_DEAD]);
+		shm_seg_detach(&seg);
+	}
+	closedir(proc);
+	if (!found)
+		printf("no shmrpc jobs of this user\n");
+	return 0;
+}
+
+static int inspect(pid_t pid, bool json, bool want_check)
+{
+	struct shm_seg seg;
+	struct wsnap *ws;
+	int rc = 0;
+
+	if (attach_job(pid, &seg, false))
+		return EXIT_ANOMALY;
+	ws = snap_job(&seg);
+	if (!ws) {
+		shm_seg_detach(&seg);
+		return fail("out of memory");
+	}
+	if (want_check) {
+		rc = check(&seg, ws) ? EXIT_ANOMALY : 0;
+		if (!rc)
+			printf("ok\n");
+	} else if (json) {
+		print_json(&seg, ws);
+	} else {
+		print_text(&seg, ws);
+	}
+	free(ws);
+	shm_seg_detach(&seg);
+	return rc;
+}
+
+int main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "json", no_argument, NULL, 'j' },
+		{ "check", no_argument, NULL, 'c' },
+		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ 0 },
+	};
+	bool json = false, want_check = false;
+	char *end;
+	long pid;
+	int c;
+
+	opterr = 0; /* our own one-line message, then the usage */
+	while ((c = getopt_long(argc, argv, "+", opts, NULL)) != -1) {
+		switch (c) {
+		case 'j': json = true; break;
+		case 'c': want_check = true; break;
+		case 'h': usage(stdout); return 0;
+		case 'V': printf(PROG " %s\n", shmrpc_version()); return 0;
+		default:
+			fprintf(stderr, PROG ": unknown option %s\n", argv[optind - 1]);
+			usage(stderr);
+			return EXIT_USAGE;
+		}
+	}
+	if (argc - optind > 1 || (json && want_check) || ((json || want_check) && optind == argc)) {
+		usage(stderr);
+		return EXIT_USAGE;
+	}
+	if (optind == argc)
+		return list_jobs();
+	errno = 0;
+	pid = strtol(argv[optind], &end, 10);
+	if (errno || end == argv[optind] || *end || pid <= 0 || pid > INT_MAX) {
+		fprintf(stderr, PROG ": JOB must be a launcher's pid, not \"%s\"\n", argv[optind]);
+		usage(stderr);
+		return EXIT_USAGE;
+	}
+	return inspect((pid_t)pid, json, want_check);
+}
