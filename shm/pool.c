@@ -233,7 +233,7 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	return 0;
 }
 
-int pool_attach_fd(struct shm_pool *p, int fd)
+int pool_attach_fd(struct shm_pool *p, int fd, bool readonly)
 {
 	struct pool_header h;
 	struct pool_shape s;
@@ -275,7 +275,8 @@ int pool_attach_fd(struct shm_pool *p, int fd)
 				    "tensor pool truncated: %lld bytes, header says %" PRIu64,
 				    (long long)st.st_size, h.total_size);
 
-	p->base = mmap(NULL, h.total_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	p->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED,
+		       fd, 0);
 	if (p->base == MAP_FAILED) {
 		p->base = NULL;
 		return shmrpc__fail(-errno, "cannot map the tensor pool (%" PRIu64 " bytes): %s",

@@ -196,8 +196,10 @@ struct pool_holder_stats {
 /* Creates, commits (fallocate) and seals a new pool; the fd is close-on-exec. */
 SHMRPC_HIDDEN int pool_create(struct shm_pool *p, const struct pool_params *params);
 /* Maps an existing pool and checks magic, version, size and layout. On
- * success the pool owns fd (pool_detach closes it). */
-SHMRPC_HIDDEN int pool_attach_fd(struct shm_pool *p, int fd);
+ * success the pool owns fd (pool_detach closes it). readonly: mapped
+ * PROT_READ, for inspectors: only pool_stats and pool_holder_stats may be
+ * called then. */
+SHMRPC_HIDDEN int pool_attach_fd(struct shm_pool *p, int fd, bool readonly);
 SHMRPC_HIDDEN void pool_detach(struct shm_pool *p);
 /* Bytes a pool of this shape occupies (data and records); 0 if invalid. */
 SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);

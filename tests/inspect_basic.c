@@ -71,7 +71,7 @@ static void inspect_job(void)
 
 	rc = inspect("--json", job);
 	CHECK(rc == 0, "inspect --json exited %d", rc);
-	CHECK(out[0] == '{' && strstr(out, "]}\n"), "not one JSON object");
+	CHECK(out[0] == '{' && strstr(out, "]}}\n"), "not one JSON object");
 	CHECK(json_num(out, "launcher_pid") == (unsigned long long)getppid(), "launcher_pid");
 	CHECK(json_num(out, "world_size") == 2, "world_size");
 	CHECK(strstr(out, "\"job_name\":\""), "no job_name");
@@ -83,6 +83,11 @@ static void inspect_job(void)
 	      json_num(w1, "calls_served"), CALLS);
 	CHECK(json_num(out, "frames_sent") >= CALLS, "rank 0 sent %llu frames", json_num(out, "frames_sent"));
 	CHECK(json_num(out, "corrupt_frames") == 0, "corrupt frames");
+	/* The tensor pool, read-only: shmrun's default size, both ranks holding it. */
+	CHECK(strstr(out, "\"pool\":{") && json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
+	      "no tensor pool of 256 MiB in the JSON");
+	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
+	      "the pool's holders are not listed");
 
 	rc = inspect("--check", job);
 	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check exited %d: %s", rc, out);

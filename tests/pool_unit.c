@@ -258,7 +258,7 @@ static void attach_refused(int fd, int err, const char *text, const char *what)
 {
 	struct shm_pool p;
 
-	refused(pool_attach_fd(&p, fd), err, text, what);
+	refused(pool_attach_fd(&p, fd, false), err, text, what);
 	CHECK(p.base == NULL, "%s: mapped anyway", what);
 	close(fd);
 }
@@ -290,7 +290,7 @@ static void test_attach(struct shm_pool *good)
 	/* A second mapping of the same pool sees the same blocks. */
 	fd = dup(good->fd);
 	CHECK(fd >= 0, "dup");
-	CHECK_OK(pool_attach_fd(&p, fd));
+	CHECK_OK(pool_attach_fd(&p, fd, false));
 	b = alloc(good, 0, 1000);
 	fill(good, &b, 0xa5);
 	CHECK(intact(&p, &b, 0xa5), "second mapping sees other bytes");

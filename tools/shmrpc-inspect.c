@@ -12,8 +12,9 @@
  * Every value is a relaxed load of a counter its owner keeps moving, so a
  * table is a set of recent values, not one instant.
  *
- * The tensor pool is not shown: pool_attach_fd maps the pool read-write,
- * and the inspector maps nothing it could write.
+ * The tensor pool ("/memfd:shmrpc-pool") is mapped PROT_READ too; its
+ * figures come from a walk of its records (pool_stats), exact when the job
+ * is quiet.
  *
  * JSON fields (stable): format_version, launcher_pid, job_name, world_size,
  * age_s, ring_size, generation, shutting_down, workers: [{rank, name, pid,
@@ -22,10 +23,14 @@
  * before the first), calls_served, client_active_calls,
  * server_active_calls, num_pending_futures, thread_pool_size,
  * num_idle_threads, errors, timeouts, late_replies, frames_sent,
- * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out}].
+ * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out}], pool (null
+ * when the job has none): {size, used, free, largest_free, blocks_live,
+ * lost, refs_unrecorded, holders: [{rank, pid, state ("idle", "live",
+ * "dead", "swept"), blocks, refs}]}.
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -42,10 +47,12 @@
 #include "ipc/ring.h"
 #include "shm/exit_info.h"
 #include "shm/layout.h"
+#include "shm/pool.h"
 #include "shm/segment.h"
 
 #define PROG "shmrpc-inspect"
 #define SEG_LINK "/memfd:shmrpc-job (deleted)"
+#define POOL_LINK "/memfd:shmrpc-pool (deleted)"
 
 #define EXIT_ANOMALY 1
 #define EXIT_USAGE 2
@@ -125,7 +132,7 @@ static void usage(FILE *f)
  * Finds the job segment among the fds of pid: path gets /proc/PID/fd/N.
  * 0 when found, -ENOENT when pid holds none, or -errno of /proc.
  */
-static int find_seg_fd(pid_t pid, char *path, size_t len)
+static int find_memfd(pid_t pid, const char *target, char *path, size_t len)
 {
 	char dir[64], link[64];
 	struct dirent *d;
@@ -146,7 +153,7 @@ static int find_seg_fd(pid_t pid, char *path, size_t len)
 		if (n < 0)
 			continue;
 		link[n] = '\0';
-		if (strcmp(link, SEG_LINK) == 0) {
+		if (strcmp(link, target) == 0) {
 			err = 0;
 			break;
 		}
@@ -248,6 +255,81 @@ static struct wsnap *snap_job(const struct shm_seg *seg)
 	return ws;
 }
 
+/* The job's tensor pool, read-only; false when the job has none. */
+static bool attach_pool(pid_t pid, struct shm_pool *pool)
+{
+	char path[PATH_MAX];
+	int fd;
+
+	if (find_memfd(pid, POOL_LINK, path, sizeof(path)) || (fd = open(path, O_RDONLY)) < 0)
+		return false;
+	if (pool_attach_fd(pool, fd, true)) {
+		close(fd);
+		return false;
+	}
+	return true;
+}
+
+static const char *const holder_names[] = { "idle", "live", "dead", "swept" };
+
+static void print_pool_text(struct shm_pool *pool)
+{
+	struct pool_stats st;
+	struct pool_holder_stats hs;
+
+	pool_stats(pool, &st);
+	printf("\ntensor pool    %llu bytes, %llu used, %llu free, largest free block %llu\n",
+	       (unsigned long long)st.size, (unsigned long long)st.used, (unsigned long long)st.free,
+	       (unsigned long long)st.largest_free);
+	printf("               %llu live blocks; %llu bytes lost and %llu references unrecorded "
+	       "(left by deaths)\n", (unsigned long long)st.blocks_live, (unsigned long long)st.lost,
+	       (unsigned long long)st.refs_unrecorded);
+	printf("%4s %7s %-6s %8s %8s\n", "RANK", "PID", "HOLDER", "BLOCKS", "REFS");
+	for (uint32_t r = 0; r < pool->world; r++)
+		if (pool_holder_stats(pool, r, &hs) == 0 && hs.state)
+			printf("%4u %7u %-6s %8u %8llu\n", r, hs.pid, name_of(holder_names, 4, hs.state),
+			       hs.entries, (unsigned long long)hs.refs);
+}
+
+static void print_pool_json(struct shm_pool *pool)
+{
+	struct pool_stats st;
+	struct pool_holder_stats hs;
+	bool first = true;
+
+	pool_stats(pool, &st);
+	printf(",\"pool\":{\"size\":%llu,\"used\":%llu,\"free\":%llu,\"largest_free\":%llu,"
+	       "\"blocks_live\":%llu,\"lost\":%llu,\"refs_unrecorded\":%llu,\"holders\":[",
+	       (unsigned long long)st.size, (unsigned long long)st.used, (unsigned long long)st.free,
+	       (unsigned long long)st.largest_free, (unsigned long long)st.blocks_live,
+	       (unsigned long long)st.lost, (unsigned long long)st.refs_unrecorded);
+	for (uint32_t r = 0; r < pool->world; r++) {
+		if (pool_holder_stats(pool, r, &hs) || !hs.state)
+			continue;
+		printf("%s{\"rank\":%u,\"pid\":%u,\"state\":\"%s\",\"blocks\":%u,\"refs\":%llu}",
+		       first ? "" : ",", r, hs.pid, name_of(holder_names, 4, hs.state), hs.entries,
+		       (unsigned long long)hs.refs);
+		first = false;
+	}
+	printf("]}");
+}
+
+/* A dead holder that still holds references: the sweep has not run. */
+static int check_pool(struct shm_pool *pool)
+{
+	struct pool_holder_stats hs;
+	int bad = 0;
+
+	for (uint32_t r = 0; r < pool->world; r++) {
+		if (pool_holder_stats(pool, r, &hs) == 0 && hs.state == POOL_HOLDER_DEAD && hs.refs) {
+			printf("rank %u died holding %llu references in the tensor pool\n", r,
+			       (unsigned long long)hs.refs);
+			bad++;
+		}
+	}
+	return bad;
+}
+
 static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 {
 	const struct shm_header *h = seg->hdr;
@@ -333,7 +415,7 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 		printf(",\"ring_fill_in\":%llu,\"ring_fill_out\":%llu}", (unsigned long long)s->ring_in,
 		       (unsigned long long)s->ring_out);
 	}
-	printf("]}\n");
+	printf("]");
 }
 
 /* Prints each anomaly; the number found. */
@@ -370,7 +452,7 @@ static int attach_job(pid_t pid, struct shm_seg *seg, bool quiet)
 		return quiet ? -1 : fail("no such job: no process %d", (int)pid);
 	if (st.st_uid != getuid())
 		return quiet ? -1 : fail("process %d belongs to another user", (int)pid);
-	err = find_seg_fd(pid, path, sizeof(path));
+	err = find_memfd(pid, SEG_LINK, path, sizeof(path));
 	if (err == -ENOENT)
 		return quiet ? -1 : fail("process %d is not a shmrpc job", (int)pid);
 	if (err)
@@ -426,26 +508,38 @@ static int list_jobs(void)
 static int inspect(pid_t pid, bool json, bool want_check)
 {
 	struct shm_seg seg;
+	struct shm_pool pool;
 	struct wsnap *ws;
+	bool has_pool;
 	int rc = 0;
 
 	if (attach_job(pid, &seg, false))
 		return EXIT_ANOMALY;
+	has_pool = attach_pool(pid, &pool);
 	ws = snap_job(&seg);
 	if (!ws) {
 		shm_seg_detach(&seg);
 		return fail("out of memory");
 	}
 	if (want_check) {
-		rc = check(&seg, ws) ? EXIT_ANOMALY : 0;
+		rc = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0) ? EXIT_ANOMALY : 0;
 		if (!rc)
 			printf("ok\n");
 	} else if (json) {
 		print_json(&seg, ws);
+		if (has_pool)
+			print_pool_json(&pool);
+		else
+			printf(",\"pool\":null");
+		printf("}\n");
 	} else {
 		print_text(&seg, ws);
+		if (has_pool)
+			print_pool_text(&pool);
 	}
 	free(ws);
+	if (has_pool)
+		pool_detach(&pool);
 	shm_seg_detach(&seg);
 	return rc;
 }

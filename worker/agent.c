@@ -257,7 +257,7 @@ static int attach_pool(struct agent *ag)
 
 	if (fd < 0)
 		return 0;
-	rc = pool_attach_fd(&ag->pool, (int)fd);
+	rc = pool_attach_fd(&ag->pool, (int)fd, false);
 	if (rc)
 		return rc;
 	/* Acquire pairs with the launcher's release when it set up the slot. */
