@@ -5,6 +5,7 @@
  * errors: a pid with no process, a worker's pid instead of the launcher's
  * (exit 1), a bad option and a JOB that is no pid (exit 2).
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,15 +29,36 @@ static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 }
 
 /* Runs the inspector with up to two arguments (NULL: fewer); its exit code. */
-static int inspect(const char *a1, const char *a2)
+static const char *inspect_path(void)
 {
+	static char path[4096];
 	const char *build = getenv("SHMRPC_BUILD");
-	const char *argv[4] = { NULL, a1, a2, NULL };
-	char path[4096];
 
 	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
-	argv[0] = path;
+	return path;
+}
+
+static int inspect(const char *a1, const char *a2)
+{
+	const char *argv[4] = { inspect_path(), a1, a2, NULL };
+
 	return tl_run(out, sizeof(out), argv);
+}
+
+/* --watch redraws until stopped: two tables at least in 0.35 s at 0.1 s. */
+static void watch_twice(const char *job)
+{
+	const char *argv[] = { inspect_path(), "--watch=0.1", job, NULL };
+	int fd, tables = 0;
+	pid_t pid = tl_spawn(argv, &fd);
+
+	CHECK(pid > 0, "cannot run shmrpc-inspect --watch");
+	usleep(350000);
+	kill(pid, SIGTERM);
+	tl_collect(pid, fd, out, sizeof(out));
+	for (const char *at = out; (at = strstr(at, "launcher pid")); at++)
+		tables++;
+	CHECK(tables >= 2, "--watch drew %d tables", tables);
 }
 
 /* The unsigned number after "key": in the JSON object that starts at from. */
@@ -89,6 +111,7 @@ static void inspect_job(void)
 	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
 	      "the pool's holders are not listed");
 
+	watch_twice(job);
 	rc = inspect("--check", job);
 	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check exited %d: %s", rc, out);
 

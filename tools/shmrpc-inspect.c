@@ -5,6 +5,7 @@
  *   shmrpc-inspect JOB          the header and the worker table of one job
  *   shmrpc-inspect --json JOB   the same as one JSON object
  *   shmrpc-inspect --check JOB  "ok", or the anomalies found and exit 1
+ *   shmrpc-inspect --watch JOB  the table redrawn every second, like top
  *
  * JOB is the launcher's pid. A job is found through the launcher's memfd
  * ("/memfd:shmrpc-job", /proc/PID/fd/N); there is no file to look for. The
@@ -40,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
@@ -118,11 +120,13 @@ static int fail(const char *fmt, ...)
 
 static void usage(FILE *f)
 {
-	fputs("usage: " PROG " [--json | --check] [JOB]\n"
+	fputs("usage: " PROG " [--json | --check | --watch[=SEC]] [JOB]\n"
 	      "With no JOB, lists the live shmrpc jobs of this user; with JOB (the\n"
 	      "launcher's pid), shows its header and worker table, read-only.\n"
 	      "  --json     the job as one JSON object\n"
 	      "  --check    print \"ok\", or the anomalies found and exit 1\n"
+	      "  --watch[=SEC]  redraw the job every SEC seconds (default 1) until it\n"
+	      "             ends or Ctrl-C\n"
 	      "  --help     this text\n"
 	      "  --version  the shmrpc version\n",
 	      f);
@@ -544,16 +548,43 @@ static int inspect(pid_t pid, bool json, bool want_check)
 	return rc;
 }
 
+/* A top-like view: the table redrawn in place until the job ends. */
+static int watch(pid_t pid, double every_s)
+{
+	struct timespec pause = { (time_t)every_s, (long)((every_s - (double)(time_t)every_s) * 1e9) };
+	bool first = true;
+
+	for (;;) {
+		struct stat st;
+		char proc[32];
+
+		snprintf(proc, sizeof(proc), "/proc/%d", (int)pid);
+		if (!first && stat(proc, &st) < 0) {
+			printf("the job has ended\n");
+			return 0;
+		}
+		/* Home and clear: the new table replaces the old one. */
+		fputs("\033[H\033[2J", stdout);
+		if (inspect(pid, false, false))
+			return first ? EXIT_ANOMALY : 0;
+		fflush(stdout);
+		first = false;
+		nanosleep(&pause, NULL);
+	}
+}
+
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
 		{ "json", no_argument, NULL, 'j' },
 		{ "check", no_argument, NULL, 'c' },
+		{ "watch", optional_argument, NULL, 'w' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ 0 },
 	};
 	bool json = false, want_check = false;
+	double watch_s = 0;
 	char *end;
 	long pid;
 	int c;
@@ -563,6 +594,15 @@ int main(int argc, char **argv)
 		switch (c) {
 		case 'j': json = true; break;
 		case 'c': want_check = true; break;
+		case 'w':
+			watch_s = optarg ? strtod(optarg, &end) : 1.0;
+			if (optarg && (*end || !(watch_s >= 0.1 && watch_s <= 3600))) {
+				fprintf(stderr, PROG ": --watch wants 0.1 to 3600 seconds, not \"%s\"\n",
+					optarg);
+				usage(stderr);
+				return EXIT_USAGE;
+			}
+			break;
 		case 'h': usage(stdout); return 0;
 		case 'V': printf(PROG " %s\n", shmrpc_version()); return 0;
 		default:
@@ -571,7 +611,8 @@ int main(int argc, char **argv)
 			return EXIT_USAGE;
 		}
 	}
-	if (argc - optind > 1 || (json && want_check) || ((json || want_check) && optind == argc)) {
+	if (argc - optind > 1 || json + want_check + (watch_s > 0) > 1 ||
+	    ((json || want_check || watch_s > 0) && optind == argc)) {
 		usage(stderr);
 		return EXIT_USAGE;
 	}
@@ -584,5 +625,7 @@ int main(int argc, char **argv)
 		usage(stderr);
 		return EXIT_USAGE;
 	}
+	if (watch_s > 0)
+		return watch((pid_t)pid, watch_s);
 	return inspect((pid_t)pid, json, want_check);
 }
