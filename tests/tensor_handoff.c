@@ -6,6 +6,7 @@
  * keep a reference each and drop them later in their own order: the block
  * is freed once, and the pool is empty at the end.
  */
+#include <stdatomic.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -16,7 +17,9 @@
 #include "tests/lib/testlib.h"
 
 static const DLDataType u8 = { kDLUInt, 8, 1 };
-static shmrpc_tensor *kept;
+/* Set by "keep" and taken by "drop", on executor threads that TSan cannot
+ * see ordered: the order comes through rank 0, another process. */
+static shmrpc_tensor *_Atomic kept;
 
 /* Writes a mark at both ends of the tensor and sends it back. */
 static int fn_touch(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
@@ -48,17 +51,19 @@ static int fn_make(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)n, (void)u;
-	if (shmrpc_tensor_retain(a[0].u.t, &kept))
+	shmrpc_tensor *t;
+
+	if (shmrpc_tensor_retain(a[0].u.t, &t))
 		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
-	*r = shmrpc_int((int64_t)shmrpc_tensor_pool_offset(kept));
+	atomic_store(&kept, t);
+	*r = shmrpc_int((int64_t)shmrpc_tensor_pool_offset(t));
 	return 0;
 }
 
 static int fn_drop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)c, (void)a, (void)n, (void)u;
-	shmrpc_tensor_free(kept);
-	kept = NULL;
+	shmrpc_tensor_free(atomic_exchange(&kept, NULL));
 	*r = shmrpc_nil();
 	return 0;
 }
