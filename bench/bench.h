@@ -1,6 +1,6 @@
 /*
  * What the bench programs share (header only: each bench is one program):
- * clocks and medians, the peers' figures measured earlier in the same
+ * medians, the peers' figures measured earlier in the same
  * `make bench` run (bench/run.sh collects every BENCH line in the file
  * named by SHMRPC_BENCH_PEERS), and running oneself as a job under shmrun.
  */
@@ -15,13 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static inline uint64_t bench_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
+#include "common/clock.h"
 
 static inline int bench_cmp_u64(const void *a, const void *b)
 {

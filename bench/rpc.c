@@ -45,11 +45,11 @@ static void timed_sync(const char *fn, const shmrpc_value *arg, int n, uint64_t 
 	shmrpc_future *f;
 
 	for (int i = 0; i < n; i++) {
-		uint64_t t0 = bench_now_ns();
+		uint64_t t0 = shmrpc_now_ns();
 
 		if (shmrpc_rpc_sync(1, fn, arg, arg ? 1 : 0, SHMRPC_TIMEOUT_DEFAULT, &f))
 			die(fn);
-		t[i] = bench_now_ns() - t0;
+		t[i] = shmrpc_now_ns() - t0;
 		shmrpc_future_free(f);
 	}
 	*med = bench_median(t, n);
@@ -79,7 +79,7 @@ static void measure(const char *mode, bool quick)
 		shmrpc_future **f = malloc((size_t)calls * sizeof(*f));
 		double per_s;
 
-		t0 = bench_now_ns();
+		t0 = shmrpc_now_ns();
 		for (int i = 0; i < calls; i++)
 			if (shmrpc_rpc_async(1, "nothing", NULL, 0, SHMRPC_TIMEOUT_NONE, &f[i]))
 				die("rpc_async");
@@ -88,7 +88,7 @@ static void measure(const char *mode, bool quick)
 				die("rpc_async wait");
 			shmrpc_future_free(f[i]);
 		}
-		per_s = calls * 1e9 / (double)(bench_now_ns() - t0);
+		per_s = calls * 1e9 / (double)(shmrpc_now_ns() - t0);
 		free(f);
 		printf("BENCH rpc_async mode=uring calls_per_s=%.0f", per_s);
 		/* Higher is better here: the ratio says how many times torch's rate. */

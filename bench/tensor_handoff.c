@@ -44,12 +44,12 @@ static uint64_t handoff(uint64_t size, int n)
 		die("alloc");
 	v = shmrpc_tensor_value(x);
 	for (int i = -n / 10 - 1; i < n; i++) { /* the first ones warm up */
-		uint64_t t0 = bench_now_ns();
+		uint64_t t0 = shmrpc_now_ns();
 
 		if (shmrpc_rpc_sync(1, "echo", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
 			die("echo");
 		if (i >= 0)
-			t[i] = bench_now_ns() - t0;
+			t[i] = shmrpc_now_ns() - t0;
 		shmrpc_future_free(f);
 	}
 	shmrpc_tensor_free(x);

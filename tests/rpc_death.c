@@ -76,17 +76,8 @@ static int worker(void)
 
 int main(void)
 {
-	char out[1 << 16];
-	int rc;
+	static const char *const texts[] = { "all 1000 pending calls failed", "shmrun: " DEATH_TEXT,
+					     NULL };
 
-	if (tl_is_worker())
-		return worker();
-	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
-	rc = tl_shmrun(out, sizeof(out), "-n", "3", "--on-failure=continue", NULL);
-	CHECK(rc == 1, "launcher exited %d, want 1", rc);
-	CHECK(strstr(out, "all 1000 pending calls failed"), "rank 0 did not finish");
-	CHECK(strstr(out, "shmrun: " DEATH_TEXT), "launcher did not name the death");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	return tl_job_expect(worker, 1, texts, "-n", "3", "--on-failure=continue", NULL);
 }

@@ -91,17 +91,10 @@ static int worker(void)
 
 int main(void)
 {
-	char out[1 << 14];
-	int rc;
+	static const char *const texts[] = {
+		"rank 0: the pool is empty",
+		"shmrun: worker 2 (worker2) died: killed by signal 9 (SIGKILL)", NULL
+	};
 
-	if (tl_is_worker())
-		return worker();
-	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
-	rc = tl_shmrun(out, sizeof(out), "-n", "3", "--on-failure=continue", NULL);
-	CHECK(rc == 1, "launcher exited %d, want 1", rc);
-	CHECK(strstr(out, "rank 0: the pool is empty"), "rank 0 did not finish");
-	CHECK(strstr(out, "worker 2 (worker2) died: killed by signal 9 (SIGKILL)"), "no death line");
-	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
-	return 0;
+	return tl_job_expect(worker, 1, texts, "-n", "3", "--on-failure=continue", NULL);
 }

@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "tests/lib/job.h"
@@ -53,20 +54,42 @@ int tl_shmrun(char *out, size_t len, const char *opt, ...)
 	return rc;
 }
 
-int tl_job_test(int (*worker)(void), const char *opt, ...)
+static int job_test(int (*worker)(void), int want_rc, const char *const *texts, const char *opt,
+		    va_list ap)
 {
 	static char out[1 << 16];
-	va_list ap;
 	int rc;
 
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
 		return TL_SKIP;
-	va_start(ap, opt);
 	rc = vshmrun(out, sizeof(out), opt, ap);
-	va_end(ap);
-	CHECK(rc == 0, "the job failed: shmrun exited %d", rc);
+	CHECK(rc == want_rc, "shmrun exited %d, want %d", rc, want_rc);
+	for (; texts && *texts; texts++)
+		CHECK(strstr(out, *texts), "the job's output lacks \"%s\"", *texts);
 	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
 	return 0;
+}
+
+int tl_job_test(int (*worker)(void), const char *opt, ...)
+{
+	va_list ap;
+	int rc;
+
+	va_start(ap, opt);
+	rc = job_test(worker, 0, NULL, opt, ap);
+	va_end(ap);
+	return rc;
+}
+
+int tl_job_expect(int (*worker)(void), int want_rc, const char *const *texts, const char *opt, ...)
+{
+	va_list ap;
+	int rc;
+
+	va_start(ap, opt);
+	rc = job_test(worker, want_rc, texts, opt, ap);
+	va_end(ap);
+	return rc;
 }

@@ -24,5 +24,9 @@ int tl_shmrun(char *out, size_t len, const char *opt, ...) __attribute__((sentin
  * when shmrun is not built.
  */
 int tl_job_test(int (*worker)(void), const char *opt, ...) __attribute__((sentinel));
+/* The same for a job meant to fail: the launcher must exit want_rc and its
+ * output hold every string of texts (NULL-terminated). */
+int tl_job_expect(int (*worker)(void), int want_rc, const char *const *texts, const char *opt, ...)
+	__attribute__((sentinel));
 
 #endif
