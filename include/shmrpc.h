@@ -55,9 +55,11 @@ enum shmrpc_type {
 	SHMRPC_LIST = 6,  /* len items */
 	SHMRPC_MAP = 7,   /* len pairs: items[2i] is a key, items[2i+1] its value */
 	SHMRPC_TENSOR = 8, /* a tensor in the shared pool: handed over, never copied */
+	SHMRPC_RREF = 9,   /* a reference to a value on some worker (shmrpc_remote) */
 };
 
 typedef struct shmrpc_tensor shmrpc_tensor;
+typedef struct shmrpc_rref shmrpc_rref;
 
 typedef struct shmrpc_value {
 	uint32_t type; /* enum shmrpc_type */
@@ -70,6 +72,7 @@ typedef struct shmrpc_value {
 		const void *p;
 		const struct shmrpc_value *items;
 		shmrpc_tensor *t;
+		shmrpc_rref *r;
 	} u;
 } shmrpc_value;
 
@@ -82,6 +85,7 @@ static inline shmrpc_value shmrpc_str(const char *s) { return shmrpc_strn(s, (ui
 static inline shmrpc_value shmrpc_bytes(const void *p, uint32_t n) { shmrpc_value v = { SHMRPC_BYTES, n, { .p = p } }; return v; }
 static inline shmrpc_value shmrpc_list(const shmrpc_value *items, uint32_t n) { shmrpc_value v = { SHMRPC_LIST, n, { .items = items } }; return v; }
 static inline shmrpc_value shmrpc_tensor_value(shmrpc_tensor *t) { shmrpc_value v = { SHMRPC_TENSOR, 0, { .t = t } }; return v; }
+static inline shmrpc_value shmrpc_rref_value(shmrpc_rref *r) { shmrpc_value v = { SHMRPC_RREF, 0, { .r = r } }; return v; }
 static inline shmrpc_value shmrpc_map(const shmrpc_value *kv, uint32_t npairs) { shmrpc_value v = { SHMRPC_MAP, npairs, { .items = kv } }; return v; }
 
 /* "int", "str", ... */
@@ -162,7 +166,7 @@ typedef int (*shmrpc_fn)(shmrpc_call *call, const shmrpc_value *args, uint32_t n
 /*
  * Registers fn under name. sig, when not NULL, is the argument types, one
  * letter each: n nil, b bool, i int, f float (an int is accepted), s str,
- * y bytes, l list, m map, t tensor, v any; calls with another count or type fail with
+ * y bytes, l list, m map, t tensor, r RRef, v any; calls with another count or type fail with
  * a clear error before fn runs. May be called before or after shmrpc_init.
  */
 SHMRPC_API int shmrpc_register(const char *name, const char *sig, shmrpc_fn fn, void *user);
@@ -205,6 +209,45 @@ SHMRPC_API const char *shmrpc_future_remote_backtrace(shmrpc_future *f);
  * thread: it may call rpc_sync. */
 SHMRPC_API int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg);
 SHMRPC_API void shmrpc_future_free(shmrpc_future *f);
+
+/* ---- RRefs -------------------------------------------------------------
+ *
+ * A remote reference: a value that lives on its owner worker. The job's RRef
+ * table (shmrun --max-rrefs) records every RRef and who holds it; the owner
+ * frees the value once no worker holds a reference (docs/RREF.md).
+ * An RRef received in a call's arguments or a future's value belongs to the
+ * call or the future: shmrpc_rref_retain() keeps it longer. Passing one as
+ * an argument or result makes a new reference for the receiver.
+ */
+
+/* Runs fn(args) on dst and returns at once an RRef to its result, owned by
+ * dst (an OwnerRRef when dst is this worker). Free it with shmrpc_rref_free. */
+SHMRPC_API int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+			     int64_t timeout_ms, shmrpc_rref **out);
+/* Waits up to timeout_ms (SHMRPC_TIMEOUT_DEFAULT, _NONE or ms) for the value.
+ * On success *out is a completed future holding it (shmrpc_future_value);
+ * on failure (the remote error, a timeout, the owner's death) *out is NULL
+ * and shmrpc_errmsg() says what happened. */
+SHMRPC_API int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out);
+/* The value, on the owner only; valid while r lives. */
+SHMRPC_API int shmrpc_rref_local_value(shmrpc_rref *r, const shmrpc_value **out);
+SHMRPC_API int shmrpc_rref_owner(const shmrpc_rref *r);
+SHMRPC_API const char *shmrpc_rref_owner_name(const shmrpc_rref *r);
+SHMRPC_API int shmrpc_rref_is_owner(const shmrpc_rref *r);
+SHMRPC_API int shmrpc_rref_confirmed_by_owner(const shmrpc_rref *r);
+/* "OwnerRRef(rref_id=...)" or "UserRRef(rref_id=..., fork_id=...)"; the
+ * length it needs, like snprintf. */
+SHMRPC_API int shmrpc_rref_str(const shmrpc_rref *r, char *buf, size_t len);
+/* Another handle to the same reference. */
+SHMRPC_API int shmrpc_rref_retain(shmrpc_rref *r, shmrpc_rref **out);
+SHMRPC_API void shmrpc_rref_free(shmrpc_rref *r);
+/* The proxies: fn(value of r, args...) on r's owner. */
+SHMRPC_API int shmrpc_rref_rpc_sync(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
+				    uint32_t nargs, int64_t timeout_ms, shmrpc_future **out);
+SHMRPC_API int shmrpc_rref_rpc_async(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
+				     uint32_t nargs, int64_t timeout_ms, shmrpc_future **out);
+SHMRPC_API int shmrpc_rref_remote(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
+				  uint32_t nargs, int64_t timeout_ms, shmrpc_rref **out);
 
 #ifdef __cplusplus
 }

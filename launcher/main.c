@@ -55,6 +55,7 @@ int main(int argc, char **argv)
 	struct job j = { .o = &o, .sigfd = -1 };
 	struct shm_seg_params sp;
 	struct pool_params pp;
+	struct rref_table_params rp;
 	int rc = shmrun_parse_options(argc, argv, &o);
 
 	if (rc >= 0)
@@ -86,11 +87,20 @@ int main(int argc, char **argv)
 		shm_seg_detach(&j.seg);
 		goto out;
 	}
+	rp = (struct rref_table_params){ .max_rrefs = o.max_rrefs, .world = o.nproc };
+	if (rref_table_create(&j.rrefs, &rp)) {
+		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
+		pool_detach(&j.pool);
+		shm_seg_detach(&j.seg);
+		goto out;
+	}
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
 	if (!o.quiet)
 		report_summary(&j);
+	report_leaks(&j);
+	rref_table_detach(&j.rrefs);
 	pool_detach(&j.pool);
 	shm_seg_detach(&j.seg);
 out:

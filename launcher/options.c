@@ -24,6 +24,7 @@ enum {
 	OPT_WAIT,
 	OPT_RING_SIZE,
 	OPT_POOL_SIZE,
+	OPT_MAX_RREFS,
 	OPT_NO_CSUM,
 	OPT_QUIET,
 	OPT_VERSION,
@@ -41,6 +42,7 @@ static const struct option long_opts[] = {
 	{ "wait", required_argument, NULL, OPT_WAIT },
 	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
 	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
+	{ "max-rrefs", required_argument, NULL, OPT_MAX_RREFS },
 	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
 	{ "quiet", no_argument, NULL, OPT_QUIET },
 	{ "version", no_argument, NULL, OPT_VERSION },
@@ -67,6 +69,7 @@ static void usage(FILE *f)
 		"  --ring-size BYTES       bytes per ring, a power of two in %u..%u\n"
 		"  --pool-size BYTES       the shared tensor pool, e.g. 512M or 4G (default %s),\n"
 		"                          committed when the job starts\n"
+		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
 		"  --no-payload-checksum   frames carry no payload checksum\n"
 		"  --quiet                 no summary line at the end\n"
 		"  --version               print the version and exit\n"
@@ -74,7 +77,8 @@ static void usage(FILE *f)
 		"\n"
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
-		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT);
+		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT, RREF_MAX_RREFS,
+		RREF_DEFAULT_MAX_RREFS);
 }
 
 static int bad(const char *fmt, ...) SHMRPC_PRINTF(1, 2);
@@ -212,6 +216,11 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 			if (!parse_bytes(optarg, &o->pool_size))
 				return bad("--pool-size must be a byte count like 1073741824, 512M or "
 					   "2G, not '%s'", optarg);
+			break;
+		case OPT_MAX_RREFS:
+			if (!parse_u64(optarg, 1, RREF_MAX_RREFS, &v))
+				return bad("--max-rrefs must be 1..%u, not '%s'", RREF_MAX_RREFS, optarg);
+			o->max_rrefs = (uint32_t)v;
 			break;
 		case OPT_NO_CSUM:
 			o->seg_flags |= SHM_F_NO_PAYLOAD_CSUM;

@@ -93,3 +93,26 @@ void report_summary(const struct job *j)
 		append(line, sizeof(line), &at, ", %u not started", unstarted);
 	fprintf(stderr, "%s (%.2f s)\n", line, (double)(shmrpc_now_ns() - j->start_ns) / 1e9);
 }
+
+void report_leaks(const struct job *j)
+{
+	uint32_t left = 0;
+	char first[160] = "";
+
+	/* Every worker has ended and been swept: nothing may remain but what
+	 * a death between two steps of the protocol strands (rref_table.h). */
+	for (uint32_t s = 0; s < j->rrefs.capacity; s++) {
+		struct rref_info info;
+
+		if (!rref_info_at(&j->rrefs, s, &info))
+			continue;
+		if (!left++)
+			snprintf(first, sizeof(first), "the first: id %u:%llu, owner %u, %s, %u "
+				 "reference(s)", RREF_ID_RANK(info.id),
+				 (unsigned long long)RREF_ID_LOCAL(info.id), info.owner,
+				 rref_state_name(info.state), info.total);
+	}
+	if (left)
+		fprintf(stderr, "shmrun: %u RRef(s) were left in the RRef table when the job ended, "
+			"%s\n", left, first);
+}

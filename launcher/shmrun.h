@@ -17,6 +17,7 @@
 #include <sys/types.h>
 
 #include "shm/pool.h"
+#include "shm/rref_table.h"
 #include "shm/segment.h"
 
 /* Exit codes of the launcher itself. */
@@ -41,6 +42,7 @@ struct shmrun_opts {
 	const char *wait_mode;    /* --wait, passed on as SHMRPC_WAIT; NULL: none */
 	uint32_t ring_size;       /* 0: the segment's default */
 	uint64_t pool_size;       /* bytes of tensor data */
+	uint32_t max_rrefs;       /* 0: the table's default */
 	uint32_t seg_flags;       /* SHM_F_* */
 	char **argv;              /* the program and its arguments */
 };
@@ -77,6 +79,7 @@ struct job {
 	const struct shmrun_opts *o;
 	struct shm_seg seg;
 	struct shm_pool pool;
+	struct rref_table rrefs;
 	struct proc *procs; /* [o->nproc] */
 	uint32_t running;   /* started and not reaped yet */
 	uint32_t failed;
@@ -127,6 +130,8 @@ void output_finish(struct out_stream *s);
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
+/* After the job: says so on stderr if the RRef table is not empty. */
+void report_leaks(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);
 

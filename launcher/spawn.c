@@ -75,10 +75,12 @@ static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 				strerror(errno));
 	}
 	/* Segment and pool are close-on-exec in the launcher; the worker inherits them. */
-	if (fcntl(j->seg.fd, F_SETFD, 0) < 0 || fcntl(j->pool.fd, F_SETFD, 0) < 0)
+	if (fcntl(j->seg.fd, F_SETFD, 0) < 0 || fcntl(j->pool.fd, F_SETFD, 0) < 0 ||
+	    fcntl(j->rrefs.fd, F_SETFD, 0) < 0)
 		_exit(SHMRUN_EXIT_FAILED);
 	set_env_u32(SHMRPC_ENV_JOB_FD, (uint32_t)j->seg.fd);
 	set_env_u32(SHMRPC_ENV_POOL_FD, (uint32_t)j->pool.fd);
+	set_env_u32(SHMRPC_ENV_RREF_FD, (uint32_t)j->rrefs.fd);
 	set_env_u32("SHMRPC_RANK", rank);
 	set_env_u32("SHMRPC_WORLD_SIZE", o->nproc);
 	set_env_u32("SHMRPC_LOCAL_RANK", rank);

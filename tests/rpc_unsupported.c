@@ -2,9 +2,10 @@
  * Request types the agent does not implement yet are answered, not
  * dropped: rank 0 speaks the wire protocol by hand (a raw port, no agent)
  * and sends rank 1's agent a PYTHON_CALL, a type that is no message type
- * at all, and a SCRIPT_CALL whose payload is not MessagePack. Each gets an
- * EXCEPTION with the request's id and a clear text, and rank 1 keeps
- * serving: a well-formed SCRIPT_CALL afterwards still gets its SCRIPT_RET.
+ * at all, a SCRIPT_CALL whose payload is not MessagePack, and RRef
+ * requests naming RRefs that do not exist. Each gets an EXCEPTION with the
+ * request's id and a clear text, and rank 1 keeps serving: a well-formed
+ * SCRIPT_CALL afterwards still gets its SCRIPT_RET.
  */
 #include <msgpack.h>
 #include <string.h>
@@ -87,6 +88,22 @@ static int raw_worker(void)
 	r = ask(&port, MSG_SCRIPT_CALL, 9, "\xc1\xc1", 2);
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed SCRIPT_CALL"), "garbage: \"%s\"",
 	      r.text);
+	/* [id, slot] of an RRef the table does not hold, then a call. */
+	r = ask(&port, MSG_SCRIPT_REMOTE_CALL, 11, "\x92\x05\x03\x92\xa3one\x90", 9);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "that is not ours in the RRef table"),
+	      "remote call for no RRef: type %u \"%s\"", r.type, r.text);
+	r = ask(&port, MSG_SCRIPT_RREF_FETCH_CALL, 12, "\x92\x05\xce\xff\xff\xff\x00", 7);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "does not own"), "fetch of no RRef: \"%s\"",
+	      r.text);
+	r = ask(&port, MSG_SCRIPT_REMOTE_CALL, 13, "\xc1", 1);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed SCRIPT_REMOTE_CALL"),
+	      "garbage remote call: \"%s\"", r.text);
+	r = ask(&port, MSG_RREF_USER_DELETE, 14, "\x92\x05\x03", 3);
+	CHECK(r.type == MSG_RREF_ACK, "a delete of an RRef that is not there is harmless: type %u "
+	      "\"%s\"", r.type, r.text);
+	r = ask(&port, MSG_RREF_FORK_REQUEST, 15, "\x90", 1);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "RREF_FORK_REQUEST is not supported yet"),
+	      "fork request: \"%s\"", r.text);
 	r = ask(&port, MSG_SCRIPT_CALL, 10, call, sizeof(call) - 1);
 	CHECK(r.type == MSG_SCRIPT_RET, "the agent stopped serving: type %u \"%s\"", r.type, r.text);
 	atomic_store_explicit(&shm_worker(&seg, 0)->agent_state, SHM_AGENT_GONE, memory_order_release);

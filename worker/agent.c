@@ -22,6 +22,7 @@
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
+#include "worker/rref.h"
 #include "worker/tensor.h"
 
 #define DEFAULT_THREADS 4
@@ -115,6 +116,32 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 		client_on_reply(ag, f);
 }
 
+struct collect_job {
+	struct job base;
+	struct agent *ag;
+};
+
+static void run_collect(struct job *j)
+{
+	rref_owner_collect_all(((struct collect_job *)j)->ag);
+	free(j);
+}
+
+/* The launcher's sweep of a dead peer may have left RRefs of ours with no
+ * reference: free them (on an executor thread; the table walk is long). */
+static void collect_rrefs(struct agent *ag)
+{
+	struct collect_job *c = malloc(sizeof(*c));
+
+	if (!c) {
+		fprintf(stderr, "shmrpc: worker %u: out of memory; RRefs a dead worker held are "
+			"freed when this worker ends\n", ag->rank);
+		return;
+	}
+	*c = (struct collect_job){ { NULL, run_collect }, ag };
+	executor_submit(&c->base);
+}
+
 /* A peer's pidfd fired: fail its calls once the launcher has said how it
  * died (or after a short grace, if no launcher records it). */
 static void settle_deaths(struct agent *ag, uint64_t now)
@@ -137,6 +164,8 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 		agent_peer_gone_text(ag, peer, why, sizeof(why));
 		client_fail_peer(ag, peer, why);
 		pins_release_peer(peer);
+		if (ag->has_rrefs)
+			collect_rrefs(ag);
 		ag->dying_since[peer] = 0;
 		ag->gone[peer] = true;
 	}
@@ -271,8 +300,38 @@ static int attach_pool(struct agent *ag)
 	return 0;
 }
 
+/* The job's RRef table, when shmrun made one. */
+static int attach_rrefs(struct agent *ag)
+{
+	long fd = env_long(SHMRPC_ENV_RREF_FD, -1);
+	const char *fetch = getenv("SHMRPC_RREF_FETCH");
+	int rc;
+
+	if (fetch && strcmp(fetch, "message") && strcmp(fetch, "table"))
+		return shmrpc__fail(-EINVAL, "SHMRPC_RREF_FETCH=%s: expected table or message",
+				    fetch);
+	ag->rref_fetch_by_message = fetch && !strcmp(fetch, "message");
+	if (fd < 0)
+		return 0;
+	rc = rref_table_attach_fd(&ag->rrefs, (int)fd, false);
+	if (rc == 0 && ag->rrefs.world != ag->world) {
+		rref_table_detach(&ag->rrefs);
+		rc = shmrpc__fail(-SHMRPC_EBADSEG, "the RRef table is for %u workers, the job has %u",
+				  ag->rrefs.world, ag->world);
+	}
+	ag->has_rrefs = rc == 0;
+	return rc;
+}
+
 static void agent_free(struct agent *ag)
 {
+	if (ag->has_rrefs) {
+		/* Our values go; what we still hold is swept by the launcher
+		 * when we end (it knows the order the table needs). */
+		if (ag->has_pool)
+			rref_owner_free_all(ag);
+		rref_table_detach(&ag->rrefs);
+	}
 	if (ag->has_pool) {
 		pool_leave(&ag->pool, ag->rank);
 		pool_detach(&ag->pool);
@@ -327,7 +386,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		rc = shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
 		goto fail;
 	}
-	rc = attach_pool(ag);
+	rc = attach_pool(ag) ?: attach_rrefs(ag);
 	if (rc)
 		goto fail;
 	if (name) {

@@ -19,16 +19,23 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include <msgpack.h>
+
 #include "common/compiler.h"
 #include "ipc/port.h"
 #include "shm/pool.h"
+#include "shm/rref_table.h"
 #include "shm/segment.h"
+#include "worker/tensor.h"
 
 struct agent {
 	struct shm_seg seg;
 	struct ipc_port port;
 	struct shm_pool pool;
 	bool has_pool; /* the job has a tensor pool (shmrun makes one) */
+	struct rref_table rrefs;
+	bool has_rrefs; /* the job has an RRef table (shmrun makes one) */
+	bool rref_fetch_by_message; /* SHMRPC_RREF_FETCH=message: to_here() asks the owner */
 	uint32_t rank;
 	uint32_t world;
 	struct shm_worker *self;
@@ -67,6 +74,21 @@ SHMRPC_HIDDEN void client_complete_local(struct agent *ag, uint16_t type, uint64
 SHMRPC_HIDDEN uint64_t client_expire(struct agent *ag, uint64_t now);
 SHMRPC_HIDDEN void client_fail_peer(struct agent *ag, uint32_t peer, const char *why);
 SHMRPC_HIDDEN void client_fail_all(struct agent *ag, const char *why);
+
+/* client.c: a call's payload, [fn, args] or [fn, flags, args]; the
+ * tensors and RRefs in args are added to sent. */
+#define CALL_F_PROXY 1u /* args[0] is an RRef owned by the callee: pass its value */
+SHMRPC_HIDDEN int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args,
+				     uint32_t nargs, uint32_t flags, struct tensor_list *sent);
+/* client.c: sends a request (payload sb) to dst and makes its future.
+ * sent: the tensors (pinned until the reply) and RRefs (charged to dst)
+ * the payload holds; the list is consumed. what: "call foo()", for errors. */
+SHMRPC_HIDDEN int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
+				 struct tensor_list *sent, int64_t timeout_ms, const char *what,
+				 shmrpc_future **out);
+
+/* client.c: waits for f; its value in *out, or its error (f freed). */
+SHMRPC_HIDDEN int client_sync_wait(shmrpc_future *f, shmrpc_future **out);
 
 /* server.c: tells peer that the tensors of its reply msg_id are ours now. */
 SHMRPC_HIDDEN void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id);

@@ -13,6 +13,7 @@
 #include "worker/agent.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
 
@@ -213,8 +214,8 @@ void client_fail_all(struct agent *ag, const char *why)
 
 /* ---- public API ---- */
 
-static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args, uint32_t nargs,
-		       struct tensor_list *sent)
+int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args,
+		       uint32_t nargs, uint32_t flags, struct tensor_list *sent)
 {
 	msgpack_packer pk;
 	shmrpc_value list = shmrpc_list(args, nargs);
@@ -223,54 +224,50 @@ static int encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *
 	msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
 	if (n == 0 || n > UINT32_MAX)
 		return shmrpc__fail(-EINVAL, "a function name cannot be empty");
-	if (msgpack_pack_array(&pk, 2) || msgpack_pack_str_with_body(&pk, fn, n))
+	if (msgpack_pack_array(&pk, flags ? 3 : 2) || msgpack_pack_str_with_body(&pk, fn, n))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a call");
+	if (flags && msgpack_pack_uint32(&pk, flags))
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a call");
 	return value_pack(&pk, &list, sent);
 }
 
-int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
-		     int64_t timeout_ms, shmrpc_future **out)
+int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
+		   struct tensor_list *sent, int64_t timeout_ms, const char *what,
+		   shmrpc_future **out)
 {
-	struct agent *ag = worker_agent;
-	struct tensor_list sent = { 0 };
-	msgpack_sbuffer sb;
-	shmrpc_future *f;
+	shmrpc_future *f = NULL;
 	char why[256];
 	int rc;
 
-	if (!out || !fn || (nargs && !args))
-		return shmrpc__fail(-EINVAL, "shmrpc_rpc_async: fn, out and args must be given");
 	*out = NULL;
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
 	if (dst < 0 || (uint32_t)dst >= ag->world)
-		return shmrpc__fail(-EINVAL, "cannot call %s() on rank %d: the job has %u workers "
-				    "(ranks 0 to %u)", fn, dst, ag->world, ag->world - 1);
-	if ((uint32_t)dst != ag->rank && !ipc_port_peer_alive(&ag->port, (uint32_t)dst)) {
-		agent_peer_gone_text(ag, (uint32_t)dst, why, sizeof(why));
-		return shmrpc__fail(-SHMRPC_EPEERDEAD, "cannot call %s(): %s", fn, why);
+		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
+				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);
+	else if ((uint32_t)dst != ag->rank && !ipc_port_peer_alive(&ag->port, (uint32_t)dst))
+		rc = shmrpc__fail(-SHMRPC_EPEERDEAD, "cannot %s: %s", what,
+				  (agent_peer_gone_text(ag, (uint32_t)dst, why, sizeof(why)), why));
+	else if (timeout_ms < 0 && timeout_ms != SHMRPC_TIMEOUT_DEFAULT)
+		rc = shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
+				  "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
+	else if (!(f = future_new()))
+		rc = shmrpc__fail(-ENOMEM, "out of memory making a future");
+	else
+		rc = sent->nr ? rref_charge(ag, sent, (uint32_t)dst) : 0;
+	if (rc) {
+		tensor_list_forget(sent);
+		if (f)
+			future_unref(f);
+		return rc;
 	}
 	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
 		timeout_ms = (int64_t)(ag->default_timeout_ns / 1000000u);
-	else if (timeout_ms < 0)
-		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
-				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
-	msgpack_sbuffer_init(&sb);
-	rc = encode_call(&sb, fn, args, nargs, &sent);
-	if (rc == 0 && !(f = future_new()))
-		rc = shmrpc__fail(-ENOMEM, "out of memory making a future");
-	if (rc) {
-		tensor_list_forget(&sent);
-		msgpack_sbuffer_destroy(&sb);
-		return rc;
-	}
 	/* Relaxed: only uniqueness matters. */
 	f->msg_id = atomic_fetch_add_explicit(&next_msg_id, 1, memory_order_relaxed);
 	/* The arguments' tensors stay alive until the callee holds them. */
-	rc = sent.n ? pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, &sent) : 0;
-	tensor_list_forget(&sent);
+	rc = sent->n ? pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, sent) : 0;
 	if (rc) {
-		msgpack_sbuffer_destroy(&sb);
+		rref_uncharge(ag, sent, (uint32_t)dst);
+		tensor_list_forget(sent);
 		future_unref(f);
 		return rc;
 	}
@@ -282,24 +279,51 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 	/* In the table before it is sent: the reply may come back at once. */
 	pending_add(f);
 	if ((uint32_t)dst == ag->rank) {
-		server_submit(ag, ag->rank, MSG_SCRIPT_CALL, f->msg_id, sb.data, sb.size);
+		server_submit(ag, ag->rank, type, f->msg_id, sb->data, sb->size);
 		rc = 0;
 	} else {
-		rc = agent_send(ag, (uint32_t)dst, MSG_SCRIPT_CALL, f->msg_id, sb.data, sb.size);
+		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, sb->data, sb->size);
 	}
-	msgpack_sbuffer_destroy(&sb);
 	if (rc) {
 		char msg[1024];
 
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
 		pins_release(f->dst, f->msg_id, PIN_REQUEST);
+		rref_uncharge(ag, sent, (uint32_t)dst);
 		if (pending_take(f->msg_id, f->dst))
 			settled(ag, f);
 		future_unref(f);
-		return shmrpc__fail(rc, "cannot call %s() on worker %d: %s", fn, dst, msg);
+		tensor_list_forget(sent);
+		return shmrpc__fail(rc, "cannot %s on worker %d: %s", what, dst, msg);
 	}
+	tensor_list_forget(sent);
 	*out = f;
 	return 0;
+}
+
+int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		     int64_t timeout_ms, shmrpc_future **out)
+{
+	struct agent *ag = worker_agent;
+	struct tensor_list sent = { 0 };
+	msgpack_sbuffer sb;
+	char what[320];
+	int rc;
+
+	if (!out || !fn || (nargs && !args))
+		return shmrpc__fail(-EINVAL, "shmrpc_rpc_async: fn, out and args must be given");
+	*out = NULL;
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	msgpack_sbuffer_init(&sb);
+	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
+	snprintf(what, sizeof(what), "call %.256s()", fn);
+	if (rc)
+		tensor_list_forget(&sent);
+	else
+		rc = client_request(ag, dst, MSG_SCRIPT_CALL, &sb, &sent, timeout_ms, what, out);
+	msgpack_sbuffer_destroy(&sb);
+	return rc;
 }
 
 int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
@@ -312,8 +336,13 @@ int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t 
 		return shmrpc__fail(-EINVAL, "shmrpc_rpc_sync: out must be given");
 	*out = NULL;
 	rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
-	if (rc)
-		return rc;
+	return rc ? rc : client_sync_wait(f, out);
+}
+
+int client_sync_wait(shmrpc_future *f, shmrpc_future **out)
+{
+	int rc;
+
 	future_wait_until(f, 0);
 	if (f->err) {
 		rc = shmrpc__fail(f->err, "%s", f->errmsg ? f->errmsg : "unknown error");

@@ -226,3 +226,13 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	pthread_mutex_unlock(&ex.lock);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
+
+bool executor_help_once(void)
+{
+	bool ran;
+
+	pthread_mutex_lock(&ex.lock);
+	ran = run_next();
+	pthread_mutex_unlock(&ex.lock);
+	return ran;
+}

@@ -39,5 +39,8 @@ SHMRPC_HIDDEN bool executor_on_worker_thread(void);
 /* On an executor thread: runs queued jobs until f is done or the deadline
  * (0: none). 0 or -ETIMEDOUT. */
 SHMRPC_HIDDEN int executor_help_until(shmrpc_future *f, uint64_t deadline_ns);
+/* On an executor thread that waits for something other than a future:
+ * runs one queued job; false when none was queued. */
+SHMRPC_HIDDEN bool executor_help_once(void);
 
 #endif

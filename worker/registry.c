@@ -50,9 +50,9 @@ int shmrpc_register(const char *name, const char *sig, shmrpc_fn fn, void *user)
 	if (!name || !fn || !(n = strlen(name)) || n > NAME_MAX_LEN)
 		return shmrpc__fail(-EINVAL, "shmrpc_register: a function needs a name of 1 to %u "
 				    "bytes and a function pointer", NAME_MAX_LEN);
-	if (sig && sig[strspn(sig, "nbifsylmtv")])
+	if (sig && sig[strspn(sig, "nbifsylmtrv")])
 		return shmrpc__fail(-EINVAL, "shmrpc_register(\"%s\"): signature \"%s\" has a letter "
-				    "other than n b i f s y l m t v", name, sig);
+				    "other than n b i f s y l m t r v", name, sig);
 	if (!(e = calloc(1, sizeof(*e) + n + 1)) || (sig && !(e->sig = strdup(sig)))) {
 		free(e);
 		return shmrpc__fail(-ENOMEM, "out of memory registering %s", name);

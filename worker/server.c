@@ -11,11 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/registry.h"
+#include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
 
@@ -61,91 +63,274 @@ static void send_reply(struct request_job *rq, uint16_t type, const void *buf, s
 			rq->src, shmrpc_errmsg());
 }
 
-static void reply_exception(struct request_job *rq, const char *type, const char *msg,
-			    const char *bt)
+/* An EXCEPTION whose text already names where it happened. */
+static void reply_error(struct request_job *rq, const char *type, const char *text, const char *bt)
 {
-	struct agent *ag = rq->ag;
-	char name[SHM_NAME_MAX], text[1024];
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 
-	agent_peer_name(ag, ag->rank, name, sizeof(name));
-	snprintf(text, sizeof(text), "Error on worker %u (%s): %s", ag->rank, name, msg);
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	msgpack_pack_array(&pk, 3);
 	msgpack_pack_str_with_body(&pk, type, strlen(type));
 	msgpack_pack_str_with_body(&pk, text, strlen(text));
 	msgpack_pack_str_with_body(&pk, bt ? bt : "", bt ? strlen(bt) : 0);
-	count(&ag->self->errors, 1);
+	count(&rq->ag->self->errors, 1);
 	send_reply(rq, MSG_EXCEPTION, sb.data, sb.size);
 	msgpack_sbuffer_destroy(&sb);
 }
 
-/* Runs fn on the decoded call [name, [args...]]; fills *result or call's error. */
-static void run_script_call(struct request_job *rq, shmrpc_call *call)
+/* "Error on worker R (name): msg" into text. */
+static void error_text(struct agent *ag, const char *msg, char *text, size_t len)
 {
-	struct agent *ag = rq->ag;
+	char name[SHM_NAME_MAX];
+
+	agent_peer_name(ag, ag->rank, name, sizeof(name));
+	snprintf(text, len, "Error on worker %u (%s): %s", ag->rank, name, msg);
+}
+
+static void reply_exception(struct request_job *rq, const char *type, const char *msg,
+			    const char *bt)
+{
+	char text[1024];
+
+	error_text(rq->ag, msg, text, sizeof(text));
+	reply_error(rq, type, text, bt);
+}
+
+/* The call's error, set by its function or by the checks before it. */
+static void call_fail(shmrpc_call *call, const char *type, const char *msg)
+{
+	snprintf(call->errtype, sizeof(call->errtype), "%s", type);
+	snprintf(call->errmsg, sizeof(call->errmsg), "%s", msg);
+	call->failed = true;
+}
+
+/* Decodes a call [fn, args] or [fn, flags, args] from buf and runs it:
+ * 0 with *result, or call->failed with the error. *fn names it. */
+static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
+		     const char **fn, shmrpc_value *result)
+{
 	const struct registry_entry *e;
-	shmrpc_value req, result = shmrpc_nil();
-	struct tensor_list sent = { 0 };
-	const char *fn;
-	msgpack_sbuffer sb;
-	msgpack_packer pk;
+	const shmrpc_value *items, *args;
+	shmrpc_value req, *proxied = NULL;
+	uint32_t nargs, flags = 0;
 	size_t used;
+	char msg[400];
 	int rc;
 
-	if (value_unpack(rq->payload, rq->len, &call->arena, &req, &used, &call->tensors) ||
-	    used != rq->len ||
-	    req.type != SHMRPC_LIST || req.len != 2 || req.u.items[0].type != SHMRPC_STR ||
-	    req.u.items[1].type != SHMRPC_LIST) {
-		reply_exception(rq, "RuntimeError", "a malformed SCRIPT_CALL request came in", NULL);
+	*fn = "?";
+	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
+	    req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
+	    (items = req.u.items)[0].type != SHMRPC_STR ||
+	    items[req.len - 1].type != SHMRPC_LIST ||
+	    (req.len == 3 && items[1].type != SHMRPC_INT)) {
+		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+		call_fail(call, "RuntimeError", msg);
 		return;
 	}
-	fn = req.u.items[0].u.s;
-	if (!(e = registry_find(fn))) {
-		char msg[400];
+	*fn = items[0].u.s;
+	flags = req.len == 3 ? (uint32_t)items[1].u.i : 0;
+	args = items[req.len - 1].u.items;
+	nargs = items[req.len - 1].len;
+	if (!(e = registry_find(*fn))) {
+		snprintf(msg, sizeof(msg), "no function named \"%.256s\" is registered", *fn);
+		call_fail(call, "RuntimeError", msg);
+		return;
+	}
+	if (flags & CALL_F_PROXY) {
+		/* fn(value of the RRef, args...): the RRef must be ours. */
+		const shmrpc_value *v;
 
-		snprintf(msg, sizeof(msg), "no function named \"%.256s\" is registered", fn);
-		reply_exception(rq, "RuntimeError", msg, NULL);
+		if (!nargs || args[0].type != SHMRPC_RREF || !shmrpc_rref_is_owner(args[0].u.r) ||
+		    !(proxied = shmrpc_call_alloc(call, nargs * sizeof(*proxied)))) {
+			call_fail(call, "RuntimeError", "a call through an RRef came to a worker that "
+				  "does not own the RRef");
+			return;
+		}
+		if (rref_local_value(args[0].u.r, &v)) {
+			call_fail(call, "RuntimeError", shmrpc_errmsg());
+			return;
+		}
+		memcpy(proxied, args, nargs * sizeof(*proxied));
+		proxied[0] = *v;
+		args = proxied;
+	}
+	if (value_check_sig(*fn, e->sig, args, nargs)) {
+		call_fail(call, "TypeError", shmrpc_errmsg());
 		return;
 	}
-	if (value_check_sig(fn, e->sig, req.u.items[1].u.items, req.u.items[1].len)) {
-		reply_exception(rq, "TypeError", shmrpc_errmsg(), NULL);
-		return;
+	rc = e->fn(call, args, nargs, result, e->user);
+	if (rc && !call->failed) {
+		snprintf(msg, sizeof(msg), "%.256s() failed: %s", *fn, shmrpc_strerror(rc));
+		call_fail(call, "RuntimeError", msg);
 	}
-	rc = e->fn(call, req.u.items[1].u.items, req.u.items[1].len, &result, e->user);
-	if (rc || call->failed) {
-		if (!call->failed)
-			snprintf(call->errmsg, sizeof(call->errmsg), "%s() failed: %s", fn,
-				 shmrpc_strerror(rc ? rc : -EIO));
-		reply_exception(rq, call->failed ? call->errtype : "RuntimeError", call->errmsg,
-				call->backtrace);
-		return;
+}
+
+/* The handles in `sent` that the function made for its result (not the
+ * call's arguments', not met before) are the call's to free once sent. */
+static void free_result_handles(shmrpc_call *call, struct tensor_list *sent)
+{
+	for (uint32_t i = 0; i < sent->n; i++)
+		if (!tensor_list_has(&call->tensors, sent->t[i]) &&
+		    !tensor_list_has_before(sent, i, sent->t[i]))
+			shmrpc_tensor_free(sent->t[i]);
+	for (uint32_t i = 0; i < sent->nr; i++) {
+		bool seen = false;
+
+		for (uint32_t j = 0; j < call->tensors.nr && !seen; j++)
+			seen = call->tensors.r[j] == sent->r[i];
+		for (uint32_t j = 0; j < i && !seen; j++)
+			seen = sent->r[j] == sent->r[i];
+		if (!seen)
+			shmrpc_rref_free(sent->r[i]);
 	}
+	tensor_list_forget(sent);
+}
+
+/* Sends result as the reply of type ret: its tensors pinned until the
+ * caller's ack, its RRefs charged to the caller. */
+static void reply_value(struct request_job *rq, shmrpc_call *call, const char *fn,
+			const shmrpc_value *result, uint16_t ret)
+{
+	struct agent *ag = rq->ag;
+	struct tensor_list sent = { 0 };
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	char msg[256];
+
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	if (value_pack(&pk, &result, &sent))
+	if (value_pack(&pk, result, &sent)) {
 		reply_exception(rq, "TypeError", shmrpc_errmsg(), NULL);
-	else if (rq->src != ag->rank && sb.size > ipc_port_max_payload(&ag->port)) {
-		char msg[256];
-
-		snprintf(msg, sizeof(msg), "the result of %s() is %zu bytes; a reply carries at most "
-			 "%u bytes (raise shmrun --ring-size)", fn, sb.size,
+	} else if (rq->src != ag->rank && sb.size > ipc_port_max_payload(&ag->port)) {
+		snprintf(msg, sizeof(msg), "the result of %.64s() is %zu bytes; a reply carries at "
+			 "most %u bytes (raise shmrun --ring-size)", fn, sb.size,
 			 ipc_port_max_payload(&ag->port));
 		reply_exception(rq, "RuntimeError", msg, NULL);
+	} else if (sent.nr && rref_charge(ag, &sent, rq->src)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 	} else if (sent.n && pins_add(rq->src, rq->msg_id, PIN_REPLY, &sent)) {
+		rref_uncharge(ag, &sent, rq->src);
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 	} else {
-		send_reply(rq, MSG_SCRIPT_RET, sb.data, sb.size);
+		send_reply(rq, ret, sb.data, sb.size);
 	}
 	msgpack_sbuffer_destroy(&sb);
-	/* Tensors the function made for its result are the call's to free; the
-	 * pins keep them alive until the caller holds them. */
-	for (uint32_t i = 0; i < sent.n; i++)
-		if (!tensor_list_has(&call->tensors, sent.t[i]) && !tensor_list_has_before(&sent, i, sent.t[i]))
-			shmrpc_tensor_free(sent.t[i]);
-	tensor_list_forget(&sent);
+	free_result_handles(call, &sent);
+}
+
+static void run_script_call(struct request_job *rq, shmrpc_call *call)
+{
+	shmrpc_value result = shmrpc_nil();
+	const char *fn;
+
+	run_call(call, rq->type, rq->payload, rq->len, &fn, &result);
+	if (call->failed)
+		reply_exception(rq, call->errtype, call->errmsg, call->backtrace);
+	else
+		reply_value(rq, call, fn, &result, MSG_SCRIPT_RET);
+}
+
+/* [rref_id, slot] at the start of an RRef request; *used: its bytes. */
+static int rref_header(struct request_job *rq, shmrpc_call *call, uint64_t *id, uint32_t *slot,
+		       size_t *used)
+{
+	shmrpc_value h;
+
+	if (value_unpack(rq->payload, rq->len, &call->arena, &h, used, NULL) ||
+	    h.type != SHMRPC_LIST || h.len != 2 || h.u.items[0].type != SHMRPC_INT ||
+	    h.u.items[1].type != SHMRPC_INT || h.u.items[1].u.i < 0 ||
+	    h.u.items[1].u.i > UINT32_MAX)
+		return shmrpc__fail(-EBADMSG, "a malformed %s request came in",
+				    worker_msg_name(rq->type));
+	*id = (uint64_t)h.u.items[0].u.i;
+	*slot = (uint32_t)h.u.items[1].u.i;
+	return 0;
+}
+
+/* SCRIPT_REMOTE_CALL: run the call and store its result, or its error, in
+ * the RRef; REMOTE_RET says it is stored. */
+static void run_remote_call(struct request_job *rq, shmrpc_call *call)
+{
+	struct agent *ag = rq->ag;
+	shmrpc_value result = shmrpc_nil(), err[3], errv;
+	struct tensor_list sent = { 0 };
+	char text[1024];
+	const char *fn;
+	uint64_t id;
+	uint32_t slot;
+	size_t used;
+
+	if (rref_header(rq, call, &id, &slot, &used) || rref_owner_check(ag, id, slot)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+		return;
+	}
+	run_call(call, rq->type, rq->payload + used, rq->len - used, &fn, &result);
+	if (call->failed) {
+		error_text(ag, call->errmsg, text, sizeof(text));
+		err[0] = shmrpc_str(call->errtype);
+		err[1] = shmrpc_str(text);
+		err[2] = shmrpc_str(call->backtrace ? call->backtrace : "");
+		count(&ag->self->errors, 1);
+	}
+	errv = shmrpc_list(err, 3);
+	if (rref_owner_store(ag, id, slot, &result, call->failed ? &errv : NULL, &sent))
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+	else
+		send_reply(rq, MSG_REMOTE_RET, "\xc0", 1); /* nil */
+	/* Handles the function made for its result: the RRef holds its own. */
+	free_result_handles(call, &sent);
+}
+
+/* SCRIPT_RREF_FETCH_CALL: the value of an RRef of ours, once it has one. */
+static void run_rref_fetch(struct request_job *rq, shmrpc_call *call)
+{
+	struct agent *ag = rq->ag;
+	shmrpc_value v;
+	uint64_t id;
+	uint32_t slot, state;
+	size_t used, len;
+	void *buf = NULL;
+	struct rref_info info;
+
+	if (rref_header(rq, call, &id, &slot, &used) || !rref_info_at(&ag->rrefs, slot, &info) ||
+	    info.id != id || info.owner != ag->rank) {
+		reply_exception(rq, "RuntimeError", "a fetch came in for an RRef this worker does "
+				"not own", NULL);
+		return;
+	}
+	if (rref_owner_fetch(ag, id, slot, ag->default_timeout_ns ? shmrpc_now_ns() +
+					   ag->default_timeout_ns : 0, &buf, &len, &state)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+		return;
+	}
+	/* Our own references to what the value holds, for the reply to charge. */
+	call->tensors.take = true;
+	if (value_unpack(buf, len, &call->arena, &v, &used, &call->tensors))
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+	else if (state == RREF_ERROR && v.type == SHMRPC_LIST && v.len == 3 &&
+		 v.u.items[0].type == SHMRPC_STR && v.u.items[1].type == SHMRPC_STR &&
+		 v.u.items[2].type == SHMRPC_STR)
+		reply_error(rq, v.u.items[0].u.s, v.u.items[1].u.s, v.u.items[2].u.s);
+	else
+		reply_value(rq, call, "to_here", &v, MSG_SCRIPT_RREF_FETCH_RET);
+	free(buf);
+}
+
+/* RREF_USER_DELETE: the last reference to an RRef of ours went. */
+static void run_rref_delete(struct request_job *rq, shmrpc_call *call)
+{
+	uint64_t id;
+	uint32_t slot;
+	size_t used;
+
+	if (rref_header(rq, call, &id, &slot, &used)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+		return;
+	}
+	rref_owner_collect(rq->ag, id, slot);
+	send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
 }
 
 static void run_request(struct job *j)
@@ -156,9 +341,20 @@ static void run_request(struct job *j)
 
 	count(&ag->self->num_pending_futures, -1);
 	count(&ag->self->server_active_calls, 1);
-	if (rq->type == MSG_SCRIPT_CALL) {
+	switch (rq->type) {
+	case MSG_SCRIPT_CALL:
 		run_script_call(rq, &call);
-	} else {
+		break;
+	case MSG_SCRIPT_REMOTE_CALL:
+		run_remote_call(rq, &call);
+		break;
+	case MSG_SCRIPT_RREF_FETCH_CALL:
+		run_rref_fetch(rq, &call);
+		break;
+	case MSG_RREF_USER_DELETE:
+		run_rref_delete(rq, &call);
+		break;
+	default: {
 		char msg[128];
 		const char *name = worker_msg_name(rq->type);
 
@@ -167,6 +363,7 @@ static void run_request(struct job *j)
 		else
 			snprintf(msg, sizeof(msg), "unknown message type %u", rq->type);
 		reply_exception(rq, "RuntimeError", msg, NULL);
+	}
 	}
 	count(&ag->self->server_active_calls, -1);
 	count(&ag->self->calls_served, 1);

@@ -166,17 +166,34 @@ int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t)
 	return 0;
 }
 
+int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r)
+{
+	if (l->nr == l->rcap) {
+		uint32_t cap = l->rcap ? 2 * l->rcap : 4;
+		shmrpc_rref **n = realloc(l->r, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing RRefs");
+		l->r = n;
+		l->rcap = cap;
+	}
+	l->r[l->nr++] = r;
+	return 0;
+}
+
 void tensor_list_free(struct tensor_list *l)
 {
 	for (uint32_t i = 0; i < l->n; i++)
 		shmrpc_tensor_free(l->t[i]);
-	free(l->t);
-	*l = (struct tensor_list){ 0 };
+	for (uint32_t i = 0; i < l->nr; i++)
+		shmrpc_rref_free(l->r[i]);
+	tensor_list_forget(l);
 }
 
 void tensor_list_forget(struct tensor_list *l)
 {
 	free(l->t);
+	free(l->r);
 	*l = (struct tensor_list){ 0 };
 }
 

@@ -29,13 +29,19 @@ struct shmrpc_tensor {
 	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
 };
 
-/* A growing list of tensor handles. */
+/* The handles a message or a value holds: tensors and RRefs. take: when
+ * decoding into the list, make a reference of our own to each RRef (a
+ * value read from the RRef table) instead of adopting the sender's. */
 struct tensor_list {
 	shmrpc_tensor **t;
 	uint32_t n, cap;
+	shmrpc_rref **r;
+	uint32_t nr, rcap;
+	bool take;
 };
 
 SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
+SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
 /* Frees every handle of the list (dropping their references) and the list. */
 SHMRPC_HIDDEN void tensor_list_free(struct tensor_list *l);
 /* Frees the list only: its handles belong to someone else. */

@@ -3,13 +3,14 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
 
 const char *shmrpc_type_name(uint32_t type)
 {
 	static const char *const names[] = { "nil", "bool", "int", "float", "str",
-					     "bytes", "list", "map", "tensor" };
+					     "bytes", "list", "map", "tensor", "rref" };
 
 	return type < sizeof(names) / sizeof(names[0]) ? names[type] : "unknown";
 }
@@ -47,6 +48,12 @@ static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth, struct ten
 		if (!v->u.t)
 			return shmrpc__fail(-EINVAL, "a tensor value without a tensor");
 		return tensor_pack(pk, v->u.t) ?: tensor_list_add(sent, v->u.t);
+	case SHMRPC_RREF:
+		if (!sent)
+			return shmrpc__fail(-EINVAL, "an RRef cannot travel in this message");
+		if (!v->u.r)
+			return shmrpc__fail(-EINVAL, "an RRef value without an RRef");
+		return rref_pack(pk, v->u.r) ?: tensor_list_add_rref(sent, v->u.r);
 	default:
 		return shmrpc__fail(-EINVAL, "a value of unknown type %u cannot be sent", v->type);
 	}
@@ -208,10 +215,19 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 				*v = shmrpc_tensor_value(t);
 			return rc;
 		}
-		if (o->via.ext.type == VALUE_EXT_TENSOR)
-			return shmrpc__fail(-EBADMSG, "a tensor where none can travel");
-		if (o->via.ext.type == VALUE_EXT_RREF)
-			return shmrpc__fail(-ENOTSUP, "RRef values are not supported yet");
+		if (o->via.ext.type == VALUE_EXT_RREF && got) {
+			shmrpc_rref *r;
+			int rc = rref_unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
+
+			if (rc == 0 && (rc = tensor_list_add_rref(got, r)))
+				shmrpc_rref_free(r);
+			if (rc == 0)
+				*v = shmrpc_rref_value(r);
+			return rc;
+		}
+		if (o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_RREF)
+			return shmrpc__fail(-EBADMSG, "a %s where none can travel",
+					    o->via.ext.type == VALUE_EXT_RREF ? "RRef" : "tensor");
 		return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d",
 				    o->via.ext.type);
 	default:
@@ -253,15 +269,16 @@ static bool sig_accepts(char want, const shmrpc_value *v)
 	case 'l': return v->type == SHMRPC_LIST;
 	case 'm': return v->type == SHMRPC_MAP;
 	case 't': return v->type == SHMRPC_TENSOR;
+	case 'r': return v->type == SHMRPC_RREF;
 	default: return false;
 	}
 }
 
 static const char *sig_name(char want)
 {
-	static const char letters[] = "nbifsylmtv";
+	static const char letters[] = "nbifsylmtrv";
 	static const char *const names[] = { "nil", "bool", "int", "float", "str",
-					     "bytes", "list", "map", "tensor", "any" };
+					     "bytes", "list", "map", "tensor", "rref", "any" };
 	const char *at = strchr(letters, want);
 
 	return at && want ? names[at - letters] : "?";

@@ -1,0 +1,530 @@
+/*
+ * The RRef table (rref_table.h): creation, attach, and the atomic steps.
+ *
+ * Why removal is safe without a lock: an entry is removed only once total
+ * is 0, and total never rises from 0 (only a holder makes a reference), so
+ * no one can be using it. The remover empties the state first and the key
+ * last (release), and the key's CAS from id to TOMB succeeds once: two
+ * processes that both see "unreferenced and owner dead" cannot both free
+ * it. A creator that takes the slot again (CAS TOMB -> new id, acquire)
+ * sees the zeroed fields.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "common/error.h"
+#include "shm/memfd.h"
+#include "shm/rref_table.h"
+
+struct shape {
+	uint32_t capacity, entry_size;
+	uint64_t slots_off, total;
+};
+
+static bool table_shape(uint32_t max_rrefs, uint32_t world, struct shape *s)
+{
+	uint32_t cap = 16;
+
+	if (!max_rrefs || max_rrefs > RREF_MAX_RREFS || !world || world > RREF_MAX_WORLD)
+		return false;
+	while (cap < 2 * (uint64_t)max_rrefs)
+		cap <<= 1;
+	s->capacity = cap;
+	s->entry_size = (uint32_t)((sizeof(struct rref_entry) + 4u * world + 63) & ~63u);
+	s->slots_off = RREF_TABLE_PAGE;
+	s->total = s->slots_off + (uint64_t)cap * s->entry_size;
+	return true;
+}
+
+uint64_t rref_table_bytes(const struct rref_table_params *params)
+{
+	struct shape s;
+
+	return table_shape(params->max_rrefs ? params->max_rrefs : RREF_DEFAULT_MAX_RREFS,
+			   params->world, &s) ? s.total : 0;
+}
+
+static void table_fill(struct rref_table *t, const struct shape *s, uint32_t max_rrefs,
+		       uint32_t world)
+{
+	t->hdr = (struct rref_table_header *)t->base;
+	t->size = s->total;
+	t->capacity = s->capacity;
+	t->max_rrefs = max_rrefs;
+	t->world = world;
+	t->entry_size = s->entry_size;
+	t->slots = t->base + s->slots_off;
+}
+
+int rref_table_create(struct rref_table *t, const struct rref_table_params *params)
+{
+	uint32_t max = params->max_rrefs ? params->max_rrefs : RREF_DEFAULT_MAX_RREFS;
+	struct rref_table_header *h;
+	struct shape s;
+	char what[96];
+	void *mem;
+	int fd, err;
+
+	memset(t, 0, sizeof(*t));
+	t->fd = -1;
+	if (!table_shape(max, params->world, &s))
+		return shmrpc__fail(-EINVAL, "cannot make an RRef table for %u RRefs and %u workers: "
+				    "RRefs 1..%u, workers 1..%u", max, params->world,
+				    RREF_MAX_RREFS, RREF_MAX_WORLD);
+	snprintf(what, sizeof(what), "the RRef table (%u RRefs, %u workers)", max, params->world);
+	err = shm_memfd_create("shmrpc-rrefs", s.total, what, "--max-rrefs", &fd, &mem);
+	if (err)
+		return err;
+	t->base = mem;
+	t->fd = fd;
+	table_fill(t, &s, max, params->world);
+	/* The memfd reads as zeros: every slot starts unused. */
+	h = t->hdr;
+	h->magic = RREF_TABLE_MAGIC;
+	h->format_version = RREF_TABLE_FORMAT_VERSION;
+	h->header_size = sizeof(*h);
+	h->total_size = s.total;
+	h->slots_off = s.slots_off;
+	h->capacity = s.capacity;
+	h->max_rrefs = max;
+	h->world = params->world;
+	h->entry_size = s.entry_size;
+	h->created_ns = shmrpc_realtime_ns();
+	h->creator_pid = (uint32_t)getpid();
+	return 0;
+}
+
+int rref_table_attach_fd(struct rref_table *t, int fd, bool readonly)
+{
+	struct rref_table_header h;
+	struct shape s;
+	struct stat st;
+	ssize_t n;
+
+	memset(t, 0, sizeof(*t));
+	t->fd = -1;
+	if (fstat(fd, &st) < 0)
+		return shmrpc__fail(-errno, "cannot attach to the RRef table on fd %d: %s", fd,
+				    strerror(errno));
+	/* Read the header with pread first: never map what we have not checked. */
+	n = pread(fd, &h, sizeof(h), 0);
+	if (n < 0)
+		return shmrpc__fail(-errno, "cannot read the RRef table header: %s", strerror(errno));
+	if ((size_t)n < offsetof(struct rref_table_header, header_size) || h.magic != RREF_TABLE_MAGIC)
+		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table (bad magic)");
+	if (h.format_version != RREF_TABLE_FORMAT_VERSION)
+		return shmrpc__fail(-SHMRPC_EVERSION,
+				    "RRef table format %u, this library reads format %u: run the job "
+				    "and its tools from the same shmrpc build",
+				    h.format_version, RREF_TABLE_FORMAT_VERSION);
+	if ((size_t)n < sizeof(h))
+		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %zd bytes", n);
+	if (h.header_size != sizeof(h) || !table_shape(h.max_rrefs, h.world, &s) ||
+	    s.capacity != h.capacity || s.entry_size != h.entry_size ||
+	    s.slots_off != h.slots_off || s.total != h.total_size)
+		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table: header layout is "
+				    "inconsistent (%u RRefs, %u workers)", h.max_rrefs, h.world);
+	if ((uint64_t)st.st_size < h.total_size)
+		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %lld bytes, header says %"
+				    PRIu64, (long long)st.st_size, h.total_size);
+	t->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE,
+		       MAP_SHARED, fd, 0);
+	if (t->base == MAP_FAILED) {
+		t->base = NULL;
+		return shmrpc__fail(-errno, "cannot map the RRef table (%" PRIu64 " bytes): %s",
+				    h.total_size, strerror(errno));
+	}
+	t->fd = fd;
+	table_fill(t, &s, h.max_rrefs, h.world);
+	return 0;
+}
+
+void rref_table_detach(struct rref_table *t)
+{
+	if (t->base)
+		munmap(t->base, t->size);
+	if (t->fd >= 0)
+		close(t->fd);
+	t->base = NULL;
+	t->hdr = NULL;
+	t->fd = -1;
+}
+
+static uint32_t home_of(const struct rref_table *t, uint64_t id)
+{
+	return (uint32_t)XXH3_64bits(&id, sizeof(id)) & (t->capacity - 1);
+}
+
+static void wake_all(struct rref_entry *e)
+{
+	/* seq_cst: the state store before this load, against the waiter's
+	 * waiters++ before its re-read (the doorbell's argument). */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (atomic_load_explicit(&e->waiters, memory_order_relaxed))
+		syscall(SYS_futex, &e->state, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t creator,
+		uint32_t flags, uint32_t *slot)
+{
+	uint32_t mask = t->capacity - 1, s = home_of(t, id);
+
+	if (!id || id == RREF_TOMB || owner >= t->world || creator >= t->world)
+		return shmrpc__fail(-EINVAL, "bad RRef id %#" PRIx64 " or rank (owner %u, creator "
+				    "%u) for a table of %u workers", id, owner, creator, t->world);
+	/* Relaxed: a bound on the count; the slot's CAS orders the entry. */
+	if (atomic_fetch_add_explicit(&t->hdr->live, 1, memory_order_relaxed) >= t->max_rrefs) {
+		atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
+		return shmrpc__fail(-ENOSPC, "the RRef table is full: %u RRefs are alive; delete "
+				    "some, or start the job with a larger shmrun --max-rrefs",
+				    t->max_rrefs);
+	}
+	for (uint32_t probe = 0; probe < t->capacity; probe++, s = (s + 1) & mask) {
+		struct rref_entry *e = rref_entry_at(t, s);
+		uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
+
+		/* Acquire: pairs with the remover's release of TOMB (its zeroed
+		 * fields are visible before ours are written). */
+		if ((k == 0 || k == RREF_TOMB) &&
+		    atomic_compare_exchange_strong_explicit(&e->key, &k, id, memory_order_acquire,
+							    memory_order_relaxed)) {
+			e->owner = owner;
+			e->creator = creator;
+			e->flags = flags;
+			e->created_ns = shmrpc_now_ns();
+			atomic_store_explicit(&e->value_off, 0, memory_order_relaxed);
+			atomic_store_explicit(&e->value_len, 0, memory_order_relaxed);
+			/* Relaxed: published with the state store below. */
+			atomic_store_explicit(&e->total, 2, memory_order_relaxed);
+			atomic_fetch_add_explicit(&e->counts[creator], 1, memory_order_relaxed);
+			atomic_fetch_add_explicit(&e->counts[owner], 1, memory_order_relaxed);
+			/* Release: the fields above before the entry counts as live;
+			 * pairs with the acquire loads of state by readers. */
+			atomic_store_explicit(&e->state, RREF_PENDING, memory_order_release);
+			*slot = s;
+			return 0;
+		}
+	}
+	/* Cannot happen while live <= max_rrefs <= capacity / 2. */
+	atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
+	return shmrpc__fail(-ENOSPC, "the RRef table has no free slot (%u slots)", t->capacity);
+}
+
+int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot)
+{
+	uint32_t mask = t->capacity - 1, s = home_of(t, id);
+
+	for (uint32_t probe = 0; probe < t->capacity; probe++, s = (s + 1) & mask) {
+		/* Acquire: pairs with the creator's CAS; state is checked after. */
+		uint64_t k = atomic_load_explicit(&rref_entry_at(t, s)->key, memory_order_acquire);
+
+		if (k == id && id) {
+			*slot = s;
+			return 0;
+		}
+		if (k == 0)
+			break;
+	}
+	return -ENOENT;
+}
+
+/* The entry at slot if it holds id (and is not being filled or emptied). */
+static struct rref_entry *entry_of(const struct rref_table *t, uint32_t slot, uint64_t id)
+{
+	struct rref_entry *e;
+
+	if (slot >= t->capacity)
+		return NULL;
+	e = rref_entry_at(t, slot);
+	/* Acquire on both: pairs with the creator's release of state. */
+	if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
+	    atomic_load_explicit(&e->state, memory_order_acquire) == RREF_FREE)
+		return NULL;
+	return e;
+}
+
+static int gone(uint32_t slot, uint64_t id)
+{
+	return shmrpc__fail(-ENOENT, "RRef %" PRIu64 ":%" PRIu64 " is not in the RRef table "
+			    "(slot %u): it was deleted", (uint64_t)RREF_ID_RANK(id),
+			    (uint64_t)RREF_ID_LOCAL(id), slot);
+}
+
+int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+
+	if (!e || rank >= t->world)
+		return e ? -EINVAL : gone(slot, id);
+	/* total before the count: sum(counts) <= total whenever we stop.
+	 * seq_cst: a sender charging a receiver then checks that the receiver
+	 * lives; the launcher marks it dead then sweeps (rref_sweep_holder). */
+	atomic_fetch_add_explicit(&e->total, n, memory_order_seq_cst);
+	atomic_fetch_add_explicit(&e->counts[rank], n, memory_order_seq_cst);
+	return 0;
+}
+
+/* Removes e (which held id) once: the key's CAS decides who. */
+static bool remove_entry(struct rref_table *t, struct rref_entry *e, uint64_t id)
+{
+	uint64_t k = id;
+
+	/* Relaxed stores: published by the key's release below. */
+	atomic_store_explicit(&e->state, RREF_FREE, memory_order_relaxed);
+	if (!atomic_compare_exchange_strong_explicit(&e->key, &k, RREF_TOMB, memory_order_release,
+						     memory_order_relaxed))
+		return false;
+	atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
+	return true;
+}
+
+/* total fell to 0 at e: hand it to its owner, or remove it if the owner is dead. */
+static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id)
+{
+	/* Acquire: the owner's value fields, for the owner that frees them. */
+	uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+
+	for (;;) {
+		if (st == RREF_OWNER_DEAD)
+			return remove_entry(t, e, id) ? 2 : 0;
+		if (st != RREF_READY && st != RREF_ERROR && st != RREF_PENDING)
+			return 0; /* already handed over or removed */
+		/* seq_cst: against the owner sweep's CAS to OWNER_DEAD. */
+		if (atomic_compare_exchange_weak_explicit(&e->state, &st, RREF_UNREFERENCED,
+							  memory_order_seq_cst,
+							  memory_order_acquire)) {
+			wake_all(e);
+			return 1;
+		}
+	}
+}
+
+static int drop(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_t n)
+{
+	/* acq_rel: every holder's use of the value happens before the last
+	 * drop, which the owner's free follows. */
+	uint32_t before = atomic_fetch_sub_explicit(&e->total, n, memory_order_acq_rel);
+
+	if (before < n)
+		return shmrpc__fail(-EOVERFLOW, "RRef table: entry %" PRIx64 " dropped %u references "
+				    "with %u left", id, n, before);
+	return before == n ? unreferenced(t, e, id) : 0;
+}
+
+int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+	uint32_t c;
+
+	if (!e || rank >= t->world)
+		return e ? -EINVAL : gone(slot, id);
+	/* The count before total (see rref_hold); never below zero. */
+	c = atomic_load_explicit(&e->counts[rank], memory_order_relaxed);
+	do {
+		if (c < n)
+			return shmrpc__fail(-EINVAL, "rank %u drops %u references to RRef %"
+					    PRIx64 " and holds %u", rank, n, id, c);
+	} while (!atomic_compare_exchange_weak_explicit(&e->counts[rank], &c, c - n,
+							memory_order_seq_cst, memory_order_relaxed));
+	return drop(t, e, id, n);
+}
+
+int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
+	       uint64_t value_off, uint64_t value_len)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+	uint32_t st;
+
+	if (!e || (state != RREF_READY && state != RREF_ERROR))
+		return e ? -EINVAL : gone(slot, id);
+	/* Refused before the value is written: holders of a stored value read
+	 * it. Only the owner leaves PENDING for READY/ERROR, so a pending entry
+	 * stays so until the CAS, or becomes OWNER_DEAD (whose value no one reads). */
+	st = atomic_load_explicit(&e->state, memory_order_relaxed);
+	if (st == RREF_PENDING) {
+		atomic_store_explicit(&e->value_off, value_off, memory_order_relaxed);
+		atomic_store_explicit(&e->value_len, value_len, memory_order_relaxed);
+	}
+	/* seq_cst (release at least): the value before the state that says it
+	 * is there; pairs with readers' acquire. Fails if the owner was swept. */
+	if (st != RREF_PENDING ||
+	    !atomic_compare_exchange_strong_explicit(&e->state, &st, state, memory_order_seq_cst,
+						     memory_order_relaxed))
+		return shmrpc__fail(-EINVAL, "RRef %" PRIx64 " is %s, not pending: it has a value "
+				    "already", id, rref_state_name(st));
+	wake_all(e);
+	return rref_release(t, slot, id, e->owner, 1);
+}
+
+int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+
+	if (!e)
+		return gone(slot, id);
+	for (;;) {
+		/* Acquire: pairs with rref_store's release of the state. */
+		uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+		struct timespec ts;
+
+		if (st != RREF_PENDING)
+			return (int)st;
+		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
+			return -ETIMEDOUT;
+		/* Relaxed add, then the fence: pairs with wake_all's fence. */
+		atomic_fetch_add_explicit(&e->waiters, 1, memory_order_relaxed);
+		atomic_thread_fence(memory_order_seq_cst);
+		if (atomic_load_explicit(&e->state, memory_order_acquire) == RREF_PENDING) {
+			ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
+			ts.tv_nsec = (long)(deadline_ns % 1000000000u);
+			/* BITSET: an absolute CLOCK_MONOTONIC deadline. */
+			syscall(SYS_futex, &e->state, FUTEX_WAIT_BITSET, RREF_PENDING,
+				deadline_ns ? &ts : NULL, NULL, FUTEX_BITSET_MATCH_ANY);
+		}
+		atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_relaxed);
+	}
+}
+
+int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+
+	if (!e)
+		return gone(slot, id);
+	/* Acquire: pairs with the last drop (unreferenced's CAS). */
+	if (atomic_load_explicit(&e->state, memory_order_acquire) != RREF_UNREFERENCED)
+		return shmrpc__fail(-EBUSY, "RRef %" PRIx64 " still has references", id);
+	return remove_entry(t, e, id) ? 0 : gone(slot, id);
+}
+
+int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+	uint32_t n;
+
+	if (!e || rank >= t->world)
+		return 0;
+	/* seq_cst: see rref_hold. Exchange: each reference is taken once. */
+	n = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
+	return n ? drop(t, e, id, n) : 0;
+}
+
+/* e (which held id, owned by a dead rank) becomes OWNER_DEAD, or goes if
+ * nothing references it. */
+static int owner_dead(struct rref_table *t, struct rref_entry *e, uint64_t id)
+{
+	/* Acquire: pairs with the state's release stores. */
+	uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+	int n = 0;
+
+	while (st == RREF_PENDING || st == RREF_READY || st == RREF_ERROR) {
+		/* seq_cst: against unreferenced()'s CAS. */
+		if (atomic_compare_exchange_weak_explicit(&e->state, &st, RREF_OWNER_DEAD,
+							  memory_order_seq_cst,
+							  memory_order_acquire)) {
+			wake_all(e);
+			st = RREF_OWNER_DEAD;
+			n = 1;
+		}
+	}
+	/* Handed to the dead owner, or dead with nothing left: gone. */
+	if (st == RREF_UNREFERENCED ||
+	    (st == RREF_OWNER_DEAD && !atomic_load_explicit(&e->total, memory_order_seq_cst)))
+		remove_entry(t, e, id);
+	return n;
+}
+
+int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id)
+{
+	struct rref_entry *e = entry_of(t, slot, id);
+
+	return e ? owner_dead(t, e, id) : 0;
+}
+
+int rref_sweep_owner(struct rref_table *t, uint32_t rank)
+{
+	int n = 0;
+
+	for (uint32_t s = 0; s < t->capacity; s++) {
+		struct rref_entry *e = rref_entry_at(t, s);
+		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
+
+		/* The state's acquire before owner: a filled entry. */
+		if (id && id != RREF_TOMB &&
+		    atomic_load_explicit(&e->state, memory_order_acquire) != RREF_FREE &&
+		    e->owner == rank)
+			n += owner_dead(t, e, id);
+	}
+	return n;
+}
+
+int rref_sweep_holder(struct rref_table *t, uint32_t rank)
+{
+	int n = 0;
+
+	if (rank >= t->world)
+		return -EINVAL;
+	for (uint32_t s = 0; s < t->capacity; s++) {
+		struct rref_entry *e = rref_entry_at(t, s);
+		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
+		uint32_t c;
+
+		if (!id || id == RREF_TOMB)
+			continue;
+		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
+		if (c) {
+			drop(t, e, id, c);
+			n += (int)c;
+		}
+	}
+	return n;
+}
+
+bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *out)
+{
+	struct rref_entry *e;
+
+	if (slot >= t->capacity)
+		return false;
+	e = rref_entry_at(t, slot);
+	out->id = atomic_load_explicit(&e->key, memory_order_acquire);
+	out->state = atomic_load_explicit(&e->state, memory_order_acquire);
+	if (!out->id || out->id == RREF_TOMB || out->state == RREF_FREE)
+		return false;
+	out->owner = e->owner;
+	out->creator = e->creator;
+	out->flags = e->flags;
+	out->created_ns = e->created_ns;
+	out->total = atomic_load_explicit(&e->total, memory_order_relaxed);
+	out->value_off = atomic_load_explicit(&e->value_off, memory_order_relaxed);
+	out->value_len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
+	return true;
+}
+
+uint32_t rref_count_of(const struct rref_table *t, uint32_t slot, uint32_t rank)
+{
+	if (slot >= t->capacity || rank >= t->world)
+		return 0;
+	return atomic_load_explicit(&rref_entry_at(t, slot)->counts[rank], memory_order_relaxed);
+}
+
+const char *rref_state_name(uint32_t state)
+{
+	static const char *const names[] = { "free", "pending", "ready", "error",
+					     "unreferenced", "owner-dead" };
+
+	return state < sizeof(names) / sizeof(names[0]) ? names[state] : "invalid";
+}

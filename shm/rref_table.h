@@ -1,0 +1,224 @@
+/*
+ * The RRef table: one memfd, separate from the job segment and the tensor
+ * pool, that every worker maps read-write. It says, for every live RRef of
+ * the job, whether its value is there yet, where it lives, and who still
+ * holds a reference to it. docs/RREF.md tells which steps of PyTorch's RRef
+ * protocol this turns into atomic operations.
+ *
+ * Layout (format 1):
+ *
+ *   0          struct rref_table_header     one page
+ *   slots_off  capacity entries of entry_size bytes: struct rref_entry,
+ *              then _Atomic uint32_t counts[world], padded to 64 bytes
+ *
+ * Open addressing, keyed by the RRef id (nonzero; ids are never reused),
+ * hashed with xxHash, linear probing. key 0 is a slot never used, RREF_TOMB
+ * a slot freed (a lookup probes past it, an insert may take it). The
+ * capacity is a power of two at least twice max_rrefs, so a probe is short.
+ *
+ * References. counts[r] is how many references rank r holds; total is
+ * their sum. An RRef is created with one reference for its creator and one
+ * for its owner's pending run (held until the value or error is stored), so
+ * it cannot be deleted before it has a value. Only a holder makes another
+ * reference (a fork is charged to its receiver by the sender, which still
+ * holds its own), so once total is 0 it stays 0: the RRef is unreferenced
+ * and its owner frees the value and removes the entry.
+ *
+ * Crash safety, as in the tensor pool: a holder raises total before its
+ * count and lowers its count before total, so sum(counts) <= total always;
+ * a sweep of a dead rank exchanges its counts with 0 and lowers total by
+ * what it took, once however many sweepers run. A death between two steps
+ * leaves total above the counts: the entry is never freed (a leak the
+ * inspector shows), never freed while in use.
+ *
+ * Waiting: state is a futex word. A waiter raises waiters, re-reads the
+ * state and sleeps on it (FUTEX_WAIT, shared); whoever changes the state
+ * does so with seq_cst and wakes all when waiters is nonzero. The fence
+ * pairing is the doorbell's (ipc/doorbell.h): one of the two sees the other.
+ *
+ * Everything read from the table is checked: slot bounds, key, state.
+ */
+#ifndef SHMRPC_SHM_RREF_TABLE_H
+#define SHMRPC_SHM_RREF_TABLE_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/compiler.h"
+
+#define SHMRPC_ENV_RREF_FD "SHMRPC_RREF_FD"
+
+#define RREF_TABLE_MAGIC 0x31464552524d4853ull /* "SHMRREF1" read as little endian */
+#define RREF_TABLE_FORMAT_VERSION 1u
+#define RREF_TABLE_PAGE 4096u
+#define RREF_MAX_WORLD 1024u
+#define RREF_MAX_RREFS (1u << 24)
+#define RREF_DEFAULT_MAX_RREFS 65536u
+#define RREF_TOMB UINT64_MAX
+
+/* An RRef id or a fork id: the rank that made it + 1, then a counter. */
+#define RREF_ID(rank, local) (((uint64_t)(rank) + 1) << 40 | ((local) & ((1ull << 40) - 1)))
+#define RREF_ID_RANK(id) ((uint32_t)((id) >> 40) - 1)
+#define RREF_ID_LOCAL(id) ((id) & ((1ull << 40) - 1))
+
+enum rref_state {
+	RREF_FREE = 0,         /* slot being filled or emptied */
+	RREF_PENDING = 1,      /* the owner has not stored a value yet */
+	RREF_READY = 2,        /* value_off/value_len: the encoded value */
+	RREF_ERROR = 3,        /* value_off/value_len: the encoded error */
+	RREF_UNREFERENCED = 4, /* total reached 0: the owner frees it */
+	RREF_OWNER_DEAD = 5,   /* the owner died; removed when total reaches 0 */
+};
+
+struct rref_table_header {
+	uint64_t magic;
+	uint32_t format_version;
+	uint32_t header_size;
+	uint64_t total_size;
+	uint64_t slots_off;
+	uint32_t capacity;   /* slots, a power of two */
+	uint32_t max_rrefs;  /* live entries allowed */
+	uint32_t world;
+	uint32_t entry_size; /* sizeof(struct rref_entry) + counts, 64-byte multiple */
+	uint64_t created_ns; /* CLOCK_REALTIME */
+	uint32_t creator_pid;
+	uint8_t pad0[4];
+	/* line 2: live entries; fetch_add (relaxed: a bound, orders nothing). */
+	_Atomic uint32_t live;
+	uint8_t pad1[60];
+	uint8_t reserved[RREF_TABLE_PAGE - 128];
+};
+_Static_assert(offsetof(struct rref_table_header, live) == 64, "rref header layout");
+_Static_assert(sizeof(struct rref_table_header) == RREF_TABLE_PAGE, "rref header is one page");
+
+struct rref_entry {
+	_Atomic uint64_t key;       /* CAS: 0/TOMB -> id by the creator, id -> TOMB by the remover */
+	_Atomic uint32_t state;     /* enum rref_state; the futex word */
+	_Atomic uint32_t waiters;   /* threads asleep on state */
+	_Atomic uint32_t total;     /* sum of counts (see above) */
+	uint32_t owner;             /* written by the creator before state leaves FREE */
+	_Atomic uint64_t value_off; /* pool offset; written before state READY/ERROR (release) */
+	_Atomic uint64_t value_len;
+	uint64_t created_ns;        /* CLOCK_MONOTONIC, for inspectors */
+	uint32_t creator;
+	uint32_t flags;             /* RREF_F_* */
+	uint8_t pad[8];
+	_Atomic uint32_t counts[];  /* per rank */
+};
+_Static_assert(sizeof(struct rref_entry) == 64, "rref entry head is one line");
+_Static_assert(offsetof(struct rref_entry, value_off) == 24, "rref entry layout");
+
+/* The value is fetched from the owner by message (it lives in its process). */
+#define RREF_F_FETCH_BY_MESSAGE 1u
+
+struct rref_table_params {
+	uint32_t max_rrefs; /* 0: RREF_DEFAULT_MAX_RREFS */
+	uint32_t world;
+};
+
+/* What one process knows of the table, checked at attach. */
+struct rref_table {
+	int fd;
+	uint8_t *base;
+	struct rref_table_header *hdr;
+	uint64_t size;
+	uint32_t capacity;
+	uint32_t max_rrefs;
+	uint32_t world;
+	uint32_t entry_size;
+	uint8_t *slots;
+};
+
+/* A copy of one entry, for inspectors and tests. */
+struct rref_info {
+	uint64_t id;
+	uint32_t state;
+	uint32_t owner;
+	uint32_t creator;
+	uint32_t total;
+	uint32_t flags;
+	uint64_t value_off;
+	uint64_t value_len;
+	uint64_t created_ns;
+};
+
+SHMRPC_HIDDEN int rref_table_create(struct rref_table *t, const struct rref_table_params *params);
+/* Maps an existing table (checks magic, version, layout); owns fd on success. */
+SHMRPC_HIDDEN int rref_table_attach_fd(struct rref_table *t, int fd, bool readonly);
+SHMRPC_HIDDEN void rref_table_detach(struct rref_table *t);
+/* Bytes a table of this shape occupies; 0 if the shape is invalid. */
+SHMRPC_HIDDEN uint64_t rref_table_bytes(const struct rref_table_params *params);
+
+static inline struct rref_entry *rref_entry_at(const struct rref_table *t, uint32_t slot)
+{
+	return (struct rref_entry *)(t->slots + (uint64_t)slot * t->entry_size);
+}
+
+/*
+ * Inserts id, owned by owner, in state PENDING with one reference for
+ * creator and one for owner (its pending run; rref_store drops it). *slot
+ * names the entry from now on. -ENOSPC when max_rrefs are live.
+ */
+SHMRPC_HIDDEN int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t creator,
+			      uint32_t flags, uint32_t *slot);
+/* The slot of id, or -ENOENT. */
+SHMRPC_HIDDEN int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot);
+/*
+ * n more references for rank; the caller holds one (or the pending run),
+ * so the entry cannot go away meanwhile. -ENOENT if slot does not hold id.
+ */
+SHMRPC_HIDDEN int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank,
+			    uint32_t n);
+/*
+ * Drops n of rank's references. 1 when this made the RRef unreferenced
+ * (state UNREFERENCED: the caller tells the owner, unless it is the owner),
+ * 2 when this removed it (its owner is dead), 0 otherwise, or -errno.
+ */
+SHMRPC_HIDDEN int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank,
+			       uint32_t n);
+/*
+ * The owner stores the value (state READY) or the error (state ERROR) of
+ * id, wakes the waiters and drops its pending run's reference; the return
+ * is rref_release's.
+ */
+SHMRPC_HIDDEN int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
+			     uint64_t value_off, uint64_t value_len);
+/*
+ * Waits until id's state is no longer PENDING or deadline_ns
+ * (CLOCK_MONOTONIC, 0: none) passes; returns the state seen, or -ETIMEDOUT,
+ * or -ENOENT.
+ */
+SHMRPC_HIDDEN int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns);
+/* The owner, done with an UNREFERENCED entry's value: the slot is freed. */
+SHMRPC_HIDDEN int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id);
+
+/*
+ * rank's process is dead (or gone after a clean exit): every entry it owns
+ * becomes OWNER_DEAD (waiters woken); then every reference it held is
+ * dropped, and entries left with none and a dead owner are removed.
+ * Idempotent. sweep_holder returns the references dropped, sweep_owner the
+ * entries it marked. The launcher runs sweep_owner before the pool frees the owner's
+ * blocks (a reader that decoded a value re-checks the state and sees the
+ * death), marks the worker dead, then runs sweep_holder and sweep_owner
+ * again (for entries made meanwhile). One process sweeps at a time: a
+ * whole-table pass reads an entry's owner before its CAS.
+ */
+SHMRPC_HIDDEN int rref_sweep_owner(struct rref_table *t, uint32_t rank);
+/* One entry of a dead owner, for a creator that inserted it after the
+ * owner's sweep (it holds a reference, so the entry is its). */
+SHMRPC_HIDDEN int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id);
+SHMRPC_HIDDEN int rref_sweep_holder(struct rref_table *t, uint32_t rank);
+
+/* Drops every reference rank holds on the entry at slot (exchange with 0);
+ * the return is rref_release's for what it dropped. */
+SHMRPC_HIDDEN int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank);
+
+/* Copies the entry at slot; false when it is unused. */
+SHMRPC_HIDDEN bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *out);
+/* rank's count on the entry at slot (for tests and inspectors). */
+SHMRPC_HIDDEN uint32_t rref_count_of(const struct rref_table *t, uint32_t slot, uint32_t rank);
+SHMRPC_HIDDEN const char *rref_state_name(uint32_t state);
+
+#endif

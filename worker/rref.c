@@ -1,0 +1,855 @@
+/* RRef handles, fork data, the owner's records and the RRef API; see rref.h. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "worker/agent.h"
+#include "worker/executor.h"
+#include "worker/future.h"
+#include "worker/msg.h"
+#include "worker/rref.h"
+#include "worker/value.h"
+
+/* Fork data on the wire (little endian, as the machine). */
+struct rref_wire {
+	uint64_t id;
+	uint64_t fork_id;
+	uint32_t slot;
+	uint32_t owner;
+	uint32_t parent; /* the sender */
+	uint32_t pad;
+};
+_Static_assert(sizeof(struct rref_wire) == 32, "fork data is 32 bytes");
+
+/* Ids made here: RRef ids and fork ids share the counter. Relaxed:
+ * only uniqueness matters. */
+static _Atomic uint64_t next_local_id = 1;
+
+static uint64_t new_id(struct agent *ag)
+{
+	return RREF_ID(ag->rank, atomic_fetch_add_explicit(&next_local_id, 1, memory_order_relaxed));
+}
+
+static struct agent *agent_or_fail(void)
+{
+	struct agent *ag = worker_agent;
+
+	if (!ag)
+		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
+		       NULL;
+	if (!ag->has_rrefs || !ag->has_pool)
+		return shmrpc__fail(-ENOTSUP, "this job has no RRef table: start it with shmrun "
+				    "(--max-rrefs sets its size)"),
+		       NULL;
+	return ag;
+}
+
+static int id_text(uint64_t id, char *buf, size_t len)
+{
+	return snprintf(buf, len, "GloballyUniqueId(created_on=%u, local_id=%" PRIu64 ")",
+			RREF_ID_RANK(id), (uint64_t)RREF_ID_LOCAL(id));
+}
+
+/* ---- handles ---- */
+
+/* A handle for a reference this rank already holds in the table. */
+static shmrpc_rref *handle_new(struct agent *ag, uint64_t id, uint64_t fork_id, uint32_t slot,
+			       uint32_t owner)
+{
+	shmrpc_rref *r = calloc(1, sizeof(*r));
+
+	if (!r)
+		return shmrpc__fail(-ENOMEM, "out of memory making an RRef handle"), NULL;
+	r->id = id;
+	r->fork_id = fork_id;
+	r->slot = slot;
+	r->owner = owner;
+	agent_peer_name(ag, owner, r->owner_name, sizeof(r->owner_name));
+	pthread_mutex_init(&r->lock, NULL);
+	return r;
+}
+
+/* rref_release's answer 1: nobody holds id any more; its owner frees it. */
+struct delete_job {
+	struct job base;
+	struct agent *ag;
+	uint64_t id;
+	uint32_t slot, owner;
+};
+
+static void run_delete(struct job *j)
+{
+	struct delete_job *d = (struct delete_job *)j;
+	struct tensor_list none = { 0 };
+	shmrpc_future *f;
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	msgpack_pack_array(&pk, 2);
+	msgpack_pack_uint64(&pk, d->id);
+	msgpack_pack_uint32(&pk, d->slot);
+	/* The RREF_ACK completes a future no one waits for. A dead owner
+	 * needs no word: the launcher's sweep removes its entries. */
+	if (client_request(d->ag, (int)d->owner, MSG_RREF_USER_DELETE, &sb, &none,
+			   SHMRPC_TIMEOUT_DEFAULT, "delete an RRef", &f) == 0)
+		shmrpc_future_free(f);
+	msgpack_sbuffer_destroy(&sb);
+	free(d);
+}
+
+static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner)
+{
+	struct delete_job *d;
+
+	if (owner == ag->rank) {
+		rref_owner_collect(ag, id, slot);
+		return;
+	}
+	/* Shutting down: the owner leaves too, and the launcher's sweep of it
+	 * removes what it no longer needs to free. Relaxed: a hint. */
+	if (atomic_load_explicit(&ag->stop, memory_order_relaxed))
+		return;
+	/* Sent from an executor thread: this may be the loop thread. */
+	if (!(d = malloc(sizeof(*d)))) {
+		fprintf(stderr, "shmrpc: worker %u: out of memory telling worker %u to free an "
+			"RRef; it is freed when that worker next sees a death or ends\n", ag->rank,
+			owner);
+		return;
+	}
+	*d = (struct delete_job){ { NULL, run_delete }, ag, id, slot, owner };
+	executor_submit(&d->base);
+}
+
+/* Drops one of our references to (id, slot, owner). */
+static void release(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner)
+{
+	int rc = rref_release(&ag->rrefs, slot, id, ag->rank, 1);
+
+	if (rc == 1)
+		unreferenced(ag, id, slot, owner);
+	else if (rc < 0)
+		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+}
+
+void shmrpc_rref_free(shmrpc_rref *r)
+{
+	struct agent *ag = worker_agent;
+
+	if (!r)
+		return;
+	/* After shutdown the table is gone; the launcher swept our references. */
+	if (ag && ag->has_rrefs)
+		release(ag, r->id, r->slot, r->owner);
+	if (r->created)
+		future_unref(r->created);
+	arena_free(&r->arena);
+	tensor_list_free(&r->local_held);
+	pthread_mutex_destroy(&r->lock);
+	free(r);
+}
+
+int shmrpc_rref_retain(shmrpc_rref *r, shmrpc_rref **out)
+{
+	struct agent *ag = agent_or_fail();
+	shmrpc_rref *n;
+	int rc;
+
+	if (!ag)
+		return -ENOTSUP;
+	rc = rref_hold(&ag->rrefs, r->slot, r->id, ag->rank, 1);
+	if (rc)
+		return rc;
+	if (!(n = handle_new(ag, r->id, r->owner == ag->rank ? r->id : new_id(ag), r->slot,
+			     r->owner))) {
+		release(ag, r->id, r->slot, r->owner);
+		return -ENOMEM;
+	}
+	n->forked = true;
+	*out = n;
+	return 0;
+}
+
+/* ---- fork data ---- */
+
+int rref_pack(msgpack_packer *pk, const shmrpc_rref *r)
+{
+	struct agent *ag = worker_agent;
+	struct rref_wire w = {
+		.id = r->id,
+		.slot = r->slot,
+		.owner = r->owner,
+		.parent = ag ? ag->rank : 0,
+	};
+
+	if (!ag || !ag->has_rrefs)
+		return shmrpc__fail(-ENOTCONN, "an RRef can only travel while the agent runs");
+	w.fork_id = new_id(ag);
+	if (msgpack_pack_ext_with_body(pk, &w, sizeof(w), VALUE_EXT_RREF))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding an RRef");
+	return 0;
+}
+
+int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out)
+{
+	struct agent *ag = worker_agent;
+	struct rref_info info;
+	struct rref_wire w;
+	shmrpc_rref *r;
+
+	if (!ag || !ag->has_rrefs)
+		return shmrpc__fail(-ENOTSUP, "an RRef came in, but this job has no RRef table");
+	if (len != sizeof(w))
+		return shmrpc__fail(-EBADMSG, "malformed RRef fork data (%u bytes, not %zu)", len,
+				    sizeof(w));
+	memcpy(&w, data, sizeof(w));
+	/* Checked against the table, never trusted: the slot must hold the id. */
+	if (!rref_info_at(&ag->rrefs, w.slot, &info) || info.id != w.id || info.owner != w.owner)
+		return shmrpc__fail(-EBADMSG, "an RRef came in that the RRef table does not hold "
+				    "(id %#" PRIx64 ", slot %u)", w.id, w.slot);
+	if (take && rref_hold(&ag->rrefs, w.slot, w.id, ag->rank, 1))
+		return -EBADMSG;
+	if (!(r = handle_new(ag, w.id, w.owner == ag->rank ? w.id : w.fork_id, w.slot, w.owner))) {
+		release(ag, w.id, w.slot, w.owner);
+		return -ENOMEM;
+	}
+	r->forked = true;
+	*out = r;
+	return 0;
+}
+
+int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
+{
+	char why[160];
+	uint32_t i;
+	int rc = 0;
+
+	if (!ag->has_rrefs)
+		return shmrpc__fail(-ENOTSUP, "this job has no RRef table");
+	for (i = 0; i < l->nr && rc == 0; i++)
+		rc = rref_hold(&ag->rrefs, l->r[i]->slot, l->r[i]->id, dst, 1);
+	if (rc) {
+		while (--i > 0)
+			rref_release(&ag->rrefs, l->r[i - 1]->slot, l->r[i - 1]->id, dst, 1);
+		return rc;
+	}
+	/* The counts, this fence, then dst's state: either we see dst dead,
+	 * or the launcher's sweep of dst, which follows its DEAD store and a
+	 * fence, sees our counts. A dead dst's counts are all garbage. */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (dst != ag->rank && !ipc_port_peer_alive(&ag->port, dst)) {
+		for (i = 0; i < l->nr; i++)
+			rref_sweep_entry(&ag->rrefs, l->r[i]->slot, l->r[i]->id, dst);
+		agent_peer_gone_text(ag, dst, why, sizeof(why));
+		return shmrpc__fail(-SHMRPC_EPEERDEAD, "%s", why);
+	}
+	return 0;
+}
+
+void rref_uncharge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
+{
+	/* We hold our own reference to each: none of these is the last. */
+	for (uint32_t i = 0; i < l->nr; i++)
+		if (dst == ag->rank || ipc_port_peer_alive(&ag->port, dst))
+			rref_release(&ag->rrefs, l->r[i]->slot, l->r[i]->id, dst, 1);
+		else
+			rref_sweep_entry(&ag->rrefs, l->r[i]->slot, l->r[i]->id, dst);
+}
+
+/* ---- the owner's records ---- */
+
+#define RECORD_BUCKETS 1024u
+
+struct record {
+	struct record *next;
+	uint64_t id;
+	uint32_t slot;
+	uint64_t value_off;     /* our pool block with the encoded value or error */
+	struct tensor_list held; /* our references to what the value holds */
+};
+
+static struct {
+	pthread_mutex_t lock;
+	struct record *bucket[RECORD_BUCKETS];
+} records = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static struct record **record_at(uint64_t id)
+{
+	struct record **at = &records.bucket[(id * 0x9e3779b97f4a7c15ull) >> 54];
+
+	while (*at && (*at)->id != id)
+		at = &(*at)->next;
+	return at;
+}
+
+static void record_free(struct agent *ag, struct record *rec)
+{
+	tensor_list_free(&rec->held);
+	if (pool_unref(&ag->pool, ag->rank, rec->value_off))
+		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+	free(rec);
+}
+
+int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot)
+{
+	struct rref_info info;
+
+	if (!ag->has_rrefs)
+		return shmrpc__fail(-ENOTSUP, "this job has no RRef table");
+	if (!rref_info_at(&ag->rrefs, slot, &info) || info.id != id || info.owner != ag->rank)
+		return shmrpc__fail(-EBADMSG, "a remote call names an RRef (id %#" PRIx64 ", slot "
+				    "%u) that is not ours in the RRef table", id, slot);
+	return 0;
+}
+
+/* Encodes v into a new pool block; the tensors and RRefs it holds get
+ * references of ours in held, and are listed in sent. */
+static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, uint64_t *len,
+		       struct tensor_list *held, struct tensor_list *sent)
+{
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	int rc;
+
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	rc = value_pack(&pk, v, sent);
+	for (uint32_t i = 0; i < sent->n && rc == 0; i++) {
+		shmrpc_tensor *t;
+
+		rc = shmrpc_tensor_retain(sent->t[i], &t) ?: tensor_list_add(held, t);
+	}
+	for (uint32_t i = 0; i < sent->nr && rc == 0; i++) {
+		shmrpc_rref *r;
+
+		rc = shmrpc_rref_retain(sent->r[i], &r) ?: tensor_list_add_rref(held, r);
+	}
+	if (rc == 0)
+		rc = pool_alloc(&ag->pool, ag->rank, sb.size, off);
+	if (rc == 0) {
+		memcpy(pool_at(&ag->pool, *off, sb.size), sb.data, sb.size);
+		*len = sb.size;
+	}
+	msgpack_sbuffer_destroy(&sb);
+	return rc;
+}
+
+int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_value *result,
+		     const shmrpc_value *error, struct tensor_list *sent)
+{
+	struct record *rec = calloc(1, sizeof(*rec));
+	uint64_t len = 0;
+	int rc = rec ? 0 : shmrpc__fail(-ENOMEM, "out of memory storing an RRef's value");
+
+	if (rc == 0) {
+		rec->id = id;
+		rec->slot = slot;
+		rc = store_block(ag, error ? error : result, &rec->value_off, &len, &rec->held, sent);
+	}
+	if (rc) {
+		char msg[1024];
+
+		/* Our run's reference goes all the same; the creator's request
+		 * fails with this error, and to_here() with it. */
+		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		if (rec)
+			tensor_list_free(&rec->held);
+		free(rec);
+		if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1)
+			rref_owner_collect(ag, id, slot);
+		return shmrpc__fail(rc, "cannot store the RRef's value: %s", msg);
+	}
+	pthread_mutex_lock(&records.lock);
+	*record_at(id) = rec;
+	pthread_mutex_unlock(&records.lock);
+	/* From here readers may decode the block; our run's reference goes. */
+	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, rec->value_off, len);
+	if (rc == 1)
+		rref_owner_collect(ag, id, slot);
+	return rc < 0 ? rc : 0;
+}
+
+/* Waits for id to leave PENDING: on an executor thread it serves queued
+ * jobs meanwhile (the owner's run of the value may be one of them). */
+static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
+{
+	if (!executor_on_worker_thread())
+		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	for (;;) {
+		uint64_t now = shmrpc_now_ns(), slice = now + 1000000u;
+		int st;
+
+		if (executor_help_once())
+			slice = now; /* just look */
+		st = rref_wait(&ag->rrefs, slot, id, deadline_ns && deadline_ns < slice ? deadline_ns
+											  : slice);
+		if (st != -ETIMEDOUT || (deadline_ns && shmrpc_now_ns() >= deadline_ns))
+			return st;
+	}
+}
+
+int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
+		     size_t *len, uint32_t *state)
+{
+	struct rref_entry *e;
+	int st = wait_ready(ag, slot, id, deadline_ns);
+	const void *at;
+
+	if (st < 0)
+		return st == -ETIMEDOUT ? shmrpc__fail(st, "the RRef's value was not ready in time")
+					: st;
+	if (st != RREF_READY && st != RREF_ERROR)
+		return shmrpc__fail(-EINVAL, "RRef %#" PRIx64 " is %s", id, rref_state_name((uint32_t)st));
+	e = rref_entry_at(&ag->rrefs, slot);
+	/* Relaxed: ordered by the acquire of the state in rref_wait. */
+	*len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
+	at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed), *len);
+	if (!at || !(*buf = malloc(*len ? *len : 1)))
+		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read RRef %#" PRIx64 "'s value",
+				    id);
+	memcpy(*buf, at, *len);
+	*state = (uint32_t)st;
+	return 0;
+}
+
+void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
+{
+	struct rref_info info;
+	struct record *rec, **at;
+
+	/* Only an UNREFERENCED entry: nobody can reach the value any more. */
+	if (!rref_info_at(&ag->rrefs, slot, &info) || info.id != id ||
+	    info.state != RREF_UNREFERENCED || info.owner != ag->rank)
+		return;
+	pthread_mutex_lock(&records.lock);
+	at = record_at(id);
+	rec = *at;
+	if (rec)
+		*at = rec->next;
+	pthread_mutex_unlock(&records.lock);
+	/* Without a record it never got a value (its store failed). */
+	rref_remove(&ag->rrefs, slot, id);
+	if (rec)
+		record_free(ag, rec);
+}
+
+void rref_owner_collect_all(struct agent *ag)
+{
+	for (uint32_t s = 0; s < ag->rrefs.capacity; s++) {
+		struct rref_info info;
+
+		if (rref_info_at(&ag->rrefs, s, &info) && info.owner == ag->rank &&
+		    info.state == RREF_UNREFERENCED)
+			rref_owner_collect(ag, info.id, s);
+	}
+}
+
+void rref_owner_free_all(struct agent *ag)
+{
+	for (uint32_t b = 0; b < RECORD_BUCKETS; b++) {
+		struct record *rec;
+
+		/* Freed outside the lock: a record's RRefs may be ours too. */
+		pthread_mutex_lock(&records.lock);
+		rec = records.bucket[b];
+		records.bucket[b] = NULL;
+		pthread_mutex_unlock(&records.lock);
+		while (rec) {
+			struct record *next = rec->next;
+
+			record_free(ag, rec);
+			rec = next;
+		}
+	}
+}
+
+/* ---- reading the value ---- */
+
+/* Decodes the block of a READY or ERROR entry into f (no one else sees f
+ * yet), then checks the entry still says so: a value decoded from the
+ * block of an owner that died meanwhile may be garbage (its pool blocks go
+ * after its entries are marked), and is dropped. */
+static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, shmrpc_future *f)
+{
+	struct rref_entry *e = rref_entry_at(&ag->rrefs, r->slot);
+	/* Relaxed: ordered by the acquire of the state that said READY/ERROR. */
+	uint64_t len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
+	const void *at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed),
+				 len);
+	size_t used;
+	int rc;
+
+	f->tensors.take = true;
+	rc = at ? value_unpack(at, len, &f->arena, &f->value, &used, &f->tensors) : -EBADMSG;
+	/* Acquire fence: the reads of the block above before the state's
+	 * re-read (a seqlock reader's order). */
+	atomic_thread_fence(memory_order_acquire);
+	if (atomic_load_explicit(&e->state, memory_order_relaxed) != state ||
+	    atomic_load_explicit(&e->key, memory_order_relaxed) != r->id)
+		return -SHMRPC_EPEERDEAD;
+	if (rc)
+		return shmrpc__fail(-EBADMSG, "the stored value of RRef %#" PRIx64 " cannot be "
+				    "decoded: %s", r->id, shmrpc_errmsg());
+	return 0;
+}
+
+static int owner_gone(struct agent *ag, const shmrpc_rref *r)
+{
+	char rs[160], why[160];
+
+	shmrpc_rref_str(r, rs, sizeof(rs));
+	agent_peer_gone_text(ag, r->owner, why, sizeof(why));
+	/* "worker 2 (w2) died: ..." becomes "the owner worker 2 (w2) of RRef ... died: ..." */
+	return shmrpc__fail(-SHMRPC_EPEERDEAD, "the owner worker %u (%s) of %s is gone: %s",
+			    r->owner, r->owner_name, rs, why);
+}
+
+/* The stored error [type, text, backtrace] as a failed future's fields. */
+static int fail_with_stored(shmrpc_future *f)
+{
+	const shmrpc_value *it = f->value.u.items;
+
+	if (f->value.type != SHMRPC_LIST || f->value.len != 3 || it[0].type != SHMRPC_STR ||
+	    it[1].type != SHMRPC_STR || it[2].type != SHMRPC_STR)
+		return shmrpc__fail(-EBADMSG, "an RRef's stored error is malformed");
+	f->errtype = strdup(it[0].u.s);
+	f->backtrace = strdup(it[2].u.s);
+	return shmrpc__fail(-SHMRPC_EREMOTE, "%s", it[1].u.s);
+}
+
+static uint64_t deadline_of(struct agent *ag, int64_t timeout_ms)
+{
+	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
+		return ag->default_timeout_ns ? shmrpc_now_ns() + ag->default_timeout_ns : 0;
+	return timeout_ms > 0 ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
+}
+
+/* Waits for r's entry to leave PENDING, watching remote()'s request too: a
+ * request that failed (timeout, lost) leaves the entry pending for ever. */
+static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
+{
+	for (;;) {
+		uint64_t slice = shmrpc_now_ns() + 50000000u; /* 50 ms */
+		int st;
+
+		if (r->created && shmrpc_future_done(r->created) && r->created->err)
+			return shmrpc__fail(r->created->err, "%s", r->created->errmsg);
+		st = wait_ready(ag, r->slot, r->id, deadline_ns && deadline_ns < slice ? deadline_ns
+											: slice);
+		if (st != -ETIMEDOUT)
+			return st;
+		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
+			return -ETIMEDOUT;
+	}
+}
+
+static int read_value(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms, shmrpc_future *f)
+{
+	int st = wait_value(ag, r, deadline_of(ag, timeout_ms));
+	char rs[160];
+
+	if (st == -ETIMEDOUT) {
+		shmrpc_rref_str(r, rs, sizeof(rs));
+		return shmrpc__fail(-ETIMEDOUT, "the value of %s was not ready within %lld ms "
+				    "(owner: worker %u (%s))", rs, (long long)timeout_ms, r->owner,
+				    r->owner_name);
+	}
+	if (st < 0)
+		return st;
+	if (st == RREF_OWNER_DEAD)
+		return owner_gone(ag, r);
+	if (st != RREF_READY && st != RREF_ERROR)
+		return shmrpc__fail(-EINVAL, "RRef %#" PRIx64 " is %s while referenced", r->id,
+				    rref_state_name((uint32_t)st));
+	st = decode_entry(ag, r, (uint32_t)st, f) ?: st;
+	if (st == -SHMRPC_EPEERDEAD)
+		return owner_gone(ag, r);
+	return st == RREF_ERROR ? fail_with_stored(f) : st < 0 ? st : 0;
+}
+
+/* to_here() by SCRIPT_RREF_FETCH_CALL: the owner answers with the value
+ * (for values that live in the owner's process; here on request). */
+static int fetch_by_message(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms,
+			    shmrpc_future **out)
+{
+	struct tensor_list none = { 0 };
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	shmrpc_future *f;
+	int rc;
+
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	msgpack_pack_array(&pk, 2);
+	msgpack_pack_uint64(&pk, r->id);
+	msgpack_pack_uint32(&pk, r->slot);
+	rc = client_request(ag, (int)r->owner, MSG_SCRIPT_RREF_FETCH_CALL, &sb, &none, timeout_ms,
+			    "fetch an RRef's value", &f);
+	msgpack_sbuffer_destroy(&sb);
+	return rc ? rc : client_sync_wait(f, out);
+}
+
+int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
+{
+	struct agent *ag = agent_or_fail();
+	shmrpc_future *f;
+	int rc;
+
+	if (!out || !r)
+		return shmrpc__fail(-EINVAL, "shmrpc_rref_to_here: r and out must be given");
+	*out = NULL;
+	if (!ag)
+		return -ENOTSUP;
+	if (timeout_ms < 0 && timeout_ms != SHMRPC_TIMEOUT_DEFAULT)
+		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
+				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
+	if (r->owner != ag->rank && ag->rref_fetch_by_message)
+		return fetch_by_message(ag, r, timeout_ms, out);
+	if (!(f = future_new()))
+		return shmrpc__fail(-ENOMEM, "out of memory making a future");
+	rc = read_value(ag, r, timeout_ms, f);
+	if (rc) {
+		future_unref(f);
+		return rc;
+	}
+	atomic_store_explicit(&f->done, 1, memory_order_release); /* f is ours alone still */
+	*out = f;
+	return 0;
+}
+
+int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
+{
+	struct agent *ag = agent_or_fail();
+	shmrpc_future *f;
+	int rc = 0;
+
+	if (!ag)
+		return -ENOTSUP;
+	pthread_mutex_lock(&r->lock);
+	if (!r->local_loaded) {
+		if (!(f = future_new())) {
+			rc = shmrpc__fail(-ENOMEM, "out of memory reading an RRef's value");
+		} else if (!(rc = read_value(ag, r, SHMRPC_TIMEOUT_DEFAULT, f))) {
+			/* The future's decoded value moves into the handle. */
+			r->arena = f->arena;
+			r->local = f->value;
+			r->local_held = f->tensors;
+			f->arena = (struct arena){ 0 };
+			f->tensors = (struct tensor_list){ 0 };
+			r->local_loaded = true;
+		}
+		if (f)
+			future_unref(f);
+	}
+	pthread_mutex_unlock(&r->lock);
+	if (rc == 0)
+		*out = &r->local;
+	return rc;
+}
+
+int shmrpc_rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
+{
+	struct agent *ag = agent_or_fail();
+	char rs[160], me[SHM_NAME_MAX];
+
+	if (!ag)
+		return -ENOTSUP;
+	if (!r || !out)
+		return shmrpc__fail(-EINVAL, "shmrpc_rref_local_value: r and out must be given");
+	if (r->owner != ag->rank) {
+		shmrpc_rref_str(r, rs, sizeof(rs));
+		agent_peer_name(ag, ag->rank, me, sizeof(me));
+		return shmrpc__fail(-EPERM, "For %s, can't call localValue() on user worker %u (%s). "
+				    "Call it on owner worker %u (%s)", rs, ag->rank, me, r->owner,
+				    r->owner_name);
+	}
+	return rref_local_value(r, out);
+}
+
+/* ---- what an RRef says of itself ---- */
+
+int shmrpc_rref_owner(const shmrpc_rref *r)
+{
+	return (int)r->owner;
+}
+
+const char *shmrpc_rref_owner_name(const shmrpc_rref *r)
+{
+	return r->owner_name;
+}
+
+int shmrpc_rref_is_owner(const shmrpc_rref *r)
+{
+	struct agent *ag = worker_agent;
+
+	return ag && r->owner == ag->rank;
+}
+
+int shmrpc_rref_confirmed_by_owner(const shmrpc_rref *r)
+{
+	struct agent *ag = worker_agent;
+	struct rref_info info;
+
+	/* A fork's reference is in the table before the fork leaves its
+	 * parent; remote()'s once the owner has stored the result. */
+	if (!ag || !ag->has_rrefs)
+		return 0;
+	if (r->owner == ag->rank || r->forked)
+		return 1;
+	return rref_info_at(&ag->rrefs, r->slot, &info) && info.id == r->id &&
+	       info.state != RREF_PENDING;
+}
+
+int shmrpc_rref_str(const shmrpc_rref *r, char *buf, size_t len)
+{
+	struct agent *ag = worker_agent;
+	char id[96], fork[96];
+
+	id_text(r->id, id, sizeof(id));
+	if (ag && r->owner == ag->rank)
+		return snprintf(buf, len, "OwnerRRef(%s)", id);
+	id_text(r->fork_id, fork, sizeof(fork));
+	return snprintf(buf, len, "UserRRef(RRefId = %s, ForkId = %s)", id, fork);
+}
+
+/* ---- making RRefs ---- */
+
+/* remote()'s request could not go: the reference of the owner's run and
+ * ours are dropped, and the entry, which no one else knows, removed. */
+static void abandon(struct agent *ag, shmrpc_rref *r)
+{
+	if (r->owner != ag->rank)
+		rref_sweep_entry(&ag->rrefs, r->slot, r->id, r->owner);
+	if (rref_release(&ag->rrefs, r->slot, r->id, ag->rank, r->owner == ag->rank ? 2 : 1) == 1)
+		rref_remove(&ag->rrefs, r->slot, r->id);
+	pthread_mutex_destroy(&r->lock);
+	free(r);
+}
+
+static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value *args,
+		  uint32_t nargs, uint32_t flags, int64_t timeout_ms, shmrpc_rref **out)
+{
+	struct tensor_list sent = { 0 };
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	shmrpc_rref *r;
+	uint64_t id;
+	uint32_t slot;
+	char what[320];
+	int rc;
+
+	*out = NULL;
+	if (dst < 0 || (uint32_t)dst >= ag->world)
+		return shmrpc__fail(-EINVAL, "cannot make a remote %s() on rank %d: the job has %u "
+				    "workers (ranks 0 to %u)", fn, dst, ag->world, ag->world - 1);
+	id = new_id(ag);
+	rc = rref_insert(&ag->rrefs, id, (uint32_t)dst, ag->rank, 0, &slot);
+	if (rc)
+		return rc;
+	if (!(r = handle_new(ag, id, (uint32_t)dst == ag->rank ? id : new_id(ag), slot,
+			     (uint32_t)dst))) {
+		rref_release(&ag->rrefs, slot, id, ag->rank, 1);
+		rref_release(&ag->rrefs, slot, id, (uint32_t)dst, 1);
+		rref_remove(&ag->rrefs, slot, id);
+		return -ENOMEM;
+	}
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	rc = msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
+	     msgpack_pack_uint32(&pk, slot)
+		     ? shmrpc__fail(-ENOMEM, "out of memory encoding a remote call")
+		     : client_encode_call(&sb, fn, args, nargs, flags, &sent);
+	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
+	if (rc)
+		tensor_list_forget(&sent);
+	else
+		rc = client_request(ag, dst, MSG_SCRIPT_REMOTE_CALL, &sb, &sent, timeout_ms, what,
+				    &r->created);
+	msgpack_sbuffer_destroy(&sb);
+	if (rc) {
+		abandon(ag, r);
+		return rc;
+	}
+	*out = r;
+	return 0;
+}
+
+int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		  int64_t timeout_ms, shmrpc_rref **out)
+{
+	struct agent *ag = agent_or_fail();
+
+	if (!out || !fn || (nargs && !args))
+		return shmrpc__fail(-EINVAL, "shmrpc_remote: fn, out and args must be given");
+	*out = NULL;
+	return ag ? remote(ag, dst, fn, args, nargs, 0, timeout_ms, out) : -ENOTSUP;
+}
+
+/* ---- the proxies: fn(value of r, args...) on r's owner ---- */
+
+enum proxy_kind { PROXY_SYNC, PROXY_ASYNC, PROXY_REMOTE };
+
+static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shmrpc_value *args,
+		 uint32_t nargs, int64_t timeout_ms, void *out)
+{
+	struct agent *ag = agent_or_fail();
+	shmrpc_value *all;
+	int rc;
+
+	if (!ag)
+		return -ENOTSUP;
+	if (!r || !fn || !out || (nargs && !args))
+		return shmrpc__fail(-EINVAL, "RRef proxy: r, fn, out and args must be given");
+	if (!(all = malloc(((size_t)nargs + 1) * sizeof(*all))))
+		return shmrpc__fail(-ENOMEM, "out of memory calling through an RRef");
+	all[0] = shmrpc_rref_value(r);
+	memcpy(all + 1, args, (size_t)nargs * sizeof(*all));
+	if (kind == PROXY_REMOTE) {
+		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, timeout_ms, out);
+	} else {
+		struct tensor_list sent = { 0 };
+		msgpack_sbuffer sb;
+		char what[320];
+		shmrpc_future **fut = out, *f;
+
+		*fut = NULL;
+		msgpack_sbuffer_init(&sb);
+		rc = client_encode_call(&sb, fn, all, nargs + 1, CALL_F_PROXY, &sent);
+		snprintf(what, sizeof(what), "call %.256s() through an RRef", fn);
+		if (rc)
+			tensor_list_forget(&sent);
+		else
+			rc = client_request(ag, (int)r->owner, MSG_SCRIPT_CALL, &sb, &sent, timeout_ms,
+					    what, &f);
+		msgpack_sbuffer_destroy(&sb);
+		if (rc == 0 && kind == PROXY_SYNC)
+			rc = client_sync_wait(f, fut);
+		else if (rc == 0)
+			*fut = f;
+	}
+	free(all);
+	return rc;
+}
+
+int shmrpc_rref_rpc_sync(shmrpc_rref *r, const char *fn, const shmrpc_value *args, uint32_t nargs,
+			 int64_t timeout_ms, shmrpc_future **out)
+{
+	return proxy(r, PROXY_SYNC, fn, args, nargs, timeout_ms, out);
+}
+
+int shmrpc_rref_rpc_async(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
+			  uint32_t nargs, int64_t timeout_ms, shmrpc_future **out)
+{
+	return proxy(r, PROXY_ASYNC, fn, args, nargs, timeout_ms, out);
+}
+
+int shmrpc_rref_remote(shmrpc_rref *r, const char *fn, const shmrpc_value *args, uint32_t nargs,
+		       int64_t timeout_ms, shmrpc_rref **out)
+{
+	return proxy(r, PROXY_REMOTE, fn, args, nargs, timeout_ms, out);
+}

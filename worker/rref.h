@@ -1,0 +1,86 @@
+/*
+ * RRefs as the agent handles them (docs/RREF.md).
+ *
+ * A handle (struct shmrpc_rref) is one reference, counted for this rank in
+ * the job's RRef table (shm/rref_table.h). Making a handle takes a count,
+ * freeing it drops one; the drop that leaves none hands the RRef to its
+ * owner, which frees the value.
+ *
+ * In messages an RRef travels as fork data (MessagePack extension 2). The
+ * sender makes the receiver's reference before the message goes
+ * (rref_charge: the sender still holds its own, so the RRef cannot vanish
+ * meanwhile) and the receiver adopts it when it decodes the message. A
+ * value read from the table (to_here) holds RRefs that the reader must take
+ * references to itself (rref_unpack with take).
+ *
+ * The owner keeps, per RRef with a value, a record: the pool block of the
+ * encoded value and the tensors and RRefs it holds (their references are
+ * the owner's). The record goes when the table says UNREFERENCED.
+ */
+#ifndef SHMRPC_WORKER_RREF_H
+#define SHMRPC_WORKER_RREF_H
+
+#include <msgpack.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "shmrpc.h"
+#include "common/compiler.h"
+#include "shm/layout.h"
+#include "worker/arena.h"
+#include "worker/tensor.h"
+
+struct agent;
+
+struct shmrpc_rref {
+	uint64_t id;
+	uint64_t fork_id;  /* == id for an OwnerRRef */
+	uint32_t slot;     /* in the table */
+	uint32_t owner;
+	bool forked;       /* came in a message: its owner's table had it at once */
+	char owner_name[SHM_NAME_MAX];
+	shmrpc_future *created; /* remote()'s request, on the creator only */
+	pthread_mutex_t lock;   /* the local value, below */
+	bool local_loaded;
+	shmrpc_value local;
+	struct arena arena;
+	struct tensor_list local_held;
+};
+
+/* Fork data of r for a message (the receiver's count is rref_charge's). */
+SHMRPC_HIDDEN int rref_pack(msgpack_packer *pk, const shmrpc_rref *r);
+/* Fork data received: a handle. take: make its count now (a value read from
+ * the table); otherwise the sender made it. */
+SHMRPC_HIDDEN int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out);
+/* References for dst to every RRef in l, before a message to dst goes; on
+ * failure none is left. rref_uncharge takes them back (the message did
+ * not go). */
+SHMRPC_HIDDEN int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst);
+SHMRPC_HIDDEN void rref_uncharge(struct agent *ag, const struct tensor_list *l, uint32_t dst);
+
+/* The owner's side (server.c). */
+/* Runs checks on a SCRIPT_REMOTE_CALL's (id, slot): the entry is ours and pending. */
+SHMRPC_HIDDEN int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot);
+/* Stores result (error NULL) or the error [type, text, backtrace] for id
+ * and drops the reference of the owner's run (also when it fails). sent
+ * gets the handles the value holds (the record took its own). */
+SHMRPC_HIDDEN int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot,
+				   const shmrpc_value *result, const shmrpc_value *error,
+				   struct tensor_list *sent);
+/* The encoded value or error of a ready RRef of ours, copied into *buf
+ * (malloc); *state READY or ERROR. */
+SHMRPC_HIDDEN int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns,
+				   void **buf, size_t *len, uint32_t *state);
+/* Frees what an UNREFERENCED RRef of ours holds; ignores others. */
+SHMRPC_HIDDEN void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot);
+/* A peer died (its references were swept): collects every RRef of ours it
+ * left unreferenced. From an executor thread. */
+SHMRPC_HIDDEN void rref_owner_collect_all(struct agent *ag);
+/* The agent stops: every record goes (the launcher sweeps the table). */
+SHMRPC_HIDDEN void rref_owner_free_all(struct agent *ag);
+
+/* The local value of an RRef we own, decoded once (for proxies on the owner). */
+SHMRPC_HIDDEN int rref_local_value(shmrpc_rref *r, const shmrpc_value **out);
+
+#endif
