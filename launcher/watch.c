@@ -133,23 +133,15 @@ static void sweep_pool(struct job *j, uint32_t rank)
 			rank, shmrpc_errmsg());
 }
 
-/* What the worker held in the RRef table, in the order the table needs
- * (shm/rref_table.h): its RRefs are marked dead before the pool frees
- * their values; its references go before and after it is marked dead (a
- * sender that charged it a reference checks it lives after charging). */
-static void sweep_rrefs_before(struct job *j, uint32_t rank)
+/* What the worker held in the RRef table, swept twice in the order the
+ * table needs (shm/rref_table.h): before the pool frees its blocks, and
+ * after it is marked dead or exited (with a seq_cst store: a sender that
+ * charged it a reference reads that state with seq_cst after charging). */
+static void sweep_rrefs(struct job *j, uint32_t rank)
 {
-	rref_sweep_owner(&j->rrefs, rank);
-	rref_sweep_holder(&j->rrefs, rank);
-}
-
-static void sweep_rrefs_after(struct job *j, uint32_t rank)
-{
-	/* seq_cst: the state store before the counts are read; pairs with the
-	 * fence in rref_charge between its count and its read of the state. */
-	atomic_thread_fence(memory_order_seq_cst);
-	rref_sweep_holder(&j->rrefs, rank);
-	rref_sweep_owner(&j->rrefs, rank);
+	if (rref_sweep_rank(&j->rrefs, rank) < 0)
+		fprintf(stderr, "shmrun: cannot release what worker %u held in the RRef table: %s\n",
+			rank, shmrpc_errmsg());
 }
 
 static void on_worker_end(struct job *j, uint32_t rank)
@@ -164,20 +156,22 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	/* Its last words before the launcher's word on it. */
 	output_finish(&p->out[0]);
 	output_finish(&p->out[1]);
-	sweep_rrefs_before(j, rank);
+	sweep_rrefs(j, rank);
 	sweep_pool(j, rank);
 	if (!p->exit_info) {
-		/* Release: pairs with the readers' acquire of the state. */
-		atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_release);
-		sweep_rrefs_after(j, rank);
+		/* seq_cst (release at least): pairs with the readers' acquire of
+		 * the state, and with rref_charge's seq_cst read of it. */
+		atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_seq_cst);
+		sweep_rrefs(j, rank);
 		return;
 	}
 	/* Relaxed: published by the release store of DEAD that follows. */
 	atomic_store_explicit(&w->exit_info, p->exit_info, memory_order_relaxed);
-	atomic_store_explicit(&w->state, SHM_WORKER_DEAD, memory_order_release);
+	/* seq_cst: also against rref_charge's seq_cst read (see it). */
+	atomic_store_explicit(&w->state, SHM_WORKER_DEAD, memory_order_seq_cst);
 	atomic_fetch_add_explicit(&w->generation, 1, memory_order_release);
 	atomic_fetch_add_explicit(&j->seg.hdr->generation, 1, memory_order_release);
-	sweep_rrefs_after(j, rank);
+	sweep_rrefs(j, rank);
 	ring_all(j);
 	if (j->stop != STOP_NONE) {
 		p->stopped = true;

@@ -242,6 +242,15 @@ static inline void *pool_at(const struct shm_pool *p, uint64_t off, uint64_t len
 	return p->base + off;
 }
 
+/*
+ * Copies n bytes out of the pool (or any memory other processes write).
+ * The ordering that makes the read safe runs through atomics in other
+ * processes, which ThreadSanitizer cannot see; under TSan the copy is an
+ * uninstrumented loop so that a block reused across processes is not
+ * reported as a race. Elsewhere it is memcpy.
+ */
+SHMRPC_HIDDEN void pool_read(void *dst, const void *src, size_t n);
+
 /* A snapshot, exact when no call is in flight. Walks the records: a
  * diagnostic, not for a hot path. */
 SHMRPC_HIDDEN void pool_stats(struct shm_pool *p, struct pool_stats *st);

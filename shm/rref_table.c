@@ -170,10 +170,10 @@ static uint32_t home_of(const struct rref_table *t, uint64_t id)
 
 static void wake_all(struct rref_entry *e)
 {
-	/* seq_cst: the state store before this load, against the waiter's
-	 * waiters++ before its re-read (the doorbell's argument). */
-	atomic_thread_fence(memory_order_seq_cst);
-	if (atomic_load_explicit(&e->waiters, memory_order_relaxed))
+	/* seq_cst RMW (not a fence: TSan has none): after our seq_cst change
+	 * of the state; pairs with the waiter's seq_cst waiters++ before its
+	 * seq_cst re-read of the state. One of the two sees the other. */
+	if (atomic_fetch_add_explicit(&e->waiters, 0, memory_order_seq_cst))
 		syscall(SYS_futex, &e->state, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
@@ -271,7 +271,7 @@ int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, u
 		return e ? -EINVAL : gone(slot, id);
 	/* total before the count: sum(counts) <= total whenever we stop.
 	 * seq_cst: a sender charging a receiver then checks that the receiver
-	 * lives; the launcher marks it dead then sweeps (rref_sweep_holder). */
+	 * lives; the launcher marks it dead then sweeps (rref_sweep_rank). */
 	atomic_fetch_add_explicit(&e->total, n, memory_order_seq_cst);
 	atomic_fetch_add_explicit(&e->counts[rank], n, memory_order_seq_cst);
 	return 0;
@@ -384,10 +384,9 @@ int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadlin
 			return (int)st;
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
 			return -ETIMEDOUT;
-		/* Relaxed add, then the fence: pairs with wake_all's fence. */
-		atomic_fetch_add_explicit(&e->waiters, 1, memory_order_relaxed);
-		atomic_thread_fence(memory_order_seq_cst);
-		if (atomic_load_explicit(&e->state, memory_order_acquire) == RREF_PENDING) {
+		/* seq_cst both: pairs with wake_all. */
+		atomic_fetch_add_explicit(&e->waiters, 1, memory_order_seq_cst);
+		if (atomic_load_explicit(&e->state, memory_order_seq_cst) == RREF_PENDING) {
 			ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 			ts.tv_nsec = (long)(deadline_ns % 1000000000u);
 			/* BITSET: an absolute CLOCK_MONOTONIC deadline. */
@@ -454,29 +453,16 @@ int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id)
 	return e ? owner_dead(t, e, id) : 0;
 }
 
-int rref_sweep_owner(struct rref_table *t, uint32_t rank)
-{
-	int n = 0;
-
-	for (uint32_t s = 0; s < t->capacity; s++) {
-		struct rref_entry *e = rref_entry_at(t, s);
-		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
-
-		/* The state's acquire before owner: a filled entry. */
-		if (id && id != RREF_TOMB &&
-		    atomic_load_explicit(&e->state, memory_order_acquire) != RREF_FREE &&
-		    e->owner == rank)
-			n += owner_dead(t, e, id);
-	}
-	return n;
-}
-
-int rref_sweep_holder(struct rref_table *t, uint32_t rank)
+int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 {
 	int n = 0;
 
 	if (rank >= t->world)
 		return -EINVAL;
+	/* Relaxed: a job without RRefs pays no walk; an entry made after
+	 * this load is covered by the next sweep (see the header). */
+	if (!atomic_load_explicit(&t->hdr->live, memory_order_relaxed))
+		return 0;
 	for (uint32_t s = 0; s < t->capacity; s++) {
 		struct rref_entry *e = rref_entry_at(t, s);
 		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
@@ -484,6 +470,11 @@ int rref_sweep_holder(struct rref_table *t, uint32_t rank)
 
 		if (!id || id == RREF_TOMB)
 			continue;
+		/* The state's acquire before owner: a filled entry. */
+		if (atomic_load_explicit(&e->state, memory_order_acquire) != RREF_FREE &&
+		    e->owner == rank)
+			owner_dead(t, e, id);
+		/* seq_cst: see rref_hold. Exchange: each reference is taken once. */
 		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 		if (c) {
 			drop(t, e, id, c);

@@ -55,7 +55,7 @@
 #define RREF_TABLE_PAGE 4096u
 #define RREF_MAX_WORLD 1024u
 #define RREF_MAX_RREFS (1u << 24)
-#define RREF_DEFAULT_MAX_RREFS 65536u
+#define RREF_DEFAULT_MAX_RREFS 16384u
 #define RREF_TOMB UINT64_MAX
 
 /* An RRef id or a fork id: the rank that made it + 1, then a counter. */
@@ -196,20 +196,19 @@ SHMRPC_HIDDEN int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id);
 
 /*
  * rank's process is dead (or gone after a clean exit): every entry it owns
- * becomes OWNER_DEAD (waiters woken); then every reference it held is
- * dropped, and entries left with none and a dead owner are removed.
- * Idempotent. sweep_holder returns the references dropped, sweep_owner the
- * entries it marked. The launcher runs sweep_owner before the pool frees the owner's
- * blocks (a reader that decoded a value re-checks the state and sees the
- * death), marks the worker dead, then runs sweep_holder and sweep_owner
- * again (for entries made meanwhile). One process sweeps at a time: a
- * whole-table pass reads an entry's owner before its CAS.
+ * becomes OWNER_DEAD (waiters woken; removed if nothing references it),
+ * and every reference it held is dropped. Idempotent; returns the
+ * references dropped. The launcher runs it twice: before the pool frees
+ * the dead rank's blocks (a reader that copied a value re-checks the state
+ * and sees the death), and again after marking the worker dead (for a
+ * reference charged to it, or an entry made for it, meanwhile: see
+ * rref_hold). One process sweeps at a time: the walk reads an entry's
+ * owner before its CAS. A table with no live entry is not walked.
  */
-SHMRPC_HIDDEN int rref_sweep_owner(struct rref_table *t, uint32_t rank);
+SHMRPC_HIDDEN int rref_sweep_rank(struct rref_table *t, uint32_t rank);
 /* One entry of a dead owner, for a creator that inserted it after the
  * owner's sweep (it holds a reference, so the entry is its). */
 SHMRPC_HIDDEN int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id);
-SHMRPC_HIDDEN int rref_sweep_holder(struct rref_table *t, uint32_t rank);
 
 /* Drops every reference rank holds on the entry at slot (exchange with 0);
  * the return is rref_release's for what it dropped. */

@@ -223,6 +223,13 @@ int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out)
 	return 0;
 }
 
+static bool peer_running(struct agent *ag, uint32_t r)
+{
+	uint32_t st = atomic_load_explicit(&shm_worker(&ag->seg, r)->state, memory_order_seq_cst);
+
+	return st != SHM_WORKER_DEAD && st != SHM_WORKER_EXITED;
+}
+
 int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
 {
 	char why[160];
@@ -238,11 +245,11 @@ int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
 			rref_release(&ag->rrefs, l->r[i - 1]->slot, l->r[i - 1]->id, dst, 1);
 		return rc;
 	}
-	/* The counts, this fence, then dst's state: either we see dst dead,
-	 * or the launcher's sweep of dst, which follows its DEAD store and a
-	 * fence, sees our counts. A dead dst's counts are all garbage. */
-	atomic_thread_fence(memory_order_seq_cst);
-	if (dst != ag->rank && !ipc_port_peer_alive(&ag->port, dst)) {
+	/* The counts (seq_cst RMWs in rref_hold), then dst's state (seq_cst):
+	 * either we see dst gone, or the launcher's sweep of dst, which
+	 * follows its seq_cst store of the state, sees our counts. A gone
+	 * dst's counts are all garbage. */
+	if (dst != ag->rank && !peer_running(ag, dst)) {
 		for (i = 0; i < l->nr; i++)
 			rref_sweep_entry(&ag->rrefs, l->r[i]->slot, l->r[i]->id, dst);
 		agent_peer_gone_text(ag, dst, why, sizeof(why));
@@ -381,15 +388,23 @@ static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t dea
 	if (!executor_on_worker_thread())
 		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
 	for (;;) {
-		uint64_t now = shmrpc_now_ns(), slice = now + 1000000u;
-		int st;
+		uint64_t now = shmrpc_now_ns();
+		/* A look first (a deadline already passed does not sleep). */
+		int st = rref_wait(&ag->rrefs, slot, id, now);
 
-		if (executor_help_once())
-			slice = now; /* just look */
-		st = rref_wait(&ag->rrefs, slot, id, deadline_ns && deadline_ns < slice ? deadline_ns
-											  : slice);
-		if (st != -ETIMEDOUT || (deadline_ns && shmrpc_now_ns() >= deadline_ns))
+		if (st != -ETIMEDOUT)
 			return st;
+		if (deadline_ns && now >= deadline_ns)
+			return -ETIMEDOUT;
+		/* Then a queued job, or a short sleep: a job queued meanwhile
+		 * waits at most 1 ms for us. */
+		if (!executor_help_once()) {
+			now += 1000000u;
+			st = rref_wait(&ag->rrefs, slot, id,
+				       deadline_ns && deadline_ns < now ? deadline_ns : now);
+			if (st != -ETIMEDOUT)
+				return st;
+		}
 	}
 }
 
@@ -412,7 +427,7 @@ int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t dead
 	if (!at || !(*buf = malloc(*len ? *len : 1)))
 		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read RRef %#" PRIx64 "'s value",
 				    id);
-	memcpy(*buf, at, *len);
+	pool_read(*buf, at, *len);
 	*state = (uint32_t)st;
 	return 0;
 }
@@ -481,17 +496,27 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 	uint64_t len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
 	const void *at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed),
 				 len);
+	void *copy = at ? malloc(len ? len : 1) : NULL;
 	size_t used;
 	int rc;
 
-	f->tensors.take = true;
-	rc = at ? value_unpack(at, len, &f->arena, &f->value, &used, &f->tensors) : -EBADMSG;
-	/* Acquire fence: the reads of the block above before the state's
-	 * re-read (a seqlock reader's order). */
-	atomic_thread_fence(memory_order_acquire);
-	if (atomic_load_explicit(&e->state, memory_order_relaxed) != state ||
-	    atomic_load_explicit(&e->key, memory_order_relaxed) != r->id)
+	if (!copy)
+		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read the value of RRef %#"
+				    PRIx64, r->id);
+	/* Copied, then checked, then decoded: a seqlock reader's order. */
+	pool_read(copy, at, len);
+	/* The re-read is an acq_rel RMW that changes nothing: its release
+	 * orders the copy above before it, and an owner sweep that marks the
+	 * entry later reads it, so the pool frees the block only after our
+	 * copy. A block of an owner that died meanwhile may hold garbage. */
+	if (atomic_fetch_or_explicit(&e->state, 0, memory_order_acq_rel) != state ||
+	    atomic_load_explicit(&e->key, memory_order_relaxed) != r->id) {
+		free(copy);
 		return -SHMRPC_EPEERDEAD;
+	}
+	f->tensors.take = true;
+	rc = value_unpack(copy, len, &f->arena, &f->value, &used, &f->tensors);
+	free(copy);
 	if (rc)
 		return shmrpc__fail(-EBADMSG, "the stored value of RRef %#" PRIx64 " cannot be "
 				    "decoded: %s", r->id, shmrpc_errmsg());

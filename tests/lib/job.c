@@ -68,6 +68,8 @@ static int job_test(int (*worker)(void), int want_rc, const char *const *texts, 
 	CHECK(rc == want_rc, "shmrun exited %d, want %d", rc, want_rc);
 	for (; texts && *texts; texts++)
 		CHECK(strstr(out, *texts), "the job's output lacks \"%s\"", *texts);
+	/* Every job, passing or failing, must leave the RRef table empty. */
+	CHECK(!strstr(out, "left in the RRef table"), "the job leaked RRefs");
 	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
 	return 0;
 }
