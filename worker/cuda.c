@@ -1,0 +1,643 @@
+/* CUDA IPC through the driver API, loaded at run time (see cuda.h). */
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "worker/cuda.h"
+
+/*
+ * The driver types and constants used here, declared by hand rather than
+ * taken from <cuda.h>: the Makefile does not put the toolkit's include
+ * directory on the path, and the library must build where CUDA is not
+ * installed. Values and layouts are those of cuda.h (CUDA 13), unchanged
+ * since the functions appeared; handles are opaque pointers, IPC handles
+ * 64-byte structs passed by value, like the originals.
+ */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct {
+	char reserved[CUDA_IPC_HANDLE_SIZE];
+} CUipcMemHandle;
+typedef struct {
+	char reserved[CUDA_IPC_HANDLE_SIZE];
+} CUipcEventHandle;
+
+enum {
+	CUDA_SUCCESS = 0,
+	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_OUT_OF_MEMORY = 2,
+	CUDA_ERROR_NO_DEVICE = 100,
+	CUDA_ERROR_NOT_PERMITTED = 800,
+	CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+enum { /* CUpointer_attribute */
+	CU_POINTER_ATTRIBUTE_CONTEXT = 1,
+	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+	CU_POINTER_ATTRIBUTE_BUFFER_ID = 7,
+	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+};
+
+#define CU_MEMORYTYPE_DEVICE 2u
+#define CU_EVENT_DISABLE_TIMING 0x2u
+#define CU_EVENT_INTERPROCESS 0x4u
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1u
+
+/* Each driver function used, by the name the headers map it to. */
+#define CUDA_DRIVER_FUNCS(X)                                                       \
+	X(cuInit, (unsigned flags))                                                \
+	X(cuDeviceGetCount, (int *n))                                              \
+	X(cuDeviceGet, (CUdevice *dev, int ordinal))                               \
+	X(cuGetErrorName, (CUresult r, const char **s))                            \
+	X(cuGetErrorString, (CUresult r, const char **s))                          \
+	X(cuDevicePrimaryCtxRetain, (CUcontext *ctx, CUdevice dev))                \
+	X(cuCtxPushCurrent_v2, (CUcontext ctx))                                    \
+	X(cuCtxPopCurrent_v2, (CUcontext *ctx))                                    \
+	X(cuPointerGetAttributes, (unsigned n, int *attrs, void **data, CUdeviceptr p)) \
+	X(cuMemGetAddressRange_v2, (CUdeviceptr *base, size_t *size, CUdeviceptr p)) \
+	X(cuIpcGetMemHandle, (CUipcMemHandle *h, CUdeviceptr p))                   \
+	X(cuIpcOpenMemHandle_v2, (CUdeviceptr *p, CUipcMemHandle h, unsigned flags)) \
+	X(cuIpcCloseMemHandle, (CUdeviceptr p))                                    \
+	X(cuEventCreate, (CUevent *ev, unsigned flags))                            \
+	X(cuEventRecord, (CUevent ev, CUstream s))                                 \
+	X(cuEventDestroy_v2, (CUevent ev))                                         \
+	X(cuIpcGetEventHandle, (CUipcEventHandle *h, CUevent ev))                  \
+	X(cuIpcOpenEventHandle, (CUevent *ev, CUipcEventHandle h))                 \
+	X(cuStreamWaitEvent, (CUstream s, CUevent ev, unsigned flags))
+
+#define MAX_DEVICES 64
+#define HANDLE_CACHE 64 /* allocations whose IPC handle the producer keeps */
+#define MAX_CONTEXTS 8  /* contexts with an event ring */
+#define EVENT_RING 8    /* interprocess events per context */
+
+/* Producer: an allocation already exported. */
+struct export_alloc {
+	uint64_t id; /* driver buffer id; 0: free slot */
+	CUdeviceptr base;
+	uint64_t size;
+	CUipcMemHandle handle;
+};
+
+/* Producer: the interprocess events of one context, recorded in turn. */
+struct event_ring {
+	CUcontext ctx; /* NULL: free slot */
+	unsigned next;
+	CUevent ev[EVENT_RING];
+	CUipcEventHandle handle[EVENT_RING];
+};
+
+/* Receiver: a producer's allocation mapped here. */
+struct import_map {
+	struct import_map *next;
+	uint32_t pid;
+	int32_t device;
+	uint64_t id, base, size; /* as the producer knows them */
+	CUdeviceptr local;
+	uint64_t refs;
+	bool stale; /* the producer reused its addresses: close once idle */
+};
+
+/* Receiver: a producer's event opened here. */
+struct import_event {
+	struct import_event *next;
+	uint32_t pid;
+	int32_t device;
+	CUipcEventHandle handle;
+	CUevent ev;
+};
+
+static struct {
+	pthread_once_t once;
+	int err;       /* 0 when the driver is usable */
+	char why[256]; /* when it is not */
+	void *lib;
+#define X(name, params) CUresult (*name) params;
+	CUDA_DRIVER_FUNCS(X)
+#undef X
+	/* Everything below is guarded by lock. */
+	pthread_mutex_t lock;
+	CUcontext primary[MAX_DEVICES];
+	struct export_alloc allocs[HANDLE_CACHE];
+	unsigned allocs_next;
+	struct event_ring rings[MAX_CONTEXTS];
+	struct import_map *maps;
+	struct import_event *events;
+	struct cuda_stats stats;
+} cu = { .once = PTHREAD_ONCE_INIT, .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static void unavailable(int err, const char *fmt, ...) SHMRPC_PRINTF(2, 3);
+static void unavailable(int err, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(cu.why, sizeof(cu.why), fmt, ap);
+	va_end(ap);
+	cu.err = err;
+	if (cu.lib)
+		dlclose(cu.lib);
+	cu.lib = NULL;
+}
+
+static const char *cu_name(CUresult r)
+{
+	const char *s = NULL;
+
+	return cu.cuGetErrorName(r, &s) == CUDA_SUCCESS && s ? s : "unknown CUDA error";
+}
+
+static void cu_load(void)
+{
+	CUresult r;
+	int n = 0;
+
+	cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (!cu.lib) {
+		unavailable(-ENOSYS, "libcuda.so.1 not found (%s)", dlerror());
+		return;
+	}
+#define X(name, params)                                                            \
+	cu.name = (CUresult(*) params)dlsym(cu.lib, #name);                        \
+	if (!cu.name) {                                                            \
+		unavailable(-ENOSYS, "libcuda.so.1 has no %s (driver too old)", #name); \
+		return;                                                            \
+	}
+	CUDA_DRIVER_FUNCS(X)
+#undef X
+	r = cu.cuInit(0);
+	if (r == CUDA_SUCCESS)
+		r = cu.cuDeviceGetCount(&n);
+	if (r == CUDA_ERROR_NO_DEVICE || (r == CUDA_SUCCESS && n < 1))
+		unavailable(-ENODEV, "no CUDA device");
+	else if (r != CUDA_SUCCESS)
+		unavailable(-ENODEV, "the driver does not start (%s)", cu_name(r));
+}
+
+static bool driver_ok(void)
+{
+	pthread_once(&cu.once, cu_load);
+	return cu.err == 0;
+}
+
+/* 0, or the reason (in this thread's message) why nothing can be done. */
+static int ready(void)
+{
+	if (driver_ok())
+		return 0;
+	return shmrpc__fail(cu.err, "CUDA is not available on this machine: %s", cu.why);
+}
+
+static int cu_fail(CUresult r, const char *fmt, ...) SHMRPC_PRINTF(2, 3);
+static int cu_fail(CUresult r, const char *fmt, ...)
+{
+	const char *str = NULL;
+	char what[160];
+	va_list ap;
+	int err;
+
+	va_start(ap, fmt);
+	vsnprintf(what, sizeof(what), fmt, ap);
+	va_end(ap);
+	switch (r) {
+	case CUDA_ERROR_OUT_OF_MEMORY:
+		err = -ENOMEM;
+		break;
+	case CUDA_ERROR_INVALID_VALUE:
+		err = -EINVAL;
+		break;
+	case CUDA_ERROR_NOT_PERMITTED:
+	case CUDA_ERROR_NOT_SUPPORTED:
+		err = -EOPNOTSUPP;
+		break;
+	default:
+		err = -EIO;
+	}
+	cu.cuGetErrorString(r, &str);
+	return shmrpc__fail(err, "%s: %s (%s)", what, cu_name(r), str ? str : "no description");
+}
+
+void *cuda_sym(const char *name)
+{
+	return driver_ok() ? dlsym(cu.lib, name) : NULL;
+}
+
+int cuda_probe(void)
+{
+	return ready();
+}
+
+void cuda_stats_get(struct cuda_stats *st)
+{
+	pthread_mutex_lock(&cu.lock);
+	*st = cu.stats;
+	pthread_mutex_unlock(&cu.lock);
+}
+
+/* The primary context of a device, retained once for the process's life
+ * (as the runtime API and torch do). Caller holds cu.lock. */
+static int primary_ctx(int32_t device, CUcontext *ctx)
+{
+	CUdevice dev;
+	CUresult r;
+
+	if (device < 0 || device >= MAX_DEVICES)
+		return shmrpc__fail(-EINVAL, "CUDA device %d is out of range", (int)device);
+	if (!cu.primary[device]) {
+		r = cu.cuDeviceGet(&dev, device);
+		if (r == CUDA_SUCCESS)
+			r = cu.cuDevicePrimaryCtxRetain(&cu.primary[device], dev);
+		if (r != CUDA_SUCCESS)
+			return cu_fail(r, "opening CUDA device %d", (int)device);
+	}
+	*ctx = cu.primary[device];
+	return 0;
+}
+
+/*
+ * Every call below runs in the context it names, pushed for the call and
+ * popped after it, so the caller's current context is left alone.
+ */
+static int push_ctx(CUcontext ctx)
+{
+	CUresult r = cu.cuCtxPushCurrent_v2(ctx);
+
+	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuCtxPushCurrent");
+}
+
+static void pop_ctx(void)
+{
+	CUcontext ctx;
+
+	cu.cuCtxPopCurrent_v2(&ctx);
+}
+
+/* Fills d's allocation fields for the allocation id holding p; *size is
+ * its size. Caller holds cu.lock, in the allocation's context. */
+static int export_alloc(CUdeviceptr p, uint64_t id, struct cuda_ipc_desc *d, uint64_t *size)
+{
+	struct export_alloc *a = NULL;
+	CUdeviceptr base;
+	size_t sz;
+	CUresult r;
+
+	for (unsigned i = 0; i < HANDLE_CACHE && !a; i++)
+		if (cu.allocs[i].id == id)
+			a = &cu.allocs[i];
+	if (a) {
+		cu.stats.handle_cache_hits++;
+	} else {
+		CUipcMemHandle h;
+
+		r = cu.cuMemGetAddressRange_v2(&base, &sz, p);
+		if (r != CUDA_SUCCESS)
+			return cu_fail(r, "cuMemGetAddressRange(0x%llx)", p);
+		r = cu.cuIpcGetMemHandle(&h, base);
+		if (r != CUDA_SUCCESS)
+			return cu_fail(r, "cuIpcGetMemHandle(0x%llx) (only cuMemAlloc memory can be shared: "
+				       "not cuMemCreate or memory pool allocations)", base);
+		/* The oldest entry goes: an allocation no longer sent costs one
+		 * cuIpcGetMemHandle if it comes back. */
+		a = &cu.allocs[cu.allocs_next++ % HANDLE_CACHE];
+		*a = (struct export_alloc){ .id = id, .base = base, .size = sz, .handle = h };
+	}
+	memcpy(d->mem_handle, &a->handle, sizeof(d->mem_handle));
+	d->base = a->base;
+	d->alloc_id = id;
+	*size = a->size;
+	return 0;
+}
+
+/* Records the next event of ctx's ring on s; its handle goes to d.
+ * Caller holds cu.lock, in ctx. */
+static int export_event(CUcontext ctx, CUstream s, struct cuda_ipc_desc *d)
+{
+	struct event_ring *ring = NULL;
+	unsigned slot;
+	CUresult r;
+
+	for (unsigned i = 0; i < MAX_CONTEXTS && !ring; i++)
+		if (cu.rings[i].ctx == ctx || !cu.rings[i].ctx)
+			ring = &cu.rings[i];
+	if (!ring)
+		return shmrpc__fail(-ENOSPC, "more than %d CUDA contexts export memory", MAX_CONTEXTS);
+	ring->ctx = ctx;
+	slot = ring->next % EVENT_RING;
+	if (!ring->ev[slot]) {
+		CUevent ev;
+
+		r = cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
+		if (r != CUDA_SUCCESS)
+			return cu_fail(r, "cuEventCreate(interprocess)");
+		r = cu.cuIpcGetEventHandle(&ring->handle[slot], ev);
+		if (r != CUDA_SUCCESS) {
+			cu.cuEventDestroy_v2(ev);
+			return cu_fail(r, "cuIpcGetEventHandle");
+		}
+		ring->ev[slot] = ev;
+	}
+	r = cu.cuEventRecord(ring->ev[slot], s);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(r, "cuEventRecord");
+	ring->next++;
+	memcpy(d->event_handle, &ring->handle[slot], sizeof(d->event_handle));
+	return 0;
+}
+
+int cuda_export(const void *dptr, uint64_t len, uintptr_t stream, struct cuda_ipc_desc *out)
+{
+	CUdeviceptr p = (uintptr_t)dptr;
+	int attrs[] = { CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_CONTEXT,
+			CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, CU_POINTER_ATTRIBUTE_BUFFER_ID };
+	unsigned memtype = 0;
+	CUcontext ctx = NULL;
+	int device = -1;
+	unsigned long long id = 0;
+	void *data[] = { &memtype, &ctx, &device, &id };
+	uint64_t size = 0;
+	CUresult r;
+	int rc;
+
+	rc = ready();
+	if (rc)
+		return rc;
+	/* One call for all four; a pointer CUDA does not know reads as
+	 * memory type 0, not as an error. */
+	r = cu.cuPointerGetAttributes(4, attrs, data, p);
+	if (r != CUDA_SUCCESS)
+		return cu_fail(r, "cuPointerGetAttributes(%p)", dptr);
+	if (memtype != CU_MEMORYTYPE_DEVICE || id == 0)
+		return shmrpc__fail(-EINVAL, "%p is not CUDA device memory", dptr);
+	memset(out, 0, sizeof(*out));
+	pthread_mutex_lock(&cu.lock);
+	/* Memory that belongs to no context (cuMemCreate) fails below, in the
+	 * device's primary context, with cuIpcGetMemHandle's reason. */
+	rc = ctx ? 0 : primary_ctx(device, &ctx);
+	if (!rc)
+		rc = push_ctx(ctx);
+	if (!rc) {
+		rc = export_alloc(p, id, out, &size);
+		if (!rc && len > out->base + size - p)
+			rc = shmrpc__fail(-EINVAL, "%llu bytes at %p leave their CUDA allocation "
+					  "(0x%llx, %llu bytes)", (unsigned long long)len, dptr,
+					  (unsigned long long)out->base, (unsigned long long)size);
+		if (!rc)
+			rc = export_event(ctx, (CUstream)stream, out);
+		pop_ctx();
+	}
+	if (!rc)
+		cu.stats.exports++;
+	pthread_mutex_unlock(&cu.lock);
+	if (rc)
+		return rc;
+	out->offset = p - out->base;
+	out->len = len;
+	out->pid = (uint32_t)getpid();
+	out->device = device;
+	return 0;
+}
+
+/* A descriptor this process exported: its own pointer, after its event. */
+static int import_local(const struct cuda_ipc_desc *d, CUstream s, void **dptr)
+{
+	CUevent ev = NULL;
+	CUcontext ctx = NULL;
+	CUresult r;
+	int rc;
+
+	pthread_mutex_lock(&cu.lock);
+	for (unsigned i = 0; i < MAX_CONTEXTS && !ev; i++)
+		for (unsigned j = 0; j < EVENT_RING && !ev; j++)
+			if (cu.rings[i].ev[j] &&
+			    !memcmp(&cu.rings[i].handle[j], d->event_handle, sizeof(d->event_handle))) {
+				ev = cu.rings[i].ev[j];
+				ctx = cu.rings[i].ctx;
+			}
+	pthread_mutex_unlock(&cu.lock);
+	if (!ev)
+		return shmrpc__fail(-EINVAL, "a CUDA descriptor of this process names an event it "
+				    "never recorded");
+	rc = push_ctx(ctx);
+	if (rc)
+		return rc;
+	r = cu.cuStreamWaitEvent(s, ev, 0);
+	pop_ctx();
+	if (r != CUDA_SUCCESS)
+		return cu_fail(r, "cuStreamWaitEvent");
+	*dptr = (void *)(uintptr_t)(d->base + d->offset);
+	return 0;
+}
+
+static struct import_map *find_map(uint32_t pid, uint64_t id)
+{
+	for (struct import_map *m = cu.maps; m; m = m->next)
+		if (m->pid == pid && m->id == id)
+			return m;
+	return NULL;
+}
+
+/* Closes and frees m, unlinked by the caller (holding cu.lock). */
+static void unmap(struct import_map *m)
+{
+	/* A failure leaves nothing to do: the mapping is forgotten either way. */
+	if (!push_ctx(cu.primary[m->device])) {
+		cu.cuIpcCloseMemHandle(m->local);
+		pop_ctx();
+	}
+	free(m);
+}
+
+/* fresh is a new allocation of its producer: any other mapping of that
+ * producer over the same addresses was freed there, so it goes (now if
+ * idle, else at its last release). */
+static void drop_overlapped(const struct import_map *fresh)
+{
+	struct import_map **pp = &cu.maps, *m;
+
+	while ((m = *pp)) {
+		if (m != fresh && m->pid == fresh->pid && m->base < fresh->base + fresh->size &&
+		    fresh->base < m->base + m->size) {
+			m->stale = true;
+			if (!m->refs) {
+				*pp = m->next;
+				unmap(m);
+				continue;
+			}
+		}
+		pp = &m->next;
+	}
+}
+
+/* d's allocation mapped, one reference more. Caller holds cu.lock, in the
+ * primary context of d->device. */
+static int import_map(const struct cuda_ipc_desc *d, struct import_map **out)
+{
+	struct import_map *m = find_map(d->pid, d->alloc_id);
+	CUipcMemHandle h;
+	CUdeviceptr base;
+	size_t size;
+	CUresult r;
+	int rc;
+
+	if (m) {
+		cu.stats.cache_hits++;
+	} else {
+		m = calloc(1, sizeof(*m));
+		if (!m)
+			return shmrpc__fail(-ENOMEM, "out of memory for a CUDA mapping");
+		memcpy(&h, d->mem_handle, sizeof(h));
+		r = cu.cuIpcOpenMemHandle_v2(&m->local, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+		if (r != CUDA_SUCCESS) {
+			free(m);
+			return cu_fail(r, "cuIpcOpenMemHandle (allocation of pid %u on device %d)",
+				       d->pid, (int)d->device);
+		}
+		cu.stats.opens++;
+		/* The mapping's size bounds every descriptor of it. */
+		m->device = d->device;
+		r = cu.cuMemGetAddressRange_v2(&base, &size, m->local);
+		if (r != CUDA_SUCCESS) {
+			rc = cu_fail(r, "cuMemGetAddressRange of a CUDA IPC mapping");
+			unmap(m);
+			return rc;
+		}
+		m->pid = d->pid;
+		m->id = d->alloc_id;
+		m->base = d->base;
+		m->size = size;
+		m->next = cu.maps;
+		cu.maps = m;
+		drop_overlapped(m);
+	}
+	if (d->offset > m->size || d->len > m->size - d->offset)
+		return shmrpc__fail(-EINVAL, "CUDA descriptor (offset %llu, %llu bytes) leaves its "
+				    "allocation of %llu bytes", (unsigned long long)d->offset,
+				    (unsigned long long)d->len, (unsigned long long)m->size);
+	m->refs++;
+	*out = m;
+	return 0;
+}
+
+/* d's event, opened here. Caller holds cu.lock, in the primary context of
+ * d->device. */
+static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
+{
+	struct import_event *e;
+	CUresult r;
+
+	for (e = cu.events; e; e = e->next)
+		if (e->pid == d->pid && !memcmp(&e->handle, d->event_handle, sizeof(e->handle))) {
+			*ev = e->ev;
+			return 0;
+		}
+	e = calloc(1, sizeof(*e));
+	if (!e)
+		return shmrpc__fail(-ENOMEM, "out of memory for a CUDA event");
+	memcpy(&e->handle, d->event_handle, sizeof(e->handle));
+	r = cu.cuIpcOpenEventHandle(&e->ev, e->handle);
+	if (r != CUDA_SUCCESS) {
+		free(e);
+		return cu_fail(r, "cuIpcOpenEventHandle (event of pid %u)", d->pid);
+	}
+	e->pid = d->pid;
+	e->device = d->device;
+	e->next = cu.events;
+	cu.events = e;
+	*ev = e->ev;
+	return 0;
+}
+
+int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
+{
+	struct import_map *m = NULL;
+	CUevent ev = NULL;
+	CUcontext ctx;
+	CUresult r;
+	int rc;
+
+	rc = ready();
+	if (rc)
+		return rc;
+	if (d->pid == (uint32_t)getpid())
+		return import_local(d, (CUstream)stream, dptr);
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(d->device, &ctx);
+	if (!rc)
+		rc = push_ctx(ctx);
+	if (!rc) {
+		rc = import_map(d, &m);
+		if (!rc)
+			rc = import_event(d, &ev);
+		if (!rc) {
+			r = cu.cuStreamWaitEvent((CUstream)stream, ev, 0);
+			if (r != CUDA_SUCCESS)
+				rc = cu_fail(r, "cuStreamWaitEvent");
+		}
+		/* The mapping stays cached; only the reference goes. */
+		if (rc && m)
+			m->refs--;
+		pop_ctx();
+	}
+	pthread_mutex_unlock(&cu.lock);
+	if (!rc)
+		*dptr = (void *)(uintptr_t)(m->local + d->offset);
+	return rc;
+}
+
+void cuda_import_release(const struct cuda_ipc_desc *d)
+{
+	struct import_map **pp, *m;
+
+	if (!driver_ok() || d->pid == (uint32_t)getpid())
+		return;
+	pthread_mutex_lock(&cu.lock);
+	for (pp = &cu.maps; (m = *pp); pp = &m->next)
+		if (m->pid == d->pid && m->id == d->alloc_id)
+			break;
+	if (m && m->refs && !--m->refs && m->stale) {
+		*pp = m->next;
+		unmap(m);
+	}
+	pthread_mutex_unlock(&cu.lock);
+}
+
+void cuda_forget_peer(uint32_t pid)
+{
+	struct import_map **mp = &cu.maps, *m;
+	struct import_event **ep = &cu.events, *e;
+
+	if (!driver_ok())
+		return;
+	pthread_mutex_lock(&cu.lock);
+	while ((m = *mp)) {
+		if (m->pid != pid) {
+			mp = &m->next;
+			continue;
+		}
+		*mp = m->next;
+		unmap(m);
+	}
+	while ((e = *ep)) {
+		if (e->pid != pid) {
+			ep = &e->next;
+			continue;
+		}
+		*ep = e->next;
+		if (!push_ctx(cu.primary[e->device])) {
+			cu.cuEventDestroy_v2(e->ev);
+			pop_ctx();
+		}
+		free(e);
+	}
+	pthread_mutex_unlock(&cu.lock);
+}

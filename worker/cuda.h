@@ -1,0 +1,109 @@
+/*
+ * CUDA IPC for device tensors: a producer describes a device pointer so
+ * that another process of the node reads and writes the same bytes.
+ *
+ * Why dlopen. The driver API (libcuda.so.1) is loaded at run time, never
+ * linked, so one build runs on machines with and without a GPU; without
+ * one every call fails with "CUDA is not available on this machine: <why>"
+ * (-ENOSYS: no driver, -ENODEV: no device). cuda.c declares the few
+ * driver types it needs itself, so the build needs no CUDA toolkit either.
+ *
+ * What is cached, and why. Each cache is in process memory, under one
+ * mutex; nothing here is in shared memory.
+ *  - Producer: the IPC handle, base and size of each allocation, keyed by
+ *    the driver's buffer id (unique for the allocation's lifetime, so an
+ *    address freed and reused never returns a stale handle):
+ *    cuIpcGetMemHandle costs ~9 µs. And a small ring of interprocess
+ *    events per context, created once with their handles.
+ *  - Receiver: the mapping of each (producer pid, allocation) and each
+ *    opened event: cuIpcOpenMemHandle and cuIpcOpenEventHandle cost
+ *    ~140 µs each on an H100, so a warm import pays neither. Mappings are
+ *    counted by cuda_import / cuda_import_release; an idle mapping stays
+ *    open (that is the cache) until cuda_forget_peer, or until the same
+ *    producer sends another allocation over its addresses (then the old
+ *    one was freed, and it is closed once idle).
+ *
+ * Ordering. cuda_export records an interprocess event on the producer's
+ * stream after the work already queued there (its last write); cuda_import
+ * makes the receiver's stream wait for that event (cuStreamWaitEvent: the
+ * GPU waits, the host does not). What the receiver queues on its stream
+ * afterwards therefore never runs before the producer's writes finished.
+ * An event of the ring may be recorded again before a receiver waits on
+ * it; the receiver then waits for the later record, which is later work:
+ * it may wait longer, never less.
+ *
+ * A producer's exit. Freeing an exported allocation while another process
+ * has it mapped is undefined (CUDA's documentation), and so is reading a
+ * mapping whose producer exited. So the producer must keep each
+ * allocation alive while any receiver has it mapped, idle cached mappings
+ * included (counts in the segment, kept by the agent); receivers must fail
+ * the tensors of a producer that died instead of reading them, and call
+ * cuda_forget_peer to close its mappings.
+ *
+ * CUDA does not survive fork(): fork before the first call here.
+ */
+#ifndef SHMRPC_WORKER_CUDA_H
+#define SHMRPC_WORKER_CUDA_H
+
+#include <stdint.h>
+
+#include "common/compiler.h"
+
+#define CUDA_IPC_HANDLE_SIZE 64
+
+/* What a device tensor travels as; fixed-width fields, no pointers. */
+struct cuda_ipc_desc {
+	uint8_t mem_handle[CUDA_IPC_HANDLE_SIZE];   /* CUipcMemHandle of the allocation */
+	uint8_t event_handle[CUDA_IPC_HANDLE_SIZE]; /* CUipcEventHandle, after the last write */
+	uint64_t base;     /* the allocation's address in the producer */
+	uint64_t alloc_id; /* the producer driver's buffer id of the allocation */
+	uint64_t offset;   /* of the tensor, from base */
+	uint64_t len;      /* of the tensor, in bytes */
+	uint32_t pid;      /* the producer */
+	int32_t device;    /* ordinal of the device holding the allocation */
+};
+_Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 4 * 8 + 2 * 4,
+	       "cuda_ipc_desc is part of the wire format: no padding");
+
+struct cuda_stats {
+	uint64_t opens;             /* receiver: cuIpcOpenMemHandle calls */
+	uint64_t cache_hits;        /* receiver: imports that found the mapping open */
+	uint64_t exports;           /* producer: cuda_export calls that succeeded */
+	uint64_t handle_cache_hits; /* producer: exports that found the handle cached */
+};
+
+/* 0 when a driver and at least one device are present. */
+SHMRPC_HIDDEN int cuda_probe(void);
+
+/*
+ * Describes len bytes at device pointer dptr, after the work queued so far
+ * on stream (a CUstream; 0 is the legacy default stream of the pointer's
+ * context). -EINVAL for memory that is not a device allocation or a range
+ * that leaves it.
+ */
+SHMRPC_HIDDEN int cuda_export(const void *dptr, uint64_t len, uintptr_t stream,
+			      struct cuda_ipc_desc *out);
+
+/*
+ * The tensor of d, mapped in this process (in the primary context of
+ * d->device), holding one reference; stream (a CUstream of that device)
+ * waits for the producer's writes. A descriptor of this process gives its
+ * own pointer back, with the same wait.
+ */
+SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr);
+/* Drops the reference of one cuda_import of d; the mapping stays cached. */
+SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d);
+/* Closes every mapping and event of producer pid (gone, or to be forgotten),
+ * referenced or not: pointers still held from it must not be used again. */
+SHMRPC_HIDDEN void cuda_forget_peer(uint32_t pid);
+
+SHMRPC_HIDDEN void cuda_stats_get(struct cuda_stats *st);
+
+/*
+ * A driver function by the versioned name it has in libcuda.so.1
+ * ("cuMemAlloc_v2"), for tests and tools that drive the GPU themselves;
+ * NULL when CUDA is not available or the driver lacks it.
+ */
+SHMRPC_HIDDEN void *cuda_sym(const char *name);
+
+#endif
