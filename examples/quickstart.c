@@ -3,9 +3,10 @@
  *
  *     shmrun -n 4 -- build/examples/quickstart
  *
- * Every worker registers two functions, then calls its neighbour; rank 0
- * also shows what a remote error looks like and measures an empty call's
- * round trip.
+ * Every worker registers three functions, then calls its neighbour; rank 0
+ * also makes a remote reference (an RRef) on its neighbour and reads it,
+ * shows what a remote error looks like and measures an empty call's round
+ * trip.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,8 +88,26 @@ int main(void)
 	if (rank == 0) {
 		enum { N = 20000 };
 		static uint64_t t[N];
-		shmrpc_value args[2] = { shmrpc_int(1), shmrpc_int(0) };
+		shmrpc_value args[2];
 
+		shmrpc_rref *r;
+		char rs[160];
+
+		/* remote(): the neighbour computes 84 / 2 and keeps it. */
+		args[0] = shmrpc_int(84);
+		args[1] = shmrpc_int(2);
+		if (shmrpc_remote(next.rank, "divide", args, 2, SHMRPC_TIMEOUT_DEFAULT, &r))
+			return fail("remote");
+		if (shmrpc_rref_to_here(r, SHMRPC_TIMEOUT_DEFAULT, &f))
+			return fail("to_here");
+		shmrpc_rref_str(r, rs, sizeof(rs));
+		printf("%s on %s holds %lld\n", rs, shmrpc_rref_owner_name(r),
+		       (long long)shmrpc_future_value(f)->u.i);
+		shmrpc_future_free(f);
+		shmrpc_rref_free(r);
+
+		args[0] = shmrpc_int(1);
+		args[1] = shmrpc_int(0);
 		if (shmrpc_rpc_sync(next.rank, "divide", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f) == 0)
 			return fail("divide by zero succeeded");
 		printf("a remote error, as the caller sees it:\n  %s\n", shmrpc_errmsg());
