@@ -10,7 +10,7 @@ CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
 TEST_TIMEOUT ?= 300
-DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev
+DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev
 BENCH_PKGS := python3-torch python3-numpy
 
 ifeq ($(SAN),)
@@ -51,9 +51,17 @@ TOOLS    := $(TOOL_SRCS:tools/%.c=$(BUILD)/bin/%)
 LAUNCHER_SRCS := $(wildcard launcher/*.c)
 LAUNCHER := $(if $(LAUNCHER_SRCS),$(BUILD)/bin/shmrun)
 RUNNER   := $(BUILD)/bin/shmrpc-test-runner
+# The Python package: the extension (stable ABI) beside its modules. Not
+# in sanitizer builds: a sanitized extension needs its runtime preloaded
+# into python3, and the C tests cover the same library code.
+PY_INC   := $(shell /usr/bin/python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
+PY_MODS  := $(wildcard python/shmrpc/*.py)
+PYTHON   := $(if $(and $(wildcard $(PY_INC)/Python.h),$(if $(SAN),,yes)),$(BUILD)/python/shmrpc/_shmrpc.abi3.so \
+		$(PY_MODS:python/%=$(BUILD)/python/%))
 
-.PHONY: all deps bench-deps check demo bench fuzz install clean help
-all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER)
+.PHONY: all deps bench-deps check demo bench fuzz install clean help python
+all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER) $(PYTHON)
+python: $(PYTHON)
 
 help:
 	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
@@ -94,6 +102,18 @@ $(BUILD)/bin/%: $(BUILD)/obj/tools/%.o $(BUILD)/libshmrpc.a
 $(BUILD)/bin/shmrun: $(LAUNCHER_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/obj/python/_shmrpc.o: python/_shmrpc.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -isystem $(PY_INC) $(CFLAGS) -MMD -MP -c -o $@ $<
+
+$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(BUILD)/obj/python/_shmrpc.o $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/python/shmrpc/%.py: python/shmrpc/%.py
+	@mkdir -p $(dir $@)
+	cp $< $@
 
 $(RUNNER): $(BUILD)/obj/tests/runner/runner.o
 	@mkdir -p $(dir $@)

@@ -11,6 +11,7 @@
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/python.h"
 #include "worker/rref.h"
 #include "worker/value.h"
 
@@ -584,10 +585,12 @@ static int read_value(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms, shmr
 				    "(owner: worker %u (%s))", rs, (long long)timeout_ms, r->owner,
 				    r->owner_name);
 	}
+	/* remote()'s request failed with the owner's death (it went to the
+	 * owner) before the launcher's sweep marked the entry: the same error. */
+	if (st == RREF_OWNER_DEAD || st == -SHMRPC_EPEERDEAD)
+		return owner_gone(ag, r);
 	if (st < 0)
 		return st;
-	if (st == RREF_OWNER_DEAD)
-		return owner_gone(ag, r);
 	if (st != RREF_READY && st != RREF_ERROR)
 		return shmrpc__fail(-EINVAL, "RRef %#" PRIx64 " is %s while referenced", r->id,
 				    rref_state_name((uint32_t)st));
@@ -756,8 +759,11 @@ static void abandon(struct agent *ag, shmrpc_rref *r)
 	free(r);
 }
 
+/* remote() of fn(args), or of a pickled Python call (pickled not NULL:
+ * fn names it for errors). */
 static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value *args,
-		  uint32_t nargs, uint32_t flags, int64_t timeout_ms, shmrpc_rref **out)
+		  uint32_t nargs, uint32_t flags, const void *pickled, size_t plen,
+		  int64_t timeout_ms, shmrpc_rref **out)
 {
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
@@ -785,16 +791,18 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 	}
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
-	     msgpack_pack_uint32(&pk, slot)
-		     ? shmrpc__fail(-ENOMEM, "out of memory encoding a remote call")
-		     : client_encode_call(&sb, fn, args, nargs, flags, &sent);
+	if (msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
+	    msgpack_pack_uint32(&pk, slot) ||
+	    (pickled && (plen > UINT32_MAX || msgpack_pack_bin_with_body(&pk, pickled, plen))))
+		rc = shmrpc__fail(-ENOMEM, "out of memory encoding a remote call");
+	else
+		rc = pickled ? 0 : client_encode_call(&sb, fn, args, nargs, flags, &sent);
 	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
-		rc = client_request(ag, dst, MSG_SCRIPT_REMOTE_CALL, &sb, &sent, timeout_ms, what,
-				    &r->created);
+		rc = client_request(ag, dst, pickled ? MSG_PYTHON_REMOTE_CALL : MSG_SCRIPT_REMOTE_CALL,
+				    &sb, &sent, timeout_ms, what, &r->created);
 	msgpack_sbuffer_destroy(&sb);
 	if (rc) {
 		abandon(ag, r);
@@ -812,7 +820,16 @@ int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t na
 	if (!out || !fn || (nargs && !args))
 		return shmrpc__fail(-EINVAL, "shmrpc_remote: fn, out and args must be given");
 	*out = NULL;
-	return ag ? remote(ag, dst, fn, args, nargs, 0, timeout_ms, out) : -ENOTSUP;
+	return ag ? remote(ag, dst, fn, args, nargs, 0, NULL, 0, timeout_ms, out) : -ENOTSUP;
+}
+
+int python_remote(int dst, const void *pickled, size_t len, int64_t timeout_ms, shmrpc_rref **out)
+{
+	struct agent *ag = agent_or_fail();
+
+	*out = NULL;
+	return ag ? remote(ag, dst, "Python function", NULL, 0, 0, pickled, len, timeout_ms, out)
+		  : -ENOTSUP;
 }
 
 /* ---- the proxies: fn(value of r, args...) on r's owner ---- */
@@ -835,7 +852,8 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 	all[0] = shmrpc_rref_value(r);
 	memcpy(all + 1, args, (size_t)nargs * sizeof(*all));
 	if (kind == PROXY_REMOTE) {
-		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, timeout_ms, out);
+		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, NULL, 0, timeout_ms,
+			    out);
 	} else {
 		struct tensor_list sent = { 0 };
 		msgpack_sbuffer sb;

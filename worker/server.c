@@ -16,6 +16,7 @@
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
+#include "worker/python.h"
 #include "worker/registry.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
@@ -167,6 +168,57 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 	}
 }
 
+static _Atomic(python_handler_fn) py_handler;
+
+void python_set_handler(python_handler_fn fn)
+{
+	/* Release: the binding's state before the handler is seen; pairs
+	 * with the acquire in python_handler(). */
+	atomic_store_explicit(&py_handler, fn, memory_order_release);
+}
+
+python_handler_fn python_handler(void)
+{
+	return atomic_load_explicit(&py_handler, memory_order_acquire);
+}
+
+/* A pickled Python call (one bin) run by the binding's handler: *result
+ * is the pickled result's bytes, in the call's arena. */
+static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
+		       shmrpc_value *result)
+{
+	python_handler_fn h = python_handler();
+	shmrpc_value req;
+	void *out = NULL, *copy;
+	size_t used, outlen = 0;
+	char msg[256];
+
+	if (!h) {
+		snprintf(msg, sizeof(msg), "request type %s is not supported yet: this worker runs "
+			 "no Python (start it from the shmrpc Python package)", worker_msg_name(type));
+		call_fail(call, "RuntimeError", msg);
+		return;
+	}
+	if (value_unpack(buf, len, &call->arena, &req, &used, NULL) || used != len ||
+	    req.type != SHMRPC_BYTES) {
+		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+		call_fail(call, "RuntimeError", msg);
+		return;
+	}
+	if (h(call->caller, req.u.p, req.len, &out, &outlen)) {
+		call_fail(call, "RuntimeError", shmrpc_errmsg());
+		return;
+	}
+	if (outlen > UINT32_MAX || !(copy = shmrpc_call_alloc(call, outlen ? outlen : 1))) {
+		free(out);
+		call_fail(call, "RuntimeError", "out of memory keeping a Python result");
+		return;
+	}
+	memcpy(copy, out, outlen);
+	free(out);
+	*result = shmrpc_bytes(copy, (uint32_t)outlen);
+}
+
 /* The handles in `sent` that the function made for its result (not the
  * call's arguments', not met before) are the call's to free once sent. */
 static void free_result_handles(shmrpc_call *call, struct tensor_list *sent)
@@ -220,16 +272,29 @@ static void reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 	free_result_handles(call, &sent);
 }
 
+/* Runs the call in buf: a SCRIPT_ call, or a PYTHON_ one by the binding. */
+static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
+		    const char **fn, shmrpc_value *result)
+{
+	if (type == MSG_PYTHON_CALL || type == MSG_PYTHON_REMOTE_CALL) {
+		*fn = "a Python function";
+		run_python(call, type, buf, len, result);
+	} else {
+		run_call(call, type, buf, len, fn, result);
+	}
+}
+
 static void run_script_call(struct request_job *rq, shmrpc_call *call)
 {
 	shmrpc_value result = shmrpc_nil();
 	const char *fn;
 
-	run_call(call, rq->type, rq->payload, rq->len, &fn, &result);
+	run_any(call, rq->type, rq->payload, rq->len, &fn, &result);
 	if (call->failed)
 		reply_exception(rq, call->errtype, call->errmsg, call->backtrace);
 	else
-		reply_value(rq, call, fn, &result, MSG_SCRIPT_RET);
+		reply_value(rq, call, fn, &result,
+			    rq->type == MSG_PYTHON_CALL ? MSG_PYTHON_RET : MSG_SCRIPT_RET);
 }
 
 /* [rref_id, slot] at the start of an RRef request; *used: its bytes. */
@@ -249,7 +314,7 @@ static int rref_header(struct request_job *rq, shmrpc_call *call, uint64_t *id, 
 	return 0;
 }
 
-/* SCRIPT_REMOTE_CALL: run the call and store its result, or its error, in
+/* SCRIPT_/PYTHON_REMOTE_CALL: run the call and store its result, or its error, in
  * the RRef; REMOTE_RET says it is stored. */
 static void run_remote_call(struct request_job *rq, shmrpc_call *call)
 {
@@ -266,7 +331,7 @@ static void run_remote_call(struct request_job *rq, shmrpc_call *call)
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 		return;
 	}
-	run_call(call, rq->type, rq->payload + used, rq->len - used, &fn, &result);
+	run_any(call, rq->type, rq->payload + used, rq->len - used, &fn, &result);
 	if (call->failed) {
 		error_text(ag, call->errmsg, text, sizeof(text));
 		err[0] = shmrpc_str(call->errtype);
@@ -343,9 +408,11 @@ static void run_request(struct job *j)
 	count(&ag->self->server_active_calls, 1);
 	switch (rq->type) {
 	case MSG_SCRIPT_CALL:
+	case MSG_PYTHON_CALL:
 		run_script_call(rq, &call);
 		break;
 	case MSG_SCRIPT_REMOTE_CALL:
+	case MSG_PYTHON_REMOTE_CALL:
 		run_remote_call(rq, &call);
 		break;
 	case MSG_SCRIPT_RREF_FETCH_CALL:

@@ -1,0 +1,271 @@
+"""shmrpc: torch.distributed.rpc's API over shared memory, for one machine.
+
+Change ``import torch.distributed.rpc as rpc`` to ``import shmrpc as rpc``
+and start the program with ``shmrun -n N -- python3 prog.py``.
+
+Functions travel by reference (module and qualified name) with pickle, as
+torch's default RPC pickler does: define them on both sides. What torch
+offers that shmrpc does not do yet raises NotImplementedError saying so.
+"""
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+from . import _shmrpc
+
+__all__ = [
+    "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
+    "rpc_async", "remote", "RRef", "Future", "RemoteException",
+]
+
+UNSET_RPC_TIMEOUT = -1.0  # torch's sentinel: the default timeout
+_DEFAULT_RPC_TIMEOUT_SEC = 60.0
+
+_state = threading.local()
+_initialized = False
+
+
+class WorkerInfo:
+    """A worker's name and rank (torch's WorkerInfo: .name, .id)."""
+
+    __slots__ = ("name", "id")
+
+    def __init__(self, name, id):
+        self.name = name
+        self.id = id
+
+    def __eq__(self, other):
+        return isinstance(other, WorkerInfo) and (self.name, self.id) == (other.name, other.id)
+
+    def __hash__(self):
+        return hash((self.name, self.id))
+
+    def __repr__(self):
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+class RemoteException:
+    """An exception raised by a remote function, as it travels back."""
+
+    def __init__(self, msg, exception_type):
+        self.msg = msg
+        self.exception_type = exception_type
+
+
+def _not_supported(what):
+    return NotImplementedError(f"{what} is not supported yet by shmrpc")
+
+
+def _timeout_ms(timeout):
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        return _shmrpc.TIMEOUT_DEFAULT
+    if timeout == 0:
+        return 0  # no timeout, as torch's 0
+    if timeout < 0:
+        raise ValueError(f"timeout {timeout}: give seconds above 0, 0 for none, or leave it unset")
+    return max(1, int(timeout * 1000))
+
+
+def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options=None):
+    """Joins the job shmrun started: rank and world size come from it."""
+    global _initialized
+    env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
+    env_world = int(os.environ.get("SHMRPC_WORLD_SIZE", "-1"))
+    if env_rank < 0:
+        raise RuntimeError("init_rpc: this process is not a shmrpc worker: start it with "
+                           "shmrun -n N -- python3 prog.py")
+    if rank is not None and rank != env_rank:
+        raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
+    if world_size is not None and world_size != env_world:
+        raise ValueError(f"init_rpc: world_size {world_size} given, but the job has {env_world} workers")
+    threads, timeout_ms = 0, 0
+    if rpc_backend_options is not None:
+        threads = int(getattr(rpc_backend_options, "num_worker_threads", 0) or 0)
+        t = getattr(rpc_backend_options, "rpc_timeout", None)
+        if t is not None:
+            timeout_ms = -1 if t == 0 else int(t * 1000)
+        if getattr(rpc_backend_options, "device_maps", None):
+            raise _not_supported("rpc_backend_options.device_maps")
+    _shmrpc.set_handler(_run_function)
+    _shmrpc.init(name, threads, timeout_ms)
+    _initialized = True
+
+
+def shutdown(graceful=True, timeout=0):
+    """Graceful: waits until every worker is done, then all leave together."""
+    global _initialized
+    _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
+    _initialized = False
+
+
+def get_worker_info(worker_name=None):
+    name, rank = _shmrpc.worker_info(worker_name)
+    return WorkerInfo(name, rank)
+
+
+def _rank_of(to):
+    if isinstance(to, WorkerInfo):
+        return to.id
+    if isinstance(to, int):
+        return to
+    if isinstance(to, str):
+        return _shmrpc.worker_info(to)[1]
+    raise TypeError(f"to must be a worker name, a rank or a WorkerInfo, not {type(to).__name__}")
+
+
+class _Pickler(pickle.Pickler):
+    """torch's default RPC pickler: functions by reference; RRefs and
+    tensors get their own paths (not done yet: they refuse)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, RRef):
+            raise _not_supported("passing an RRef as an argument or result from Python")
+        return NotImplemented
+
+
+def _dumps(obj):
+    import io
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+_UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
+             "defined on both caller and callee modules.")
+
+
+def _run_function(caller, payload):
+    """Runs a pickled (func, args, kwargs) on an executor thread; returns the
+    pickled result, or a pickled RemoteException."""
+    try:
+        try:
+            func, args, kwargs = pickle.loads(payload)
+        except (AttributeError, ModuleNotFoundError, ImportError) as e:
+            raise RuntimeError(f"{e}. {_UDF_HINT}") from None
+        result = func(*args, **(kwargs or {}))
+        return _dumps(result)
+    except BaseException as e:  # every error travels back
+        me = get_worker_info()
+        text = (f"On {me!r}:\n{type(e).__name__}({e})\n"
+                + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        return _dumps(RemoteException(text, type(e)))
+
+
+def _result(payload):
+    """Unpickles a result; a RemoteException is raised as its own type."""
+    value = pickle.loads(payload)
+    if isinstance(value, RemoteException):
+        exc_type = value.exception_type
+        try:
+            exc = exc_type(value.msg)
+        except Exception:
+            exc = RuntimeError(value.msg)
+        raise exc
+    return value
+
+
+class Future:
+    """The result of rpc_async (torch.futures.Future's main methods)."""
+
+    def __init__(self, cfut):
+        self._f = cfut
+        self._lock = threading.Lock()
+        self._have = False
+        self._value = None
+        self._error = None
+        self._callbacks = []
+
+    def _settle(self):
+        with self._lock:
+            if self._have:
+                return
+            try:
+                self._value = _result(self._f.wait())
+            except BaseException as e:
+                self._error = e
+            self._have = True
+
+    def wait(self):
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def value(self):
+        return self.wait()
+
+    def done(self):
+        return self._have or self._f.done()
+
+    def then(self, callback):
+        raise _not_supported("Future.then")
+
+    def add_done_callback(self, callback):
+        raise _not_supported("Future.add_done_callback")
+
+
+def _pack_call(func, args, kwargs):
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    return _dumps((func, tuple(args or ()), dict(kwargs or {})))
+
+
+def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    return Future(_shmrpc.call(_rank_of(to), _pack_call(func, args, kwargs), _timeout_ms(timeout)))
+
+
+def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+class RRef:
+    """A reference to a value on its owner (from remote())."""
+
+    def __init__(self, value=None, _c=None):
+        if _c is None:
+            raise _not_supported("RRef(value) (a local owner RRef)")
+        self._r = _c
+
+    def to_here(self, timeout=UNSET_RPC_TIMEOUT):
+        return _result(self._r.to_here(_timeout_ms(timeout)))
+
+    def local_value(self):
+        if not self._r.is_owner():
+            raise RuntimeError(f"For {self}, can't call localValue() on user "
+                               f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
+        return _result(self._r.to_here(_shmrpc.TIMEOUT_DEFAULT))
+
+    def owner(self):
+        return WorkerInfo(self._r.owner_name(), self._r.owner())
+
+    def owner_name(self):
+        return self._r.owner_name()
+
+    def is_owner(self):
+        return self._r.is_owner()
+
+    def confirmed_by_owner(self):
+        return self._r.confirmed_by_owner()
+
+    def rpc_sync(self, timeout=UNSET_RPC_TIMEOUT):
+        raise _not_supported("RRef.rpc_sync() proxies from Python")
+
+    def rpc_async(self, timeout=UNSET_RPC_TIMEOUT):
+        raise _not_supported("RRef.rpc_async() proxies from Python")
+
+    def remote(self, timeout=UNSET_RPC_TIMEOUT):
+        raise _not_supported("RRef.remote() proxies from Python")
+
+    def __reduce__(self):
+        raise _not_supported("pickling an RRef")
+
+    def __str__(self):
+        return str(self._r)
+
+    __repr__ = __str__
+
+
+def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    return RRef(_c=_shmrpc.remote(_rank_of(to), _pack_call(func, args, kwargs), _timeout_ms(timeout)))

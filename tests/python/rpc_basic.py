@@ -1,0 +1,134 @@
+"""shmrpc's Python API under shmrun -n 2 (run by tests/python_rpc.c).
+
+Each check prints what failed and the script exits 1; 0 when all pass.
+"""
+import os
+import sys
+import time
+
+import shmrpc as rpc
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+
+
+def add(a, b=0):
+    return a + b
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def boom(msg):
+    raise ValueError(msg)
+
+
+class Weird(Exception):
+    def __init__(self, a, b):  # cannot be rebuilt from one message
+        super().__init__(a, b)
+
+
+def weird():
+    raise Weird(1, 2)
+
+
+def slow(sec):
+    time.sleep(sec)
+    return sec
+
+
+def nested(depth, other):
+    if depth == 0:
+        return rpc.get_worker_info().id
+    return rpc.rpc_sync(other, nested, args=(depth - 1, rpc.get_worker_info().name))
+
+
+def main():
+    rank = int(os.environ["SHMRPC_RANK"])
+    rpc.init_rpc(f"worker{rank}")
+    me = rpc.get_worker_info()
+    check(me.name == f"worker{rank}" and me.id == rank, f"get_worker_info: {me!r}")
+    peer = rpc.get_worker_info(f"worker{1 - rank}")
+    check(peer.id == 1 - rank, f"peer info {peer!r}")
+
+    # The three ways to name a destination.
+    for to in (peer, peer.name, peer.id):
+        check(rpc.rpc_sync(to, add, args=(2, 3)) == 5, f"rpc_sync to {to!r}")
+    check(rpc.rpc_sync(peer, add, args=(2,), kwargs={"b": 40}) == 42, "kwargs")
+    check(rpc.rpc_sync(peer, whoami) == peer.name, "the callee runs it")
+    check(rpc.rpc_sync(me, whoami) == me.name, "a call to oneself")
+    check(rpc.rpc_sync(peer, len, args=([1, 2, 3],)) == 3, "a builtin")
+    some = bytes(range(256)) * 64
+    check(rpc.rpc_sync(peer, bytes, args=(some,)) == some, "16 KiB of bytes both ways")
+    try:  # a pickle larger than a frame: a clear error (large data goes as tensors)
+        rpc.rpc_sync(peer, bytes, args=(some * 64,))
+        check(False, "1 MiB of pickled bytes did not fail")
+    except RuntimeError as e:
+        check("--ring-size" in str(e), f"oversized payload text: {e}")
+
+    futs = [rpc.rpc_async(peer, add, args=(i, i)) for i in range(200)]
+    check([f.wait() for f in futs] == [2 * i for i in range(200)], "200 rpc_async")
+    check(all(f.done() for f in futs), "done() after wait()")
+
+    # Remote exceptions keep their type and carry the remote traceback.
+    try:
+        rpc.rpc_sync(peer, boom, args=("no!",))
+        check(False, "boom did not raise")
+    except ValueError as e:
+        check("no!" in str(e) and f"On {peer!r}" in str(e) and "Traceback" in str(e),
+              f"ValueError text: {e}")
+    try:
+        rpc.rpc_sync(peer, weird)
+        check(False, "weird did not raise")
+    except Exception as e:  # its type cannot be rebuilt from the text
+        check("Weird" in str(e), f"an exception whose type cannot be rebuilt: {type(e)} {e}")
+
+    # A timeout.
+    try:
+        rpc.rpc_sync(peer, slow, args=(2.0,), timeout=0.1)
+        check(False, "slow did not time out")
+    except TimeoutError as e:
+        check("timeout" in str(e), f"timeout text: {e}")
+
+    # Nested calls back and forth.
+    check(rpc.rpc_sync(peer, nested, args=(6, me.name)) in (0, 1), "nested chain")
+
+    # remote() and RRefs.
+    rref = rpc.remote(peer, add, args=(20, 22))
+    check(rref.to_here() == 42, "remote + to_here")
+    check(rref.owner() == peer and rref.owner_name() == peer.name, "owner")
+    check(not rref.is_owner(), "is_owner on a user")
+    check(str(rref).startswith("UserRRef(RRefId = GloballyUniqueId("), f"str: {rref}")
+    try:
+        rref.local_value()
+        check(False, "local_value on a user")
+    except RuntimeError as e:
+        check("can't call localValue() on user" in str(e), f"local_value text: {e}")
+    mine = rpc.remote(me, add, args=(1, 1))
+    check(mine.is_owner() and mine.local_value() == 2, "an owner RRef's local_value")
+    check(str(mine).startswith("OwnerRRef("), f"str: {mine}")
+    bad = rpc.remote(peer, boom, args=("in an RRef",))
+    try:
+        bad.to_here()
+        check(False, "the RRef's error did not raise")
+    except ValueError as e:
+        check("in an RRef" in str(e), f"RRef error text: {e}")
+    try:
+        rpc.rpc_sync(peer, add, args=(rref, 1))
+        check(False, "passing an RRef did not raise")
+    except NotImplementedError as e:
+        check("not supported yet" in str(e), f"RRef passing text: {e}")
+    del rref, mine, bad
+
+    rpc.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
