@@ -41,29 +41,145 @@ static PyObject *fail(int rc)
 	return NULL;
 }
 
+static PyObject *RRefType;
+
+typedef struct {
+	PyObject_HEAD
+	shmrpc_rref *r;
+} RRefObject;
+
+/* A new RRef object owning r (freed with r on failure). */
+static PyObject *rref_wrap(shmrpc_rref *r)
+{
+	RRefObject *o = PyObject_New(RRefObject, (PyTypeObject *)RRefType);
+
+	if (!o) {
+		shmrpc_rref_free(r);
+		return NULL;
+	}
+	o->r = r;
+	return (PyObject *)o;
+}
+
+/* (pickle: bytes, [RRef, ...]) from a Python message value; each RRef a
+ * handle of its own. */
+static PyObject *msg_to_py(const shmrpc_value *v)
+{
+	struct arena a = { 0 };
+	struct python_msg m;
+	PyObject *list = NULL, *res = NULL;
+
+	if (!v || python_msg_of(v, &a, &m)) {
+		PyErr_SetString(PyExc_RuntimeError, "a Python call came back without a pickled result");
+		goto out;
+	}
+	if (!(list = PyList_New(m.nrrefs)))
+		goto out;
+	for (uint32_t i = 0; i < m.nrrefs; i++) {
+		shmrpc_rref *r;
+		PyObject *o;
+
+		if (shmrpc_rref_retain(m.rrefs[i], &r)) {
+			fail(-EIO);
+			goto out;
+		}
+		if (!(o = rref_wrap(r)))
+			goto out;
+		PyList_SetItem(list, i, o); /* steals o */
+	}
+	res = Py_BuildValue("(y#O)", (const char *)m.data, (Py_ssize_t)m.len, list);
+out:
+	Py_XDECREF(list);
+	arena_free(&a);
+	return res;
+}
+
+/* A message from (pickle, [RRef...]): borrows the pickle and the handles,
+ * valid while the objects live; rrefs malloc'd (free it). */
+static int msg_from_py(PyObject *pickled, PyObject *rrefs, struct python_msg *m)
+{
+	char *buf;
+	Py_ssize_t len, n;
+
+	if (PyBytes_AsStringAndSize(pickled, &buf, &len))
+		return -1;
+	if (!PyList_Check(rrefs)) {
+		PyErr_SetString(PyExc_TypeError, "the RRefs of a message must be a list");
+		return -1;
+	}
+	n = PyList_Size(rrefs);
+	m->data = buf;
+	m->len = (size_t)len;
+	m->nrrefs = (uint32_t)n;
+	if (!(m->rrefs = malloc((size_t)(n ? n : 1) * sizeof(*m->rrefs)))) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *o = PyList_GetItem(rrefs, i);
+
+		if (!PyObject_TypeCheck(o, (PyTypeObject *)RRefType)) {
+			free(m->rrefs);
+			PyErr_SetString(PyExc_TypeError, "a message lists something that is no RRef");
+			return -1;
+		}
+		m->rrefs[i] = ((RRefObject *)o)->r;
+	}
+	return 0;
+}
+
 /* ---- the handler, on executor threads ---- */
 
-static int run_handler(uint32_t caller, const void *in, size_t len, void **out, size_t *outlen)
+static int run_handler(uint32_t caller, const struct python_msg *in, struct python_msg *out)
 {
 	PyGILState_STATE g = PyGILState_Ensure();
-	PyObject *res = NULL, *arg;
-	char *buf;
-	Py_ssize_t n;
+	PyObject *res = NULL, *list, *pickled, *rrefs;
+	struct python_msg view;
 	int rc = -EIO;
 
-	arg = PyBytes_FromStringAndSize(in, (Py_ssize_t)len);
-	if (arg && handler)
-		res = PyObject_CallFunction(handler, "IO", caller, arg);
-	Py_XDECREF(arg);
-	if (res && PyBytes_AsStringAndSize(res, &buf, &n) == 0 && (*out = malloc(n ? (size_t)n : 1))) {
-		memcpy(*out, buf, (size_t)n);
-		*outlen = (size_t)n;
-		rc = 0;
+	/* The handler's input as Python sees it: (bytes, [RRef...]). */
+	list = PyList_New(in->nrrefs);
+	for (uint32_t i = 0; list && i < in->nrrefs; i++) {
+		shmrpc_rref *r;
+		PyObject *o = shmrpc_rref_retain(in->rrefs[i], &r) ? NULL : rref_wrap(r);
+
+		if (!o) {
+			Py_CLEAR(list);
+			break;
+		}
+		PyList_SetItem(list, i, o);
+	}
+	if (list && handler)
+		res = PyObject_CallFunction(handler, "Iy#O", caller, (const char *)in->data,
+					    (Py_ssize_t)in->len, list);
+	Py_XDECREF(list);
+	if (res && PyArg_ParseTuple(res, "SO", &pickled, &rrefs) &&
+	    msg_from_py(pickled, rrefs, &view) == 0) {
+		/* Copies the agent owns: the objects go with the GIL. */
+		out->len = view.len;
+		out->nrrefs = 0;
+		out->data = malloc(view.len ? view.len : 1);
+		out->rrefs = malloc((view.nrrefs ? view.nrrefs : 1) * sizeof(*out->rrefs));
+		if (out->data && out->rrefs) {
+			memcpy((void *)out->data, view.data, view.len);
+			rc = 0;
+			for (uint32_t i = 0; rc == 0 && i < view.nrrefs; i++)
+				rc = shmrpc_rref_retain(view.rrefs[i], &out->rrefs[out->nrrefs++]);
+			if (rc)
+				out->nrrefs--;
+		}
+		free(view.rrefs);
+		if (rc) {
+			for (uint32_t i = 0; i < out->nrrefs; i++)
+				shmrpc_rref_free(out->rrefs[i]);
+			free((void *)out->data);
+			free(out->rrefs);
+			rc = -ENOMEM;
+		}
 	} else {
 		/* The handler catches what the function raises: this is a bug
 		 * in it, or no memory. Its text goes back as an EXCEPTION. */
 		PyErr_Print();
-		rc = -EIO;
 	}
 	Py_XDECREF(res);
 	PyGILState_Release(g);
@@ -100,18 +216,6 @@ static void future_dealloc(PyObject *self)
 	Py_DECREF(tp);
 }
 
-/* The bytes of a completed future's value. */
-static PyObject *value_bytes(shmrpc_future *f)
-{
-	const shmrpc_value *v = shmrpc_future_value(f);
-
-	if (!v || v->type != SHMRPC_BYTES) {
-		PyErr_SetString(PyExc_RuntimeError, "a Python call came back without a pickled result");
-		return NULL;
-	}
-	return PyBytes_FromStringAndSize(v->u.p, v->len);
-}
-
 /* wait(timeout_ms=-1) -> bytes */
 static PyObject *future_wait(PyObject *self, PyObject *args)
 {
@@ -124,7 +228,7 @@ static PyObject *future_wait(PyObject *self, PyObject *args)
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_future_wait(f, (int64_t)timeout);
 	Py_END_ALLOW_THREADS
-	return rc ? fail(rc) : value_bytes(f);
+	return rc ? fail(rc) : msg_to_py(shmrpc_future_value(f));
 }
 
 static PyObject *future_done(PyObject *self, PyObject *unused)
@@ -134,7 +238,7 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 }
 
 static PyMethodDef future_methods[] = {
-	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> the pickled result" },
+	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...])" },
 	{ "done", future_done, METH_NOARGS, "whether the call has completed" },
 	{ NULL, NULL, 0, NULL },
 };
@@ -150,13 +254,6 @@ static PyType_Spec future_spec = { "shmrpc._shmrpc.Future", sizeof(FutureObject)
 				   Py_TPFLAGS_DEFAULT, future_slots };
 
 /* ---- RRef ---- */
-
-typedef struct {
-	PyObject_HEAD
-	shmrpc_rref *r;
-} RRefObject;
-
-static PyObject *RRefType;
 
 static void rref_dealloc(PyObject *self)
 {
@@ -182,7 +279,7 @@ static PyObject *rref_to_here(PyObject *self, PyObject *args)
 	Py_END_ALLOW_THREADS
 	if (rc)
 		return fail(rc);
-	res = value_bytes(f);
+	res = msg_to_py(shmrpc_future_value(f));
 	shmrpc_future_free(f);
 	return res;
 }
@@ -220,7 +317,7 @@ static PyObject *rref_str(PyObject *self)
 }
 
 static PyMethodDef rref_methods[] = {
-	{ "to_here", rref_to_here, METH_VARARGS, "to_here(timeout_ms=-1) -> the pickled value" },
+	{ "to_here", rref_to_here, METH_VARARGS, "to_here(timeout_ms=-1) -> (pickle, [RRef...])" },
 	{ "owner", rref_owner, METH_NOARGS, "the owner's rank" },
 	{ "owner_name", rref_owner_name, METH_NOARGS, "the owner's name" },
 	{ "is_owner", rref_is_owner, METH_NOARGS, "whether this worker owns it" },
@@ -333,48 +430,41 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 	return rc ? fail(rc) : Py_BuildValue("(si)", wi.name, wi.rank);
 }
 
-/* call(dst, pickled, timeout_ms) -> Future */
+/* call(dst, pickle, [RRef...], timeout_ms) -> Future */
 static PyObject *mod_call(PyObject *m, PyObject *args)
 {
 	shmrpc_future *f = NULL;
-	const char *buf;
-	Py_ssize_t len;
+	struct python_msg msg;
+	PyObject *pickled, *rrefs;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iy#L", &dst, &buf, &len, &timeout))
+	if (!PyArg_ParseTuple(args, "iSOL", &dst, &pickled, &rrefs, &timeout) ||
+	    msg_from_py(pickled, rrefs, &msg))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	rc = python_rpc_async(dst, buf, (size_t)len, (int64_t)timeout, &f);
-	Py_END_ALLOW_THREADS
+	/* The GIL stays: msg borrows from the objects (and a send is short). */
+	rc = python_rpc_async(dst, &msg, (int64_t)timeout, &f);
+	free(msg.rrefs);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
-/* remote(dst, pickled, timeout_ms) -> RRef */
+/* remote(dst, pickle, [RRef...], timeout_ms) -> RRef */
 static PyObject *mod_remote(PyObject *m, PyObject *args)
 {
 	shmrpc_rref *r = NULL;
-	RRefObject *o;
-	const char *buf;
-	Py_ssize_t len;
+	struct python_msg msg;
+	PyObject *pickled, *rrefs;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iy#L", &dst, &buf, &len, &timeout))
+	if (!PyArg_ParseTuple(args, "iSOL", &dst, &pickled, &rrefs, &timeout) ||
+	    msg_from_py(pickled, rrefs, &msg))
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	rc = python_remote(dst, buf, (size_t)len, (int64_t)timeout, &r);
-	Py_END_ALLOW_THREADS
-	if (rc)
-		return fail(rc);
-	if (!(o = PyObject_New(RRefObject, (PyTypeObject *)RRefType))) {
-		shmrpc_rref_free(r);
-		return NULL;
-	}
-	o->r = r;
-	return (PyObject *)o;
+	rc = python_remote(dst, &msg, (int64_t)timeout, &r);
+	free(msg.rrefs);
+	return rc ? fail(rc) : rref_wrap(r);
 }
 
 static PyMethodDef mod_methods[] = {
@@ -384,8 +474,8 @@ static PyMethodDef mod_methods[] = {
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
-	{ "call", mod_call, METH_VARARGS, "call(dst, pickled, timeout_ms) -> Future" },
-	{ "remote", mod_remote, METH_VARARGS, "remote(dst, pickled, timeout_ms) -> RRef" },
+	{ "call", mod_call, METH_VARARGS, "call(dst, pickle, [RRef...], timeout_ms) -> Future" },
+	{ "remote", mod_remote, METH_VARARGS, "remote(dst, pickle, [RRef...], timeout_ms) -> RRef" },
 	{ NULL, NULL, 0, NULL },
 };
 

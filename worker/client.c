@@ -13,7 +13,6 @@
 #include "worker/agent.h"
 #include "worker/future.h"
 #include "worker/msg.h"
-#include "worker/python.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
@@ -352,28 +351,4 @@ int client_sync_wait(shmrpc_future *f, shmrpc_future **out)
 	}
 	*out = f;
 	return 0;
-}
-
-int python_rpc_async(int dst, const void *pickled, size_t len, int64_t timeout_ms,
-		     shmrpc_future **out)
-{
-	struct agent *ag = worker_agent;
-	struct tensor_list none = { 0 };
-	msgpack_sbuffer sb;
-	msgpack_packer pk;
-	int rc;
-
-	*out = NULL;
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call init_rpc first");
-	if (len > UINT32_MAX)
-		return shmrpc__fail(-EMSGSIZE, "a pickled call of %zu bytes is too large", len);
-	msgpack_sbuffer_init(&sb);
-	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = msgpack_pack_bin_with_body(&pk, pickled, len)
-		     ? shmrpc__fail(-ENOMEM, "out of memory encoding a call")
-		     : client_request(ag, dst, MSG_PYTHON_CALL, &sb, &none, timeout_ms,
-				      "call a Python function", out);
-	msgpack_sbuffer_destroy(&sb);
-	return rc;
 }

@@ -759,11 +759,11 @@ static void abandon(struct agent *ag, shmrpc_rref *r)
 	free(r);
 }
 
-/* remote() of fn(args), or of a pickled Python call (pickled not NULL:
- * fn names it for errors). */
+/* remote() of fn(args), or of a Python call (py not NULL: its message as
+ * a value; fn names it for errors). */
 static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value *args,
-		  uint32_t nargs, uint32_t flags, const void *pickled, size_t plen,
-		  int64_t timeout_ms, shmrpc_rref **out)
+		  uint32_t nargs, uint32_t flags, const shmrpc_value *py, int64_t timeout_ms,
+		  shmrpc_rref **out)
 {
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
@@ -792,16 +792,16 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	if (msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
-	    msgpack_pack_uint32(&pk, slot) ||
-	    (pickled && (plen > UINT32_MAX || msgpack_pack_bin_with_body(&pk, pickled, plen))))
+	    msgpack_pack_uint32(&pk, slot))
 		rc = shmrpc__fail(-ENOMEM, "out of memory encoding a remote call");
 	else
-		rc = pickled ? 0 : client_encode_call(&sb, fn, args, nargs, flags, &sent);
+		rc = py ? value_pack(&pk, py, &sent)
+			: client_encode_call(&sb, fn, args, nargs, flags, &sent);
 	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
-		rc = client_request(ag, dst, pickled ? MSG_PYTHON_REMOTE_CALL : MSG_SCRIPT_REMOTE_CALL,
+		rc = client_request(ag, dst, py ? MSG_PYTHON_REMOTE_CALL : MSG_SCRIPT_REMOTE_CALL,
 				    &sb, &sent, timeout_ms, what, &r->created);
 	msgpack_sbuffer_destroy(&sb);
 	if (rc) {
@@ -820,16 +820,23 @@ int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t na
 	if (!out || !fn || (nargs && !args))
 		return shmrpc__fail(-EINVAL, "shmrpc_remote: fn, out and args must be given");
 	*out = NULL;
-	return ag ? remote(ag, dst, fn, args, nargs, 0, NULL, 0, timeout_ms, out) : -ENOTSUP;
+	return ag ? remote(ag, dst, fn, args, nargs, 0, NULL, timeout_ms, out) : -ENOTSUP;
 }
 
-int python_remote(int dst, const void *pickled, size_t len, int64_t timeout_ms, shmrpc_rref **out)
+int python_remote(int dst, const struct python_msg *m, int64_t timeout_ms, shmrpc_rref **out)
 {
 	struct agent *ag = agent_or_fail();
+	struct arena a = { 0 };
+	shmrpc_value v;
+	int rc;
 
 	*out = NULL;
-	return ag ? remote(ag, dst, "Python function", NULL, 0, 0, pickled, len, timeout_ms, out)
-		  : -ENOTSUP;
+	if (!ag)
+		return -ENOTSUP;
+	rc = python_msg_value(m, &a, &v) ?: remote(ag, dst, "Python function", NULL, 0, 0, &v,
+						   timeout_ms, out);
+	arena_free(&a);
+	return rc;
 }
 
 /* ---- the proxies: fn(value of r, args...) on r's owner ---- */
@@ -852,8 +859,7 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 	all[0] = shmrpc_rref_value(r);
 	memcpy(all + 1, args, (size_t)nargs * sizeof(*all));
 	if (kind == PROXY_REMOTE) {
-		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, NULL, 0, timeout_ms,
-			    out);
+		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, NULL, timeout_ms, out);
 	} else {
 		struct tensor_list sent = { 0 };
 		msgpack_sbuffer sb;

@@ -168,30 +168,19 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 	}
 }
 
-static _Atomic(python_handler_fn) py_handler;
-
-void python_set_handler(python_handler_fn fn)
-{
-	/* Release: the binding's state before the handler is seen; pairs
-	 * with the acquire in python_handler(). */
-	atomic_store_explicit(&py_handler, fn, memory_order_release);
-}
-
-python_handler_fn python_handler(void)
-{
-	return atomic_load_explicit(&py_handler, memory_order_acquire);
-}
-
-/* A pickled Python call (one bin) run by the binding's handler: *result
- * is the pickled result's bytes, in the call's arena. */
+/* A pickled Python call run by the binding's handler: *result is the
+ * pickled result, in the call's arena. The RRef handles the handler made
+ * for it are freed once sent, as a C function's (free_result_handles). */
 static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 		       shmrpc_value *result)
 {
 	python_handler_fn h = python_handler();
+	struct python_msg in, out = { 0 };
 	shmrpc_value req;
-	void *out = NULL, *copy;
-	size_t used, outlen = 0;
+	void *copy;
+	size_t used;
 	char msg[256];
+	int rc;
 
 	if (!h) {
 		snprintf(msg, sizeof(msg), "request type %s is not supported yet: this worker runs "
@@ -199,24 +188,28 @@ static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, siz
 		call_fail(call, "RuntimeError", msg);
 		return;
 	}
-	if (value_unpack(buf, len, &call->arena, &req, &used, NULL) || used != len ||
-	    req.type != SHMRPC_BYTES) {
+	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
+	    python_msg_of(&req, &call->arena, &in)) {
 		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
 		call_fail(call, "RuntimeError", msg);
 		return;
 	}
-	if (h(call->caller, req.u.p, req.len, &out, &outlen)) {
+	if (h(call->caller, &in, &out)) {
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 		return;
 	}
-	if (outlen > UINT32_MAX || !(copy = shmrpc_call_alloc(call, outlen ? outlen : 1))) {
-		free(out);
-		call_fail(call, "RuntimeError", "out of memory keeping a Python result");
-		return;
-	}
-	memcpy(copy, out, outlen);
-	free(out);
-	*result = shmrpc_bytes(copy, (uint32_t)outlen);
+	copy = shmrpc_call_alloc(call, out.len ? out.len : 1);
+	if (copy)
+		memcpy(copy, out.data, out.len);
+	free((void *)out.data);
+	out.data = copy;
+	rc = copy ? python_msg_value(&out, &call->arena, result)
+		  : shmrpc__fail(-ENOMEM, "out of memory keeping a Python result");
+	for (uint32_t i = 0; rc && i < out.nrrefs; i++)
+		shmrpc_rref_free(out.rrefs[i]);
+	free(out.rrefs);
+	if (rc)
+		call_fail(call, "RuntimeError", shmrpc_errmsg());
 }
 
 /* The handles in `sent` that the function made for its result (not the

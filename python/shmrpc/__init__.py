@@ -116,32 +116,55 @@ def _rank_of(to):
 
 
 class _Pickler(pickle.Pickler):
-    """torch's default RPC pickler: functions by reference; RRefs and
-    tensors get their own paths (not done yet: they refuse)."""
+    """torch's default RPC pickler: functions by reference. An RRef goes
+    beside the pickle (the pickle names it by index), so that the agent
+    forks it: the receiver gets a reference of its own."""
 
-    def reducer_override(self, obj):
+    def __init__(self, buf):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.rrefs = []
+
+    def persistent_id(self, obj):
         if isinstance(obj, RRef):
-            raise _not_supported("passing an RRef as an argument or result from Python")
-        return NotImplemented
+            self.rrefs.append(obj._r)
+            return len(self.rrefs) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, buf, rrefs):
+        super().__init__(buf)
+        self.rrefs = rrefs
+
+    def persistent_load(self, pid):
+        return RRef(_c=self.rrefs[pid])
 
 
 def _dumps(obj):
+    """(pickle, [C RRef...]) for the agent."""
     import io
     buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
+    p = _Pickler(buf)
+    p.dump(obj)
+    return buf.getvalue(), p.rrefs
+
+
+def _loads(msg):
+    import io
+    data, rrefs = msg
+    return _Unpickler(io.BytesIO(data), rrefs).load()
 
 
 _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
              "defined on both caller and callee modules.")
 
 
-def _run_function(caller, payload):
+def _run_function(caller, payload, rrefs):
     """Runs a pickled (func, args, kwargs) on an executor thread; returns the
     pickled result, or a pickled RemoteException."""
     try:
         try:
-            func, args, kwargs = pickle.loads(payload)
+            func, args, kwargs = _loads((payload, rrefs))
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         result = func(*args, **(kwargs or {}))
@@ -153,9 +176,9 @@ def _run_function(caller, payload):
         return _dumps(RemoteException(text, type(e)))
 
 
-def _result(payload):
+def _result(msg):
     """Unpickles a result; a RemoteException is raised as its own type."""
-    value = pickle.loads(payload)
+    value = _loads(msg)
     if isinstance(value, RemoteException):
         exc_type = value.exception_type
         try:
@@ -213,7 +236,8 @@ def _pack_call(func, args, kwargs):
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    return Future(_shmrpc.call(_rank_of(to), _pack_call(func, args, kwargs), _timeout_ms(timeout)))
+    data, rrefs = _pack_call(func, args, kwargs)
+    return Future(_shmrpc.call(_rank_of(to), data, rrefs, _timeout_ms(timeout)))
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
@@ -232,6 +256,9 @@ class RRef:
         return _result(self._r.to_here(_timeout_ms(timeout)))
 
     def local_value(self):
+        """The value, on the owner. shmrpc stores an RRef's value pickled in
+        the job's pool: each call returns a fresh copy (torch returns the
+        same object; changes to it are not kept here)."""
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
@@ -250,16 +277,19 @@ class RRef:
         return self._r.confirmed_by_owner()
 
     def rpc_sync(self, timeout=UNSET_RPC_TIMEOUT):
-        raise _not_supported("RRef.rpc_sync() proxies from Python")
+        """rref.rpc_sync().method(*args): the method runs on the owner."""
+        return _Proxy(self, rpc_sync, timeout)
 
     def rpc_async(self, timeout=UNSET_RPC_TIMEOUT):
-        raise _not_supported("RRef.rpc_async() proxies from Python")
+        return _Proxy(self, rpc_async, timeout)
 
     def remote(self, timeout=UNSET_RPC_TIMEOUT):
-        raise _not_supported("RRef.remote() proxies from Python")
+        return _Proxy(self, remote, timeout)
 
     def __reduce__(self):
-        raise _not_supported("pickling an RRef")
+        # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
+        raise RuntimeError("RRef is only picklable inside an RPC call (as an argument or a result "
+                           "of rpc_sync, rpc_async or remote)")
 
     def __str__(self):
         return str(self._r)
@@ -267,5 +297,22 @@ class RRef:
     __repr__ = __str__
 
 
+def _call_method(name, rref, *args, **kwargs):
+    """On the owner: rref's value's method name."""
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+class _Proxy:
+    def __init__(self, rref, how, timeout):
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            return self._how(self._rref.owner(), _call_method, args=(name, self._rref) + args,
+                             kwargs=kwargs, timeout=self._timeout)
+        return call
+
+
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    return RRef(_c=_shmrpc.remote(_rank_of(to), _pack_call(func, args, kwargs), _timeout_ms(timeout)))
+    data, rrefs = _pack_call(func, args, kwargs)
+    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, _timeout_ms(timeout)))

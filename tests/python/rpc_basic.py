@@ -49,6 +49,14 @@ def nested(depth, other):
     return rpc.rpc_sync(other, nested, args=(depth - 1, rpc.get_worker_info().name))
 
 
+def deref(r):
+    return r.to_here()
+
+
+def make_rref(owner, x):
+    return rpc.remote(owner, add, args=(x, 1))
+
+
 def main():
     rank = int(os.environ["SHMRPC_RANK"])
     rpc.init_rpc(f"worker{rank}")
@@ -119,12 +127,28 @@ def main():
         check(False, "the RRef's error did not raise")
     except ValueError as e:
         check("in an RRef" in str(e), f"RRef error text: {e}")
+
+    # RRefs as arguments (to the owner and to others) and as results.
+    check(rpc.rpc_sync(peer, deref, args=(rref,)) == 42, "an RRef passed to its owner")
+    check(rpc.rpc_sync(me, deref, args=(rref,)) == 42, "an RRef passed to oneself")
+    made = rpc.rpc_sync(peer, make_rref, args=(me.name, 9))
+    check(isinstance(made, rpc.RRef) and made.is_owner() and made.to_here() == 10,
+          f"an RRef returned by a call: {made}")
+    nested_ref = rpc.remote(peer, make_rref, args=(peer.name, 30))
+    check(nested_ref.to_here().to_here() == 31, "an RRef stored in an RRef")
+
+    # The proxies: methods of the value, run on the owner.
+    lst = rpc.remote(peer, list, args=([1, 2, 2, 3],))
+    check(lst.rpc_sync().count(2) == 2, "rpc_sync proxy")
+    check(lst.rpc_async().index(3).wait() == 3, "rpc_async proxy")
+    check(lst.remote().__len__().to_here() == 4, "remote proxy")
+    import pickle
     try:
-        rpc.rpc_sync(peer, add, args=(rref, 1))
-        check(False, "passing an RRef did not raise")
-    except NotImplementedError as e:
-        check("not supported yet" in str(e), f"RRef passing text: {e}")
-    del rref, mine, bad
+        pickle.dumps(rref)
+        check(False, "pickling an RRef outside an RPC did not raise")
+    except RuntimeError as e:
+        check("only picklable inside an RPC" in str(e), f"pickle text: {e}")
+    del rref, mine, bad, made, nested_ref, lst
 
     rpc.shutdown()
     return 1 if failures else 0
