@@ -6,7 +6,8 @@
 # in BUILD_DIR/bench, in name order. Each BENCH line printed so far is in the
 # file named by SHMRPC_BENCH_PEERS, so a program can print its figures as
 # ratios against peers measured in the same run (bench/rpc reads the floor
-# that bench/ring_pingpong printed before it, and the torch figures).
+# that bench/ring_pingpong printed before it, and the torch figures;
+# bench/rref reads bench/torch_rref.py's).
 # ARGS (e.g. -q) go to every bench. Exits non-zero if any bench failed.
 set -eu
 

@@ -857,7 +857,8 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 	if (!(all = malloc(((size_t)nargs + 1) * sizeof(*all))))
 		return shmrpc__fail(-ENOMEM, "out of memory calling through an RRef");
 	all[0] = shmrpc_rref_value(r);
-	memcpy(all + 1, args, (size_t)nargs * sizeof(*all));
+	if (nargs) /* args may be NULL then */
+		memcpy(all + 1, args, (size_t)nargs * sizeof(*all));
 	if (kind == PROXY_REMOTE) {
 		rc = remote(ag, (int)r->owner, fn, all, nargs + 1, CALL_F_PROXY, NULL, timeout_ms, out);
 	} else {
