@@ -1,25 +1,36 @@
 /*
- * shmrpc-inspect on a live 2-worker job: rank 0 calls rank 1, then runs
- * the inspector on its own launcher (its parent) and checks what the text,
- * --json and --check say, that the job list names the launcher, and the
- * errors: a pid with no process, a worker's pid instead of the launcher's
- * (exit 1), a bad option and a JOB that is no pid (exit 2).
+ * shmrpc-inspect on a live 2-worker job: rank 0 calls rank 1 and holds an
+ * RRef made by remote(1, ...), then runs the inspector on its own launcher
+ * (its parent) and checks what the text, --json and --check say, the RRef
+ * table included, that the job list names the launcher, and the errors: a
+ * pid with no process, a worker's pid instead of the launcher's (exit 1),
+ * a bad option and a JOB that is no pid (exit 2). Then, through its own
+ * mapping of the job's RRef table, it makes an RRef whose counts are wrong,
+ * corrupt and then leaked, and checks that --check names each, and says
+ * "ok" again once it is gone.
  */
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
+#include "common/clock.h"
+#include "shm/rref_table.h"
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
 
 #define CALLS 50
 #define OUT_MAX 65536
+#define SETTLE_NS 10000000000ull /* only stops a hang */
 
 static char out[OUT_MAX];
+/* The job's RRef table as this worker maps it (read-write): to see an RRef
+ * settle, and to make the faults --check must find. */
+static struct rref_table table;
 
 static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -73,13 +84,12 @@ static unsigned long long json_num(const char *from, const char *key)
 	return strtoull(p + strlen(pat), NULL, 10);
 }
 
-static void inspect_job(void)
+static void inspect_job(const char *job)
 {
-	char job[16], self[16], line[64];
+	char self[16], line[64];
 	const char *w1;
 	int rc;
 
-	snprintf(job, sizeof(job), "%d", (int)getppid());
 	snprintf(self, sizeof(self), "%d", (int)getpid());
 
 	rc = inspect(job, NULL);
@@ -128,9 +138,136 @@ static void inspect_job(void)
 	CHECK(inspect("--check", NULL) == 2, "--check without JOB");
 }
 
+static void attach_table(void)
+{
+	const char *fd = getenv(SHMRPC_ENV_RREF_FD);
+	int dup_fd;
+
+	CHECK(fd, "no %s: shmrun made no RRef table", SHMRPC_ENV_RREF_FD);
+	dup_fd = dup(atoi(fd)); /* the table owns it; the library keeps its own */
+	CHECK(dup_fd >= 0, "dup(%s)", fd);
+	CHECK_OK(rref_table_attach_fd(&table, dup_fd, false));
+}
+
+/* rr's id, as "CREATED_ON:LOCAL_ID" (the inspector's form) into name. */
+static uint64_t rref_id(shmrpc_rref *rr, char *name, size_t len)
+{
+	char str[256];
+	const char *at;
+	unsigned rank;
+	unsigned long long local;
+
+	CHECK(shmrpc_rref_str(rr, str, sizeof(str)) > 0, "rref_str");
+	at = strstr(str, "created_on=");
+	CHECK(at && sscanf(at, "created_on=%u, local_id=%llu", &rank, &local) == 2, "no id in %s", str);
+	snprintf(name, len, "%u:%llu", rank, local);
+	return RREF_ID(rank, local);
+}
+
+/* The owner drops its pending run's reference just after it stores the
+ * value to_here saw: wait for it, so that rank 0's is the only one. */
+static void wait_settled(uint64_t id)
+{
+	uint64_t deadline = shmrpc_now_ns() + SETTLE_NS;
+	struct rref_info info;
+	uint32_t slot;
+
+	CHECK_OK(rref_find(&table, id, &slot));
+	while (!rref_info_at(&table, slot, &info) || info.total != 1 ||
+	       rref_count_of(&table, slot, 1) != 0) {
+		CHECK(shmrpc_now_ns() < deadline, "the owner keeps its reference to %llx",
+		      (unsigned long long)id);
+		usleep(1000);
+	}
+}
+
+/* The RRef name (of rank 0, owned by rank 1, ready, held by rank 0 alone)
+ * in the text, the JSON and --check. */
+static void inspect_rref(const char *job, const char *name)
+{
+	const char *tail = "\"counts\":{\"0\":1}}]}}\n";
+	char line[160], state[16], counts[16];
+	unsigned owner, total;
+	const char *at;
+	int rc;
+
+	rc = inspect(job, NULL);
+	CHECK(rc == 0, "inspect %s exited %d", job, rc);
+	snprintf(line, sizeof(line), "\nrref table     1 live of %u (capacity ", RREF_DEFAULT_MAX_RREFS);
+	CHECK(strstr(out, line), "no \"%s\"", line + 1);
+	CHECK(strstr(out, " 0 pending, 1 ready, 0 error, 0 unreferenced, 0 owner-dead\n"),
+	      "RRefs by state");
+	snprintf(line, sizeof(line), "\n%s ", name);
+	at = strstr(out, line);
+	CHECK(at && sscanf(at, "%*s %u %15s %u %*s %15s", &owner, state, &total, counts) == 4,
+	      "no line for RRef %s", name);
+	CHECK(owner == 1 && !strcmp(state, "ready") && total == 1 && !strcmp(counts, "0:1"),
+	      "RRef %s: owner %u, %s, total %u, counts %s", name, owner, state, total, counts);
+
+	rc = inspect("--json", job);
+	CHECK(rc == 0, "inspect --json exited %d", rc);
+	snprintf(line, sizeof(line), ",\"rrefs\":{\"live\":1,\"max\":%u,", RREF_DEFAULT_MAX_RREFS);
+	CHECK(strstr(out, line), "no %s", line);
+	CHECK(strstr(out, "\"by_state\":{\"pending\":0,\"ready\":1,\"error\":0,"
+		      "\"unreferenced\":0,\"owner-dead\":0}"), "RRefs by state");
+	snprintf(line, sizeof(line), "\"entries\":[{\"id\":\"%s\",\"owner\":1,\"creator\":0,"
+		 "\"state\":\"ready\",\"total\":1,", name);
+	CHECK(strstr(out, line), "no %s", line);
+	/* The entry, the last in the object, closes it. */
+	CHECK(strlen(out) > strlen(tail) && !strcmp(out + strlen(out) - strlen(tail), tail),
+	      "the JSON does not end with %s", tail);
+
+	rc = inspect("--check", job);
+	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check with an RRef exited %d: %s", rc, out);
+}
+
+/* An RRef of rank 0 owned by rank 1 that the library does not know, its
+ * counts made wrong: --check must name each fault, and pass once it goes. */
+static void inspect_faults(const char *job)
+{
+	uint64_t id = RREF_ID(0, 1ull << 39); /* far above rank 0's counter */
+	char name[48], line[160];
+	struct rref_entry *e;
+	uint32_t slot;
+	int rc;
+
+	snprintf(name, sizeof(name), "0:%llu", (unsigned long long)RREF_ID_LOCAL(id));
+	/* Pending: one reference for rank 0, one for rank 1's run; total 2. */
+	CHECK_OK(rref_insert(&table, id, 1, 0, 0, &slot));
+	e = rref_entry_at(&table, slot);
+
+	/* A count that total does not include. */
+	atomic_fetch_add(&e->counts[0], 1);
+	rc = inspect("--check", job);
+	snprintf(line, sizeof(line), "RRef %s is corrupt: total 2 is below the 3 references", name);
+	CHECK(rc == 1 && strstr(out, line), "--check exited %d: %s", rc, out);
+	atomic_fetch_sub(&e->counts[0], 1);
+
+	/* Its holders' counts gone, total left: what a death between the two
+	 * steps of a release leaves. */
+	atomic_store(&e->counts[0], 0);
+	atomic_store(&e->counts[1], 0);
+	rc = inspect("--check", job);
+	snprintf(line, sizeof(line), "RRef %s leaked: total 2 is above the 0 references", name);
+	CHECK(rc == 1 && strstr(out, line) && !strstr(out, "corrupt"), "--check exited %d: %s", rc, out);
+	atomic_store(&e->counts[0], 1);
+	atomic_store(&e->counts[1], 1);
+
+	/* Removed as the protocol does: stored, the last reference dropped. */
+	CHECK(rref_store(&table, slot, id, RREF_READY, 0, 0) == 0, "store: %s", shmrpc_errmsg());
+	CHECK(rref_release(&table, slot, id, 0, 1) == 1, "release: %s", shmrpc_errmsg());
+	CHECK_OK(rref_remove(&table, slot, id));
+	rc = inspect("--check", job);
+	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check exited %d: %s", rc, out);
+}
+
 static int worker(void)
 {
+	shmrpc_value two[2] = { shmrpc_int(2), shmrpc_int(3) };
+	char job[16], name[48];
+	shmrpc_rref *rr;
 	shmrpc_future *f;
+	uint64_t id;
 
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
 	CHECK_OK(shmrpc_init(NULL));
@@ -142,7 +279,20 @@ static int worker(void)
 			CHECK(shmrpc_future_value(f)->u.i == i + 1, "add");
 			shmrpc_future_free(f);
 		}
-		inspect_job();
+		attach_table();
+		CHECK_OK(shmrpc_remote(1, "add", two, 2, SHMRPC_TIMEOUT_DEFAULT, &rr));
+		CHECK_OK(shmrpc_rref_to_here(rr, SHMRPC_TIMEOUT_DEFAULT, &f));
+		CHECK(shmrpc_future_value(f)->u.i == 5, "remote add");
+		shmrpc_future_free(f);
+		id = rref_id(rr, name, sizeof(name));
+		wait_settled(id);
+
+		snprintf(job, sizeof(job), "%d", (int)getppid());
+		inspect_job(job);
+		inspect_rref(job, name);
+		inspect_faults(job);
+		shmrpc_rref_free(rr);
+		rref_table_detach(&table);
 	}
 	/* Rank 1 waits here, still serving, until rank 0 is done inspecting. */
 	CHECK_OK(shmrpc_shutdown(1, 60000));

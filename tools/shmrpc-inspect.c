@@ -15,7 +15,19 @@
  *
  * The tensor pool ("/memfd:shmrpc-pool") is mapped PROT_READ too; its
  * figures come from a walk of its records (pool_stats), exact when the job
- * is quiet.
+ * is quiet. So is the RRef table ("/memfd:shmrpc-rrefs", shm/rref_table.h):
+ * a walk of its slots gives the live RRefs by state and the oldest of them
+ * (the text shows 20, the JSON 1000), each with its owner and who holds it.
+ *
+ * --check reports a dead worker, corrupt frames, a dead holder of pool
+ * references, and three RRef anomalies: an RRef whose owner is DEAD but
+ * which is not OWNER_DEAD (the sweep missed it), one whose total is below
+ * the sum of its counts (corrupt: a reference counted nowhere could free
+ * the value in use), and one whose total is above that sum while no worker
+ * that holds it is alive (a leak left by a death between the two steps of
+ * a count change). A count change in flight looks like the last two for an
+ * instant, so an RRef found so is read again after a pause and reported
+ * only if it is still so.
  *
  * JSON fields (stable): format_version, launcher_pid, job_name, world_size,
  * age_s, ring_size, generation, shutting_down, workers: [{rank, name, pid,
@@ -27,7 +39,11 @@
  * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out}], pool (null
  * when the job has none): {size, used, free, largest_free, blocks_live,
  * lost, refs_unrecorded, holders: [{rank, pid, state ("idle", "live",
- * "dead", "swept"), blocks, refs}]}.
+ * "dead", "swept"), blocks, refs}]}, rrefs (null when the job has none):
+ * {live, max, capacity, by_state: {pending, ready, error, unreferenced,
+ * owner-dead}, entries (the oldest first): [{id ("CREATED_ON:LOCAL_ID"),
+ * owner, creator, state (as by_state, or "invalid"), total, age_s, counts:
+ * {"RANK": n, only the nonzero}}]}.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -50,11 +66,19 @@
 #include "shm/exit_info.h"
 #include "shm/layout.h"
 #include "shm/pool.h"
+#include "shm/rref_table.h"
 #include "shm/segment.h"
 
 #define PROG "shmrpc-inspect"
 #define SEG_LINK "/memfd:shmrpc-job (deleted)"
 #define POOL_LINK "/memfd:shmrpc-pool (deleted)"
+#define RREF_LINK "/memfd:shmrpc-rrefs (deleted)"
+
+#define RR_SHOWN 20                /* RRefs the text lists */
+#define RR_LISTED 1000             /* RRefs the JSON lists */
+#define RR_NSTATES (RREF_OWNER_DEAD + 1)
+#define RR_READS 8                 /* tries at a settled read of a busy entry */
+#define RR_RECHECK_NS 100000000u   /* pause before an RRef anomaly is read again */
 
 #define EXIT_ANOMALY 1
 #define EXIT_USAGE 2
@@ -122,9 +146,15 @@ static void usage(FILE *f)
 {
 	fputs("usage: " PROG " [--json | --check | --watch[=SEC]] [JOB]\n"
 	      "With no JOB, lists the live shmrpc jobs of this user; with JOB (the\n"
-	      "launcher's pid), shows its header and worker table, read-only.\n"
-	      "  --json     the job as one JSON object\n"
-	      "  --check    print \"ok\", or the anomalies found and exit 1\n"
+	      "launcher's pid), shows its header, worker table, tensor pool and RRef\n"
+	      "table (the live RRefs by state, the 20 oldest with their owner and\n"
+	      "holders), read-only.\n"
+	      "  --json     the job as one JSON object (up to 1000 RRefs listed)\n"
+	      "  --check    print \"ok\", or the anomalies found and exit 1: a DEAD\n"
+	      "             worker, corrupt frames, pool references of a dead holder,\n"
+	      "             an RRef of a DEAD owner not marked owner-dead, an RRef\n"
+	      "             counted below its holders' references (corrupt) or above\n"
+	      "             them with no holder alive (leaked by a death)\n"
 	      "  --watch[=SEC]  redraw the job every SEC seconds (default 1) until it\n"
 	      "             ends or Ctrl-C\n"
 	      "  --help     this text\n"
@@ -259,16 +289,42 @@ static struct wsnap *snap_job(const struct shm_seg *seg)
 	return ws;
 }
 
+/* pid's memfd whose link is target, opened read-only; -1 when none. */
+static int open_memfd(pid_t pid, const char *target)
+{
+	char path[PATH_MAX];
+
+	return find_memfd(pid, target, path, sizeof(path)) ? -1 : open(path, O_RDONLY);
+}
+
 /* The job's tensor pool, read-only; false when the job has none. */
 static bool attach_pool(pid_t pid, struct shm_pool *pool)
 {
-	char path[PATH_MAX];
-	int fd;
+	int fd = open_memfd(pid, POOL_LINK);
 
-	if (find_memfd(pid, POOL_LINK, path, sizeof(path)) || (fd = open(path, O_RDONLY)) < 0)
+	if (fd < 0)
 		return false;
 	if (pool_attach_fd(pool, fd, true)) {
 		close(fd);
+		return false;
+	}
+	return true;
+}
+
+/* The job's RRef table, read-only; false when the job has none (or one
+ * that is not for its world: its ranks would not be the job's). */
+static bool attach_rrefs(pid_t pid, uint32_t world, struct rref_table *t)
+{
+	int fd = open_memfd(pid, RREF_LINK);
+
+	if (fd < 0)
+		return false;
+	if (rref_table_attach_fd(t, fd, true)) {
+		close(fd);
+		return false;
+	}
+	if (t->world != world) {
+		rref_table_detach(t);
 		return false;
 	}
 	return true;
@@ -332,6 +388,261 @@ static int check_pool(struct shm_pool *pool)
 		}
 	}
 	return bad;
+}
+
+/* One live RRef as read once. settled: its key and total were the same
+ * before and after its counts were read, so the counts belong to that
+ * total (a holder raises total before its count and lowers it after). */
+struct rsnap {
+	struct rref_info info;
+	uint64_t sum; /* of the counts */
+	bool settled;
+};
+
+/* The entry at slot, its counts into counts (world of them); false when
+ * the slot holds no RRef. An entry that keeps moving is read RR_READS
+ * times at most, and then left unsettled. */
+static bool snap_rref(const struct rref_table *t, uint32_t slot, uint32_t *counts, struct rsnap *s)
+{
+	const struct rref_entry *e = rref_entry_at(t, slot);
+
+	for (int i = 0; i < RR_READS; i++) {
+		if (!rref_info_at(t, slot, &s->info))
+			return false;
+		/* Acquire fences: total, then the counts, then total again. */
+		atomic_thread_fence(memory_order_acquire);
+		s->sum = 0;
+		for (uint32_t r = 0; r < t->world; r++)
+			s->sum += counts[r] = rref_count_of(t, slot, r);
+		atomic_thread_fence(memory_order_acquire);
+		s->settled = atomic_load_explicit(&e->key, memory_order_relaxed) == s->info.id &&
+			     atomic_load_explicit(&e->total, memory_order_relaxed) == s->info.total;
+		if (s->settled)
+			break;
+	}
+	return true;
+}
+
+/* "CREATED_ON:LOCAL_ID", PyTorch's GloballyUniqueId. */
+static const char *fmt_rref_id(uint64_t id, char *buf, size_t len)
+{
+	snprintf(buf, len, "%u:%llu", RREF_ID_RANK(id), (unsigned long long)RREF_ID_LOCAL(id));
+	return buf;
+}
+
+/* An RRef found by a walk: its id names it, not a later one in its slot. */
+struct pick {
+	uint64_t created_ns;
+	uint64_t id;
+	uint32_t slot;
+};
+
+/* What a walk of the table found: every live RRef counted by state, and
+ * the k oldest picked. Until the walk ends, pick is a heap with the
+ * youngest kept on top, so an older entry replaces it in log(k) steps: a
+ * table of millions of RRefs costs k picks of memory, not millions. */
+struct rscan {
+	uint32_t live;
+	uint32_t by_state[RR_NSTATES];
+	struct pick *pick;
+	uint32_t n, k;
+};
+
+static bool younger(const struct pick *a, const struct pick *b)
+{
+	return a->created_ns > b->created_ns;
+}
+
+static void pick_oldest(struct rscan *sc, struct pick p)
+{
+	uint32_t i, c;
+
+	if (sc->n < sc->k) {
+		for (i = sc->n++; i && younger(&p, &sc->pick[(i - 1) / 2]); i = (i - 1) / 2)
+			sc->pick[i] = sc->pick[(i - 1) / 2];
+		sc->pick[i] = p;
+		return;
+	}
+	if (!younger(&sc->pick[0], &p))
+		return;
+	for (i = 0; (c = 2 * i + 1) < sc->n; i = c) {
+		if (c + 1 < sc->n && younger(&sc->pick[c + 1], &sc->pick[c]))
+			c++;
+		if (!younger(&sc->pick[c], &p))
+			break;
+		sc->pick[i] = sc->pick[c];
+	}
+	sc->pick[i] = p;
+}
+
+static int by_age(const void *a, const void *b)
+{
+	const struct pick *x = a, *y = b;
+
+	return (x->created_ns > y->created_ns) - (x->created_ns < y->created_ns);
+}
+
+/* Walks the table, picking the k (> 0) oldest RRefs, oldest first; false
+ * when out of memory. */
+static bool scan_rrefs(const struct rref_table *t, uint32_t k, struct rscan *sc)
+{
+	struct rref_info info;
+
+	memset(sc, 0, sizeof(*sc));
+	sc->k = k;
+	sc->pick = calloc(k, sizeof(*sc->pick));
+	if (!sc->pick)
+		return false;
+	for (uint32_t s = 0; s < t->capacity; s++) {
+		if (!rref_info_at(t, s, &info))
+			continue;
+		sc->live++;
+		if (info.state < RR_NSTATES)
+			sc->by_state[info.state]++;
+		pick_oldest(sc, (struct pick){ info.created_ns, info.id, s });
+	}
+	qsort(sc->pick, sc->n, sizeof(*sc->pick), by_age);
+	return true;
+}
+
+static void print_rrefs_text(const struct rref_table *t, const struct rscan *sc, uint32_t *counts)
+{
+	uint64_t now = shmrpc_now_ns();
+	char id[48], dur[32];
+	struct rsnap s;
+
+	printf("\nrref table     %u live of %u (capacity %u slots)\n              ", sc->live,
+	       t->max_rrefs, t->capacity);
+	for (uint32_t st = RREF_PENDING; st < RR_NSTATES; st++)
+		printf("%s %u %s", st == RREF_PENDING ? "" : ",", sc->by_state[st], rref_state_name(st));
+	printf("\n");
+	if (!sc->n)
+		return;
+	printf("%-18s %5s %-12s %5s %7s  %s\n", "ID", "OWNER", "STATE", "TOTAL", "AGE", "COUNTS");
+	for (uint32_t i = 0; i < sc->n; i++) {
+		/* Read again: it may have gone since the walk. */
+		if (!snap_rref(t, sc->pick[i].slot, counts, &s) || s.info.id != sc->pick[i].id)
+			continue;
+		printf("%-18s %5u %-12s %5u %7s ", fmt_rref_id(s.info.id, id, sizeof(id)), s.info.owner,
+		       rref_state_name(s.info.state), s.info.total,
+		       fmt_dur(now > s.info.created_ns ? now - s.info.created_ns : 0, dur, sizeof(dur)));
+		for (uint32_t r = 0; r < t->world; r++)
+			if (counts[r])
+				printf(" %u:%u", r, counts[r]);
+		printf("\n");
+	}
+	if (sc->live > sc->n)
+		printf("... and %u more\n", sc->live - sc->n);
+}
+
+/* Ends with the entries' ']}': the object's last field. */
+static void print_rrefs_json(const struct rref_table *t, const struct rscan *sc, uint32_t *counts)
+{
+	uint64_t now = shmrpc_now_ns();
+	bool first = true;
+	struct rsnap s;
+	char id[48];
+
+	printf(",\"rrefs\":{\"live\":%u,\"max\":%u,\"capacity\":%u,\"by_state\":{", sc->live,
+	       t->max_rrefs, t->capacity);
+	for (uint32_t st = RREF_PENDING; st < RR_NSTATES; st++)
+		printf("%s\"%s\":%u", st == RREF_PENDING ? "" : ",", rref_state_name(st),
+		       sc->by_state[st]);
+	printf("},\"entries\":[");
+	for (uint32_t i = 0; i < sc->n; i++) {
+		bool none = true;
+
+		if (!snap_rref(t, sc->pick[i].slot, counts, &s) || s.info.id != sc->pick[i].id)
+			continue;
+		printf("%s{\"id\":\"%s\",\"owner\":%u,\"creator\":%u,\"state\":\"%s\",\"total\":%u,"
+		       "\"age_s\":%.3f,\"counts\":{", first ? "" : ",",
+		       fmt_rref_id(s.info.id, id, sizeof(id)), s.info.owner, s.info.creator,
+		       rref_state_name(s.info.state), s.info.total,
+		       (double)(now > s.info.created_ns ? now - s.info.created_ns : 0) / 1e9);
+		for (uint32_t r = 0; r < t->world; r++) {
+			if (counts[r]) {
+				printf("%s\"%u\":%u", none ? "" : ",", r, counts[r]);
+				none = false;
+			}
+		}
+		printf("}}");
+		first = false;
+	}
+	printf("]}");
+}
+
+enum fault { FAULT_NONE, FAULT_UNSWEPT, FAULT_CORRUPT, FAULT_LEAKED };
+
+static bool ended(uint32_t state)
+{
+	return state == SHM_WORKER_EXITED || state == SHM_WORKER_DEAD;
+}
+
+/* What is wrong with the RRef at slot (read into s and counts), if anything. */
+static enum fault fault_of(const struct rref_table *t, const struct wsnap *ws, uint32_t slot,
+			   uint32_t *counts, struct rsnap *s)
+{
+	if (!snap_rref(t, slot, counts, s))
+		return FAULT_NONE;
+	if (s->info.owner < t->world && ws[s->info.owner].state == SHM_WORKER_DEAD &&
+	    s->info.state != RREF_OWNER_DEAD)
+		return FAULT_UNSWEPT;
+	if (!s->settled || s->info.total == s->sum)
+		return FAULT_NONE;
+	if (s->info.total < s->sum)
+		return FAULT_CORRUPT;
+	for (uint32_t r = 0; r < t->world; r++)
+		if (counts[r] && !ended(ws[r].state))
+			return FAULT_NONE;
+	return FAULT_LEAKED;
+}
+
+/* Prints each RRef anomaly; the number found, or -1 when out of memory. */
+static int check_rrefs(const struct rref_table *t, const struct wsnap *ws, uint32_t *counts)
+{
+	const struct timespec pause = { 0, RR_RECHECK_NS };
+	struct pick *bad = NULL;
+	uint32_t nbad = 0, cap = 0;
+	struct rsnap s;
+	char id[48];
+	int found = 0;
+
+	for (uint32_t slot = 0; slot < t->capacity; slot++) {
+		if (fault_of(t, ws, slot, counts, &s) == FAULT_NONE)
+			continue;
+		if (nbad == cap) {
+			struct pick *more = realloc(bad, (cap = cap ? 2 * cap : 16) * sizeof(*bad));
+
+			if (!more) {
+				free(bad);
+				return -1;
+			}
+			bad = more;
+		}
+		bad[nbad++] = (struct pick){ s.info.created_ns, s.info.id, slot };
+	}
+	/* A count change in flight passes in an instant; a fault stays. */
+	if (nbad)
+		nanosleep(&pause, NULL);
+	for (uint32_t i = 0; i < nbad; i++) {
+		enum fault f = fault_of(t, ws, bad[i].slot, counts, &s);
+
+		if (f == FAULT_NONE || s.info.id != bad[i].id)
+			continue;
+		fmt_rref_id(s.info.id, id, sizeof(id));
+		if (f == FAULT_UNSWEPT)
+			printf("RRef %s is %s, but its owner rank %u is DEAD: the sweep missed it\n", id,
+			       rref_state_name(s.info.state), s.info.owner);
+		else if (f == FAULT_CORRUPT)
+			printf("RRef %s is corrupt: total %u is below the %llu references its holders "
+			       "count\n", id, s.info.total, (unsigned long long)s.sum);
+		else
+			printf("RRef %s leaked: total %u is above the %llu references its holders count, "
+			       "and no holder is alive\n", id, s.info.total, (unsigned long long)s.sum);
+		found++;
+	}
+	free(bad);
+	return found;
 }
 
 static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
@@ -513,21 +824,34 @@ static int inspect(pid_t pid, bool json, bool want_check)
 {
 	struct shm_seg seg;
 	struct shm_pool pool;
+	struct rref_table rrefs;
+	struct rscan sc = { 0 };
+	uint32_t *counts = NULL;
 	struct wsnap *ws;
-	bool has_pool;
+	bool has_pool, has_rrefs, scanned = true;
 	int rc = 0;
 
 	if (attach_job(pid, &seg, false))
 		return EXIT_ANOMALY;
 	has_pool = attach_pool(pid, &pool);
+	has_rrefs = attach_rrefs(pid, seg.world, &rrefs);
 	ws = snap_job(&seg);
-	if (!ws) {
-		shm_seg_detach(&seg);
-		return fail("out of memory");
+	if (has_rrefs) {
+		counts = calloc(rrefs.world, sizeof(*counts));
+		scanned = counts && (want_check ||
+				     scan_rrefs(&rrefs, json ? RR_LISTED : RR_SHOWN, &sc));
 	}
-	if (want_check) {
-		rc = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0) ? EXIT_ANOMALY : 0;
-		if (!rc)
+	if (!ws || !scanned) {
+		rc = fail("out of memory");
+	} else if (want_check) {
+		int bad = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0);
+		int bad_rrefs = has_rrefs ? check_rrefs(&rrefs, ws, counts) : 0;
+
+		if (bad_rrefs < 0)
+			rc = fail("out of memory");
+		else if (bad + bad_rrefs)
+			rc = EXIT_ANOMALY;
+		else
 			printf("ok\n");
 	} else if (json) {
 		print_json(&seg, ws);
@@ -535,13 +859,23 @@ static int inspect(pid_t pid, bool json, bool want_check)
 			print_pool_json(&pool);
 		else
 			printf(",\"pool\":null");
+		if (has_rrefs)
+			print_rrefs_json(&rrefs, &sc, counts);
+		else
+			printf(",\"rrefs\":null");
 		printf("}\n");
 	} else {
 		print_text(&seg, ws);
 		if (has_pool)
 			print_pool_text(&pool);
+		if (has_rrefs)
+			print_rrefs_text(&rrefs, &sc, counts);
 	}
+	free(sc.pick);
+	free(counts);
 	free(ws);
+	if (has_rrefs)
+		rref_table_detach(&rrefs);
 	if (has_pool)
 		pool_detach(&pool);
 	shm_seg_detach(&seg);
