@@ -17,6 +17,9 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,20 +64,158 @@ static PyObject *rref_wrap(shmrpc_rref *r)
 	return (PyObject *)o;
 }
 
-/* (pickle: bytes, [RRef, ...]) from a Python message value; each RRef a
- * handle of its own. */
+/* ---- Tensor: a block of the pool, for DLPack consumers ---- */
+
+typedef struct {
+	PyObject_HEAD
+	shmrpc_tensor *t;
+} TensorObject;
+
+static PyObject *TensorType;
+
+static PyObject *tensor_wrap(shmrpc_tensor *t)
+{
+	TensorObject *o = PyObject_New(TensorObject, (PyTypeObject *)TensorType);
+
+	if (!o) {
+		shmrpc_tensor_free(t);
+		return NULL;
+	}
+	o->t = t;
+	return (PyObject *)o;
+}
+
+static void tensor_dealloc(PyObject *self)
+{
+	PyTypeObject *tp = Py_TYPE(self);
+
+	shmrpc_tensor_free(((TensorObject *)self)->t);
+	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+	Py_DECREF(tp);
+}
+
+/* A capsule nobody consumed still owns its DLManagedTensor. */
+static void capsule_free(PyObject *cap)
+{
+	DLManagedTensor *m;
+
+	if (!PyCapsule_IsValid(cap, "dltensor"))
+		return; /* consumed: renamed "used_dltensor" */
+	m = PyCapsule_GetPointer(cap, "dltensor");
+	if (m && m->deleter)
+		m->deleter(m);
+}
+
+/* __dlpack__(stream=None): a new reference to the same bytes. */
+static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
+{
+	static char *names[] = { "stream", NULL };
+	PyObject *stream = NULL, *cap;
+	DLManagedTensor *m;
+	shmrpc_tensor *t;
+	int rc;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream))
+		return NULL;
+	rc = shmrpc_tensor_retain(((TensorObject *)self)->t, &t);
+	if (rc == 0 && (rc = shmrpc_tensor_to_dlpack(t, &m)))
+		shmrpc_tensor_free(t);
+	if (rc)
+		return fail(rc);
+	if (!(cap = PyCapsule_New(m, "dltensor", capsule_free)))
+		m->deleter(m);
+	return cap;
+}
+
+static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
+{
+	(void)self, (void)unused;
+	return Py_BuildValue("(ii)", kDLCPU, 0);
+}
+
+static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
+{
+	(void)unused;
+	return PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(((TensorObject *)self)->t));
+}
+
+/* numpy's array interface (version 3): np.asarray(t) views the bytes,
+ * writable, and keeps t alive as the array's base. (numpy.from_dlpack
+ * gives read-only arrays.) */
+static PyObject *tensor_array_interface(PyObject *self, void *closure)
+{
+	const DLTensor *dl = shmrpc_tensor_dl(((TensorObject *)self)->t);
+	static const char kinds[] = { [kDLInt] = 'i', [kDLUInt] = 'u', [kDLFloat] = 'f' };
+	PyObject *shape, *res;
+	char typestr[16];
+
+	(void)closure;
+	if (dl->dtype.code > kDLFloat || dl->dtype.lanes != 1) {
+		PyErr_SetString(PyExc_TypeError, "this tensor's dtype has no numpy equivalent");
+		return NULL;
+	}
+	snprintf(typestr, sizeof(typestr), "<%c%u", kinds[dl->dtype.code], dl->dtype.bits / 8);
+	if (!(shape = PyTuple_New(dl->ndim)))
+		return NULL;
+	for (int32_t i = 0; i < dl->ndim; i++)
+		PyTuple_SetItem(shape, i, PyLong_FromLongLong(dl->shape[i]));
+	res = Py_BuildValue("{s:O,s:s,s:(K,O),s:i}", "shape", shape, "typestr", typestr, "data",
+			    (unsigned long long)(uintptr_t)dl->data, Py_False, "version", 3);
+	Py_DECREF(shape);
+	return res;
+}
+
+static PyGetSetDef tensor_getset[] = {
+	{ "__array_interface__", tensor_array_interface, NULL, "numpy's array interface", NULL },
+	{ NULL, NULL, NULL, NULL, NULL },
+};
+
+static PyMethodDef tensor_methods[] = {
+	{ "__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
+	  "a DLPack capsule of the same bytes" },
+	{ "__dlpack_device__", tensor_dlpack_device, METH_NOARGS, "(kDLCPU, 0)" },
+	{ "pool_offset", tensor_pool_offset, METH_NOARGS, "where the bytes are in the pool" },
+	{ NULL, NULL, 0, NULL },
+};
+
+static PyType_Slot tensor_slots[] = {
+	{ Py_tp_dealloc, tensor_dealloc },
+	{ Py_tp_methods, tensor_methods },
+	{ Py_tp_getset, tensor_getset },
+	{ Py_tp_doc, "A tensor in the job's pool (shmrpc_tensor); numpy.asarray and "
+		     "torch.from_dlpack view it without a copy." },
+	{ 0, NULL },
+};
+
+static PyType_Spec tensor_spec = { "shmrpc._shmrpc.Tensor", sizeof(TensorObject), 0,
+				   Py_TPFLAGS_DEFAULT, tensor_slots };
+
+/* (pickle: bytes, [RRef, ...], [Tensor, ...]) from a Python message value;
+ * each RRef and Tensor a handle of its own. */
 static PyObject *msg_to_py(const shmrpc_value *v)
 {
 	struct arena a = { 0 };
 	struct python_msg m;
-	PyObject *list = NULL, *res = NULL;
+	PyObject *list = NULL, *tlist = NULL, *res = NULL;
 
 	if (!v || python_msg_of(v, &a, &m)) {
 		PyErr_SetString(PyExc_RuntimeError, "a Python call came back without a pickled result");
 		goto out;
 	}
-	if (!(list = PyList_New(m.nrrefs)))
+	if (!(list = PyList_New(m.nrrefs)) || !(tlist = PyList_New(m.ntensors)))
 		goto out;
+	for (uint32_t i = 0; i < m.ntensors; i++) {
+		shmrpc_tensor *t;
+		PyObject *o;
+
+		if (shmrpc_tensor_retain(m.tensors[i], &t)) {
+			fail(-EIO);
+			goto out;
+		}
+		if (!(o = tensor_wrap(t)))
+			goto out;
+		PyList_SetItem(tlist, i, o); /* steals o */
+	}
 	for (uint32_t i = 0; i < m.nrrefs; i++) {
 		shmrpc_rref *r;
 		PyObject *o;
@@ -87,95 +228,150 @@ static PyObject *msg_to_py(const shmrpc_value *v)
 			goto out;
 		PyList_SetItem(list, i, o); /* steals o */
 	}
-	res = Py_BuildValue("(y#O)", (const char *)m.data, (Py_ssize_t)m.len, list);
+	res = Py_BuildValue("(y#OO)", (const char *)m.data, (Py_ssize_t)m.len, list, tlist);
 out:
 	Py_XDECREF(list);
+	Py_XDECREF(tlist);
 	arena_free(&a);
 	return res;
 }
 
-/* A message from (pickle, [RRef...]): borrows the pickle and the handles,
- * valid while the objects live; rrefs malloc'd (free it). */
-static int msg_from_py(PyObject *pickled, PyObject *rrefs, struct python_msg *m)
+/* The handles of a list of RRef or Tensor objects (offset: where the
+ * handle is in the object); malloc'd, NULL with an exception set. */
+static void **handles_of(PyObject *list, PyObject *type, size_t offset, uint32_t *n)
+{
+	Py_ssize_t len;
+	void **h;
+
+	if (!PyList_Check(list)) {
+		PyErr_SetString(PyExc_TypeError, "a message's RRefs and tensors come in lists");
+		return NULL;
+	}
+	len = PyList_Size(list);
+	if (!(h = malloc((size_t)(len ? len : 1) * sizeof(*h))))
+		return (void **)PyErr_NoMemory();
+	for (Py_ssize_t i = 0; i < len; i++) {
+		PyObject *o = PyList_GetItem(list, i);
+
+		if (!PyObject_TypeCheck(o, (PyTypeObject *)type)) {
+			free(h);
+			PyErr_SetString(PyExc_TypeError, "a message lists an object of the wrong type");
+			return NULL;
+		}
+		h[i] = *(void **)((char *)o + offset);
+	}
+	*n = (uint32_t)len;
+	return h;
+}
+
+/* A message from (pickle, [RRef...], [Tensor...]): borrows the pickle and
+ * the handles, valid while the objects live; rrefs and tensors malloc'd
+ * (msg_free). */
+static int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m)
 {
 	char *buf;
-	Py_ssize_t len, n;
+	Py_ssize_t len;
 
+	memset(m, 0, sizeof(*m));
 	if (PyBytes_AsStringAndSize(pickled, &buf, &len))
 		return -1;
-	if (!PyList_Check(rrefs)) {
-		PyErr_SetString(PyExc_TypeError, "the RRefs of a message must be a list");
-		return -1;
-	}
-	n = PyList_Size(rrefs);
 	m->data = buf;
 	m->len = (size_t)len;
-	m->nrrefs = (uint32_t)n;
-	if (!(m->rrefs = malloc((size_t)(n ? n : 1) * sizeof(*m->rrefs)))) {
-		PyErr_NoMemory();
+	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, offsetof(RRefObject, r), &m->nrrefs);
+	if (!m->rrefs)
 		return -1;
-	}
-	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *o = PyList_GetItem(rrefs, i);
-
-		if (!PyObject_TypeCheck(o, (PyTypeObject *)RRefType)) {
-			free(m->rrefs);
-			PyErr_SetString(PyExc_TypeError, "a message lists something that is no RRef");
-			return -1;
-		}
-		m->rrefs[i] = ((RRefObject *)o)->r;
+	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, offsetof(TensorObject, t),
+						  &m->ntensors);
+	if (!m->tensors) {
+		free(m->rrefs);
+		return -1;
 	}
 	return 0;
 }
 
+static void msg_free(struct python_msg *m)
+{
+	free(m->rrefs);
+	free(m->tensors);
+}
+
 /* ---- the handler, on executor threads ---- */
+
+/* A list of new objects, one per handle, each holding a handle of its own. */
+static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
+{
+	PyObject *list = PyList_New(n);
+
+	for (uint32_t i = 0; list && i < n; i++) {
+		PyObject *o = NULL;
+
+		if (rrefs) {
+			shmrpc_rref *r;
+
+			o = shmrpc_rref_retain(h[i], &r) ? fail(-EIO) : rref_wrap(r);
+		} else {
+			shmrpc_tensor *t;
+
+			o = shmrpc_tensor_retain(h[i], &t) ? fail(-EIO) : tensor_wrap(t);
+		}
+		if (!o)
+			Py_CLEAR(list);
+		else
+			PyList_SetItem(list, i, o);
+	}
+	return list;
+}
+
+/* out: copies the agent owns of view (the objects go with the GIL). */
+static int msg_copy(const struct python_msg *view, struct python_msg *out)
+{
+	int rc = 0;
+
+	memset(out, 0, sizeof(*out));
+	out->len = view->len;
+	out->data = malloc(view->len ? view->len : 1);
+	out->rrefs = malloc((view->nrrefs ? view->nrrefs : 1) * sizeof(*out->rrefs));
+	out->tensors = malloc((view->ntensors ? view->ntensors : 1) * sizeof(*out->tensors));
+	if (!out->data || !out->rrefs || !out->tensors)
+		rc = -ENOMEM;
+	else
+		memcpy((void *)out->data, view->data, view->len);
+	for (uint32_t i = 0; rc == 0 && i < view->nrrefs; i++)
+		if (!(rc = shmrpc_rref_retain(view->rrefs[i], &out->rrefs[out->nrrefs])))
+			out->nrrefs++;
+	for (uint32_t i = 0; rc == 0 && i < view->ntensors; i++)
+		if (!(rc = shmrpc_tensor_retain(view->tensors[i], &out->tensors[out->ntensors])))
+			out->ntensors++;
+	if (rc) {
+		for (uint32_t i = 0; i < out->nrrefs; i++)
+			shmrpc_rref_free(out->rrefs[i]);
+		for (uint32_t i = 0; i < out->ntensors; i++)
+			shmrpc_tensor_free(out->tensors[i]);
+		free((void *)out->data);
+		msg_free(out);
+	}
+	return rc;
+}
 
 static int run_handler(uint32_t caller, const struct python_msg *in, struct python_msg *out)
 {
 	PyGILState_STATE g = PyGILState_Ensure();
-	PyObject *res = NULL, *list, *pickled, *rrefs;
+	PyObject *res = NULL, *rrefs, *tensors, *pickled;
 	struct python_msg view;
 	int rc = -EIO;
 
-	/* The handler's input as Python sees it: (bytes, [RRef...]). */
-	list = PyList_New(in->nrrefs);
-	for (uint32_t i = 0; list && i < in->nrrefs; i++) {
-		shmrpc_rref *r;
-		PyObject *o = shmrpc_rref_retain(in->rrefs[i], &r) ? NULL : rref_wrap(r);
-
-		if (!o) {
-			Py_CLEAR(list);
-			break;
-		}
-		PyList_SetItem(list, i, o);
-	}
-	if (list && handler)
-		res = PyObject_CallFunction(handler, "Iy#O", caller, (const char *)in->data,
-					    (Py_ssize_t)in->len, list);
-	Py_XDECREF(list);
-	if (res && PyArg_ParseTuple(res, "SO", &pickled, &rrefs) &&
-	    msg_from_py(pickled, rrefs, &view) == 0) {
-		/* Copies the agent owns: the objects go with the GIL. */
-		out->len = view.len;
-		out->nrrefs = 0;
-		out->data = malloc(view.len ? view.len : 1);
-		out->rrefs = malloc((view.nrrefs ? view.nrrefs : 1) * sizeof(*out->rrefs));
-		if (out->data && out->rrefs) {
-			memcpy((void *)out->data, view.data, view.len);
-			rc = 0;
-			for (uint32_t i = 0; rc == 0 && i < view.nrrefs; i++)
-				rc = shmrpc_rref_retain(view.rrefs[i], &out->rrefs[out->nrrefs++]);
-			if (rc)
-				out->nrrefs--;
-		}
-		free(view.rrefs);
-		if (rc) {
-			for (uint32_t i = 0; i < out->nrrefs; i++)
-				shmrpc_rref_free(out->rrefs[i]);
-			free((void *)out->data);
-			free(out->rrefs);
-			rc = -ENOMEM;
-		}
+	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
+	rrefs = objects_of((void *const *)in->rrefs, in->nrrefs, true);
+	tensors = objects_of((void *const *)in->tensors, in->ntensors, false);
+	if (rrefs && tensors && handler)
+		res = PyObject_CallFunction(handler, "Iy#OO", caller, (const char *)in->data,
+					    (Py_ssize_t)in->len, rrefs, tensors);
+	Py_XDECREF(rrefs);
+	Py_XDECREF(tensors);
+	if (res && PyArg_ParseTuple(res, "SOO", &pickled, &rrefs, &tensors) &&
+	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
+		rc = msg_copy(&view, out);
+		msg_free(&view);
 	} else {
 		/* The handler catches what the function raises: this is a bug
 		 * in it, or no memory. Its text goes back as an EXCEPTION. */
@@ -238,7 +434,7 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 }
 
 static PyMethodDef future_methods[] = {
-	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...])" },
+	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
 	{ "done", future_done, METH_NOARGS, "whether the call has completed" },
 	{ NULL, NULL, 0, NULL },
 };
@@ -317,7 +513,7 @@ static PyObject *rref_str(PyObject *self)
 }
 
 static PyMethodDef rref_methods[] = {
-	{ "to_here", rref_to_here, METH_VARARGS, "to_here(timeout_ms=-1) -> (pickle, [RRef...])" },
+	{ "to_here", rref_to_here, METH_VARARGS, "to_here(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
 	{ "owner", rref_owner, METH_NOARGS, "the owner's rank" },
 	{ "owner_name", rref_owner_name, METH_NOARGS, "the owner's name" },
 	{ "is_owner", rref_is_owner, METH_NOARGS, "whether this worker owns it" },
@@ -430,41 +626,90 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 	return rc ? fail(rc) : Py_BuildValue("(si)", wi.name, wi.rank);
 }
 
-/* call(dst, pickle, [RRef...], timeout_ms) -> Future */
+/* call(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> Future */
 static PyObject *mod_call(PyObject *m, PyObject *args)
 {
 	shmrpc_future *f = NULL;
 	struct python_msg msg;
-	PyObject *pickled, *rrefs;
+	PyObject *pickled, *rrefs, *tensors;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOL", &dst, &pickled, &rrefs, &timeout) ||
-	    msg_from_py(pickled, rrefs, &msg))
+	if (!PyArg_ParseTuple(args, "iSOOL", &dst, &pickled, &rrefs, &tensors, &timeout) ||
+	    msg_from_py(pickled, rrefs, tensors, &msg))
 		return NULL;
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_rpc_async(dst, &msg, (int64_t)timeout, &f);
-	free(msg.rrefs);
+	msg_free(&msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
-/* remote(dst, pickle, [RRef...], timeout_ms) -> RRef */
+/* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef */
 static PyObject *mod_remote(PyObject *m, PyObject *args)
 {
 	shmrpc_rref *r = NULL;
 	struct python_msg msg;
-	PyObject *pickled, *rrefs;
+	PyObject *pickled, *rrefs, *tensors;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOL", &dst, &pickled, &rrefs, &timeout) ||
-	    msg_from_py(pickled, rrefs, &msg))
+	if (!PyArg_ParseTuple(args, "iSOOL", &dst, &pickled, &rrefs, &tensors, &timeout) ||
+	    msg_from_py(pickled, rrefs, tensors, &msg))
 		return NULL;
 	rc = python_remote(dst, &msg, (int64_t)timeout, &r);
-	free(msg.rrefs);
+	msg_free(&msg);
 	return rc ? fail(rc) : rref_wrap(r);
+}
+
+/* from_dlpack(obj) -> Tensor: obj's bytes in the pool (taken without a copy
+ * when they are a whole pool block already, copied once otherwise). */
+static PyObject *mod_from_dlpack(PyObject *m, PyObject *obj)
+{
+	PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+	DLManagedTensor *dm;
+	shmrpc_tensor *t;
+	int rc;
+
+	(void)m;
+	if (!cap)
+		return NULL;
+	if (!(dm = PyCapsule_GetPointer(cap, "dltensor"))) {
+		Py_DECREF(cap);
+		return NULL;
+	}
+	rc = shmrpc_tensor_from_dlpack(dm, &t);
+	if (rc == 0)
+		PyCapsule_SetName(cap, "used_dltensor"); /* consumed: its deleter ran */
+	Py_DECREF(cap);
+	return rc ? fail(rc) : tensor_wrap(t);
+}
+
+/* empty(shape, code, bits) -> Tensor: a new block of the pool. */
+static PyObject *mod_empty(PyObject *m, PyObject *args)
+{
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	PyObject *dims;
+	unsigned code, bits;
+	shmrpc_tensor *t;
+	Py_ssize_t n;
+	int rc;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "OII", &dims, &code, &bits))
+		return NULL;
+	if (!PyTuple_Check(dims) || (n = PyTuple_Size(dims)) > SHMRPC_TENSOR_MAX_DIMS) {
+		PyErr_Format(PyExc_ValueError, "a shape is a tuple of at most %d sizes",
+			     SHMRPC_TENSOR_MAX_DIMS);
+		return NULL;
+	}
+	for (Py_ssize_t i = 0; i < n; i++)
+		if ((shape[i] = PyLong_AsLongLong(PyTuple_GetItem(dims, i))) == -1 && PyErr_Occurred())
+			return NULL;
+	rc = shmrpc_tensor_alloc((DLDataType){ (uint8_t)code, (uint8_t)bits, 1 }, (int32_t)n, shape,
+				 &t);
+	return rc ? fail(rc) : tensor_wrap(t);
 }
 
 static PyMethodDef mod_methods[] = {
@@ -474,8 +719,12 @@ static PyMethodDef mod_methods[] = {
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
-	{ "call", mod_call, METH_VARARGS, "call(dst, pickle, [RRef...], timeout_ms) -> Future" },
-	{ "remote", mod_remote, METH_VARARGS, "remote(dst, pickle, [RRef...], timeout_ms) -> RRef" },
+	{ "call", mod_call, METH_VARARGS,
+	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> Future" },
+	{ "remote", mod_remote, METH_VARARGS,
+	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef" },
+	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
+	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
 	{ NULL, NULL, 0, NULL },
 };
 
@@ -492,7 +741,10 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 		return NULL;
 	FutureType = PyType_FromSpec(&future_spec);
 	RRefType = PyType_FromSpec(&rref_spec);
-	if (!FutureType || !RRefType || PyModule_AddObject(m, "Future", new_ref(FutureType)) ||
+	TensorType = PyType_FromSpec(&tensor_spec);
+	if (!FutureType || !RRefType || !TensorType ||
+	    PyModule_AddObject(m, "Future", new_ref(FutureType)) ||
+	    PyModule_AddObject(m, "Tensor", new_ref(TensorType)) ||
 	    PyModule_AddObject(m, "RRef", new_ref(RRefType)) ||
 	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT)) {
 		Py_DECREF(m);

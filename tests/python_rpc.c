@@ -17,7 +17,13 @@
 
 #define PYTHON "/usr/bin/python3"
 
-static const char *const scripts[] = { "rpc_basic" };
+static const struct {
+	const char *name;
+	const char *pool_size; /* shmrun --pool-size */
+} scripts[] = {
+	{ "rpc_basic", "64M" },
+	{ "tensors", "1G" }, /* two 256 MiB arrays */
+};
 
 int main(void)
 {
@@ -34,13 +40,14 @@ int main(void)
 	setenv("PYTHONPATH", pkg, 1);
 	setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
 	for (size_t i = 0; i < sizeof(scripts) / sizeof(scripts[0]); i++) {
-		const char *argv[] = { tl_shmrun_path(), "-n", "2", "--", PYTHON, script, NULL };
+		const char *argv[] = { tl_shmrun_path(), "-n", "2", "--pool-size", scripts[i].pool_size,
+				       "--", PYTHON, script, NULL };
 		int rc;
 
-		snprintf(script, sizeof(script), "tests/python/%s.py", scripts[i]);
+		snprintf(script, sizeof(script), "tests/python/%s.py", scripts[i].name);
 		rc = tl_run(out, sizeof(out), argv);
-		CHECK(rc == 0, "%s: shmrun exited %d", scripts[i], rc);
-		CHECK(!strstr(out, "left in the RRef table"), "%s leaked RRefs", scripts[i]);
+		CHECK(rc == 0, "%s: shmrun exited %d", scripts[i].name, rc);
+		CHECK(!strstr(out, "left in the RRef table"), "%s leaked RRefs", scripts[i].name);
 	}
 	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
 	return 0;

@@ -24,18 +24,22 @@ python_handler_fn python_handler(void)
 
 int python_msg_value(const struct python_msg *m, struct arena *a, shmrpc_value *out)
 {
-	shmrpc_value *items = arena_alloc(a, 2 * sizeof(*items));
+	shmrpc_value *items = arena_alloc(a, 3 * sizeof(*items));
 	shmrpc_value *refs = arena_alloc(a, (m->nrrefs ? m->nrrefs : 1) * sizeof(*refs));
+	shmrpc_value *tens = arena_alloc(a, (m->ntensors ? m->ntensors : 1) * sizeof(*tens));
 
-	if (!items || !refs)
+	if (!items || !refs || !tens)
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
 	if (m->len > UINT32_MAX)
 		return shmrpc__fail(-EMSGSIZE, "a pickle of %zu bytes is too large", m->len);
 	for (uint32_t i = 0; i < m->nrrefs; i++)
 		refs[i] = shmrpc_rref_value(m->rrefs[i]);
+	for (uint32_t i = 0; i < m->ntensors; i++)
+		tens[i] = shmrpc_tensor_value(m->tensors[i]);
 	items[0] = shmrpc_bytes(m->data, (uint32_t)m->len);
 	items[1] = shmrpc_list(refs, m->nrrefs);
-	*out = shmrpc_list(items, 2);
+	items[2] = shmrpc_list(tens, m->ntensors);
+	*out = shmrpc_list(items, 3);
 	return 0;
 }
 
@@ -43,15 +47,23 @@ int python_msg_of(const shmrpc_value *v, struct arena *a, struct python_msg *m)
 {
 	const shmrpc_value *it = v->u.items;
 
-	if (v->type != SHMRPC_LIST || v->len != 2 || it[0].type != SHMRPC_BYTES ||
-	    it[1].type != SHMRPC_LIST)
-		return shmrpc__fail(-EBADMSG, "a Python message must be [pickle, [RRefs]]");
+	if (v->type != SHMRPC_LIST || v->len != 3 || it[0].type != SHMRPC_BYTES ||
+	    it[1].type != SHMRPC_LIST || it[2].type != SHMRPC_LIST)
+		return shmrpc__fail(-EBADMSG, "a Python message must be [pickle, [RRefs], [tensors]]");
 	m->data = it[0].u.p;
 	m->len = it[0].len;
 	m->nrrefs = it[1].len;
+	m->ntensors = it[2].len;
 	m->rrefs = arena_alloc(a, (m->nrrefs ? m->nrrefs : 1) * sizeof(*m->rrefs));
-	if (!m->rrefs)
+	m->tensors = arena_alloc(a, (m->ntensors ? m->ntensors : 1) * sizeof(*m->tensors));
+	if (!m->rrefs || !m->tensors)
 		return shmrpc__fail(-ENOMEM, "out of memory decoding a Python message");
+	for (uint32_t i = 0; i < m->ntensors; i++) {
+		if (it[2].u.items[i].type != SHMRPC_TENSOR)
+			return shmrpc__fail(-EBADMSG, "a Python message lists a %s among its tensors",
+					    shmrpc_type_name(it[2].u.items[i].type));
+		m->tensors[i] = it[2].u.items[i].u.t;
+	}
 	for (uint32_t i = 0; i < m->nrrefs; i++) {
 		if (it[1].u.items[i].type != SHMRPC_RREF)
 			return shmrpc__fail(-EBADMSG, "a Python message lists a %s among its RRefs",

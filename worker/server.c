@@ -169,8 +169,9 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 }
 
 /* A pickled Python call run by the binding's handler: *result is the
- * pickled result, in the call's arena. The RRef handles the handler made
- * for it are freed once sent, as a C function's (free_result_handles). */
+ * pickled result, in the call's arena. The RRef and tensor handles the
+ * handler made for it are freed once sent, as a C function's
+ * (free_result_handles). */
 static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 		       shmrpc_value *result)
 {
@@ -207,7 +208,10 @@ static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, siz
 		  : shmrpc__fail(-ENOMEM, "out of memory keeping a Python result");
 	for (uint32_t i = 0; rc && i < out.nrrefs; i++)
 		shmrpc_rref_free(out.rrefs[i]);
+	for (uint32_t i = 0; rc && i < out.ntensors; i++)
+		shmrpc_tensor_free(out.tensors[i]);
 	free(out.rrefs);
+	free(out.tensors);
 	if (rc)
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 }

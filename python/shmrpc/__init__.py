@@ -16,7 +16,7 @@ import traceback
 from . import _shmrpc
 
 __all__ = [
-    "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
+    "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
     "rpc_async", "remote", "RRef", "Future", "RemoteException",
 ]
 
@@ -115,56 +115,110 @@ def _rank_of(to):
     raise TypeError(f"to must be a worker name, a rank or a WorkerInfo, not {type(to).__name__}")
 
 
+def _tensor_kind(obj):
+    """'np' or 'torch' for an array the pickler hands over, else None."""
+    t = type(obj)
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        return "np" if obj.dtype.kind in "biuf" else None
+    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+        if obj.device.type != "cpu":
+            raise _not_supported("sending a CUDA tensor from Python")
+        return "torch"
+    return None
+
+
+def _to_pool(kind, obj):
+    """obj's bytes as a pool tensor: without a copy when obj already views a
+    whole pool block (it came from shmrpc), copied once otherwise."""
+    if kind == "np":
+        import numpy as np
+        return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
+    if obj.requires_grad:
+        raise _not_supported("sending a tensor that requires grad (distributed autograd)")
+    return _shmrpc.from_dlpack(obj.contiguous())
+
+
+def _from_pool(kind, t):
+    import numpy as np
+    if kind == "np":
+        return np.asarray(t)  # writable (numpy.from_dlpack's arrays are not)
+    import torch
+    return torch.from_numpy(np.asarray(t))
+
+
 class _Pickler(pickle.Pickler):
-    """torch's default RPC pickler: functions by reference. An RRef goes
-    beside the pickle (the pickle names it by index), so that the agent
-    forks it: the receiver gets a reference of its own."""
+    """torch's default RPC pickler: functions by reference. RRefs and
+    tensors go beside the pickle (which names them by index): the agent
+    forks an RRef (the receiver gets a reference of its own) and hands a
+    tensor over through the pool (the receiver sees the same bytes)."""
 
     def __init__(self, buf):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.rrefs = []
+        self.tensors = []
 
     def persistent_id(self, obj):
         if isinstance(obj, RRef):
             self.rrefs.append(obj._r)
-            return len(self.rrefs) - 1
+            return ("rref", len(self.rrefs) - 1)
+        kind = _tensor_kind(obj)
+        if kind:
+            self.tensors.append(_to_pool(kind, obj))
+            return (kind, len(self.tensors) - 1, tuple(obj.shape))
         return None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, buf, rrefs):
+    def __init__(self, buf, rrefs, tensors):
         super().__init__(buf)
         self.rrefs = rrefs
+        self.tensors = tensors
 
     def persistent_load(self, pid):
-        return RRef(_c=self.rrefs[pid])
+        if pid[0] == "rref":
+            return RRef(_c=self.rrefs[pid[1]])
+        return _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
 
 
 def _dumps(obj):
-    """(pickle, [C RRef...]) for the agent."""
+    """(pickle, [C RRef...], [C Tensor...]) for the agent."""
     import io
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
-    return buf.getvalue(), p.rrefs
+    return buf.getvalue(), p.rrefs, p.tensors
 
 
 def _loads(msg):
     import io
-    data, rrefs = msg
-    return _Unpickler(io.BytesIO(data), rrefs).load()
+    data, rrefs, tensors = msg
+    return _Unpickler(io.BytesIO(data), rrefs, tensors).load()
+
+
+def empty(shape, dtype="float32", like="numpy"):
+    """An uninitialised array in the job's tensor pool: sending it hands the
+    same bytes to the callee (what it writes, the caller sees). like:
+    "numpy" or "torch"."""
+    import numpy as np
+    dt = np.dtype(dtype)
+    codes = {"i": 0, "u": 1, "f": 2, "b": 1}
+    if dt.kind not in codes:
+        raise TypeError(f"shmrpc.empty: dtype {dt} is not a number type")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    t = _shmrpc.empty(shape, codes[dt.kind], dt.itemsize * 8)
+    return _from_pool("np" if like == "numpy" else "torch", t)
 
 
 _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
              "defined on both caller and callee modules.")
 
 
-def _run_function(caller, payload, rrefs):
+def _run_function(caller, payload, rrefs, tensors):
     """Runs a pickled (func, args, kwargs) on an executor thread; returns the
     pickled result, or a pickled RemoteException."""
     try:
         try:
-            func, args, kwargs = _loads((payload, rrefs))
+            func, args, kwargs = _loads((payload, rrefs, tensors))
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         result = func(*args, **(kwargs or {}))
@@ -236,8 +290,8 @@ def _pack_call(func, args, kwargs):
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    data, rrefs = _pack_call(func, args, kwargs)
-    return Future(_shmrpc.call(_rank_of(to), data, rrefs, _timeout_ms(timeout)))
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    return Future(_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
@@ -314,5 +368,5 @@ class _Proxy:
 
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    data, rrefs = _pack_call(func, args, kwargs)
-    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, _timeout_ms(timeout)))
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
