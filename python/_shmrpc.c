@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "shmrpc.h"
+#include "worker/executor.h"
 #include "worker/python.h"
 
 static PyObject *handler; /* the Python handler; owned */
@@ -433,7 +434,40 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 	return PyBool_FromLong(shmrpc_future_done(((FutureObject *)self)->f));
 }
 
+/* Runs a Python callable once the future completes (an executor thread). */
+static void run_callback(shmrpc_future *f, void *arg)
+{
+	PyGILState_STATE g = PyGILState_Ensure();
+	PyObject *res = PyObject_CallObject(arg, NULL);
+
+	(void)f;
+	if (!res)
+		PyErr_Print(); /* the Python layer catches its callbacks' errors */
+	Py_XDECREF(res);
+	Py_DECREF((PyObject *)arg);
+	PyGILState_Release(g);
+}
+
+static PyObject *future_add_done_callback(PyObject *self, PyObject *fn)
+{
+	int rc;
+
+	if (!PyCallable_Check(fn)) {
+		PyErr_SetString(PyExc_TypeError, "the callback must be callable");
+		return NULL;
+	}
+	Py_INCREF(fn);
+	rc = shmrpc_future_then(((FutureObject *)self)->f, run_callback, fn);
+	if (rc) {
+		Py_DECREF(fn);
+		return fail(rc);
+	}
+	return new_ref(Py_None);
+}
+
 static PyMethodDef future_methods[] = {
+	{ "add_done_callback", future_add_done_callback, METH_O,
+	  "calls fn() on an executor thread once the call has completed" },
 	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
 	{ "done", future_done, METH_NOARGS, "whether the call has completed" },
 	{ NULL, NULL, 0, NULL },
@@ -712,7 +746,31 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
+/* help_once() -> bool: on an executor thread, runs one queued job (the
+ * GIL released); a thread that waits for a Python Future calls it so that
+ * what it waits for can run (worker/executor.h). */
+static PyObject *mod_help_once(PyObject *m, PyObject *unused)
+{
+	bool ran = false;
+
+	(void)m, (void)unused;
+	if (executor_on_worker_thread()) {
+		Py_BEGIN_ALLOW_THREADS
+		ran = executor_help_once();
+		Py_END_ALLOW_THREADS
+	}
+	return PyBool_FromLong(ran);
+}
+
+static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
+{
+	(void)m, (void)unused;
+	return PyBool_FromLong(executor_on_worker_thread());
+}
+
 static PyMethodDef mod_methods[] = {
+	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
+	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms): shmrpc_init" },
 	{ "shutdown", mod_shutdown, METH_VARARGS, "shutdown(graceful, timeout_ms)" },
 	{ "set_handler", mod_set_handler, METH_O, "the function that runs pickled calls" },

@@ -23,6 +23,7 @@ static const struct {
 } scripts[] = {
 	{ "rpc_basic", "64M" },
 	{ "tensors", "1G" }, /* two 256 MiB arrays */
+	{ "futures", "64M" },
 };
 
 int main(void)

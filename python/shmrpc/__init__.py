@@ -17,7 +17,8 @@ from . import _shmrpc
 
 __all__ = [
     "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
-    "rpc_async", "remote", "RRef", "Future", "RemoteException",
+    "rpc_async", "remote", "RRef", "Future", "RemoteException", "wait_all", "collect_all",
+    "functions",
 ]
 
 UNSET_RPC_TIMEOUT = -1.0  # torch's sentinel: the default timeout
@@ -222,6 +223,17 @@ def _run_function(caller, payload, rrefs, tensors):
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         result = func(*args, **(kwargs or {}))
+        if getattr(func, "_shmrpc_async_execution", False):
+            torch_future = sys.modules.get("torch.futures")
+            if torch_future is not None and isinstance(result, torch_future.Future):
+                result = result.wait()
+            elif not isinstance(result, Future):
+                raise TypeError(
+                    "Functions decorated with @rpc.functions.async_execution must return a "
+                    "torch.futures.Future or shmrpc.Future object, but got "
+                    f"{type(result).__module__}.{type(result).__qualname__}")
+            else:
+                result = result.wait()
         return _dumps(result)
     except BaseException as e:  # every error travels back
         me = get_worker_info()
@@ -244,43 +256,150 @@ def _result(msg):
 
 
 class Future:
-    """The result of rpc_async (torch.futures.Future's main methods)."""
+    """torch.futures.Future's interface: the result of rpc_async, or one
+    made by user code (set_result / set_exception), e.g. for
+    @functions.async_execution."""
 
-    def __init__(self, cfut):
-        self._f = cfut
-        self._lock = threading.Lock()
+    def __init__(self, _c=None):
+        self._cond = threading.Condition()
         self._have = False
         self._value = None
         self._error = None
         self._callbacks = []
+        self._c = _c  # the call in flight, if any
+        self._settling = False
+        if _c is not None:
+            _c.add_done_callback(self._from_call)
 
-    def _settle(self):
-        with self._lock:
-            if self._have:
+    def _from_call(self):
+        """The call completed: its result becomes ours (once, from the
+        completion callback or from wait(), whichever comes first)."""
+        with self._cond:
+            if self._have or self._settling:
                 return
-            try:
-                self._value = _result(self._f.wait())
-            except BaseException as e:
-                self._error = e
-            self._have = True
+            self._settling = True
+        try:
+            value = _result(self._c.wait())
+        except BaseException as e:
+            self.set_exception(e)
+        else:
+            self.set_result(value)
+
+    def _finish(self, value, error):
+        with self._cond:
+            if self._have:
+                raise RuntimeError("this Future has a result already")
+            self._value, self._error, self._have = value, error, True
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            self._run(cb)
+
+    def _run(self, cb):
+        try:
+            cb(self)
+        except Exception:
+            traceback.print_exc()  # as torch: a failing callback does not fail the Future
+
+    def set_result(self, result):
+        self._finish(result, None)
+
+    def set_exception(self, result):
+        self._finish(None, result)
 
     def wait(self):
-        self._settle()
+        if self._c is not None and not self._have:
+            try:
+                # The C wait releases the GIL, and on an executor thread it
+                # runs queued work meanwhile: a nested call cannot starve
+                # the pool waiting for its own completion callback.
+                self._c.wait()
+            except Exception:
+                pass  # _from_call raises it below
+            self._from_call()
+        with self._cond:
+            while not self._have:
+                # On an executor thread, what completes us may be queued
+                # behind us: serve it (help_once), else nap 1 ms at most.
+                self._cond.release()
+                try:
+                    ran = _shmrpc.help_once()
+                finally:
+                    self._cond.acquire()
+                if not ran and not self._have:
+                    self._cond.wait(0.001 if _shmrpc.on_executor() else None)
         if self._error is not None:
             raise self._error
         return self._value
 
     def value(self):
+        if not self._have:
+            raise RuntimeError("Future.value() before the Future completed")
         return self.wait()
 
     def done(self):
-        return self._have or self._f.done()
-
-    def then(self, callback):
-        raise _not_supported("Future.then")
+        return self._have
 
     def add_done_callback(self, callback):
-        raise _not_supported("Future.add_done_callback")
+        with self._cond:
+            if not self._have:
+                self._callbacks.append(callback)
+                return
+        self._run(callback)
+
+    def then(self, callback):
+        """A new Future holding callback(self)'s result (or its exception)."""
+        nxt = Future()
+
+        def chain(fut):
+            try:
+                nxt.set_result(callback(fut))
+            except BaseException as e:
+                nxt.set_exception(e)
+        self.add_done_callback(chain)
+        return nxt
+
+
+def wait_all(futures):
+    """The values of all futures; raises the first error met."""
+    return [f.wait() for f in futures]
+
+
+def collect_all(futures):
+    """A Future completed with the list of futures once all are done."""
+    futures = list(futures)
+    out = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        out.set_result([])
+
+    def one(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out.set_result(futures)
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+class functions:
+    """shmrpc.functions.async_execution, as torch.distributed.rpc.functions."""
+
+    @staticmethod
+    def async_execution(fn):
+        """The decorated function returns a Future; the reply goes when it
+        completes. (shmrpc waits for it on the executor thread that ran the
+        function: a chain of such functions needs as many threads.)"""
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        wrapper._shmrpc_async_execution = True
+        return wrapper
 
 
 def _pack_call(func, args, kwargs):
@@ -291,7 +410,7 @@ def _pack_call(func, args, kwargs):
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     data, rrefs, tensors = _pack_call(func, args, kwargs)
-    return Future(_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
+    return Future(_c=_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
