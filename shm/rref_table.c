@@ -20,6 +20,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older glibc headers lack it */
+#endif
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -91,6 +95,10 @@ int rref_table_create(struct rref_table *t, const struct rref_table_params *para
 	t->base = mem;
 	t->fd = fd;
 	table_fill(t, &s, max, params->world);
+	/* The creator (the launcher) walks the whole table when a worker
+	 * ends, before it may say so: its page faults now, not then (about
+	 * 50 ms for 16 MiB on a 2-core VM). Best effort: kernel >= 5.14. */
+	madvise(mem, s.total, MADV_POPULATE_WRITE);
 	/* The memfd reads as zeros: every slot starts unused. */
 	h = t->hdr;
 	h->magic = RREF_TABLE_MAGIC;
@@ -168,6 +176,12 @@ static uint32_t home_of(const struct rref_table *t, uint64_t id)
 	return (uint32_t)XXH3_64bits(&id, sizeof(id)) & (t->capacity - 1);
 }
 
+/* w with its state replaced: the incarnation stays. */
+static uint32_t with_state(uint32_t w, uint32_t st)
+{
+	return (w & ~0xffu) | st;
+}
+
 static void wake_all(struct rref_entry *e)
 {
 	/* seq_cst RMW (not a fence: TSan has none): after our seq_cst change
@@ -182,7 +196,7 @@ int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t crea
 {
 	uint32_t mask = t->capacity - 1, s = home_of(t, id);
 
-	if (!id || id == RREF_TOMB || owner >= t->world || creator >= t->world)
+	if (!RREF_KEY_LIVE(id) || owner >= t->world || creator >= t->world)
 		return shmrpc__fail(-EINVAL, "bad RRef id %#" PRIx64 " or rank (owner %u, creator "
 				    "%u) for a table of %u workers", id, owner, creator, t->world);
 	/* Relaxed: a bound on the count; the slot's CAS orders the entry. */
@@ -195,6 +209,7 @@ int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t crea
 	for (uint32_t probe = 0; probe < t->capacity; probe++, s = (s + 1) & mask) {
 		struct rref_entry *e = rref_entry_at(t, s);
 		uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
+		uint32_t w;
 
 		/* Acquire: pairs with the remover's release of TOMB (its zeroed
 		 * fields are visible before ours are written). */
@@ -211,9 +226,12 @@ int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t crea
 			atomic_store_explicit(&e->total, 2, memory_order_relaxed);
 			atomic_fetch_add_explicit(&e->counts[creator], 1, memory_order_relaxed);
 			atomic_fetch_add_explicit(&e->counts[owner], 1, memory_order_relaxed);
-			/* Release: the fields above before the entry counts as live;
-			 * pairs with the acquire loads of state by readers. */
-			atomic_store_explicit(&e->state, RREF_PENDING, memory_order_release);
+			/* The next incarnation of the slot. Release: the fields above
+			 * before the entry counts as live; pairs with the acquire loads
+			 * of state by readers. */
+			w = atomic_load_explicit(&e->state, memory_order_relaxed);
+			atomic_store_explicit(&e->state, ((w >> 8) + 1) << 8 | RREF_PENDING,
+					      memory_order_release);
 			*slot = s;
 			return 0;
 		}
@@ -236,7 +254,7 @@ int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot)
 			return 0;
 		}
 		if (k == 0)
-			break;
+			break; /* TOMB and REMOVING are probed past */
 	}
 	return -ENOENT;
 }
@@ -251,7 +269,7 @@ static struct rref_entry *entry_of(const struct rref_table *t, uint32_t slot, ui
 	e = rref_entry_at(t, slot);
 	/* Acquire on both: pairs with the creator's release of state. */
 	if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
-	    atomic_load_explicit(&e->state, memory_order_acquire) == RREF_FREE)
+	    RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire)) == RREF_FREE)
 		return NULL;
 	return e;
 }
@@ -268,7 +286,8 @@ int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, u
 	struct rref_entry *e = entry_of(t, slot, id);
 
 	if (!e || rank >= t->world)
-		return e ? -EINVAL : gone(slot, id);
+		return e ? shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+					t->world) : gone(slot, id);
 	/* total before the count: sum(counts) <= total whenever we stop.
 	 * seq_cst: a sender charging a receiver then checks that the receiver
 	 * lives; the launcher marks it dead then sweeps (rref_sweep_rank). */
@@ -277,16 +296,21 @@ int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, u
 	return 0;
 }
 
-/* Removes e (which held id) once: the key's CAS decides who. */
+/* Removes e (which held id) once: the key's CAS to REMOVING decides who;
+ * only the winner empties the slot, then frees it. */
 static bool remove_entry(struct rref_table *t, struct rref_entry *e, uint64_t id)
 {
 	uint64_t k = id;
+	uint32_t w;
 
-	/* Relaxed stores: published by the key's release below. */
-	atomic_store_explicit(&e->state, RREF_FREE, memory_order_relaxed);
-	if (!atomic_compare_exchange_strong_explicit(&e->key, &k, RREF_TOMB, memory_order_release,
-						     memory_order_relaxed))
+	/* acq_rel: after every use of the entry; before the emptying. */
+	if (!atomic_compare_exchange_strong_explicit(&e->key, &k, RREF_REMOVING,
+						     memory_order_acq_rel, memory_order_relaxed))
 		return false;
+	w = atomic_load_explicit(&e->state, memory_order_relaxed);
+	/* Relaxed: published by the release of TOMB, which an insert acquires. */
+	atomic_store_explicit(&e->state, with_state(w, RREF_FREE), memory_order_relaxed);
+	atomic_store_explicit(&e->key, RREF_TOMB, memory_order_release);
 	atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
 	return true;
 }
@@ -295,15 +319,18 @@ static bool remove_entry(struct rref_table *t, struct rref_entry *e, uint64_t id
 static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id)
 {
 	/* Acquire: the owner's value fields, for the owner that frees them. */
-	uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+	uint32_t w = atomic_load_explicit(&e->state, memory_order_acquire);
 
 	for (;;) {
+		uint32_t st = RREF_STATE(w);
+
 		if (st == RREF_OWNER_DEAD)
 			return remove_entry(t, e, id) ? 2 : 0;
 		if (st != RREF_READY && st != RREF_ERROR && st != RREF_PENDING)
 			return 0; /* already handed over or removed */
 		/* seq_cst: against the owner sweep's CAS to OWNER_DEAD. */
-		if (atomic_compare_exchange_weak_explicit(&e->state, &st, RREF_UNREFERENCED,
+		if (atomic_compare_exchange_weak_explicit(&e->state, &w,
+							  with_state(w, RREF_UNREFERENCED),
 							  memory_order_seq_cst,
 							  memory_order_acquire)) {
 			wake_all(e);
@@ -330,7 +357,8 @@ int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank
 	uint32_t c;
 
 	if (!e || rank >= t->world)
-		return e ? -EINVAL : gone(slot, id);
+		return e ? shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+					t->world) : gone(slot, id);
 	/* The count before total (see rref_hold); never below zero. */
 	c = atomic_load_explicit(&e->counts[rank], memory_order_relaxed);
 	do {
@@ -346,25 +374,26 @@ int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
 	       uint64_t value_off, uint64_t value_len)
 {
 	struct rref_entry *e = entry_of(t, slot, id);
-	uint32_t st;
+	uint32_t w;
 
 	if (!e || (state != RREF_READY && state != RREF_ERROR))
-		return e ? -EINVAL : gone(slot, id);
+		return e ? shmrpc__fail(-EINVAL, "an RRef stores a value or an error, not state %u",
+					state) : gone(slot, id);
 	/* Refused before the value is written: holders of a stored value read
 	 * it. Only the owner leaves PENDING for READY/ERROR, so a pending entry
 	 * stays so until the CAS, or becomes OWNER_DEAD (whose value no one reads). */
-	st = atomic_load_explicit(&e->state, memory_order_relaxed);
-	if (st == RREF_PENDING) {
+	w = atomic_load_explicit(&e->state, memory_order_relaxed);
+	if (RREF_STATE(w) == RREF_PENDING) {
 		atomic_store_explicit(&e->value_off, value_off, memory_order_relaxed);
 		atomic_store_explicit(&e->value_len, value_len, memory_order_relaxed);
 	}
 	/* seq_cst (release at least): the value before the state that says it
 	 * is there; pairs with readers' acquire. Fails if the owner was swept. */
-	if (st != RREF_PENDING ||
-	    !atomic_compare_exchange_strong_explicit(&e->state, &st, state, memory_order_seq_cst,
-						     memory_order_relaxed))
+	if (RREF_STATE(w) != RREF_PENDING ||
+	    !atomic_compare_exchange_strong_explicit(&e->state, &w, with_state(w, state),
+						     memory_order_seq_cst, memory_order_relaxed))
 		return shmrpc__fail(-EINVAL, "RRef %" PRIx64 " is %s, not pending: it has a value "
-				    "already", id, rref_state_name(st));
+				    "already", id, rref_state_name(RREF_STATE(w)));
 	wake_all(e);
 	return rref_release(t, slot, id, e->owner, 1);
 }
@@ -377,21 +406,21 @@ int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadlin
 		return gone(slot, id);
 	for (;;) {
 		/* Acquire: pairs with rref_store's release of the state. */
-		uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+		uint32_t w = atomic_load_explicit(&e->state, memory_order_acquire);
 		struct timespec ts;
 
-		if (st != RREF_PENDING)
-			return (int)st;
+		if (RREF_STATE(w) != RREF_PENDING)
+			return (int)RREF_STATE(w);
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
 			return -ETIMEDOUT;
 		/* seq_cst both: pairs with wake_all. */
 		atomic_fetch_add_explicit(&e->waiters, 1, memory_order_seq_cst);
-		if (atomic_load_explicit(&e->state, memory_order_seq_cst) == RREF_PENDING) {
+		if (atomic_load_explicit(&e->state, memory_order_seq_cst) == w) {
 			ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 			ts.tv_nsec = (long)(deadline_ns % 1000000000u);
 			/* BITSET: an absolute CLOCK_MONOTONIC deadline. */
-			syscall(SYS_futex, &e->state, FUTEX_WAIT_BITSET, RREF_PENDING,
-				deadline_ns ? &ts : NULL, NULL, FUTEX_BITSET_MATCH_ANY);
+			syscall(SYS_futex, &e->state, FUTEX_WAIT_BITSET, w, deadline_ns ? &ts : NULL,
+				NULL, FUTEX_BITSET_MATCH_ANY);
 		}
 		atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_relaxed);
 	}
@@ -404,7 +433,7 @@ int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
 	if (!e)
 		return gone(slot, id);
 	/* Acquire: pairs with the last drop (unreferenced's CAS). */
-	if (atomic_load_explicit(&e->state, memory_order_acquire) != RREF_UNREFERENCED)
+	if (RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire)) != RREF_UNREFERENCED)
 		return shmrpc__fail(-EBUSY, "RRef %" PRIx64 " still has references", id);
 	return remove_entry(t, e, id) ? 0 : gone(slot, id);
 }
@@ -421,27 +450,34 @@ int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t 
 	return n ? drop(t, e, id, n) : 0;
 }
 
-/* e (which held id, owned by a dead rank) becomes OWNER_DEAD, or goes if
- * nothing references it. */
-static int owner_dead(struct rref_table *t, struct rref_entry *e, uint64_t id)
+/* e (which held id, owned by a dead rank, state word w read while its key
+ * was id) becomes OWNER_DEAD, or goes if nothing references it. A CAS
+ * that meets another incarnation of the slot stops: that RRef is not ours
+ * to mark. */
+static int owner_dead(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_t w)
 {
-	/* Acquire: pairs with the state's release stores. */
-	uint32_t st = atomic_load_explicit(&e->state, memory_order_acquire);
+	uint32_t born = w >> 8;
 	int n = 0;
 
-	while (st == RREF_PENDING || st == RREF_READY || st == RREF_ERROR) {
+	while (RREF_STATE(w) == RREF_PENDING || RREF_STATE(w) == RREF_READY ||
+	       RREF_STATE(w) == RREF_ERROR) {
 		/* seq_cst: against unreferenced()'s CAS. */
-		if (atomic_compare_exchange_weak_explicit(&e->state, &st, RREF_OWNER_DEAD,
+		if (atomic_compare_exchange_weak_explicit(&e->state, &w,
+							  with_state(w, RREF_OWNER_DEAD),
 							  memory_order_seq_cst,
 							  memory_order_acquire)) {
 			wake_all(e);
-			st = RREF_OWNER_DEAD;
+			w = with_state(w, RREF_OWNER_DEAD);
 			n = 1;
+		} else if (w >> 8 != born) {
+			return 0;
 		}
 	}
-	/* Handed to the dead owner, or dead with nothing left: gone. */
-	if (st == RREF_UNREFERENCED ||
-	    (st == RREF_OWNER_DEAD && !atomic_load_explicit(&e->total, memory_order_seq_cst)))
+	/* Handed to the dead owner, or dead with nothing left: gone (the
+	 * key's CAS in remove_entry checks it is still id). */
+	if (RREF_STATE(w) == RREF_UNREFERENCED ||
+	    (RREF_STATE(w) == RREF_OWNER_DEAD &&
+	     !atomic_load_explicit(&e->total, memory_order_seq_cst)))
 		remove_entry(t, e, id);
 	return n;
 }
@@ -450,7 +486,8 @@ int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id)
 {
 	struct rref_entry *e = entry_of(t, slot, id);
 
-	return e ? owner_dead(t, e, id) : 0;
+	/* Acquire: pairs with the state's release stores. */
+	return e ? owner_dead(t, e, id, atomic_load_explicit(&e->state, memory_order_acquire)) : 0;
 }
 
 int rref_sweep_rank(struct rref_table *t, uint32_t rank)
@@ -458,7 +495,8 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 	int n = 0;
 
 	if (rank >= t->world)
-		return -EINVAL;
+		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+				    t->world);
 	/* Relaxed: a job without RRefs pays no walk; an entry made after
 	 * this load is covered by the next sweep (see the header). */
 	if (!atomic_load_explicit(&t->hdr->live, memory_order_relaxed))
@@ -466,15 +504,22 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 	for (uint32_t s = 0; s < t->capacity; s++) {
 		struct rref_entry *e = rref_entry_at(t, s);
 		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
-		uint32_t c;
+		uint32_t w, c;
 
-		if (!id || id == RREF_TOMB)
+		if (!RREF_KEY_LIVE(id))
 			continue;
-		/* The state's acquire before owner: a filled entry. */
-		if (atomic_load_explicit(&e->state, memory_order_acquire) != RREF_FREE &&
-		    e->owner == rank)
-			owner_dead(t, e, id);
-		/* seq_cst: see rref_hold. Exchange: each reference is taken once. */
+		/* The state word of the incarnation that holds id: read, then
+		 * the key again (ids are never reused). Acquire: a filled
+		 * entry's fields, owner among them. */
+		w = atomic_load_explicit(&e->state, memory_order_acquire);
+		if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
+		    RREF_STATE(w) == RREF_FREE)
+			continue;
+		if (e->owner == rank)
+			owner_dead(t, e, id, w);
+		/* seq_cst: see rref_hold. Exchange: each reference is taken
+		 * once. A count held keeps the entry from removal, so it is
+		 * still id's. */
 		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 		if (c) {
 			drop(t, e, id, c);
@@ -492,8 +537,8 @@ bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *o
 		return false;
 	e = rref_entry_at(t, slot);
 	out->id = atomic_load_explicit(&e->key, memory_order_acquire);
-	out->state = atomic_load_explicit(&e->state, memory_order_acquire);
-	if (!out->id || out->id == RREF_TOMB || out->state == RREF_FREE)
+	out->state = RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire));
+	if (!RREF_KEY_LIVE(out->id) || out->state == RREF_FREE)
 		return false;
 	out->owner = e->owner;
 	out->creator = e->creator;

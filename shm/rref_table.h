@@ -13,7 +13,8 @@
  *
  * Open addressing, keyed by the RRef id (nonzero; ids are never reused),
  * hashed with xxHash, linear probing. key 0 is a slot never used, RREF_TOMB
- * a slot freed (a lookup probes past it, an insert may take it). The
+ * a slot freed (a lookup probes past it, an insert may take it),
+ * RREF_REMOVING a slot being emptied (probed past, not taken). The
  * capacity is a power of two at least twice max_rrefs, so a probe is short.
  *
  * References. counts[r] is how many references rank r holds; total is
@@ -28,8 +29,14 @@
  * count and lowers its count before total, so sum(counts) <= total always;
  * a sweep of a dead rank exchanges its counts with 0 and lowers total by
  * what it took, once however many sweepers run. A death between two steps
- * leaves total above the counts: the entry is never freed (a leak the
- * inspector shows), never freed while in use.
+ * never frees an entry in use; it can leak one (never freed until the job
+ * ends, and shmrun reports it then):
+ *  - between the two steps of a hold or a release: total above the counts;
+ *  - between the drop to total 0 and the change to UNREFERENCED: a READY
+ *    entry with total 0 that no one hands to its owner;
+ *  - inside an insert or a removal: a key with state FREE (skipped by
+ *    sweeps and inspectors), or `live` one above the entries there are;
+ *  - a fork charged to its receiver and never sent (the protocol's).
  *
  * Waiting: state is a futex word. A waiter raises waiters, re-reads the
  * state and sleeps on it (FUTEX_WAIT, shared); whoever changes the state
@@ -56,7 +63,14 @@
 #define RREF_MAX_WORLD 1024u
 #define RREF_MAX_RREFS (1u << 24)
 #define RREF_DEFAULT_MAX_RREFS 16384u
-#define RREF_TOMB UINT64_MAX
+#define RREF_TOMB UINT64_MAX         /* a freed slot */
+#define RREF_REMOVING (UINT64_MAX - 1) /* a slot its remover is emptying */
+#define RREF_KEY_LIVE(k) ((k) != 0 && (k) < RREF_REMOVING)
+
+/* The state word: the state in the low byte, above it the slot's
+ * incarnation (raised by each insert), so that a CAS made for one RRef
+ * can never land on the next one to use the slot. */
+#define RREF_STATE(w) ((w) & 0xffu)
 
 /* An RRef id or a fork id: the rank that made it + 1, then a counter. */
 #define RREF_ID(rank, local) (((uint64_t)(rank) + 1) << 40 | ((local) & ((1ull << 40) - 1)))
@@ -94,8 +108,9 @@ _Static_assert(offsetof(struct rref_table_header, live) == 64, "rref header layo
 _Static_assert(sizeof(struct rref_table_header) == RREF_TABLE_PAGE, "rref header is one page");
 
 struct rref_entry {
-	_Atomic uint64_t key;       /* CAS: 0/TOMB -> id by the creator, id -> TOMB by the remover */
-	_Atomic uint32_t state;     /* enum rref_state; the futex word */
+	_Atomic uint64_t key;       /* CAS: 0/TOMB -> id by the creator, id -> REMOVING by the
+				     * remover, which stores TOMB once it has emptied the slot */
+	_Atomic uint32_t state;     /* incarnation << 8 | enum rref_state; the futex word */
 	_Atomic uint32_t waiters;   /* threads asleep on state */
 	_Atomic uint32_t total;     /* sum of counts (see above) */
 	uint32_t owner;             /* written by the creator before state leaves FREE */

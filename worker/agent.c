@@ -143,7 +143,8 @@ static void collect_rrefs(struct agent *ag)
 }
 
 /* A peer's pidfd fired: fail its calls once the launcher has said how it
- * died (or after a short grace, if no launcher records it). */
+ * died (or after a short grace, if no launcher records it); collect the
+ * RRefs of ours it held once the launcher has swept it. */
 static void settle_deaths(struct agent *ag, uint64_t now)
 {
 	uint32_t peer;
@@ -154,20 +155,28 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 	for (peer = 0; peer < ag->world; peer++) {
 		char why[160];
 		uint32_t st;
+		bool swept;
 
 		if (!ag->dying_since[peer])
 			continue;
 		st = worker_state(ag, peer);
-		if (st != SHM_WORKER_DEAD && st != SHM_WORKER_EXITED &&
-		    now - ag->dying_since[peer] < DEATH_GRACE_NS)
+		swept = st == SHM_WORKER_DEAD || st == SHM_WORKER_EXITED;
+		if (!swept && now - ag->dying_since[peer] < DEATH_GRACE_NS)
 			continue;
-		agent_peer_gone_text(ag, peer, why, sizeof(why));
-		client_fail_peer(ag, peer, why);
-		pins_release_peer(peer);
+		if (!ag->gone[peer]) {
+			agent_peer_gone_text(ag, peer, why, sizeof(why));
+			client_fail_peer(ag, peer, why);
+			pins_release_peer(peer);
+			ag->gone[peer] = true;
+		}
+		/* The launcher drops the dead peer's RRef references before it
+		 * marks it DEAD or EXITED: collect what that left unreferenced
+		 * only then. */
+		if (!swept)
+			continue;
 		if (ag->has_rrefs)
 			collect_rrefs(ag);
 		ag->dying_since[peer] = 0;
-		ag->gone[peer] = true;
 	}
 }
 

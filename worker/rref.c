@@ -510,7 +510,7 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 	 * orders the copy above before it, and an owner sweep that marks the
 	 * entry later reads it, so the pool frees the block only after our
 	 * copy. A block of an owner that died meanwhile may hold garbage. */
-	if (atomic_fetch_or_explicit(&e->state, 0, memory_order_acq_rel) != state ||
+	if (RREF_STATE(atomic_fetch_or_explicit(&e->state, 0, memory_order_acq_rel)) != state ||
 	    atomic_load_explicit(&e->key, memory_order_relaxed) != r->id) {
 		free(copy);
 		return -SHMRPC_EPEERDEAD;
