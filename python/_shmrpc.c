@@ -45,54 +45,68 @@ static PyObject *fail(int rc)
 	return NULL;
 }
 
-static PyObject *RRefType;
-
+/* Every object of this module wraps one library handle, which it owns. */
 typedef struct {
 	PyObject_HEAD
-	shmrpc_rref *r;
-} RRefObject;
+	void *h;
+} HandleObject;
 
-/* A new RRef object owning r (freed with r on failure). */
-static PyObject *rref_wrap(shmrpc_rref *r)
+#define HANDLE(o) (((HandleObject *)(o))->h)
+
+static PyObject *FutureType, *RRefType, *TensorType;
+
+static void release_future(void *h)
 {
-	RRefObject *o = PyObject_New(RRefObject, (PyTypeObject *)RRefType);
+	shmrpc_future_free(h);
+}
+
+static void release_rref(void *h)
+{
+	shmrpc_rref_free(h);
+}
+
+static void release_tensor(void *h)
+{
+	shmrpc_tensor_free(h);
+}
+
+/* A new object of type owning h (released on failure). */
+static PyObject *wrap(PyObject *type, void *h, void (*release)(void *))
+{
+	HandleObject *o = PyObject_New(HandleObject, (PyTypeObject *)type);
 
 	if (!o) {
-		shmrpc_rref_free(r);
+		release(h);
 		return NULL;
 	}
-	o->r = r;
+	o->h = h;
 	return (PyObject *)o;
+}
+
+static void dealloc_with(PyObject *self, void (*release)(void *))
+{
+	PyTypeObject *tp = Py_TYPE(self);
+
+	release(HANDLE(self));
+	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+	Py_DECREF(tp); /* heap types: each instance holds its type */
+}
+
+static PyObject *rref_wrap(shmrpc_rref *r)
+{
+	return wrap(RRefType, r, release_rref);
 }
 
 /* ---- Tensor: a block of the pool, for DLPack consumers ---- */
 
-typedef struct {
-	PyObject_HEAD
-	shmrpc_tensor *t;
-} TensorObject;
-
-static PyObject *TensorType;
-
 static PyObject *tensor_wrap(shmrpc_tensor *t)
 {
-	TensorObject *o = PyObject_New(TensorObject, (PyTypeObject *)TensorType);
-
-	if (!o) {
-		shmrpc_tensor_free(t);
-		return NULL;
-	}
-	o->t = t;
-	return (PyObject *)o;
+	return wrap(TensorType, t, release_tensor);
 }
 
 static void tensor_dealloc(PyObject *self)
 {
-	PyTypeObject *tp = Py_TYPE(self);
-
-	shmrpc_tensor_free(((TensorObject *)self)->t);
-	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
-	Py_DECREF(tp);
+	dealloc_with(self, release_tensor);
 }
 
 /* A capsule nobody consumed still owns its DLManagedTensor. */
@@ -118,7 +132,7 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 
 	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream))
 		return NULL;
-	rc = shmrpc_tensor_retain(((TensorObject *)self)->t, &t);
+	rc = shmrpc_tensor_retain(HANDLE(self), &t);
 	if (rc == 0 && (rc = shmrpc_tensor_to_dlpack(t, &m)))
 		shmrpc_tensor_free(t);
 	if (rc)
@@ -137,7 +151,7 @@ static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(((TensorObject *)self)->t));
+	return PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(HANDLE(self)));
 }
 
 /* numpy's array interface (version 3): np.asarray(t) views the bytes,
@@ -145,7 +159,7 @@ static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
  * gives read-only arrays.) */
 static PyObject *tensor_array_interface(PyObject *self, void *closure)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(((TensorObject *)self)->t);
+	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
 	static const char kinds[] = { [kDLInt] = 'i', [kDLUInt] = 'u', [kDLFloat] = 'f' };
 	PyObject *shape, *res;
 	char typestr[16];
@@ -188,7 +202,7 @@ static PyType_Slot tensor_slots[] = {
 	{ 0, NULL },
 };
 
-static PyType_Spec tensor_spec = { "shmrpc._shmrpc.Tensor", sizeof(TensorObject), 0,
+static PyType_Spec tensor_spec = { "shmrpc._shmrpc.Tensor", sizeof(HandleObject), 0,
 				   Py_TPFLAGS_DEFAULT, tensor_slots };
 
 /* (pickle: bytes, [RRef, ...], [Tensor, ...]) from a Python message value;
@@ -237,9 +251,9 @@ out:
 	return res;
 }
 
-/* The handles of a list of RRef or Tensor objects (offset: where the
- * handle is in the object); malloc'd, NULL with an exception set. */
-static void **handles_of(PyObject *list, PyObject *type, size_t offset, uint32_t *n)
+/* The handles of a list of objects of type; malloc'd, NULL with an
+ * exception set. */
+static void **handles_of(PyObject *list, PyObject *type, uint32_t *n)
 {
 	Py_ssize_t len;
 	void **h;
@@ -259,7 +273,7 @@ static void **handles_of(PyObject *list, PyObject *type, size_t offset, uint32_t
 			PyErr_SetString(PyExc_TypeError, "a message lists an object of the wrong type");
 			return NULL;
 		}
-		h[i] = *(void **)((char *)o + offset);
+		h[i] = HANDLE(o);
 	}
 	*n = (uint32_t)len;
 	return h;
@@ -278,11 +292,10 @@ static int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, st
 		return -1;
 	m->data = buf;
 	m->len = (size_t)len;
-	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, offsetof(RRefObject, r), &m->nrrefs);
+	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, &m->nrrefs);
 	if (!m->rrefs)
 		return -1;
-	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, offsetof(TensorObject, t),
-						  &m->ntensors);
+	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, &m->ntensors);
 	if (!m->tensors) {
 		free(m->rrefs);
 		return -1;
@@ -385,38 +398,20 @@ static int run_handler(uint32_t caller, const struct python_msg *in, struct pyth
 
 /* ---- Future ---- */
 
-typedef struct {
-	PyObject_HEAD
-	shmrpc_future *f;
-} FutureObject;
-
-static PyObject *FutureType;
-
 static PyObject *future_wrap(shmrpc_future *f)
 {
-	FutureObject *o = PyObject_New(FutureObject, (PyTypeObject *)FutureType);
-
-	if (!o) {
-		shmrpc_future_free(f);
-		return NULL;
-	}
-	o->f = f;
-	return (PyObject *)o;
+	return wrap(FutureType, f, release_future);
 }
 
 static void future_dealloc(PyObject *self)
 {
-	PyTypeObject *tp = Py_TYPE(self);
-
-	shmrpc_future_free(((FutureObject *)self)->f);
-	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
-	Py_DECREF(tp);
+	dealloc_with(self, release_future);
 }
 
 /* wait(timeout_ms=-1) -> bytes */
 static PyObject *future_wait(PyObject *self, PyObject *args)
 {
-	shmrpc_future *f = ((FutureObject *)self)->f;
+	shmrpc_future *f = HANDLE(self);
 	long long timeout = -1;
 	int rc;
 
@@ -431,7 +426,7 @@ static PyObject *future_wait(PyObject *self, PyObject *args)
 static PyObject *future_done(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyBool_FromLong(shmrpc_future_done(((FutureObject *)self)->f));
+	return PyBool_FromLong(shmrpc_future_done(HANDLE(self)));
 }
 
 /* Runs a Python callable once the future completes (an executor thread). */
@@ -457,7 +452,7 @@ static PyObject *future_add_done_callback(PyObject *self, PyObject *fn)
 		return NULL;
 	}
 	Py_INCREF(fn);
-	rc = shmrpc_future_then(((FutureObject *)self)->f, run_callback, fn);
+	rc = shmrpc_future_then(HANDLE(self), run_callback, fn);
 	if (rc) {
 		Py_DECREF(fn);
 		return fail(rc);
@@ -480,18 +475,14 @@ static PyType_Slot future_slots[] = {
 	{ 0, NULL },
 };
 
-static PyType_Spec future_spec = { "shmrpc._shmrpc.Future", sizeof(FutureObject), 0,
+static PyType_Spec future_spec = { "shmrpc._shmrpc.Future", sizeof(HandleObject), 0,
 				   Py_TPFLAGS_DEFAULT, future_slots };
 
 /* ---- RRef ---- */
 
 static void rref_dealloc(PyObject *self)
 {
-	PyTypeObject *tp = Py_TYPE(self);
-
-	shmrpc_rref_free(((RRefObject *)self)->r);
-	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
-	Py_DECREF(tp);
+	dealloc_with(self, release_rref);
 }
 
 /* to_here(timeout_ms=-1) -> bytes */
@@ -505,7 +496,7 @@ static PyObject *rref_to_here(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "|L", &timeout))
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	rc = shmrpc_rref_to_here(((RRefObject *)self)->r, (int64_t)timeout, &f);
+	rc = shmrpc_rref_to_here(HANDLE(self), (int64_t)timeout, &f);
 	Py_END_ALLOW_THREADS
 	if (rc)
 		return fail(rc);
@@ -517,32 +508,32 @@ static PyObject *rref_to_here(PyObject *self, PyObject *args)
 static PyObject *rref_owner(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyLong_FromLong(shmrpc_rref_owner(((RRefObject *)self)->r));
+	return PyLong_FromLong(shmrpc_rref_owner(HANDLE(self)));
 }
 
 static PyObject *rref_owner_name(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyUnicode_FromString(shmrpc_rref_owner_name(((RRefObject *)self)->r));
+	return PyUnicode_FromString(shmrpc_rref_owner_name(HANDLE(self)));
 }
 
 static PyObject *rref_is_owner(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyBool_FromLong(shmrpc_rref_is_owner(((RRefObject *)self)->r));
+	return PyBool_FromLong(shmrpc_rref_is_owner(HANDLE(self)));
 }
 
 static PyObject *rref_confirmed(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyBool_FromLong(shmrpc_rref_confirmed_by_owner(((RRefObject *)self)->r));
+	return PyBool_FromLong(shmrpc_rref_confirmed_by_owner(HANDLE(self)));
 }
 
 static PyObject *rref_str(PyObject *self)
 {
 	char buf[256];
 
-	shmrpc_rref_str(((RRefObject *)self)->r, buf, sizeof(buf));
+	shmrpc_rref_str(HANDLE(self), buf, sizeof(buf));
 	return PyUnicode_FromString(buf);
 }
 
@@ -563,7 +554,7 @@ static PyType_Slot rref_slots[] = {
 	{ 0, NULL },
 };
 
-static PyType_Spec rref_spec = { "shmrpc._shmrpc.RRef", sizeof(RRefObject), 0, Py_TPFLAGS_DEFAULT,
+static PyType_Spec rref_spec = { "shmrpc._shmrpc.RRef", sizeof(HandleObject), 0, Py_TPFLAGS_DEFAULT,
 				 rref_slots };
 
 /* ---- module functions ---- */
