@@ -148,6 +148,15 @@ static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 	return Py_BuildValue("(ii)", kDLCPU, 0);
 }
 
+/* tobytes() -> a copy of the bytes. */
+static PyObject *tensor_tobytes(PyObject *self, PyObject *unused)
+{
+	shmrpc_tensor *t = HANDLE(self);
+
+	(void)unused;
+	return PyBytes_FromStringAndSize(shmrpc_tensor_data(t), (Py_ssize_t)shmrpc_tensor_nbytes(t));
+}
+
 static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
 {
 	(void)unused;
@@ -190,6 +199,7 @@ static PyMethodDef tensor_methods[] = {
 	  "a DLPack capsule of the same bytes" },
 	{ "__dlpack_device__", tensor_dlpack_device, METH_NOARGS, "(kDLCPU, 0)" },
 	{ "pool_offset", tensor_pool_offset, METH_NOARGS, "where the bytes are in the pool" },
+	{ "tobytes", tensor_tobytes, METH_NOARGS, "a copy of the bytes" },
 	{ NULL, NULL, 0, NULL },
 };
 
@@ -711,6 +721,27 @@ static PyObject *mod_from_dlpack(PyObject *m, PyObject *obj)
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
+/* from_bytes(bytes) -> Tensor: a copy of the bytes in a new pool block
+ * (uint8), for data too large for a frame. */
+static PyObject *mod_from_bytes(PyObject *m, PyObject *obj)
+{
+	shmrpc_tensor *t;
+	char *buf;
+	Py_ssize_t len;
+	int64_t shape[1];
+	int rc;
+
+	(void)m;
+	if (PyBytes_AsStringAndSize(obj, &buf, &len))
+		return NULL;
+	shape[0] = len;
+	rc = shmrpc_tensor_alloc((DLDataType){ kDLUInt, 8, 1 }, 1, shape, &t);
+	if (rc)
+		return fail(rc);
+	memcpy(shmrpc_tensor_data(t), buf, (size_t)len);
+	return tensor_wrap(t);
+}
+
 /* empty(shape, code, bits) -> Tensor: a new block of the pool. */
 static PyObject *mod_empty(PyObject *m, PyObject *args)
 {
@@ -774,6 +805,7 @@ static PyMethodDef mod_methods[] = {
 	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef" },
 	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
+	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
 	{ NULL, NULL, 0, NULL },
 };
 

@@ -181,18 +181,30 @@ class _Unpickler(pickle.Unpickler):
         return _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
 
 
+# A pickle larger than this travels in the pool (copied in once and out
+# once) rather than in the frame, whose payload is bounded by the ring.
+_INLINE_MAX = 16 * 1024
+_OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
+
+
 def _dumps(obj):
     """(pickle, [C RRef...], [C Tensor...]) for the agent."""
     import io
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
-    return buf.getvalue(), p.rrefs, p.tensors
+    data = buf.getvalue()
+    if len(data) > _INLINE_MAX:
+        p.tensors.append(_shmrpc.from_bytes(data))
+        data = _OUT_OF_LINE
+    return data, p.rrefs, p.tensors
 
 
 def _loads(msg):
     import io
     data, rrefs, tensors = msg
+    if data == _OUT_OF_LINE:
+        data = tensors[-1].tobytes()
     return _Unpickler(io.BytesIO(data), rrefs, tensors).load()
 
 
