@@ -8,6 +8,8 @@
 # ratios against peers measured in the same run (bench/rpc reads the floor
 # that bench/ring_pingpong printed before it, and the torch figures;
 # bench/rref reads bench/torch_rref.py's).
+# bench/python_rpc.py measures shmrpc's Python package beside torch; without
+# torch it still runs, and prints shmrpc's figures alone.
 # ARGS (e.g. -q) go to every bench. Exits non-zero if any bench failed.
 set -eu
 
@@ -48,6 +50,7 @@ if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
 else
 	echo "bench: /usr/bin/python3 cannot import torch; the torch peers are skipped" \
 		"(make bench-deps installs python3-torch)" >&2
+	run /usr/bin/python3 "$here/python_rpc.py" "$@"
 fi
 
 for prog in "$BUILD"/bench/*; do

@@ -382,6 +382,10 @@ static bool contiguous(const DLTensor *d)
 
 	if (!d->strides)
 		return true;
+	/* No element: any strides will do. */
+	for (int32_t i = 0; i < d->ndim; i++)
+		if (d->shape[i] == 0)
+			return true;
 	for (int32_t i = d->ndim - 1; i >= 0; i--) {
 		if (d->shape[i] != 1 && d->strides[i] != want)
 			return false;

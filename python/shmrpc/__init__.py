@@ -55,6 +55,19 @@ class RemoteException:
         self.exception_type = exception_type
 
 
+class _RpcTimeout(TimeoutError, RuntimeError):
+    """A call or an RRef that ran out of time: torch raises RuntimeError for
+    it, the C half TimeoutError; this is both, so either except catches it."""
+
+
+def _c_wait(wait, *args):
+    """The C half's wait(*args), its timeout raised as _RpcTimeout."""
+    try:
+        return wait(*args)
+    except TimeoutError as e:
+        raise _RpcTimeout(*e.args) from None
+
+
 def _not_supported(what):
     return NotImplementedError(f"{what} is not supported yet by shmrpc")
 
@@ -116,15 +129,22 @@ def _rank_of(to):
     raise TypeError(f"to must be a worker name, a rank or a WorkerInfo, not {type(to).__name__}")
 
 
+_POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", "uint8",
+                                               "float16", "float32", "float64")}
+
+
 def _tensor_kind(obj):
     """'np' or 'torch' for an array the pickler hands over, else None."""
     t = type(obj)
+    # Only number types go through the pool (DLPack has no bool in numpy
+    # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
+    # pool's DLPack import takes them for strided), are pickled.
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
-        return "np" if obj.dtype.kind in "biuf" else None
+        return "np" if obj.dtype.kind in "iuf" and obj.size else None
     if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
         if obj.device.type != "cpu":
             raise _not_supported("sending a CUDA tensor from Python")
-        return "torch"
+        return "torch" if str(obj.dtype) in _POOL_TORCH_DTYPES and obj.numel() else None
     return None
 
 
@@ -249,7 +269,7 @@ def _run_function(caller, payload, rrefs, tensors):
         return _dumps(result)
     except BaseException as e:  # every error travels back
         me = get_worker_info()
-        text = (f"On {me!r}:\n{type(e).__name__}({e})\n"
+        text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         return _dumps(RemoteException(text, type(e)))
 
@@ -280,8 +300,7 @@ class Future:
         self._callbacks = []
         self._c = _c  # the call in flight, if any
         self._settling = False
-        if _c is not None:
-            _c.add_done_callback(self._from_call)
+        self._hooked = False  # the call completes us by itself (a callback is waiting)
 
     def _from_call(self):
         """The call completed: its result becomes ours (once, from the
@@ -291,7 +310,7 @@ class Future:
                 return
             self._settling = True
         try:
-            value = _result(self._c.wait())
+            value = _result(_c_wait(self._c.wait))
         except BaseException as e:
             self.set_exception(e)
         else:
@@ -350,14 +369,23 @@ class Future:
         return self.wait()
 
     def done(self):
-        return self._have
+        return self._have or (self._c is not None and self._c.done())
 
     def add_done_callback(self, callback):
         with self._cond:
             if not self._have:
                 self._callbacks.append(callback)
-                return
-        self._run(callback)
+                # Only now does the call need to complete us by itself:
+                # a plain wait() costs no executor job and no GIL hand-off.
+                hook, self._hooked = self._c is not None and not self._hooked, True
+                if not hook:
+                    return
+            else:
+                hook = False
+        if hook:
+            self._c.add_done_callback(self._from_call)
+        else:
+            self._run(callback)
 
     def then(self, callback):
         """A new Future holding callback(self)'s result (or its exception)."""
@@ -426,7 +454,9 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    call = _shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout))
+    return _result(_c_wait(call.wait))
 
 
 class RRef:
@@ -438,7 +468,7 @@ class RRef:
         self._r = _c
 
     def to_here(self, timeout=UNSET_RPC_TIMEOUT):
-        return _result(self._r.to_here(_timeout_ms(timeout)))
+        return _result(_c_wait(self._r.to_here, _timeout_ms(timeout)))
 
     def local_value(self):
         """The value, on the owner. shmrpc stores an RRef's value pickled in
@@ -447,7 +477,7 @@ class RRef:
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
-        return _result(self._r.to_here(_shmrpc.TIMEOUT_DEFAULT))
+        return _result(_c_wait(self._r.to_here, _shmrpc.TIMEOUT_DEFAULT))
 
     def owner(self):
         return WorkerInfo(self._r.owner_name(), self._r.owner())

@@ -1,0 +1,220 @@
+"""The torch RPC bench from Python, on shmrpc and on torch.distributed.rpc in
+the same run: one measurement function, run once between two processes with
+torch.distributed.rpc (TensorPipe backend, spawned here) and once as a
+two-worker shmrpc job (shmrun runs this file again with --worker). Prints
+
+  BENCH py_rpc_sync median_ns= p99_ns= vs_torch_rpc=
+  BENCH py_rpc_async calls_per_s= vs_torch_rpc=
+  BENCH py_remote_to_here median_ns= vs_torch_rpc=
+  BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_torch_rpc=
+  BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
+
+with shmrpc's figures; vs_torch_rpc is shmrpc/torch for times and
+torch/shmrpc for the throughput, so lower is better on every line. The
+tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
+hands over the same bytes, so the echo should take as long for 1 GiB as for
+1 KiB (ratio_1GiB_vs_1KiB near 1). Without torch, shmrpc's figures alone
+(numpy arrays for the echo); torch's 1 GiB echo is skipped when the machine
+has too little memory for its copies.
+
+Run by bench/run.sh with Debian's /usr/bin/python3; the shmrpc build is
+$SHMRPC_BUILD (default build), its package in $SHMRPC_BUILD/python.
+-q: fewer repetitions.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SIZES = [(1 << 10, "1KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB"), (1 << 30, "1GiB")]
+# torch's 1 GiB echo holds the caller's tensor, the callee's copy and the
+# reply's copy at once, beside TensorPipe's buffers: ask for room to spare.
+TORCH_1GIB_NEEDS = 8 << 30
+POOL = "3G"  # shmrpc's pool: the 1 GiB tensor, its echo is the same block
+
+
+def nothing():
+    return None
+
+
+def echo(x):
+    return x
+
+
+def timed(op, n, budget_ns=0):
+    """Timings of op() in ns, sorted: n of them after n/10 (at most 100)
+    untimed ones. With a budget, fewer once the time spent passes it (one
+    untimed and one timed at least): torch's large echoes take seconds a
+    call, shmrpc's do not, and both get as many as fit."""
+    end = time.perf_counter_ns() + budget_ns if budget_ns else None
+    for i in range(min(100, max(1, n // 10))):
+        if i and end and time.perf_counter_ns() > end:
+            break
+        op()
+    samples = []
+    while len(samples) < n and not (samples and end and time.perf_counter_ns() > end):
+        t0 = time.perf_counter_ns()
+        op()
+        samples.append(time.perf_counter_ns() - t0)
+    samples.sort()
+    return samples
+
+
+def measure(rpc, alloc, sizes, quick):
+    """The figures of rank 0 calling rank 1 ("w1"), as a dict for JSON.
+    alloc(nbytes) makes the tensor to echo."""
+    fig = {}
+    s = timed(lambda: rpc.rpc_sync("w1", nothing), 300 if quick else 2000)
+    fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
+
+    # Pipelined: every call in flight before the first wait.
+    calls = 1000 if quick else 5000
+    for f in [rpc.rpc_async("w1", nothing) for _ in range(100)]:
+        f.wait()
+    t0 = time.perf_counter_ns()
+    futs = [rpc.rpc_async("w1", nothing) for _ in range(calls)]
+    for f in futs:
+        f.wait()
+    fig["async"] = calls * 1e9 / (time.perf_counter_ns() - t0)
+    del futs
+
+    s = timed(lambda: rpc.remote("w1", nothing).to_here(), 200 if quick else 1000)
+    fig["remote"] = s[len(s) // 2]
+
+    fig["echo"] = {}
+    for size, label in sizes:
+        t = alloc(size)
+        t[:] = 1  # real pages, not the zero page
+        s = timed(lambda: rpc.rpc_sync("w1", echo, args=(t,)), 60 if quick else 300,
+                  (500 if quick else 1500) * 1000000)
+        fig["echo"][label] = s[len(s) // 2]
+        del t
+    return fig
+
+
+def write_figures(path, fig):
+    with open(path, "w") as f:
+        json.dump(fig, f)
+
+
+def torch_worker(rank, port, quick, sizes, out):
+    import torch
+    import torch.distributed.rpc as rpc
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=600)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        write_figures(out, measure(rpc, lambda n: torch.empty(n, dtype=torch.uint8), sizes, quick))
+    rpc.shutdown()
+
+
+def shmrpc_worker(quick, out):
+    """Under shmrun: rank 0 measures, rank 1 serves."""
+    import shmrpc as rpc
+
+    try:
+        import torch  # noqa: F401 (only whether it is there)
+        like = "torch"
+    except ImportError:
+        like = "numpy"
+    rank = int(os.environ["SHMRPC_RANK"])
+    rpc.init_rpc(f"w{rank}")
+    if rank == 0:
+        write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick))
+    rpc.shutdown()
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(quick, out):
+    """torch's figures, or None without torch."""
+    try:
+        import torch.multiprocessing as mp
+    except ImportError:
+        print("python_rpc: torch is not importable: shmrpc's figures alone", file=sys.stderr)
+        return None
+    sizes = SIZES
+    if mem_available() < TORCH_1GIB_NEEDS:
+        print("python_rpc: too little memory for torch's 1 GiB echo: shmrpc's alone",
+              file=sys.stderr)
+        sizes = SIZES[:-1]
+    mp.spawn(torch_worker, args=(free_port(), quick, sizes, out), nprocs=2, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def run_shmrpc(build, quick, out):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(build, "python") + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", POOL, "--quiet",
+           "--timeout", "600", "--", sys.executable, os.path.abspath(__file__), "--worker", out]
+    if quick:
+        cmd.append("-q")
+    subprocess.run(cmd, env=env, check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def line(name, fields, num, den):
+    """A BENCH line, with vs_torch_rpc=num/den when torch measured it (0
+    stands for not measured)."""
+    text = f"BENCH {name} " + " ".join(f"{k}={v}" for k, v in fields)
+    if num and den:
+        text += f" vs_torch_rpc={num / den:.3g}"
+    print(text, flush=True)
+
+
+def main():
+    quick = "-q" in sys.argv
+    if "--worker" in sys.argv:
+        shmrpc_worker(quick, sys.argv[sys.argv.index("--worker") + 1])
+        return 0
+    build = os.environ.get("SHMRPC_BUILD", "build")
+    if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
+        print(f"python_rpc: no shmrpc Python package in {build}/python (make needs "
+              "python3-dev): skipped", file=sys.stderr)
+        return 0
+    try:
+        import numpy  # noqa: F401 (shmrpc makes its pool arrays with it)
+    except ImportError:
+        print("python_rpc: numpy is not importable (make bench-deps installs it): skipped",
+              file=sys.stderr)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="shmrpc-py-bench.") as tmp:
+        theirs = run_torch(quick, os.path.join(tmp, "torch.json"))
+        ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
+    t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}}
+
+    med, p99 = ours["sync"]
+    line("py_rpc_sync", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
+    # A throughput: torch's over ours, so that lower is better here too.
+    line("py_rpc_async", [("calls_per_s", f"{ours['async']:.0f}")], t["async"], ours["async"])
+    line("py_remote_to_here", [("median_ns", ours["remote"])], ours["remote"], t["remote"])
+    for _, label in SIZES:
+        med = ours["echo"][label]
+        line("py_tensor_echo", [("size", label), ("median_ns", med)], med, t["echo"].get(label))
+    ratio = ours["echo"]["1GiB"] / ours["echo"]["1KiB"]
+    print(f"BENCH py_tensor_echo ratio_1GiB_vs_1KiB={ratio:.3g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
