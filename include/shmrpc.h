@@ -249,6 +249,33 @@ SHMRPC_API int shmrpc_rref_rpc_async(shmrpc_rref *r, const char *fn, const shmrp
 SHMRPC_API int shmrpc_rref_remote(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
 				  uint32_t nargs, int64_t timeout_ms, shmrpc_rref **out);
 
+/* ---- Profiling ----------------------------------------------------------
+ *
+ * While on, this process's calls go out as RUN_WITH_PROFILING_REQ: each is
+ * recorded under torch's key "rpc_sync#fn(caller -> callee)" (rpc_async,
+ * rpc_remote), with what the callee ran recorded beneath it
+ * ("KEY#remote_op: fn"). Times are CLOCK_MONOTONIC ns, the same clock in
+ * every worker.
+ */
+typedef struct shmrpc_profile shmrpc_profile;
+struct shmrpc_profile_event {
+	const char *name;
+	int rank;   /* the worker where it happened */
+	int parent; /* index of the call it belongs to, -1 for a call */
+	uint64_t start_ns, end_ns;
+};
+/* Starts recording (what a previous start recorded is dropped). */
+SHMRPC_API int shmrpc_profile_start(void);
+/* Stops, and gives what was recorded (free with shmrpc_profile_free). */
+SHMRPC_API int shmrpc_profile_stop(shmrpc_profile **out);
+SHMRPC_API uint32_t shmrpc_profile_count(const shmrpc_profile *p);
+SHMRPC_API const struct shmrpc_profile_event *shmrpc_profile_event(const shmrpc_profile *p,
+								     uint32_t i);
+/* A Chrome trace-event JSON file (Perfetto, chrome://tracing): a process
+ * per worker, a flow from each call to what its callee ran. */
+SHMRPC_API int shmrpc_profile_export_chrome(const shmrpc_profile *p, const char *path);
+SHMRPC_API void shmrpc_profile_free(shmrpc_profile *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -25,6 +25,7 @@
 
 #include "shmrpc.h"
 #include "worker/executor.h"
+#include "worker/profile.h"
 #include "worker/python.h"
 
 static PyObject *handler; /* the Python handler; owned */
@@ -661,38 +662,44 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 	return rc ? fail(rc) : Py_BuildValue("(si)", wi.name, wi.rank);
 }
 
-/* call(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> Future */
+/* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None)
+ * -> Future; kind and fn name it for the profiler. */
 static PyObject *mod_call(PyObject *m, PyObject *args)
 {
 	shmrpc_future *f = NULL;
 	struct python_msg msg;
 	PyObject *pickled, *rrefs, *tensors;
+	const char *kind = NULL, *fn = NULL;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL", &dst, &pickled, &rrefs, &tensors, &timeout) ||
+	if (!PyArg_ParseTuple(args, "iSOOL|zz", &dst, &pickled, &rrefs, &tensors, &timeout, &kind,
+			      &fn) ||
 	    msg_from_py(pickled, rrefs, tensors, &msg))
 		return NULL;
+	profile_name_next(kind, fn);
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_rpc_async(dst, &msg, (int64_t)timeout, &f);
 	msg_free(&msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
-/* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef */
+/* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None) -> RRef */
 static PyObject *mod_remote(PyObject *m, PyObject *args)
 {
 	shmrpc_rref *r = NULL;
 	struct python_msg msg;
 	PyObject *pickled, *rrefs, *tensors;
+	const char *fn = NULL;
 	long long timeout;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL", &dst, &pickled, &rrefs, &tensors, &timeout) ||
+	if (!PyArg_ParseTuple(args, "iSOOL|z", &dst, &pickled, &rrefs, &tensors, &timeout, &fn) ||
 	    msg_from_py(pickled, rrefs, tensors, &msg))
 		return NULL;
+	profile_name_next("rpc_remote", fn);
 	rc = python_remote(dst, &msg, (int64_t)timeout, &r);
 	msg_free(&msg);
 	return rc ? fail(rc) : rref_wrap(r);
@@ -784,6 +791,39 @@ static PyObject *mod_help_once(PyObject *m, PyObject *unused)
 	return PyBool_FromLong(ran);
 }
 
+static PyObject *mod_profile_start(PyObject *m, PyObject *unused)
+{
+	(void)m, (void)unused;
+	shmrpc_profile_start();
+	return new_ref(Py_None);
+}
+
+/* profile_stop() -> [(name, rank, parent, start_ns, end_ns), ...] */
+static PyObject *mod_profile_stop(PyObject *m, PyObject *unused)
+{
+	shmrpc_profile *p;
+	PyObject *list;
+	int rc;
+
+	(void)m, (void)unused;
+	if ((rc = shmrpc_profile_stop(&p)))
+		return fail(rc);
+	list = PyList_New(shmrpc_profile_count(p));
+	for (uint32_t i = 0; list && i < shmrpc_profile_count(p); i++) {
+		const struct shmrpc_profile_event *e = shmrpc_profile_event(p, i);
+		PyObject *t = Py_BuildValue("(siiKK)", e->name, e->rank, e->parent,
+					    (unsigned long long)e->start_ns,
+					    (unsigned long long)e->end_ns);
+
+		if (!t)
+			Py_CLEAR(list);
+		else
+			PyList_SetItem(list, i, t);
+	}
+	shmrpc_profile_free(p);
+	return list;
+}
+
 static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 {
 	(void)m, (void)unused;
@@ -792,6 +832,8 @@ static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 
 static PyMethodDef mod_methods[] = {
 	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
+	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
+	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
 	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms): shmrpc_init" },
 	{ "shutdown", mod_shutdown, METH_VARARGS, "shutdown(graceful, timeout_ms)" },

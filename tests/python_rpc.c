@@ -27,6 +27,7 @@ static const struct {
 	{ "rpc_basic", "64M" },
 	{ "tensors", "1G" }, /* two 256 MiB arrays */
 	{ "futures", "64M" },
+	{ "profiling", "64M" },
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */

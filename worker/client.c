@@ -13,6 +13,7 @@
 #include "worker/agent.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/profile.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
@@ -96,12 +97,25 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 		     const void *payload, size_t len)
 {
 	shmrpc_future *f = pending_take(msg_id, src);
+	struct arena pa = { 0 };
 
 	/* The callee has its own references to our arguments' tensors now. */
 	pins_release(src, msg_id, PIN_REQUEST);
 	if (!f) {
 		count(&ag->self->late_replies, 1);
 		return;
+	}
+	if (type == MSG_RUN_WITH_PROFILING_RESP) {
+		shmrpc_value events;
+
+		if (profile_unwrap(payload, len, &pa, &type, &payload, &len, &events)) {
+			type = MSG_EXCEPTION; /* decoded below as malformed */
+			len = 0;
+		} else if (f->profile_key) {
+			profile_call_done(f->profile_key, ag->rank, f->sent_ns, &events);
+		}
+	} else if (f->profile_key && type == MSG_EXCEPTION) {
+		profile_call_done(f->profile_key, ag->rank, f->sent_ns, &(shmrpc_value){ 0 });
 	}
 	if (type == MSG_EXCEPTION) {
 		struct arena a = { 0 };
@@ -119,6 +133,7 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 	} else if (future_complete_packed(f, payload, len)) {
 		server_ack_tensors(ag, src, msg_id);
 	}
+	arena_free(&pa);
 	settled(ag, f);
 }
 
@@ -231,15 +246,44 @@ int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *
 	return value_pack(&pk, &list, sent);
 }
 
+/* The request in sb becomes RUN_WITH_PROFILING_REQ [type, payload], and f
+ * remembers the call's key and when it went. */
+static int profile_wrap(struct agent *ag, int dst, const char *kind, const char *fn,
+			shmrpc_future *f, uint16_t *type, msgpack_sbuffer *sb)
+{
+	char me[SHM_NAME_MAX], peer[SHM_NAME_MAX], key[320];
+	msgpack_sbuffer wrapped;
+	int rc;
+
+	agent_peer_name(ag, ag->rank, me, sizeof(me));
+	agent_peer_name(ag, (uint32_t)dst, peer, sizeof(peer));
+	profile_key(kind, fn, me, peer, key, sizeof(key));
+	msgpack_sbuffer_init(&wrapped);
+	rc = profile_wrap_request(*type, sb->data, sb->size, &wrapped);
+	if (rc == 0 && !(f->profile_key = strdup(key)))
+		rc = shmrpc__fail(-ENOMEM, "out of memory profiling a call");
+	if (rc) {
+		msgpack_sbuffer_destroy(&wrapped);
+		return rc;
+	}
+	msgpack_sbuffer_destroy(sb);
+	*sb = wrapped; /* the caller destroys it */
+	*type = MSG_RUN_WITH_PROFILING_REQ;
+	f->sent_ns = shmrpc_now_ns();
+	return 0;
+}
+
 int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
 		   struct tensor_list *sent, int64_t timeout_ms, const char *what,
 		   shmrpc_future **out)
 {
 	shmrpc_future *f = NULL;
+	const char *kind, *name;
 	char why[256];
 	int rc;
 
 	*out = NULL;
+	profile_take_names(&kind, &name);
 	if (dst < 0 || (uint32_t)dst >= ag->world)
 		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
 				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);
@@ -266,6 +310,13 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	/* The arguments' tensors stay alive until the callee holds them. */
 	rc = sent->n ? pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, sent) : 0;
 	if (rc) {
+		rref_uncharge(ag, sent, (uint32_t)dst);
+		tensor_list_forget(sent);
+		future_unref(f);
+		return rc;
+	}
+	if (profile_on() && (rc = profile_wrap(ag, dst, kind, name, f, &type, sb))) {
+		pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
 		rref_uncharge(ag, sent, (uint32_t)dst);
 		tensor_list_forget(sent);
 		future_unref(f);
@@ -318,6 +369,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 	msgpack_sbuffer_init(&sb);
 	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
 	snprintf(what, sizeof(what), "call %.256s()", fn);
+	profile_name_next("rpc_async", fn);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
@@ -335,6 +387,7 @@ int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t 
 	if (!out)
 		return shmrpc__fail(-EINVAL, "shmrpc_rpc_sync: out must be given");
 	*out = NULL;
+	profile_name_next("rpc_sync", NULL);
 	rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
 	return rc ? rc : client_sync_wait(f, out);
 }

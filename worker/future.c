@@ -50,6 +50,7 @@ void future_unref(shmrpc_future *f)
 	free(f->errmsg);
 	free(f->errtype);
 	free(f->backtrace);
+	free(f->profile_key);
 	pthread_mutex_destroy(&f->lock);
 	pthread_cond_destroy(&f->cond);
 	free(f);

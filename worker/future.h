@@ -41,6 +41,8 @@ struct shmrpc_future {
 	uint32_t dst;
 	uint64_t deadline_ns; /* 0: none */
 	int64_t timeout_ms;
+	char *profile_key;      /* profiled call: its key (malloc); NULL otherwise */
+	uint64_t sent_ns;       /* profiled call: when it went */
 	struct shmrpc_future *hnext; /* pending table chain */
 };
 

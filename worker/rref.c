@@ -11,6 +11,7 @@
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/profile.h"
 #include "worker/python.h"
 #include "worker/rref.h"
 #include "worker/value.h"
@@ -798,6 +799,7 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 		rc = py ? value_pack(&pk, py, &sent)
 			: client_encode_call(&sb, fn, args, nargs, flags, &sent);
 	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
+	profile_name_next("rpc_remote", py ? NULL : fn);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
@@ -871,6 +873,7 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 		msgpack_sbuffer_init(&sb);
 		rc = client_encode_call(&sb, fn, all, nargs + 1, CALL_F_PROXY, &sent);
 		snprintf(what, sizeof(what), "call %.256s() through an RRef", fn);
+		profile_name_next(kind == PROXY_SYNC ? "rpc_sync" : "rpc_async", fn);
 		if (rc)
 			tensor_list_forget(&sent);
 		else

@@ -16,6 +16,7 @@
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
+#include "worker/profile.h"
 #include "worker/python.h"
 #include "worker/registry.h"
 #include "worker/rref.h"
@@ -28,6 +29,7 @@ struct request_job {
 	uint32_t src;
 	uint16_t type;
 	uint64_t msg_id;
+	struct profile_events *profile; /* a profiled request's events; NULL otherwise */
 	size_t len;
 	uint8_t payload[];
 };
@@ -40,6 +42,7 @@ struct shmrpc_call {
 	char errmsg[768];
 	char *backtrace;
 	bool failed;
+	struct profile_events *profile; /* time the function into it, if set */
 };
 
 static void count(_Atomic uint64_t *c, int64_t delta)
@@ -51,7 +54,22 @@ static void count(_Atomic uint64_t *c, int64_t delta)
 static void send_reply(struct request_job *rq, uint16_t type, const void *buf, size_t len)
 {
 	struct agent *ag = rq->ag;
+	msgpack_sbuffer wrapped;
 	int rc;
+
+	if (rq->profile && type != MSG_EXCEPTION) {
+		/* RUN_WITH_PROFILING_RESP [type, reply, events]. An error goes
+		 * bare, without events (as torch's); so does a reply whose
+		 * wrapper cannot be made (the profile misses its events). */
+		msgpack_sbuffer_init(&wrapped);
+		if (profile_wrap_reply(type, buf, len, rq->profile, ag->rank, &wrapped) == 0) {
+			rq->profile = NULL;
+			send_reply(rq, MSG_RUN_WITH_PROFILING_RESP, wrapped.data, wrapped.size);
+			msgpack_sbuffer_destroy(&wrapped);
+			return;
+		}
+		msgpack_sbuffer_destroy(&wrapped);
+	}
 
 	if (rq->src == ag->rank) {
 		client_complete_local(ag, type, rq->msg_id, buf, len);
@@ -273,12 +291,16 @@ static void reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 		    const char **fn, shmrpc_value *result)
 {
+	uint64_t start = call->profile ? shmrpc_now_ns() : 0;
+
 	if (type == MSG_PYTHON_CALL || type == MSG_PYTHON_REMOTE_CALL) {
-		*fn = "a Python function";
+		*fn = "python";
 		run_python(call, type, buf, len, result);
 	} else {
 		run_call(call, type, buf, len, fn, result);
 	}
+	if (call->profile)
+		profile_events_add(call->profile, *fn, start, shmrpc_now_ns());
 }
 
 static void run_script_call(struct request_job *rq, shmrpc_call *call)
@@ -395,6 +417,8 @@ static void run_rref_delete(struct request_job *rq, shmrpc_call *call)
 	send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
 }
 
+static void dispatch(struct request_job *rq, shmrpc_call *call);
+
 static void run_request(struct job *j)
 {
 	struct request_job *rq = (struct request_job *)j;
@@ -403,20 +427,63 @@ static void run_request(struct job *j)
 
 	count(&ag->self->num_pending_futures, -1);
 	count(&ag->self->server_active_calls, 1);
+	dispatch(rq, &call);
+	count(&ag->self->server_active_calls, -1);
+	count(&ag->self->calls_served, 1);
+	arena_free(&call.arena);
+	tensor_list_free(&call.tensors);
+	free(call.backtrace);
+	free(rq);
+}
+
+/* RUN_WITH_PROFILING_REQ: the wrapped request, run as itself with its
+ * function timed; send_reply wraps its reply with the events. */
+static void run_profiled(struct request_job *rq, shmrpc_call *call)
+{
+	struct profile_events events = { 0 };
+	struct request_job *inner;
+	const void *buf;
+	size_t len;
+	uint16_t type;
+	shmrpc_value none;
+
+	if (profile_unwrap(rq->payload, rq->len, &call->arena, &type, &buf, &len, &none) ||
+	    type == MSG_RUN_WITH_PROFILING_REQ || !worker_msg_is_request(type)) {
+		reply_exception(rq, "RuntimeError", "a malformed RUN_WITH_PROFILING_REQ came in", NULL);
+		return;
+	}
+	if (!(inner = malloc(sizeof(*inner) + len))) {
+		reply_exception(rq, "RuntimeError", "out of memory running a profiled request", NULL);
+		return;
+	}
+	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len };
+	memcpy(inner->payload, buf, len);
+	call->profile = &events;
+	dispatch(inner, call);
+	call->profile = NULL;
+	profile_events_free(&events);
+	free(inner);
+}
+
+static void dispatch(struct request_job *rq, shmrpc_call *call)
+{
 	switch (rq->type) {
 	case MSG_SCRIPT_CALL:
 	case MSG_PYTHON_CALL:
-		run_script_call(rq, &call);
+		run_script_call(rq, call);
 		break;
 	case MSG_SCRIPT_REMOTE_CALL:
 	case MSG_PYTHON_REMOTE_CALL:
-		run_remote_call(rq, &call);
+		run_remote_call(rq, call);
 		break;
 	case MSG_SCRIPT_RREF_FETCH_CALL:
-		run_rref_fetch(rq, &call);
+		run_rref_fetch(rq, call);
 		break;
 	case MSG_RREF_USER_DELETE:
-		run_rref_delete(rq, &call);
+		run_rref_delete(rq, call);
+		break;
+	case MSG_RUN_WITH_PROFILING_REQ:
+		run_profiled(rq, call);
 		break;
 	default: {
 		char msg[128];
@@ -429,12 +496,6 @@ static void run_request(struct job *j)
 		reply_exception(rq, "RuntimeError", msg, NULL);
 	}
 	}
-	count(&ag->self->server_active_calls, -1);
-	count(&ag->self->calls_served, 1);
-	arena_free(&call.arena);
-	tensor_list_free(&call.tensors);
-	free(call.backtrace);
-	free(rq);
 }
 
 struct ack_job {
@@ -485,7 +546,7 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 			ag->rank, src);
 		return;
 	}
-	*rq = (struct request_job){ { NULL, run_request }, ag, src, type, msg_id, len };
+	*rq = (struct request_job){ { NULL, run_request }, ag, src, type, msg_id, NULL, len };
 	memcpy(rq->payload, payload, len);
 	count(&ag->self->num_pending_futures, 1);
 	executor_submit(&rq->base);

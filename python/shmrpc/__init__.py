@@ -14,6 +14,7 @@ import threading
 import traceback
 
 from . import _shmrpc
+from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
 
 __all__ = [
     "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
@@ -448,14 +449,20 @@ def _pack_call(func, args, kwargs):
     return _dumps((func, tuple(args or ()), dict(kwargs or {})))
 
 
+def _func_name(func):
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     data, rrefs, tensors = _pack_call(func, args, kwargs)
-    return Future(_c=_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
+    return Future(_c=_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout),
+                                  "rpc_async", _func_name(func)))
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     data, rrefs, tensors = _pack_call(func, args, kwargs)
-    call = _shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout))
+    call = _shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout), "rpc_sync",
+                        _func_name(func))
     return _result(_c_wait(call.wait))
 
 
@@ -530,4 +537,5 @@ class _Proxy:
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     data, rrefs, tensors = _pack_call(func, args, kwargs)
-    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout)))
+    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout),
+                                  _func_name(func)))

@@ -1,0 +1,52 @@
+"""RPC profiling from Python (run by tests/python_rpc.c): the keys of
+rpc_sync, rpc_async and remote, the callee's events beneath them, and the
+Chrome trace (valid JSON with the events and their flows)."""
+import json
+import os
+import sys
+import tempfile
+
+import shmrpc as rpc
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+
+
+def add(a, b):
+    return a + b
+
+
+def main():
+    rank = int(os.environ["SHMRPC_RANK"])
+    rpc.init_rpc(f"worker{rank}")
+    if rank == 0:
+        with rpc.profiler.profile() as prof:
+            rpc.rpc_sync("worker1", add, args=(1, 2))
+            rpc.rpc_async("worker1", add, args=(1, 2)).wait()
+            rpc.remote("worker1", add, args=(1, 2)).to_here()
+        names = [e.name for e in prof.function_events]
+        for kind in ("rpc_sync", "rpc_async", "rpc_remote"):
+            key = f"{kind}#add(worker0 -> worker1)"
+            check(key in names, f"{key} in {names}")
+            remote = [e for e in prof.function_events if e.name == f"{key}#remote_op: python"]
+            check(len(remote) == 1 and remote[0].node_id == 1 and remote[0].parent.name == key,
+                  f"the remote event of {key}")
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+        check(sum(e["ph"] == "X" for e in trace) == len(names), "complete events in the trace")
+        check(sum(e["ph"] == "f" for e in trace) == 3, "flows in the trace")
+    rpc.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

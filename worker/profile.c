@@ -1,0 +1,282 @@
+/* RPC profiling; see profile.h. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "worker/profile.h"
+#include "worker/value.h"
+
+struct shmrpc_profile {
+	uint32_t n, cap;
+	struct shmrpc_profile_event *ev;
+};
+
+static struct {
+	pthread_mutex_t lock;
+	_Atomic bool on; /* relaxed: a switch; the events are under the lock */
+	struct shmrpc_profile rec;
+} prof = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static _Thread_local const char *next_kind;
+static _Thread_local const char *next_fn;
+
+bool profile_on(void)
+{
+	return atomic_load_explicit(&prof.on, memory_order_relaxed);
+}
+
+void profile_name_next(const char *kind, const char *fn)
+{
+	if (kind && !next_kind) /* the outermost caller names the kind */
+		next_kind = kind;
+	if (fn)
+		next_fn = fn;
+}
+
+void profile_take_names(const char **kind, const char **fn)
+{
+	*kind = next_kind;
+	*fn = next_fn;
+	next_kind = next_fn = NULL;
+}
+
+void profile_key(const char *kind, const char *fn, const char *caller, const char *callee,
+		 char *buf, size_t len)
+{
+	snprintf(buf, len, "%s#%s(%s -> %s)", kind ? kind : "rpc_async", fn ? fn : "?", caller,
+		 callee);
+}
+
+static void events_free(struct shmrpc_profile *p)
+{
+	for (uint32_t i = 0; i < p->n; i++)
+		free((char *)p->ev[i].name);
+	free(p->ev);
+	*p = (struct shmrpc_profile){ 0 };
+}
+
+int32_t profile_record(const char *name, uint32_t rank, uint64_t start_ns, uint64_t end_ns,
+		       int32_t parent)
+{
+	struct shmrpc_profile *p = &prof.rec;
+	int32_t at = -1;
+	char *copy = strdup(name);
+
+	pthread_mutex_lock(&prof.lock);
+	if (copy && p->n == p->cap) {
+		uint32_t cap = p->cap ? 2 * p->cap : 64;
+		struct shmrpc_profile_event *n = realloc(p->ev, cap * sizeof(*n));
+
+		if (n) {
+			p->ev = n;
+			p->cap = cap;
+		}
+	}
+	if (copy && p->n < p->cap && p->n < INT32_MAX) {
+		at = (int32_t)p->n++;
+		p->ev[at] = (struct shmrpc_profile_event){ copy, (int)rank, parent, start_ns, end_ns };
+		copy = NULL;
+	}
+	pthread_mutex_unlock(&prof.lock);
+	free(copy); /* out of memory: the event is lost, the call is not */
+	return at;
+}
+
+int profile_wrap_request(uint16_t type, const void *buf, size_t len, msgpack_sbuffer *out)
+{
+	msgpack_packer pk;
+
+	msgpack_packer_init(&pk, out, msgpack_sbuffer_write);
+	if (len > UINT32_MAX || msgpack_pack_array(&pk, 2) || msgpack_pack_uint16(&pk, type) ||
+	    msgpack_pack_bin_with_body(&pk, buf, len))
+		return shmrpc__fail(-ENOMEM, "out of memory wrapping a profiled request");
+	return 0;
+}
+
+int profile_unwrap(const void *buf, size_t len, struct arena *a, uint16_t *type, const void **inner,
+		   size_t *inner_len, shmrpc_value *events)
+{
+	const shmrpc_value *it;
+	shmrpc_value v;
+	size_t used;
+
+	if (value_unpack(buf, len, a, &v, &used, NULL) || used != len || v.type != SHMRPC_LIST ||
+	    (v.len != 2 && v.len != 3) || (it = v.u.items)[0].type != SHMRPC_INT ||
+	    it[0].u.i <= 0 || it[0].u.i > UINT16_MAX || it[1].type != SHMRPC_BYTES ||
+	    (v.len == 3 && it[2].type != SHMRPC_LIST))
+		return shmrpc__fail(-EBADMSG, "a malformed profiling wrapper came in");
+	*type = (uint16_t)it[0].u.i;
+	*inner = it[1].u.p;
+	*inner_len = it[1].len;
+	*events = v.len == 3 ? it[2] : shmrpc_nil();
+	return 0;
+}
+
+void profile_events_add(struct profile_events *pe, const char *name, uint64_t start_ns,
+			uint64_t end_ns)
+{
+	if (pe->n == pe->cap) {
+		uint32_t cap = pe->cap ? 2 * pe->cap : 4;
+		struct profile_event_rec *n = realloc(pe->ev, cap * sizeof(*n));
+
+		if (!n)
+			return; /* the event is lost, the call is not */
+		pe->ev = n;
+		pe->cap = cap;
+	}
+	snprintf(pe->ev[pe->n].name, sizeof(pe->ev[pe->n].name), "%s", name);
+	pe->ev[pe->n].start_ns = start_ns;
+	pe->ev[pe->n++].end_ns = end_ns;
+}
+
+void profile_events_free(struct profile_events *pe)
+{
+	free(pe->ev);
+	*pe = (struct profile_events){ 0 };
+}
+
+int profile_wrap_reply(uint16_t type, const void *buf, size_t len, const struct profile_events *pe,
+		       uint32_t rank, msgpack_sbuffer *out)
+{
+	msgpack_packer pk;
+	int rc;
+
+	msgpack_packer_init(&pk, out, msgpack_sbuffer_write);
+	rc = len > UINT32_MAX || msgpack_pack_array(&pk, 3) || msgpack_pack_uint16(&pk, type) ||
+	     msgpack_pack_bin_with_body(&pk, buf, len) || msgpack_pack_array(&pk, pe->n);
+	for (uint32_t i = 0; rc == 0 && i < pe->n; i++) {
+		size_t n = strlen(pe->ev[i].name);
+
+		rc = msgpack_pack_array(&pk, 4) || msgpack_pack_str_with_body(&pk, pe->ev[i].name, n) ||
+		     msgpack_pack_uint64(&pk, pe->ev[i].start_ns) ||
+		     msgpack_pack_uint64(&pk, pe->ev[i].end_ns) || msgpack_pack_uint32(&pk, rank);
+	}
+	return rc ? shmrpc__fail(-ENOMEM, "out of memory wrapping a profiled reply") : 0;
+}
+
+void profile_call_done(const char *key, uint32_t rank, uint64_t start_ns, const shmrpc_value *events)
+{
+	struct timespec ts;
+	int32_t parent;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	parent = profile_record(key, rank, start_ns,
+				(uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec, -1);
+	if (events->type != SHMRPC_LIST)
+		return;
+	for (uint32_t i = 0; i < events->len; i++) {
+		const shmrpc_value *e = &events->u.items[i], *f = e->u.items;
+		char name[256];
+
+		/* From the callee: checked like everything received. */
+		if (e->type != SHMRPC_LIST || e->len != 4 || f[0].type != SHMRPC_STR ||
+		    f[1].type != SHMRPC_INT || f[2].type != SHMRPC_INT || f[3].type != SHMRPC_INT ||
+		    f[3].u.i < 0 || f[3].u.i > UINT32_MAX)
+			continue;
+		snprintf(name, sizeof(name), "%s#remote_op: %s", key, f[0].u.s);
+		profile_record(name, (uint32_t)f[3].u.i, (uint64_t)f[1].u.i, (uint64_t)f[2].u.i, parent);
+	}
+}
+
+/* ---- public API ---- */
+
+int shmrpc_profile_start(void)
+{
+	pthread_mutex_lock(&prof.lock);
+	events_free(&prof.rec);
+	atomic_store_explicit(&prof.on, true, memory_order_relaxed);
+	pthread_mutex_unlock(&prof.lock);
+	return 0;
+}
+
+int shmrpc_profile_stop(shmrpc_profile **out)
+{
+	shmrpc_profile *p;
+
+	if (!out)
+		return shmrpc__fail(-EINVAL, "shmrpc_profile_stop: out must be given");
+	if (!(p = calloc(1, sizeof(*p))))
+		return shmrpc__fail(-ENOMEM, "out of memory stopping the profiler");
+	pthread_mutex_lock(&prof.lock);
+	atomic_store_explicit(&prof.on, false, memory_order_relaxed);
+	*p = prof.rec; /* calls still in flight record into a fresh list */
+	prof.rec = (struct shmrpc_profile){ 0 };
+	pthread_mutex_unlock(&prof.lock);
+	*out = p;
+	return 0;
+}
+
+uint32_t shmrpc_profile_count(const shmrpc_profile *p)
+{
+	return p ? p->n : 0;
+}
+
+const struct shmrpc_profile_event *shmrpc_profile_event(const shmrpc_profile *p, uint32_t i)
+{
+	return p && i < p->n ? &p->ev[i] : NULL;
+}
+
+void shmrpc_profile_free(shmrpc_profile *p)
+{
+	if (p) {
+		events_free(p);
+		free(p);
+	}
+}
+
+/* name as a JSON string body. */
+static void json_str(FILE *f, const char *s)
+{
+	for (; *s; s++) {
+		unsigned char c = (unsigned char)*s;
+
+		if (c == '"' || c == '\\')
+			fprintf(f, "\\%c", c);
+		else if (c < 0x20)
+			fprintf(f, "\\u%04x", c);
+		else
+			fputc(c, f);
+	}
+}
+
+int shmrpc_profile_export_chrome(const shmrpc_profile *p, const char *path)
+{
+	FILE *f = path ? fopen(path, "w") : NULL;
+	const char *sep = "";
+
+	if (!f)
+		return shmrpc__fail(-errno ? -errno : -EINVAL, "cannot write the trace to %s: %s",
+				    path ? path : "(null)", strerror(errno));
+	/* Chrome trace events: one process per worker; a flow arrow from
+	 * each call to what its callee ran. */
+	fprintf(f, "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[");
+	for (uint32_t i = 0; p && i < p->n; i++) {
+		const struct shmrpc_profile_event *e = &p->ev[i];
+
+		fprintf(f, "%s\n{\"name\":\"", sep);
+		json_str(f, e->name);
+		fprintf(f, "\",\"cat\":\"rpc\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
+			"\"dur\":%.3f}", e->rank, e->parent < 0 ? 0 : 1, (double)e->start_ns / 1e3,
+			(double)(e->end_ns - e->start_ns) / 1e3);
+		sep = ",";
+		if (e->parent >= 0 && (uint32_t)e->parent < p->n) {
+			const struct shmrpc_profile_event *c = &p->ev[e->parent];
+
+			fprintf(f, ",\n{\"name\":\"rpc\",\"cat\":\"rpc\",\"ph\":\"s\",\"id\":%u,"
+				"\"pid\":%d,\"tid\":0,\"ts\":%.3f}", i, c->rank,
+				(double)c->start_ns / 1e3);
+			fprintf(f, ",\n{\"name\":\"rpc\",\"cat\":\"rpc\",\"ph\":\"f\",\"bp\":\"e\","
+				"\"id\":%u,\"pid\":%d,\"tid\":1,\"ts\":%.3f}", i, e->rank,
+				(double)e->start_ns / 1e3);
+		}
+	}
+	fprintf(f, "\n]}\n");
+	if (fclose(f))
+		return shmrpc__fail(-errno, "cannot write the trace to %s: %s", path, strerror(errno));
+	return 0;
+}
