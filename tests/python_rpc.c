@@ -1,7 +1,8 @@
 /*
- * The Python package's tests: each tests/python/NAME.py runs as a 2-worker
- * job, `shmrun -n 2 -- /usr/bin/python3 tests/python/NAME.py`, with the
- * built package on PYTHONPATH. A script exits 0 when all its checks pass.
+ * The Python package's tests: each tests/python/NAME.py runs as a job of
+ * the workers its entry says, `shmrun -n N -- /usr/bin/python3
+ * tests/python/NAME.py`, with the built package on PYTHONPATH. A script
+ * exits 0 when all its checks pass.
  * Then the compatibility suite (tests/python/compat.py, issue 7): its cases
  * run on shmrpc, and where Debian's torch has torch.distributed.rpc also on
  * torch; the two outputs must be the same but for the known differences
@@ -23,11 +24,13 @@
 static const struct {
 	const char *name;
 	const char *pool_size; /* shmrun --pool-size */
+	const char *workers;   /* shmrun -n */
 } scripts[] = {
-	{ "rpc_basic", "64M" },
-	{ "tensors", "1G" }, /* two 256 MiB arrays */
-	{ "futures", "64M" },
-	{ "profiling", "64M" },
+	{ "rpc_basic", "64M", "2" },
+	{ "tensors", "1G", "2" }, /* two 256 MiB arrays */
+	{ "futures", "64M", "2" },
+	{ "profiling", "64M", "2" },
+	{ "autograd", "64M", "3" }, /* model parallel over 3 workers */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */
@@ -87,8 +90,8 @@ int main(void)
 	setenv("PYTHONPATH", pkg, 1);
 	setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
 	for (size_t i = 0; i < sizeof(scripts) / sizeof(scripts[0]); i++) {
-		const char *argv[] = { tl_shmrun_path(), "-n", "2", "--pool-size", scripts[i].pool_size,
-				       "--", PYTHON, script, NULL };
+		const char *argv[] = { tl_shmrun_path(), "-n", scripts[i].workers, "--pool-size",
+				       scripts[i].pool_size, "--", PYTHON, script, NULL };
 		int rc;
 
 		snprintf(script, sizeof(script), "tests/python/%s.py", scripts[i].name);

@@ -89,6 +89,8 @@ static shmrpc_future *pending_take_if(bool (*pred)(shmrpc_future *, const void *
 /* A call is over: the table's reference goes, and so does the active count. */
 static void settled(struct agent *ag, shmrpc_future *f)
 {
+	if (f->profile_key)
+		profile_call_end();
 	count(&ag->self->client_active_calls, -1);
 	future_unref(f);
 }
@@ -270,6 +272,7 @@ static int profile_wrap(struct agent *ag, int dst, const char *kind, const char 
 	*sb = wrapped; /* the caller destroys it */
 	*type = MSG_RUN_WITH_PROFILING_REQ;
 	f->sent_ns = shmrpc_now_ns();
+	profile_call_begin(); /* ended by settled() */
 	return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "worker/profile.h"
@@ -22,8 +23,22 @@ static struct {
 	struct shmrpc_profile rec;
 } prof = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
+/* Profiled calls in flight. Relaxed: stop polls it; the events it waits
+ * for are recorded under the lock before the count drops. */
+static _Atomic uint32_t in_flight;
+
 static _Thread_local const char *next_kind;
 static _Thread_local const char *next_fn;
+
+void profile_call_begin(void)
+{
+	atomic_fetch_add_explicit(&in_flight, 1, memory_order_relaxed);
+}
+
+void profile_call_end(void)
+{
+	atomic_fetch_sub_explicit(&in_flight, 1, memory_order_relaxed);
+}
 
 bool profile_on(void)
 {
@@ -200,6 +215,10 @@ int shmrpc_profile_stop(shmrpc_profile **out)
 
 	if (!out)
 		return shmrpc__fail(-EINVAL, "shmrpc_profile_stop: out must be given");
+	/* Calls still in flight belong to this profile: wait for them (each
+	 * ends by its reply, its timeout or its callee's death), 1 ms a look. */
+	while (atomic_load_explicit(&in_flight, memory_order_relaxed))
+		usleep(1000);
 	if (!(p = calloc(1, sizeof(*p))))
 		return shmrpc__fail(-ENOMEM, "out of memory stopping the profiler");
 	pthread_mutex_lock(&prof.lock);

@@ -63,6 +63,12 @@ SHMRPC_HIDDEN void profile_events_free(struct profile_events *pe);
 SHMRPC_HIDDEN int profile_wrap_reply(uint16_t type, const void *buf, size_t len,
 				     const struct profile_events *pe, uint32_t rank,
 				     msgpack_sbuffer *out);
+/* A profiled call went out / settled (by a reply, a failure, a timeout or
+ * a death): shmrpc_profile_stop waits for those in flight, so that a call
+ * made while profiling is in the profile even if its reply comes late
+ * (remote()'s does, after to_here() has read the value from the table). */
+SHMRPC_HIDDEN void profile_call_begin(void);
+SHMRPC_HIDDEN void profile_call_end(void);
 /* Records a completed profiled call and the callee's events under it. */
 SHMRPC_HIDDEN void profile_call_done(const char *key, uint32_t rank, uint64_t start_ns,
 				     const shmrpc_value *events);

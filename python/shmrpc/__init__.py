@@ -19,7 +19,7 @@ from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
 __all__ = [
     "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
     "rpc_async", "remote", "RRef", "Future", "RemoteException", "wait_all", "collect_all",
-    "functions",
+    "functions", "autograd",
 ]
 
 UNSET_RPC_TIMEOUT = -1.0  # torch's sentinel: the default timeout
@@ -155,9 +155,7 @@ def _to_pool(kind, obj):
     if kind == "np":
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
-    if obj.requires_grad:
-        raise _not_supported("sending a tensor that requires grad (distributed autograd)")
-    return _shmrpc.from_dlpack(obj.contiguous())
+    return _shmrpc.from_dlpack(obj.detach().contiguous())
 
 
 def _from_pool(kind, t):
@@ -172,7 +170,9 @@ class _Pickler(pickle.Pickler):
     """torch's default RPC pickler: functions by reference. RRefs and
     tensors go beside the pickle (which names them by index): the agent
     forks an RRef (the receiver gets a reference of its own) and hands a
-    tensor over through the pool (the receiver sees the same bytes)."""
+    tensor over through the pool (the receiver sees the same bytes). A
+    tensor that requires grad travels detached, with its autograd metadata
+    (shmrpc.autograd)."""
 
     def __init__(self, buf):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -186,20 +186,26 @@ class _Pickler(pickle.Pickler):
         kind = _tensor_kind(obj)
         if kind:
             self.tensors.append(_to_pool(kind, obj))
+            if kind == "torch" and obj.requires_grad:
+                return (kind, len(self.tensors) - 1, tuple(obj.shape), autograd._sending(obj))
             return (kind, len(self.tensors) - 1, tuple(obj.shape))
         return None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, buf, rrefs, tensors):
+    def __init__(self, buf, rrefs, tensors, grad_mode):
         super().__init__(buf)
         self.rrefs = rrefs
         self.tensors = tensors
+        self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (autograd._received)
 
     def persistent_load(self, pid):
         if pid[0] == "rref":
             return RRef(_c=self.rrefs[pid[1]])
-        return _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
+        t = _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
+        if len(pid) > 3:
+            t = autograd._received(t, pid[3], self.grad_mode)
+        return t
 
 
 # A pickle larger than this travels in the pool (copied in once and out
@@ -221,12 +227,12 @@ def _dumps(obj):
     return data, p.rrefs, p.tensors
 
 
-def _loads(msg):
+def _loads(msg, grad_mode="result"):
     import io
     data, rrefs, tensors = msg
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
-    return _Unpickler(io.BytesIO(data), rrefs, tensors).load()
+    return _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode).load()
 
 
 def empty(shape, dtype="float32", like="numpy"):
@@ -248,26 +254,16 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 
 def _run_function(caller, payload, rrefs, tensors):
-    """Runs a pickled (func, args, kwargs) on an executor thread; returns the
-    pickled result, or a pickled RemoteException."""
+    """Runs a pickled (func, args, kwargs, autograd context id) on an
+    executor thread, inside that context; returns the pickled result (sent
+    from inside the context too), or a pickled RemoteException."""
     try:
         try:
-            func, args, kwargs = _loads((payload, rrefs, tensors))
+            func, args, kwargs, context_id = _loads((payload, rrefs, tensors), "call")
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
-        result = func(*args, **(kwargs or {}))
-        if getattr(func, "_shmrpc_async_execution", False):
-            torch_future = sys.modules.get("torch.futures")
-            if torch_future is not None and isinstance(result, torch_future.Future):
-                result = result.wait()
-            elif not isinstance(result, Future):
-                raise TypeError(
-                    "Functions decorated with @rpc.functions.async_execution must return a "
-                    "torch.futures.Future or shmrpc.Future object, but got "
-                    f"{type(result).__module__}.{type(result).__qualname__}")
-            else:
-                result = result.wait()
-        return _dumps(result)
+        with autograd._running_in(context_id, caller):
+            return _dumps(_call(func, args, kwargs))
     except BaseException as e:  # every error travels back
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
@@ -275,9 +271,24 @@ def _run_function(caller, payload, rrefs, tensors):
         return _dumps(RemoteException(text, type(e)))
 
 
-def _result(msg):
+def _call(func, args, kwargs):
+    """func's result; an async_execution function's Future waited for."""
+    result = func(*args, **(kwargs or {}))
+    if not getattr(func, "_shmrpc_async_execution", False):
+        return result
+    torch_future = sys.modules.get("torch.futures")
+    if not isinstance(result, Future) and not (torch_future is not None
+                                               and isinstance(result, torch_future.Future)):
+        raise TypeError(
+            "Functions decorated with @rpc.functions.async_execution must return a "
+            "torch.futures.Future or shmrpc.Future object, but got "
+            f"{type(result).__module__}.{type(result).__qualname__}")
+    return result.wait()
+
+
+def _result(msg, grad_mode="result"):
     """Unpickles a result; a RemoteException is raised as its own type."""
-    value = _loads(msg)
+    value = _loads(msg, grad_mode)
     if isinstance(value, RemoteException):
         exc_type = value.exception_type
         try:
@@ -443,10 +454,11 @@ class functions:
         return wrapper
 
 
-def _pack_call(func, args, kwargs):
+def _pack_call(func, args, kwargs, dst):
+    """The pickled call to rank dst: it carries the caller's autograd context."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    return _dumps((func, tuple(args or ()), dict(kwargs or {})))
+    return _dumps((func, tuple(args or ()), dict(kwargs or {}), autograd._calling(dst)))
 
 
 def _func_name(func):
@@ -454,14 +466,18 @@ def _func_name(func):
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    data, rrefs, tensors = _pack_call(func, args, kwargs)
-    return Future(_c=_shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout),
-                                  "rpc_async", _func_name(func)))
+    dst = _rank_of(to)
+    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
+    fut = Future(_c=_shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout),
+                                 "rpc_async", _func_name(func)))
+    autograd._called(fut)
+    return fut
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    data, rrefs, tensors = _pack_call(func, args, kwargs)
-    call = _shmrpc.call(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout), "rpc_sync",
+    dst = _rank_of(to)
+    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
+    call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), "rpc_sync",
                         _func_name(func))
     return _result(_c_wait(call.wait))
 
@@ -480,11 +496,18 @@ class RRef:
     def local_value(self):
         """The value, on the owner. shmrpc stores an RRef's value pickled in
         the job's pool: each call returns a fresh copy (torch returns the
-        same object; changes to it are not kept here)."""
+        same object; changes to it are not kept here), but for a tensor
+        that required grad made inside a distributed autograd context that
+        still lives: that is the tensor itself, with its graph."""
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
-        return _result(_c_wait(self._r.to_here, _shmrpc.TIMEOUT_DEFAULT))
+        return _result(_c_wait(self._r.to_here, _shmrpc.TIMEOUT_DEFAULT), "local")
+
+    def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
+        """Distributed backward from the value (a scalar tensor) in the
+        given context, on the owner (shmrpc.autograd.backward there)."""
+        return autograd._rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def owner(self):
         return WorkerInfo(self._r.owner_name(), self._r.owner())
@@ -536,6 +559,10 @@ class _Proxy:
 
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    data, rrefs, tensors = _pack_call(func, args, kwargs)
-    return RRef(_c=_shmrpc.remote(_rank_of(to), data, rrefs, tensors, _timeout_ms(timeout),
+    dst = _rank_of(to)
+    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
+    return RRef(_c=_shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout),
                                   _func_name(func)))
+
+
+from . import autograd  # noqa: E402  (it uses the functions above)

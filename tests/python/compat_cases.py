@@ -451,7 +451,9 @@ def remote_to_here():
 @case
 def remote_owner():
     r = rpc.remote(PEER, add, args=(1, 1))
-    return show((r.owner(), r.owner_name(), r.is_owner(), r.to_here(), r.confirmed_by_owner()))
+    # Not confirmed_by_owner(): torch's answer right after to_here() races
+    # with the owner's acknowledgement.
+    return show((r.owner(), r.owner_name(), r.is_owner(), r.to_here()))
 
 
 @case
@@ -779,8 +781,7 @@ def tensor_rref():
     return show((r.to_here(), r.rpc_sync().sum(), rpc.rpc_sync(PEER, deref, args=(r,))))
 
 
-@case(known="tensors that require grad need distributed autograd, not supported yet (README)",
-      needs_torch=True)
+@case(needs_torch=True)
 def tensor_requires_grad():
     try:
         return show(rpc.rpc_sync(PEER, echo, args=(torch.ones(2, requires_grad=True),)))

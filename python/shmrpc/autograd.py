@@ -1,0 +1,330 @@
+"""Distributed autograd over shmrpc (issue 10): torch.distributed.autograd's
+FAST mode, in Python on top of the package.
+
+    with shmrpc.autograd.context() as cid:
+        loss = rpc.rpc_sync("worker1", layer1, args=(x,)).sum()
+        shmrpc.autograd.backward(cid, [loss])
+        grads = shmrpc.autograd.get_gradients(cid)   # {tensor: gradient} here
+
+Every call made inside a context carries its id; the callee runs the
+function inside the same id (so calls it makes carry it on). A tensor that
+requires grad, sent inside a context (argument or result), is recorded on
+the sender as a "send" (the tensor with its graph, under a send id) and
+travels detached with (context id, sender rank, send id); the receiver
+makes a leaf that requires grad and records it as a "recv". backward()
+computes, on each worker, the gradients of the local graph's leaves: those
+of recv leaves go back to their sender, which continues from the recorded
+send tensors with them (and so on across workers); those of other leaves
+accumulate in the context's gradient table on that worker (not in .grad).
+Leaving the context releases it here and on every worker it reached.
+
+torch sends FORWARD_AUTOGRAD_REQ, BACKWARD_AUTOGRAD_REQ and
+CLEANUP_AUTOGRAD_CONTEXT_REQ messages; here the context id and the send
+ids travel inside the ordinary pickled call (PYTHON_CALL), and backward and
+cleanup are ordinary calls of this module's functions.
+
+Outside a context, a tensor that requires grad arrives as a leaf that
+requires grad, cut from the sender's graph (as torch 1.13 does).
+
+Differences from torch: calls made inside a context carry it even without
+tensors that require grad (torch only propagates it with such tensors);
+the senders' graphs are always retained until the context is left (a
+worker may receive gradients for its sends in several calls), so only the
+graph of the worker that calls backward() honours retain_graph=False;
+leaving a context waits for the rpc_async calls made in it, but not for
+remote() calls still running (one that starts after the context was left
+re-creates it on its worker); tensors that go through the pickle rather
+than the pool (bool, bfloat16, empty) arrive without graph connection.
+"""
+import contextlib
+import itertools
+import threading
+
+from . import _shmrpc
+
+__all__ = ["context", "backward", "get_gradients"]
+
+_tls = threading.local()  # .ctx: the current context (a _Context) of this thread
+_lock = threading.Lock()
+_contexts = {}  # context id -> _Context
+_counter = itertools.count()
+_send_ids = itertools.count()
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("shmrpc.autograd (distributed autograd) needs torch: "
+                          "install python3-torch") from None
+    return torch
+
+
+def _my_rank():
+    return _shmrpc.worker_info(None)[1]
+
+
+class _Context:
+    def __init__(self, cid):
+        self.id = cid
+        self.lock = threading.Lock()
+        self.sends = {}     # send id -> tensor (with its graph)
+        self.recvs = {}     # id(leaf) -> (leaf, sender rank, send id)
+        self.grads = {}     # id(tensor) -> (tensor, accumulated gradient)
+        self.known = set()  # ranks this context reached or came from
+        self.pending = []   # rpc_async futures made in the context
+
+    def accumulate(self, tensor, grad):
+        with self.lock:
+            old = self.grads.get(id(tensor))
+            self.grads[id(tensor)] = (tensor, grad if old is None else old[1] + grad)
+
+
+def _missing(cid):
+    return RuntimeError(f"Could not find autograd context with id: {cid}")
+
+
+def _retrieve(cid):
+    with _lock:
+        ctx = _contexts.get(cid)
+    if ctx is None:
+        raise _missing(cid)
+    return ctx
+
+
+def _get_or_create(cid):
+    with _lock:
+        ctx = _contexts.get(cid)
+        if ctx is None:
+            ctx = _contexts[cid] = _Context(cid)
+        return ctx
+
+
+def _num_contexts():
+    """How many contexts this worker holds (torch: num_autograd_contexts)."""
+    with _lock:
+        return len(_contexts)
+
+
+def _current():
+    return getattr(_tls, "ctx", None)
+
+
+@contextlib.contextmanager
+def _running_in(cid, caller):
+    """On the callee: the function runs inside the caller's context (None:
+    none)."""
+    ctx = None
+    if cid is not None:
+        ctx = _get_or_create(cid)
+        with ctx.lock:
+            ctx.known.add(caller)
+    saved, _tls.ctx = _current(), ctx
+    try:
+        yield
+    finally:
+        _tls.ctx = saved
+
+
+# The package's hooks (shmrpc/__init__.py calls these).
+
+def _calling(dst):
+    """A call to rank dst is being packed: the context id it carries."""
+    ctx = _current()
+    if ctx is None:
+        return None
+    with ctx.lock:
+        ctx.known.add(dst)
+    return ctx.id
+
+
+def _called(fut):
+    """An rpc_async call made in the context: leaving waits for it."""
+    ctx = _current()
+    if ctx is not None:
+        with ctx.lock:
+            ctx.pending.append(fut)
+
+
+def _sending(tensor):
+    """tensor requires grad and is being pickled: its autograd metadata
+    (context id, sender rank, send id), or None outside a context."""
+    ctx = _current()
+    if ctx is None:
+        return None
+    send_id = next(_send_ids)
+    with ctx.lock:
+        ctx.sends[send_id] = tensor
+    return (ctx.id, _my_rank(), send_id)
+
+
+def _received(tensor, meta, mode):
+    """The tensor that arrives for a sent one that required grad. mode:
+    "call" (a callee's arguments: the context is created here if need be),
+    "result" (recorded only while the context lives here) or "local" (the
+    owner reading its RRef: a tensor it sent itself is the sent one, graph
+    and all)."""
+    if meta is not None:
+        cid, sender, send_id = meta
+        if mode == "call":
+            ctx = _get_or_create(cid)
+        else:
+            with _lock:
+                ctx = _contexts.get(cid)
+        if ctx is not None:
+            with ctx.lock:
+                if mode == "local" and sender == _my_rank() and send_id in ctx.sends:
+                    return ctx.sends[send_id]
+                leaf = tensor.requires_grad_(True)
+                ctx.recvs[id(leaf)] = (leaf, sender, send_id)
+                ctx.known.add(sender)
+                return leaf
+    return tensor.requires_grad_(True)
+
+
+# The user's API.
+
+@contextlib.contextmanager
+def context():
+    """A distributed autograd context: yields its id, unique in the job."""
+    _torch()
+    if _current() is not None:
+        raise RuntimeError("Already have an autograd context id for this thread.")
+    cid = (_my_rank() << 48) | next(_counter)
+    ctx = _get_or_create(cid)
+    _tls.ctx = ctx
+    try:
+        yield cid
+    finally:
+        _tls.ctx = None
+        for fut in ctx.pending:
+            try:
+                fut.wait()
+            except Exception:
+                pass  # the caller saw it, or will
+        _release(cid, _my_rank())
+
+
+def _release(cid, caller):
+    """Drops the context here, then on the workers it reached (each drops
+    it once: the first release that finds it passes it on)."""
+    from . import rpc_async
+    with _lock:
+        ctx = _contexts.pop(cid, None)
+    if ctx is None:
+        return
+    me = _my_rank()
+    futs = [rpc_async(w, _release, args=(cid, me)) for w in sorted(ctx.known - {me, caller})]
+    for fut in futs:
+        fut.wait()
+
+
+def _leaves(roots):
+    """The leaves (tensors that require grad and have no grad_fn) that the
+    graphs of roots reach."""
+    leaves, seen, stack = {}, set(), []
+    for r in roots:
+        if r.grad_fn is None:
+            leaves[id(r)] = r
+        else:
+            stack.append(r.grad_fn)
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf's
+        if var is not None:
+            leaves[id(var)] = var
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return list(leaves.values())
+
+
+def _run_backward(ctx, tensors, grad_outputs, retain_graph):
+    """Backward from tensors (with grad_outputs) over this worker's graph;
+    then the gradients of recv leaves go back to their senders."""
+    torch = _torch()
+    from . import rpc_async
+    leaves = _leaves(tensors)
+    if not leaves:
+        return
+    grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
+                                allow_unused=True)
+    back = {}
+    for leaf, grad in zip(leaves, grads):
+        if grad is None:
+            continue
+        with ctx.lock:
+            recv = ctx.recvs.get(id(leaf))
+        if recv is None:
+            ctx.accumulate(leaf, grad)
+        else:
+            back.setdefault(recv[1], []).append((recv[2], grad))
+    saved, _tls.ctx = _current(), ctx
+    try:
+        futs = [rpc_async(w, _backward_from_sends, args=(ctx.id, items))
+                for w, items in back.items()]
+    finally:
+        _tls.ctx = saved
+    errors = []
+    for fut in futs:  # all of them, then the first error
+        try:
+            fut.wait()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _backward_from_sends(cid, items):
+    """On a sender: gradients [(send id, gradient)] for its sends in
+    context cid; the backward goes on from the sent tensors."""
+    ctx = _retrieve(cid)
+    with ctx.lock:
+        tensors = [ctx.sends[send_id] for send_id, _ in items]
+    # Retained: another call may bring gradients for sends that share it.
+    _run_backward(ctx, tensors, [g for _, g in items], retain_graph=True)
+
+
+def backward(context_id, roots, retain_graph=False):
+    """Runs the backward pass from roots (scalars) across every worker the
+    context's forward reached; the gradients accumulate in the context
+    (get_gradients on each worker)."""
+    torch = _torch()
+    ctx = _retrieve(context_id)
+    roots = list(roots)
+    for r in roots:
+        if not isinstance(r, torch.Tensor) or not r.requires_grad:
+            raise RuntimeError("requires_grad not set on root")
+        if r.numel() != 1:
+            raise RuntimeError(f"{r} is not a scalar, all roots need to be scalar")
+    _run_backward(ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)
+
+
+def get_gradients(context_id):
+    """{tensor: gradient} accumulated in the context on this worker."""
+    ctx = _retrieve(context_id)
+    with ctx.lock:
+        return {t: g for t, g in ctx.grads.values()}
+
+
+def _rref_backward_on_owner(rref, context_id, retain_graph):
+    """On the owner: backward from the RRef's value in the context."""
+    torch = _torch()
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    backward(context_id, [value], retain_graph)
+
+
+def _rref_backward(rref, dist_autograd_ctx_id, retain_graph):
+    """RRef.backward: on the owner, or through a call to it."""
+    if dist_autograd_ctx_id == -1:
+        raise NotImplementedError(
+            "RRef.backward without a distributed autograd context is not supported yet by shmrpc: "
+            "an RRef's value is kept pickled (its graph is cut); give dist_autograd_ctx_id")
+    if rref.is_owner():
+        return _rref_backward_on_owner(rref, dist_autograd_ctx_id, retain_graph)
+    from . import rpc_sync
+    return rpc_sync(rref.owner(), _rref_backward_on_owner,
+                    args=(rref, dist_autograd_ctx_id, retain_graph))

@@ -1,0 +1,235 @@
+"""Distributed autograd (issue 10), run by tests/python_rpc.c as a 3-worker
+job. worker0 drives; the gradients that shmrpc.autograd computes across
+workers must equal those of the same model run in one process with plain
+torch autograd. Prints "skip" and exits 0 without torch.
+"""
+import os
+import sys
+
+import shmrpc as rpc
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+
+
+def weights(rows, cols, scale):
+    """Fixed weights, the same in every process, that require grad."""
+    w = torch.linspace(-1.0, 1.0, rows * cols, dtype=torch.float64).reshape(rows, cols) * scale
+    return w.requires_grad_(True)
+
+
+W = {}  # this worker's weights, by name (made at start: worker1 has W1, worker2 W3)
+
+
+def layer1(x):
+    """On worker1: relu(x @ W1)."""
+    return torch.relu(x @ W["W1"])
+
+
+def layer3(x):
+    """On worker2: tanh(x @ W3)."""
+    return torch.tanh(x @ W["W3"])
+
+
+def nested(x):
+    """On worker1: layer1, then layer3 on worker2, inside the caller's context."""
+    return rpc.rpc_sync("worker2", layer3, args=(layer1(x) * 2.0,)) + x.sum()
+
+
+def get_w1():
+    return W["W1"]
+
+
+def double(x):
+    return x * 2.0
+
+
+def loss_of(x):
+    """On worker1: a scalar (for RRef.backward)."""
+    return (layer1(x) ** 2).sum()
+
+
+def info(x):
+    return (x.requires_grad, x.is_leaf)
+
+
+def echo(x):
+    return x
+
+
+if torch is not None:
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("boom in backward")
+
+
+def boom(x):
+    return Boom.apply(x * 3.0)
+
+
+def my_grads(cid):
+    """This worker's gradients in context cid, by weight name."""
+    grads = rpc.autograd.get_gradients(cid)
+    return {name: grads[w] for name, w in W.items() if w in grads}
+
+
+def num_contexts():
+    return rpc.autograd._num_contexts()
+
+
+def close(a, b):
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b)
+
+
+def model_parallel_mlp():
+    x = weights(4, 5, 0.5)
+    w2 = weights(6, 3, 0.7)
+    with rpc.autograd.context() as cid:
+        h = rpc.rpc_sync("worker1", layer1, args=(x,))
+        check(h.requires_grad and h.is_leaf, "a result that requires grad arrives as a leaf")
+        loss = ((h @ w2) ** 2).sum()
+        rpc.autograd.backward(cid, [loss])
+        got = rpc.autograd.get_gradients(cid)
+        remote = rpc.rpc_sync("worker1", my_grads, args=(cid,))
+        check(x.grad is None and w2.grad is None, "gradients go to the context, not .grad")
+    xr, w1r, w2r = weights(4, 5, 0.5), weights(5, 6, 0.3), weights(6, 3, 0.7)
+    ((torch.relu(xr @ w1r) @ w2r) ** 2).sum().backward()
+    check(close(got.get(x), xr.grad), f"MLP: x's gradient {got.get(x)} vs {xr.grad}")
+    check(close(got.get(w2), w2r.grad), "MLP: W2's gradient (local layer)")
+    check(close(remote.get("W1"), w1r.grad), f"MLP: W1's gradient on worker1: {remote}")
+    check(len(got) == 2, f"worker0's table holds x and W2 only: {len(got)} entries")
+
+
+def sent_twice():
+    x = weights(2, 5, 1.0)
+    with rpc.autograd.context() as cid:
+        a = rpc.rpc_sync("worker1", double, args=(x,))
+        b = rpc.rpc_sync("worker1", double, args=(x,))
+        r1 = rpc.rpc_sync("worker1", get_w1)
+        r2 = rpc.rpc_sync("worker1", get_w1)
+        loss = (a + 3.0 * b).sum() + (2.0 * r1 + r2).sum()
+        rpc.autograd.backward(cid, [loss])
+        gx = rpc.autograd.get_gradients(cid).get(x)
+        gw = rpc.rpc_sync("worker1", my_grads, args=(cid,)).get("W1")
+    check(close(gx, torch.full((2, 5), 8.0, dtype=torch.float64)),
+          f"a tensor sent twice: gradients accumulate (2 + 3*2): {gx}")
+    check(close(gw, torch.full((5, 6), 3.0, dtype=torch.float64)),
+          f"a tensor returned twice: gradients accumulate on its owner: {gw}")
+
+
+def nested_rpc_and_retain_graph():
+    x = weights(3, 5, 0.4)
+    with rpc.autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", nested, args=(x,))
+        loss = (y ** 2).sum()
+        rpc.autograd.backward(cid, [loss], retain_graph=True)
+        rpc.autograd.backward(cid, [loss])  # twice: gradients add up
+        gx = rpc.autograd.get_gradients(cid).get(x)
+        g1 = rpc.rpc_sync("worker1", my_grads, args=(cid,)).get("W1")
+        g3 = rpc.rpc_sync("worker2", my_grads, args=(cid,)).get("W3")
+        live = [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (1, 2)]
+        check(live == [1, 1], f"the context reached worker1 and worker2: {live}")
+    xr, w1r, w3r = weights(3, 5, 0.4), weights(5, 6, 0.3), weights(6, 2, 0.8)
+    ((torch.tanh((torch.relu(xr @ w1r) * 2.0) @ w3r) + xr.sum()) ** 2).sum().backward()
+    check(close(gx, 2 * xr.grad), f"nested: x's gradient {gx} vs 2 * {xr.grad}")
+    check(close(g1, 2 * w1r.grad), "nested: W1's gradient on worker1")
+    check(close(g3, 2 * w3r.grad), "nested: W3's gradient on worker2 (reached through worker1)")
+
+
+def rref_backward():
+    x = weights(4, 5, 0.5)
+    with rpc.autograd.context() as cid:
+        rr = rpc.remote("worker1", loss_of, args=(x,))
+        rr.backward(cid)
+        gx = rpc.autograd.get_gradients(cid).get(x)
+        g1 = rpc.rpc_sync("worker1", my_grads, args=(cid,)).get("W1")
+    xr, w1r = weights(4, 5, 0.5), weights(5, 6, 0.3)
+    (torch.relu(xr @ w1r) ** 2).sum().backward()
+    check(close(gx, xr.grad), "RRef.backward: x's gradient on the caller")
+    check(close(g1, w1r.grad), "RRef.backward: W1's gradient on the owner")
+    try:
+        rr.backward()
+        check(False, "RRef.backward without a context raises")
+    except NotImplementedError:
+        pass
+    del rr
+
+
+def errors():
+    x = weights(2, 5, 1.0)
+    with rpc.autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", boom, args=(x,))
+        try:
+            rpc.autograd.backward(cid, [y.sum()])
+            check(False, "an error in backward is raised")
+        except Exception as e:
+            check("boom in backward" in str(e) and "name=worker1" in str(e),
+                  f"an error in backward names worker1: {e!s:.300}")
+        for bad, what in (([x * 2.0], "is not a scalar"),
+                          ([torch.ones(())], "requires_grad not set")):
+            try:
+                rpc.autograd.backward(cid, bad)
+                check(False, f"backward: {what}")
+            except RuntimeError as e:
+                check(what in str(e), f"backward: {what}: {e}")
+        try:
+            with rpc.autograd.context():
+                check(False, "a context inside a context")
+        except RuntimeError as e:
+            check("Already have an autograd context" in str(e), str(e))
+    try:
+        rpc.autograd.backward(cid, [(x * 2.0).sum()])
+        check(False, "backward after the context was left")
+    except RuntimeError as e:
+        check("Could not find autograd context" in str(e), str(e))
+
+
+def outside_context():
+    x = torch.ones(2, requires_grad=True)
+    check(rpc.rpc_sync("worker1", info, args=(x,)) == (True, True),
+          "outside a context a tensor that requires grad arrives as a leaf that requires grad")
+    back = rpc.rpc_sync("worker1", echo, args=(x,))
+    check(back.requires_grad and back.is_leaf and torch.equal(back.detach(), x.detach()),
+          "and comes back the same way")
+
+
+def main():
+    rank = int(os.environ["SHMRPC_RANK"])
+    if torch is not None:  # before init_rpc: calls may come as soon as it returns
+        W.update({1: {"W1": weights(5, 6, 0.3)}, 2: {"W3": weights(6, 2, 0.8)}}.get(rank, {}))
+    rpc.init_rpc(f"worker{rank}")
+    if torch is None:
+        print("skip: no torch")
+        rpc.shutdown()
+        return 0
+    if rank == 0:
+        for test in (model_parallel_mlp, sent_twice, nested_rpc_and_retain_graph, rref_backward,
+                     errors, outside_context):
+            try:
+                test()
+            except Exception as e:
+                check(False, f"{test.__name__} raised {e!r}")
+        live = [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)]
+        check(live == [0, 0, 0], f"no context left on any worker: {live}")
+        print(f"autograd: {len(failures)} failures", file=sys.stderr)
+    rpc.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
