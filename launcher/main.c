@@ -76,7 +76,8 @@ int main(int argc, char **argv)
 	if (raise_fd_limit(&o) || watch_init(&j))
 		goto out;
 	sp = (struct shm_seg_params){ .world_size = o.nproc, .ring_size = o.ring_size,
-				      .flags = o.seg_flags, .job_name = basename(o.argv[0]) };
+				      .trace_records = o.trace_records, .flags = o.seg_flags,
+				      .job_name = basename(o.argv[0]) };
 	if (shm_seg_create(&j.seg, &sp)) {
 		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
 		goto out;

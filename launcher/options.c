@@ -25,6 +25,8 @@ enum {
 	OPT_RING_SIZE,
 	OPT_POOL_SIZE,
 	OPT_MAX_RREFS,
+	OPT_TRACE_RECORDS,
+	OPT_DUMP_ON_FAILURE,
 	OPT_NO_CSUM,
 	OPT_QUIET,
 	OPT_VERSION,
@@ -43,6 +45,8 @@ static const struct option long_opts[] = {
 	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
 	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
 	{ "max-rrefs", required_argument, NULL, OPT_MAX_RREFS },
+	{ "trace-records", required_argument, NULL, OPT_TRACE_RECORDS },
+	{ "dump-on-failure", no_argument, NULL, OPT_DUMP_ON_FAILURE },
 	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
 	{ "quiet", no_argument, NULL, OPT_QUIET },
 	{ "version", no_argument, NULL, OPT_VERSION },
@@ -70,6 +74,10 @@ static void usage(FILE *f)
 		"  --pool-size BYTES       the shared tensor pool, e.g. 512M or 4G (default %s),\n"
 		"                          committed when the job starts\n"
 		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
+		"  --trace-records N       flight-recorder records per worker, a power of two\n"
+		"                          in %u..%u (default %u; fewer beyond 256 workers)\n"
+		"  --dump-on-failure       when a worker dies, print its last %u recorded\n"
+		"                          messages (shmrpc-inspect --trace shows them live)\n"
 		"  --no-payload-checksum   frames carry no payload checksum\n"
 		"  --quiet                 no summary line at the end\n"
 		"  --version               print the version and exit\n"
@@ -78,7 +86,8 @@ static void usage(FILE *f)
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
 		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT, RREF_MAX_RREFS,
-		RREF_DEFAULT_MAX_RREFS);
+		RREF_DEFAULT_MAX_RREFS, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
+		SHMRUN_DUMP_RECORDS);
 }
 
 static int bad(const char *fmt, ...) SHMRPC_PRINTF(1, 2);
@@ -221,6 +230,15 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 			if (!parse_u64(optarg, 1, RREF_MAX_RREFS, &v))
 				return bad("--max-rrefs must be 1..%u, not '%s'", RREF_MAX_RREFS, optarg);
 			o->max_rrefs = (uint32_t)v;
+			break;
+		case OPT_TRACE_RECORDS:
+			if (!parse_u64(optarg, SHM_TRACE_MIN, SHM_TRACE_MAX, &v) || (v & (v - 1)))
+				return bad("--trace-records must be a power of two in %u..%u, not '%s'",
+					   SHM_TRACE_MIN, SHM_TRACE_MAX, optarg);
+			o->trace_records = (uint32_t)v;
+			break;
+		case OPT_DUMP_ON_FAILURE:
+			o->dump_on_failure = true;
 			break;
 		case OPT_NO_CSUM:
 			o->seg_flags |= SHM_F_NO_PAYLOAD_CSUM;

@@ -6,6 +6,7 @@
 #include "common/clock.h"
 #include "launcher/shmrun.h"
 #include "shm/exit_info.h"
+#include "worker/trace.h"
 
 #define SUMMARY_LISTED 3 /* failed workers named in the summary; the rest are counted */
 
@@ -24,6 +25,30 @@ void report_death(const struct job *j, uint32_t rank)
 	report_worker(j, rank, who, sizeof(who));
 	shm_exit_info_format(j->procs[rank].exit_info, cause, sizeof(cause));
 	fprintf(stderr, "shmrun: %s died: %s\n", who, cause);
+}
+
+void report_trace(const struct job *j, uint32_t rank)
+{
+	struct trace_entry e[SHMRUN_DUMP_RECORDS];
+	char who[SHM_NAME_MAX + 32], line[192];
+	uint64_t head, dropped, newest;
+	/* The segment is still mapped: the dead worker's ring is as it left it. */
+	size_t n = trace_read(&j->seg, rank, SHMRUN_DUMP_RECORDS, e, &head, &dropped);
+
+	report_worker(j, rank, who, sizeof(who));
+	if (!n) {
+		fprintf(stderr, "shmrun: %s recorded no messages%s\n", who,
+			head ? "" : " (it made and served no call, or ran with SHMRPC_TRACE=0)");
+		return;
+	}
+	fprintf(stderr, "shmrun: the last %zu of the %llu records of %s (oldest first; time in "
+		"seconds before its last):\n", n, (unsigned long long)head, who);
+	fprintf(stderr, "shmrun:   %s\n", trace_header());
+	newest = trace_newest_ns(e, n);
+	for (size_t i = 0; i < n; i++) {
+		trace_format(e, i, newest, line, sizeof(line));
+		fprintf(stderr, "shmrun:   %s\n", line);
+	}
 }
 
 static void append(char *buf, size_t len, size_t *at, const char *fmt, ...) SHMRPC_PRINTF(4, 5);

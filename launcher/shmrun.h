@@ -28,6 +28,7 @@
 
 #define SHMRUN_POOL_DEFAULT (256ull << 20)
 #define SHMRUN_POOL_DEFAULT_TEXT "256M"
+#define SHMRUN_DUMP_RECORDS 32 /* --dump-on-failure: records shown per death */
 
 struct shmrun_opts {
 	uint32_t nproc;
@@ -36,6 +37,7 @@ struct shmrun_opts {
 	bool cpu_bind;
 	bool keep_going; /* --on-failure=continue */
 	bool quiet;
+	bool dump_on_failure; /* a dead worker's last trace records after its death line */
 	uint64_t timeout_ns; /* 0: none */
 	uint64_t grace_ns;
 	const char *timeout_text; /* --timeout as given, for the message */
@@ -43,6 +45,7 @@ struct shmrun_opts {
 	uint32_t ring_size;       /* 0: the segment's default */
 	uint64_t pool_size;       /* bytes of tensor data */
 	uint32_t max_rrefs;       /* 0: the table's default */
+	uint32_t trace_records;   /* flight-recorder records per worker; 0: the segment's default */
 	uint32_t seg_flags;       /* SHM_F_* */
 	char **argv;              /* the program and its arguments */
 };
@@ -129,6 +132,8 @@ void output_finish(struct out_stream *s);
 
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);
+/* The last records of rank's flight recorder, on stderr (--dump-on-failure). */
+void report_trace(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
 /* After the job: says so on stderr if the RRef table is not empty. */
 void report_leaks(const struct job *j);

@@ -180,6 +180,8 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	p->failed = true;
 	j->failed++;
 	report_death(j, rank);
+	if (j->o->dump_on_failure)
+		report_trace(j, rank);
 	if (!j->o->keep_going)
 		watch_stop(j, STOP_FAILURE, SIGTERM);
 }

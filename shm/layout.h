@@ -1,5 +1,5 @@
 /*
- * The job segment's format (format 1). Everything here lives in shared
+ * The job segment's format (format 2). Everything here lives in shared
  * memory: fixed-width types, explicit padding, offsets instead of pointers,
  * and _Static_asserts so that a change of layout cannot go unnoticed.
  *
@@ -7,6 +7,8 @@
  *   worker_off          struct shm_worker[world]     (320 B each)
  *   ring_ctl_off        struct shm_ring_ctl[nrings]  (256 B each)
  *   ring_data_off       ring data, ring_size bytes each, page aligned
+ *   trace_off           per worker: struct shm_trace_ctl, then
+ *                       struct shm_trace_rec[trace_records], page aligned
  *
  * nrings = world * (world - 1): one single-producer single-consumer ring
  * per ordered pair of workers (docs/ARCHITECTURE.md argues the choice).
@@ -23,12 +25,14 @@
 #include "common/compiler.h"
 
 #define SHM_MAGIC 0x31434d5052484d53ull /* "SHMRPC1" read as little endian */
-#define SHM_FORMAT_VERSION 1u
+#define SHM_FORMAT_VERSION 2u /* 2: the flight recorder */
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
 #define SHM_RING_MIN (4u * 1024u)
 #define SHM_RING_MAX (64u * 1024u * 1024u)
+#define SHM_TRACE_MIN 16u       /* flight-recorder records per worker */
+#define SHM_TRACE_MAX (1u << 20)
 
 /* Header flags. */
 #define SHM_F_NO_PAYLOAD_CSUM 0x1u /* frames carry no payload checksum */
@@ -56,10 +60,14 @@ struct shm_header {
 	 * workers read it (acquire) when woken. */
 	_Atomic uint32_t shutting_down;
 	char job_name[SHM_NAME_MAX];
-	uint8_t reserved[SHM_PAGE - 136];
+	uint64_t trace_off;
+	uint32_t trace_records; /* per worker, power of two */
+	uint32_t trace_rec_size;
+	uint8_t reserved[SHM_PAGE - 152];
 };
 _Static_assert(offsetof(struct shm_header, generation) == 80, "header layout");
 _Static_assert(offsetof(struct shm_header, job_name) == 88, "header layout");
+_Static_assert(offsetof(struct shm_header, trace_off) == 136, "header layout");
 _Static_assert(sizeof(struct shm_header) == SHM_PAGE, "header is one page");
 
 /* Worker states (shm_worker.state). */
@@ -169,5 +177,66 @@ struct shm_ring_ctl {
 _Static_assert(offsetof(struct shm_ring_ctl, head) == 64, "head on its own line");
 _Static_assert(offsetof(struct shm_ring_ctl, data_off) == 128, "constants on their own line");
 _Static_assert(sizeof(struct shm_ring_ctl) == 256, "ring control is four lines");
+
+/*
+ * The flight recorder: each worker's last trace_records messages and call
+ * steps, in a ring of fixed records that any thread of the worker appends
+ * to without a lock (worker/trace.h), and that inspectors and the launcher
+ * read while it moves.
+ *
+ * A writer claims record i with a relaxed fetch_add on `head`, then takes
+ * the slot i % trace_records with a CAS of its seq from an even value
+ * below 2i+1 to 2i+1 (a slot still odd, or already past i, is being
+ * written by a writer a lap away: the record is dropped and counted), a
+ * release fence, the three words (relaxed), and seq = 2i+2 (release). A
+ * reader wanting record i loads seq (acquire), the words (relaxed), an
+ * acquire fence, seq again: the record is whole only if both seqs are
+ * 2i+2; otherwise it is skipped. 0 is a slot never written.
+ */
+struct shm_trace_ctl {
+	_Atomic uint64_t head;    /* records claimed (relaxed RMW, any thread of the owner) */
+	_Atomic uint64_t dropped; /* records given up: their slot was busy (relaxed RMW) */
+	uint8_t pad[SHMRPC_CACHELINE - 16];
+};
+_Static_assert(sizeof(struct shm_trace_ctl) == SHMRPC_CACHELINE, "trace control is one line");
+
+struct shm_trace_rec {
+	_Atomic uint64_t seq;
+	_Atomic uint64_t msg_id;
+	_Atomic uint64_t time_ns; /* CLOCK_MONOTONIC */
+	_Atomic uint64_t info;    /* SHM_TRACE_INFO() */
+};
+_Static_assert(sizeof(struct shm_trace_rec) == 32, "trace record is 32 bytes");
+
+/* What a record says happened (shm_trace_rec.info's kind). */
+enum shm_trace_kind {
+	SHM_TRACE_SENT = 1,      /* a request went out (peer: its callee) */
+	SHM_TRACE_RECEIVED = 2,  /* a request came in and was queued (peer: its caller) */
+	SHM_TRACE_STARTED = 3,   /* an executor thread began to run it */
+	SHM_TRACE_FINISHED = 4,  /* its reply went out (status: ok or error) */
+	SHM_TRACE_COMPLETED = 5, /* a call of ours ended: reply, timeout, death, shutdown */
+};
+
+/* How it went (shm_trace_rec.info's status). */
+enum shm_trace_status {
+	SHM_TRACE_OK = 0,
+	SHM_TRACE_ERROR = 1,     /* an EXCEPTION, or a send that failed */
+	SHM_TRACE_TIMEOUT = 2,
+	SHM_TRACE_PEER_DEAD = 3,
+	SHM_TRACE_SHUTDOWN = 4,  /* failed by shmrpc_shutdown */
+	SHM_TRACE_LATE = 5,      /* a reply that came after its call had ended */
+};
+
+/* info: size in bits 0-31 (payload bytes, saturated), peer 32-47, message
+ * type 48-55 (types above 255 saturate), kind 56-59, status 60-63. */
+#define SHM_TRACE_INFO(kind, status, type, peer, size)                                   \
+	((uint64_t)(size) | (uint64_t)(peer) << 32 | (uint64_t)(type) << 48 |             \
+	 (uint64_t)(kind) << 56 | (uint64_t)(status) << 60)
+#define SHM_TRACE_SIZE(info) ((uint32_t)(info))
+#define SHM_TRACE_PEER(info) ((uint32_t)((info) >> 32) & 0xffffu)
+#define SHM_TRACE_TYPE(info) ((uint32_t)((info) >> 48) & 0xffu)
+#define SHM_TRACE_KIND(info) ((uint32_t)((info) >> 56) & 0xfu)
+#define SHM_TRACE_STATUS(info) ((uint32_t)((info) >> 60))
+_Static_assert(SHM_MAX_WORLD <= 0x10000u, "a rank fits a record's peer field");
 
 #endif

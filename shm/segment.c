@@ -24,7 +24,7 @@
 #include "shm/segment.h"
 
 struct shm_shape {
-	uint64_t worker_off, ring_ctl_off, ring_data_off, total;
+	uint64_t worker_off, ring_ctl_off, ring_data_off, trace_off, total;
 };
 
 static uint64_t align_up(uint64_t v, uint64_t a)
@@ -38,19 +38,25 @@ static bool is_pow2(uint32_t v)
 }
 
 /* The one place where the layout is computed, by creator and attacher alike. */
-static bool shm_shape(uint32_t world, uint32_t ring_size, struct shm_shape *s)
+static bool shm_shape(uint32_t world, uint32_t ring_size, uint32_t trace_records,
+		      struct shm_shape *s)
 {
 	uint64_t nrings;
 
 	if (world < 1 || world > SHM_MAX_WORLD || !is_pow2(ring_size) ||
-	    ring_size < SHM_RING_MIN || ring_size > SHM_RING_MAX)
+	    ring_size < SHM_RING_MIN || ring_size > SHM_RING_MAX || !is_pow2(trace_records) ||
+	    trace_records < SHM_TRACE_MIN || trace_records > SHM_TRACE_MAX)
 		return false;
 	nrings = (uint64_t)world * (world - 1);
 	s->worker_off = sizeof(struct shm_header);
 	s->ring_ctl_off = align_up(s->worker_off + world * (uint64_t)sizeof(struct shm_worker),
 				   SHMRPC_CACHELINE);
 	s->ring_data_off = align_up(s->ring_ctl_off + nrings * sizeof(struct shm_ring_ctl), SHM_PAGE);
-	s->total = align_up(s->ring_data_off + nrings * ring_size, SHM_PAGE);
+	s->trace_off = align_up(s->ring_data_off + nrings * ring_size, SHM_PAGE);
+	s->total = align_up(s->trace_off + world * (sizeof(struct shm_trace_ctl) +
+						    (uint64_t)trace_records *
+							    sizeof(struct shm_trace_rec)),
+			    SHM_PAGE);
 	return true;
 }
 
@@ -67,15 +73,27 @@ uint32_t shm_default_ring_size(uint32_t world)
 	return size;
 }
 
+uint32_t shm_default_trace_records(uint32_t world)
+{
+	/* 4096 records (128 KiB) per worker while the recorders stay under
+	 * 32 MiB in all, i.e. up to 256 workers; fewer beyond (1024 at 1024). */
+	const uint64_t budget = 32ull << 20;
+	uint32_t n = 4096;
+
+	while (n > SHM_TRACE_MIN && (uint64_t)world * n * sizeof(struct shm_trace_rec) > budget)
+		n >>= 1;
+	return n;
+}
+
 uint64_t shm_seg_bytes(uint32_t world, uint32_t ring_size)
 {
 	struct shm_shape s;
 
-	return shm_shape(world, ring_size, &s) ? s.total : 0;
+	return shm_shape(world, ring_size, shm_default_trace_records(world), &s) ? s.total : 0;
 }
 
 static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t world,
-		     uint32_t ring_size)
+		     uint32_t ring_size, uint32_t trace_records)
 {
 	seg->hdr = (struct shm_header *)seg->base;
 	seg->world = world;
@@ -83,11 +101,15 @@ static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t wo
 	seg->worker_off = s->worker_off;
 	seg->ring_ctl_off = s->ring_ctl_off;
 	seg->ring_data_off = s->ring_data_off;
+	seg->trace_off = s->trace_off;
+	seg->trace_records = trace_records;
 }
 
 int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 {
 	uint32_t ring_size = p->ring_size ? p->ring_size : shm_default_ring_size(p->world_size);
+	uint32_t trace_records = p->trace_records ? p->trace_records
+						  : shm_default_trace_records(p->world_size);
 	struct shm_shape s;
 	struct shm_header *h;
 	char what[96];
@@ -96,11 +118,13 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 
 	memset(seg, 0, sizeof(*seg));
 	seg->fd = -1;
-	if (!shm_shape(p->world_size, ring_size, &s))
+	if (!shm_shape(p->world_size, ring_size, trace_records, &s))
 		return shmrpc__fail(-EINVAL,
-				    "cannot create a job segment for %u workers with %u-byte rings: "
-				    "world size must be 1..%u and ring size a power of two in %u..%u",
-				    p->world_size, ring_size, SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX);
+				    "cannot create a job segment for %u workers with %u-byte rings "
+				    "and %u trace records: world size must be 1..%u, ring size a "
+				    "power of two in %u..%u, trace records a power of two in %u..%u",
+				    p->world_size, ring_size, trace_records, SHM_MAX_WORLD, SHM_RING_MIN,
+				    SHM_RING_MAX, SHM_TRACE_MIN, SHM_TRACE_MAX);
 
 	snprintf(what, sizeof(what), "the job segment (%u workers, %u-byte rings)", p->world_size,
 		 ring_size);
@@ -110,7 +134,7 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	seg->base = mem;
 	seg->fd = fd;
 	seg->size = s.total;
-	seg_fill(seg, &s, p->world_size, ring_size);
+	seg_fill(seg, &s, p->world_size, ring_size, trace_records);
 
 	h = seg->hdr;
 	h->magic = SHM_MAGIC;
@@ -128,6 +152,9 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	h->worker_size = sizeof(struct shm_worker);
 	h->ring_ctl_size = sizeof(struct shm_ring_ctl);
 	snprintf(h->job_name, sizeof(h->job_name), "%s", p->job_name ? p->job_name : "shmrpc");
+	h->trace_off = s.trace_off;
+	h->trace_records = trace_records;
+	h->trace_rec_size = sizeof(struct shm_trace_rec);
 
 	for (uint32_t src = 0; src < p->world_size; src++) {
 		for (uint32_t dst = 0; dst < p->world_size; dst++) {
@@ -172,9 +199,10 @@ int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 				    (long long)st.st_size, sizeof(h));
 	if (h.header_size != sizeof(h) || h.worker_size != sizeof(struct shm_worker) ||
 	    h.ring_ctl_size != sizeof(struct shm_ring_ctl) ||
-	    !shm_shape(h.world_size, h.ring_size, &s) || s.total != h.total_size ||
+	    h.trace_rec_size != sizeof(struct shm_trace_rec) ||
+	    !shm_shape(h.world_size, h.ring_size, h.trace_records, &s) || s.total != h.total_size ||
 	    s.worker_off != h.worker_off || s.ring_ctl_off != h.ring_ctl_off ||
-	    s.ring_data_off != h.ring_data_off)
+	    s.ring_data_off != h.ring_data_off || s.trace_off != h.trace_off)
 		return shmrpc__fail(-SHMRPC_EBADSEG,
 				    "not a shmrpc segment: header layout is inconsistent "
 				    "(world %u, ring size %u, total %llu)",
@@ -194,7 +222,7 @@ int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 	seg->fd = fd;
 	seg->readonly = readonly;
 	seg->size = h.total_size;
-	seg_fill(seg, &s, h.world_size, h.ring_size);
+	seg_fill(seg, &s, h.world_size, h.ring_size, h.trace_records);
 	return 0;
 }
 

@@ -1,6 +1,6 @@
 /*
- * The job segment: one memfd holding the header, the worker table and the
- * rings. The launcher creates it; workers attach through the inherited fd
+ * The job segment: one memfd holding the header, the worker table, the
+ * rings and the workers' flight recorders. The launcher creates it; workers attach through the inherited fd
  * named in SHMRPC_JOB_FD; inspectors attach read-only through
  * /proc/PID/fd/N of the launcher.
  */
@@ -29,11 +29,14 @@ struct shm_seg {
 	uint64_t worker_off;
 	uint64_t ring_ctl_off;
 	uint64_t ring_data_off;
+	uint64_t trace_off;
+	uint32_t trace_records;
 };
 
 struct shm_seg_params {
 	uint32_t world_size;
 	uint32_t ring_size; /* 0: chosen from world_size */
+	uint32_t trace_records; /* flight-recorder records per worker; 0: chosen from world_size */
 	uint32_t flags;     /* SHM_F_* */
 	const char *job_name;
 };
@@ -49,7 +52,9 @@ SHMRPC_HIDDEN void shm_seg_detach(struct shm_seg *seg);
 
 /* The ring size picked when none is asked for (see docs/ARCHITECTURE.md). */
 SHMRPC_HIDDEN uint32_t shm_default_ring_size(uint32_t world);
-/* Bytes a segment of this shape needs; 0 when the shape is invalid. */
+/* The flight-recorder length picked when none is asked for. */
+SHMRPC_HIDDEN uint32_t shm_default_trace_records(uint32_t world);
+/* Bytes a segment of this shape (default recorder) needs; 0 when the shape is invalid. */
 SHMRPC_HIDDEN uint64_t shm_seg_bytes(uint32_t world, uint32_t ring_size);
 
 static inline struct shm_worker *shm_worker(const struct shm_seg *seg, uint32_t rank)
@@ -72,6 +77,19 @@ static inline uint8_t *shm_ring_data(const struct shm_seg *seg, uint32_t src, ui
 {
 	return seg->base + seg->ring_data_off +
 	       (uint64_t)shm_ring_index(seg->world, src, dst) * seg->ring_size;
+}
+
+/* Rank's flight recorder: its control line, then its records. */
+static inline struct shm_trace_ctl *shm_trace(const struct shm_seg *seg, uint32_t rank)
+{
+	return (struct shm_trace_ctl *)(seg->base + seg->trace_off +
+					rank * (sizeof(struct shm_trace_ctl) +
+						(uint64_t)seg->trace_records * sizeof(struct shm_trace_rec)));
+}
+
+static inline struct shm_trace_rec *shm_trace_recs(const struct shm_seg *seg, uint32_t rank)
+{
+	return (struct shm_trace_rec *)(shm_trace(seg, rank) + 1);
 }
 
 /* A pointer to [off, off+len) inside the segment, or NULL if out of bounds. */

@@ -6,6 +6,7 @@
  *   shmrpc-inspect --json JOB   the same as one JSON object
  *   shmrpc-inspect --check JOB  "ok", or the anomalies found and exit 1
  *   shmrpc-inspect --watch JOB  the table redrawn every second, like top
+ *   shmrpc-inspect --trace RANK JOB  that worker's flight recorder (--json too)
  *
  * JOB is the launcher's pid. A job is found through the launcher's memfd
  * ("/memfd:shmrpc-job", /proc/PID/fd/N); there is no file to look for. The
@@ -44,6 +45,16 @@
  * owner-dead}, entries (the oldest first): [{id ("CREATED_ON:LOCAL_ID"),
  * owner, creator, state (as by_state, or "invalid"), total, age_s, counts:
  * {"RANK": n, only the nonzero}}]}.
+ *
+ * --trace RANK prints the records of the worker's flight recorder
+ * (worker/trace.h) that could be read whole, oldest first. Its JSON
+ * (stable): {rank, name, capacity (records the ring holds), claimed
+ * (records written in the worker's life), dropped, records: [{index,
+ * time_ns (CLOCK_MONOTONIC), age_ns (before the newest), kind ("sent",
+ * "received", "started", "finished", "completed"), type (message type
+ * name, or null), type_id, peer, msg_id, size, status ("ok", "error",
+ * "timeout", "peer-dead", "shutdown", "late"), step ("waited", "ran",
+ * "took", or null), step_ns (or null)}]}.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -68,6 +79,8 @@
 #include "shm/pool.h"
 #include "shm/rref_table.h"
 #include "shm/segment.h"
+#include "worker/msg.h"
+#include "worker/trace.h"
 
 #define PROG "shmrpc-inspect"
 #define SEG_LINK "/memfd:shmrpc-job (deleted)"
@@ -145,6 +158,7 @@ static int fail(const char *fmt, ...)
 static void usage(FILE *f)
 {
 	fputs("usage: " PROG " [--json | --check | --watch[=SEC]] [JOB]\n"
+	      "       " PROG " [--json] --trace RANK JOB\n"
 	      "With no JOB, lists the live shmrpc jobs of this user; with JOB (the\n"
 	      "launcher's pid), shows its header, worker table, tensor pool and RRef\n"
 	      "table (the live RRefs by state, the 20 oldest with their owner and\n"
@@ -157,6 +171,13 @@ static void usage(FILE *f)
 	      "             them with no holder alive (leaked by a death)\n"
 	      "  --watch[=SEC]  redraw the job every SEC seconds (default 1) until it\n"
 	      "             ends or Ctrl-C\n"
+	      "  --trace RANK  the flight recorder of worker RANK: its last messages\n"
+	      "             and call steps (4096 by default), oldest first, one a line:\n"
+	      "             time in seconds before the newest, kind (sent, received,\n"
+	      "             started, finished, completed), message type, peer rank,\n"
+	      "             message id, payload bytes, status (ok, error, timeout,\n"
+	      "             peer-dead, shutdown, late), and the step's time: waited\n"
+	      "             (queued), ran (started to finished), took (sent to completed)\n"
 	      "  --help     this text\n"
 	      "  --version  the shmrpc version\n",
 	      f);
@@ -882,6 +903,83 @@ static int inspect(pid_t pid, bool json, bool want_check)
 	return rc;
 }
 
+static void print_trace_text(const struct shm_seg *seg, uint32_t rank, const struct trace_entry *e,
+			     size_t n, uint64_t head, uint64_t dropped)
+{
+	char name[SHM_NAME_MAX + 1], pbuf[SHM_NAME_MAX + 1], line[192];
+	uint64_t newest = trace_newest_ns(e, n);
+
+	copy_name(name, shm_worker(seg, rank)->name);
+	printf("rank %u (%s): %zu of %llu records (the ring holds %u; %llu dropped), oldest first,\n"
+	       "time in seconds before the newest\n%s\n", rank, printable(name, pbuf), n,
+	       (unsigned long long)head, seg->trace_records, (unsigned long long)dropped,
+	       trace_header());
+	for (size_t i = 0; i < n; i++) {
+		trace_format(e, i, newest, line, sizeof(line));
+		printf("%s\n", line);
+	}
+}
+
+static void print_trace_json(const struct shm_seg *seg, uint32_t rank, const struct trace_entry *e,
+			     size_t n, uint64_t head, uint64_t dropped)
+{
+	char name[SHM_NAME_MAX + 1];
+	uint64_t newest = trace_newest_ns(e, n), ns;
+
+	copy_name(name, shm_worker(seg, rank)->name);
+	printf("{\"rank\":%u,\"name\":", rank);
+	json_str(name);
+	printf(",\"capacity\":%u,\"claimed\":%llu,\"dropped\":%llu,\"records\":[", seg->trace_records,
+	       (unsigned long long)head, (unsigned long long)dropped);
+	for (size_t i = 0; i < n; i++) {
+		const struct trace_entry *r = &e[i];
+		const char *type = worker_msg_name(r->type), *step = trace_step(e, i, &ns);
+
+		printf("%s{\"index\":%llu,\"time_ns\":%llu,\"age_ns\":%llu,\"kind\":\"%s\",\"type\":",
+		       i ? "," : "", (unsigned long long)r->index, (unsigned long long)r->time_ns,
+		       (unsigned long long)(newest - r->time_ns), trace_kind_name(r->kind));
+		if (type)
+			printf("\"%s\"", type);
+		else
+			fputs("null", stdout);
+		printf(",\"type_id\":%u,\"peer\":%u,\"msg_id\":%llu,\"size\":%u,\"status\":\"%s\","
+		       "\"step\":", r->type, r->peer, (unsigned long long)r->msg_id, r->size,
+		       trace_status_name(r->status));
+		if (step)
+			printf("\"%s\",\"step_ns\":%llu}", step, (unsigned long long)ns);
+		else
+			fputs("null,\"step_ns\":null}", stdout);
+	}
+	printf("]}\n");
+}
+
+/* --trace: the flight recorder of one worker. */
+static int show_trace(pid_t pid, uint32_t rank, bool json)
+{
+	struct trace_entry *e;
+	uint64_t head, dropped;
+	struct shm_seg seg;
+	size_t n;
+	int rc = 0;
+
+	if (attach_job(pid, &seg, false))
+		return EXIT_ANOMALY;
+	if (rank >= seg.world) {
+		rc = fail("no worker of rank %u: the job has %u workers", rank, seg.world);
+	} else if (!(e = calloc(seg.trace_records, sizeof(*e)))) {
+		rc = fail("out of memory");
+	} else {
+		n = trace_read(&seg, rank, seg.trace_records, e, &head, &dropped);
+		if (json)
+			print_trace_json(&seg, rank, e, n, head, dropped);
+		else
+			print_trace_text(&seg, rank, e, n, head, dropped);
+		free(e);
+	}
+	shm_seg_detach(&seg);
+	return rc;
+}
+
 /* A top-like view: the table redrawn in place until the job ends. */
 static int watch(pid_t pid, double every_s)
 {
@@ -913,12 +1011,14 @@ int main(int argc, char **argv)
 		{ "json", no_argument, NULL, 'j' },
 		{ "check", no_argument, NULL, 'c' },
 		{ "watch", optional_argument, NULL, 'w' },
+		{ "trace", required_argument, NULL, 't' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ 0 },
 	};
 	bool json = false, want_check = false;
 	double watch_s = 0;
+	long trace_rank = -1;
 	char *end;
 	long pid;
 	int c;
@@ -937,6 +1037,16 @@ int main(int argc, char **argv)
 				return EXIT_USAGE;
 			}
 			break;
+		case 't':
+			errno = 0;
+			trace_rank = strtol(optarg, &end, 10);
+			if (errno || end == optarg || *end || trace_rank < 0 ||
+			    trace_rank >= SHM_MAX_WORLD) {
+				fprintf(stderr, PROG ": --trace wants a rank, not \"%s\"\n", optarg);
+				usage(stderr);
+				return EXIT_USAGE;
+			}
+			break;
 		case 'h': usage(stdout); return 0;
 		case 'V': printf(PROG " %s\n", shmrpc_version()); return 0;
 		default:
@@ -946,7 +1056,8 @@ int main(int argc, char **argv)
 		}
 	}
 	if (argc - optind > 1 || json + want_check + (watch_s > 0) > 1 ||
-	    ((json || want_check || watch_s > 0) && optind == argc)) {
+	    (trace_rank >= 0 && (want_check || watch_s > 0)) ||
+	    ((json || want_check || watch_s > 0 || trace_rank >= 0) && optind == argc)) {
 		usage(stderr);
 		return EXIT_USAGE;
 	}
@@ -961,5 +1072,7 @@ int main(int argc, char **argv)
 	}
 	if (watch_s > 0)
 		return watch((pid_t)pid, watch_s);
+	if (trace_rank >= 0)
+		return show_trace((pid_t)pid, (uint32_t)trace_rank, json);
 	return inspect((pid_t)pid, json, want_check);
 }

@@ -24,6 +24,7 @@
 #include "worker/msg.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
+#include "worker/trace.h"
 
 #define DEFAULT_THREADS 4
 #define DEFAULT_TIMEOUT_MS 60000
@@ -347,6 +348,7 @@ static void agent_free(struct agent *ag)
 	}
 	if (ag->port.seg)
 		ipc_port_close(&ag->port);
+	trace_close();
 	if (ag->seg.base)
 		shm_seg_detach(&ag->seg);
 	free(ag->dying_since);
@@ -387,6 +389,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	ag->rank = (uint32_t)rank;
 	ag->world = (uint32_t)world;
 	ag->self = shm_worker(&ag->seg, ag->rank);
+	trace_open(&ag->seg, ag->rank);
 	ag->default_timeout_ns = o.timeout_ms < 0 ? 0
 				 : (uint64_t)(o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS) * 1000000u;
 	ag->dying_since = calloc(ag->world, sizeof(*ag->dying_since));

@@ -16,6 +16,7 @@
 #include "worker/profile.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
+#include "worker/trace.h"
 #include "worker/value.h"
 
 #define PENDING_BUCKETS 4096u
@@ -103,6 +104,7 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 
 	/* The callee has its own references to our arguments' tensors now. */
 	pins_release(src, msg_id, PIN_REQUEST);
+	trace_rec(SHM_TRACE_COMPLETED, src, type, msg_id, len, f ? trace_reply_status(type) : SHM_TRACE_LATE);
 	if (!f) {
 		count(&ag->self->late_replies, 1);
 		return;
@@ -163,6 +165,7 @@ static void fail_chain(struct agent *ag, shmrpc_future *f, int err, const char *
 				 (long long)f->timeout_ms);
 			count(&ag->self->timeouts, 1);
 		}
+		trace_rec(SHM_TRACE_COMPLETED, f->dst, 0, f->msg_id, 0, trace_status_of(err));
 		future_fail(f, err, NULL, timeout ? msg : why, NULL);
 		settled(ag, f);
 		f = next;
@@ -332,6 +335,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	count(&ag->self->client_active_calls, 1);
 	/* In the table before it is sent: the reply may come back at once. */
 	pending_add(f);
+	trace_rec(SHM_TRACE_SENT, f->dst, type, f->msg_id, sb->size, SHM_TRACE_OK);
 	if ((uint32_t)dst == ag->rank) {
 		server_submit(ag, ag->rank, type, f->msg_id, sb->data, sb->size);
 		rc = 0;
@@ -342,6 +346,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		char msg[1024];
 
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		trace_rec(SHM_TRACE_COMPLETED, f->dst, type, f->msg_id, 0, trace_status_of(rc));
 		pins_release(f->dst, f->msg_id, PIN_REQUEST);
 		rref_uncharge(ag, sent, (uint32_t)dst);
 		if (pending_take(f->msg_id, f->dst))

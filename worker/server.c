@@ -21,6 +21,7 @@
 #include "worker/registry.h"
 #include "worker/rref.h"
 #include "worker/tensor.h"
+#include "worker/trace.h"
 #include "worker/value.h"
 
 struct request_job {
@@ -71,6 +72,7 @@ static void send_reply(struct request_job *rq, uint16_t type, const void *buf, s
 		msgpack_sbuffer_destroy(&wrapped);
 	}
 
+	trace_rec(SHM_TRACE_FINISHED, rq->src, type, rq->msg_id, len, trace_reply_status(type));
 	if (rq->src == ag->rank) {
 		client_complete_local(ag, type, rq->msg_id, buf, len);
 		return;
@@ -425,6 +427,7 @@ static void run_request(struct job *j)
 	struct agent *ag = rq->ag;
 	shmrpc_call call = { .caller = rq->src };
 
+	trace_rec(SHM_TRACE_STARTED, rq->src, rq->type, rq->msg_id, rq->len, SHM_TRACE_OK);
 	count(&ag->self->num_pending_futures, -1);
 	count(&ag->self->server_active_calls, 1);
 	dispatch(rq, &call);
@@ -540,6 +543,7 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 {
 	struct request_job *rq = malloc(sizeof(*rq) + len);
 
+	trace_rec(SHM_TRACE_RECEIVED, src, type, msg_id, len, SHM_TRACE_OK);
 	if (!rq) {
 		/* Nothing can be queued: the caller will see its call time out. */
 		fprintf(stderr, "shmrpc: worker %u: out of memory queueing a request from worker %u\n",

@@ -1,0 +1,477 @@
+/*
+ * The flight recorder. A 2-worker job with 64-record rings: rank 0 calls
+ * rank 1 (a result, a remote error, an unknown function), itself, and a
+ * function that blocks until a second call releases it (so the first call
+ * times out, and its reply comes late, whatever the machine's speed).
+ * Rank 0 then reads both rings through its own read-only mapping of the
+ * segment and checks every record in order: kind, type, peer, id,
+ * status, sizes that match across the two sides, times that never go
+ * back; then shmrpc-inspect --trace in text and JSON, and its errors;
+ * then 100 more calls wrap its ring, which must hold the last 64, whole
+ * and in order. A second job kills rank 1 inside a call under
+ * --dump-on-failure: the launcher's output must show, after the death
+ * line, rank 1's last records, the fatal call received and started, and
+ * rank 0's ring must end with that call completed as peer-dead.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "shm/segment.h"
+#include "tests/lib/job.h"
+#include "tests/lib/run.h"
+#include "tests/lib/testlib.h"
+#include "worker/msg.h"
+#include "worker/trace.h"
+
+#define RECORDS 64
+#define WRAP_CALLS 100
+#define WAIT_NS 10000000000ull /* only stops a hang */
+#define PART_ENV "TRACE_BASIC_PART"
+#define OUT_MAX 65536
+
+static char out[OUT_MAX];
+static struct shm_seg seg; /* the job's segment, mapped read-only once more */
+static atomic_bool released;
+
+/* One expected record; type 0 is "no type" (a call failed locally). */
+struct want {
+	uint32_t kind, peer, type, status;
+	uint64_t id;
+};
+
+static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	*r = shmrpc_int(a[0].u.i + a[1].u.i);
+	return 0;
+}
+
+static int fn_fail(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)a, (void)n, (void)r, (void)u;
+	return shmrpc_call_error(c, "ValueError", "refused");
+}
+
+/* Returns once "release" has run, so a short timeout always expires first. */
+static int fn_block(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	uint64_t deadline = shmrpc_now_ns() + WAIT_NS;
+
+	(void)c, (void)a, (void)n, (void)r, (void)u;
+	while (!atomic_load(&released) && shmrpc_now_ns() < deadline)
+		usleep(1000);
+	return 0;
+}
+
+static int fn_release(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)r, (void)u;
+	atomic_store(&released, true);
+	return 0;
+}
+
+static int fn_die(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)r, (void)u;
+	raise(SIGKILL);
+	return 0;
+}
+
+static void attach_segment(void)
+{
+	const char *fd = getenv(SHMRPC_ENV_JOB_FD);
+	int dup_fd;
+
+	CHECK(fd, "no %s", SHMRPC_ENV_JOB_FD);
+	dup_fd = fcntl(atoi(fd), F_DUPFD_CLOEXEC, 0); /* the agent keeps its own */
+	CHECK(dup_fd >= 0, "dup(%s)", fd);
+	CHECK_OK(shm_seg_attach_fd(&seg, dup_fd, true));
+	CHECK(seg.trace_records == RECORDS, "the ring holds %u records, asked for %u",
+	      seg.trace_records, RECORDS);
+}
+
+/* rank's ring, whole records oldest first; none may have been dropped. */
+static size_t read_ring(uint32_t rank, struct trace_entry *e, uint64_t *head)
+{
+	uint64_t dropped;
+	size_t n = trace_read(&seg, rank, RECORDS, e, head, &dropped);
+
+	CHECK(dropped == 0, "rank %u dropped %llu records", rank, (unsigned long long)dropped);
+	return n;
+}
+
+static bool matches(const struct trace_entry *e, const struct want *w)
+{
+	return e->kind == w->kind && e->peer == w->peer && e->type == w->type &&
+	       e->status == w->status && e->msg_id == w->id;
+}
+
+static void expect_at(const struct trace_entry *e, size_t n, size_t i, const struct want *w)
+{
+	CHECK(i < n, "record %zu missing: %zu records", i, n);
+	CHECK(matches(&e[i], w), "record %zu is %s %s peer %u id %llu %s; want %s %s peer %u id "
+	      "%llu %s", i, trace_kind_name(e[i].kind), worker_msg_name(e[i].type) ?: "-", e[i].peer,
+	      (unsigned long long)e[i].msg_id, trace_status_name(e[i].status),
+	      trace_kind_name(w->kind), worker_msg_name(w->type) ?: "-", w->peer,
+	      (unsigned long long)w->id, trace_status_name(w->status));
+	CHECK(e[i].index == e[0].index + i, "record %zu has index %llu after %llu", i,
+	      (unsigned long long)e[i].index, (unsigned long long)e[0].index);
+}
+
+/* The record among e[from, n) that matches w. */
+static const struct trace_entry *find(const struct trace_entry *e, size_t from, size_t n,
+				      const struct want *w)
+{
+	for (size_t i = from; i < n; i++)
+		if (matches(&e[i], w))
+			return &e[i];
+	CHECK(false, "no %s %s peer %u id %llu %s after record %zu", trace_kind_name(w->kind),
+	      worker_msg_name(w->type) ?: "-", w->peer, (unsigned long long)w->id,
+	      trace_status_name(w->status), from);
+	return NULL;
+}
+
+/* The id of the call rank 0 sent last (its newest SENT record). */
+static uint64_t last_sent_id(void)
+{
+	struct trace_entry e[RECORDS];
+	uint64_t head;
+	size_t n = read_ring(0, e, &head);
+
+	while (n-- > 0)
+		if (e[n].kind == SHM_TRACE_SENT)
+			return e[n].msg_id;
+	CHECK(false, "rank 0 recorded no call");
+	return 0;
+}
+
+static void call(int dst, const char *fn, int64_t timeout_ms, int want_rc, uint64_t *id)
+{
+	shmrpc_value args[2] = { shmrpc_int(40), shmrpc_int(2) };
+	shmrpc_future *f = NULL;
+	int rc = shmrpc_rpc_sync(dst, fn, args, strcmp(fn, "add") ? 0 : 2, timeout_ms, &f);
+
+	CHECK(rc == want_rc, "%s on %d returned %d (%s), want %d", fn, dst, rc, shmrpc_errmsg(),
+	      want_rc);
+	if (f)
+		shmrpc_future_free(f);
+	*id = last_sent_id();
+}
+
+/* Waits until rank 0's ring shows the late reply of call id. */
+static void wait_late(uint64_t id)
+{
+	struct want late = { SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_LATE, id };
+	uint64_t deadline = shmrpc_now_ns() + WAIT_NS, head;
+	struct trace_entry e[RECORDS];
+
+	for (;;) {
+		size_t n = read_ring(0, e, &head);
+
+		for (size_t i = 0; i < n; i++)
+			if (matches(&e[i], &late))
+				return;
+		CHECK(shmrpc_now_ns() < deadline, "the late reply of call %llu was not recorded",
+		      (unsigned long long)id);
+		usleep(1000);
+	}
+}
+
+/* Rank 0's own ring: each call's records in order, and nothing else. */
+static void check_caller(const uint64_t *id, struct trace_entry *e, size_t n)
+{
+	const struct want w[] = {
+		{ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[0] },
+		{ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id[0] },
+		{ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[1] },
+		{ SHM_TRACE_COMPLETED, 1, MSG_EXCEPTION, SHM_TRACE_ERROR, id[1] },
+		{ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[2] },
+		{ SHM_TRACE_COMPLETED, 1, MSG_EXCEPTION, SHM_TRACE_ERROR, id[2] },
+		/* A call to itself: both sides in one ring. */
+		{ SHM_TRACE_SENT, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[3] },
+		{ SHM_TRACE_RECEIVED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[3] },
+		{ SHM_TRACE_STARTED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[3] },
+		{ SHM_TRACE_FINISHED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id[3] },
+		{ SHM_TRACE_COMPLETED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id[3] },
+		{ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[4] },
+		{ SHM_TRACE_COMPLETED, 1, 0, SHM_TRACE_TIMEOUT, id[4] },
+		{ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[5] },
+	};
+	/* The release's reply and the blocked call's late one race. */
+	const struct want tail[] = {
+		{ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id[5] },
+		{ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_LATE, id[4] },
+	};
+	size_t nw = sizeof(w) / sizeof(w[0]);
+
+	CHECK(n == nw + 2, "rank 0 has %zu records, want %zu", n, nw + 2);
+	CHECK(e[0].index == 0, "rank 0's first record is number %llu", (unsigned long long)e[0].index);
+	for (size_t i = 0; i < nw; i++)
+		expect_at(e, n, i, &w[i]);
+	find(e, nw, n, &tail[0]);
+	find(e, nw, n, &tail[1]);
+	for (size_t i = 0; i < n; i++)
+		CHECK(e[i].kind == SHM_TRACE_COMPLETED || e[i].size > 0, "record %zu has no size", i);
+	/* Each call's steps in time order. */
+	for (size_t i = 1; i <= 11; i++)
+		if (e[i].msg_id == e[i - 1].msg_id)
+			CHECK(e[i].time_ns >= e[i - 1].time_ns, "record %zu is older than %zu", i, i - 1);
+	CHECK(e[7].size == e[6].size, "a request of %u bytes received as %u", e[6].size, e[7].size);
+}
+
+/* Rank 1's ring: the calls it served, each received, started, finished. */
+static void check_callee(const uint64_t *id, const struct trace_entry *e0, size_t n0,
+			 const struct trace_entry *e, size_t n)
+{
+	const uint32_t reply[3] = { MSG_SCRIPT_RET, MSG_EXCEPTION, MSG_EXCEPTION };
+	const struct trace_entry *sent, *done;
+	size_t at = 0;
+
+	for (int c = 0; c < 3; c++) {
+		const struct want w[] = {
+			{ SHM_TRACE_RECEIVED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[c] },
+			{ SHM_TRACE_STARTED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[c] },
+			{ SHM_TRACE_FINISHED, 0, reply[c], c ? SHM_TRACE_ERROR : SHM_TRACE_OK, id[c] },
+		};
+		struct want wsent = { SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[c] };
+		struct want wdone = { SHM_TRACE_COMPLETED, 1, reply[c], w[2].status, id[c] };
+
+		for (int k = 0; k < 3; k++, at++)
+			expect_at(e, n, at, &w[k]);
+		/* The same bytes on both sides, and one clock for both. */
+		sent = find(e0, 0, n0, &wsent);
+		done = find(e0, 0, n0, &wdone);
+		CHECK(sent->size == e[at - 3].size && done->size == e[at - 1].size,
+		      "call %d: sent %u, received %u; replied %u, completed %u", c, sent->size,
+		      e[at - 3].size, e[at - 1].size, done->size);
+		CHECK(sent->time_ns <= e[at - 3].time_ns && e[at - 3].time_ns <= e[at - 2].time_ns &&
+		      e[at - 2].time_ns <= e[at - 1].time_ns && e[at - 1].time_ns <= done->time_ns,
+		      "call %d: times go back", c);
+	}
+	/* The blocked call arrived before its release; what follows races. */
+	expect_at(e, n, at, &(struct want){ SHM_TRACE_RECEIVED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[4] });
+	find(e, at, n, &(struct want){ SHM_TRACE_STARTED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id[4] });
+	find(e, at, n, &(struct want){ SHM_TRACE_FINISHED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id[4] });
+	find(e, at, n, &(struct want){ SHM_TRACE_FINISHED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id[5] });
+	CHECK(n == at + 6, "rank 1 has %zu records, want %zu", n, at + 6);
+}
+
+static const char *inspect_path(void)
+{
+	static char path[4096];
+	const char *build = getenv("SHMRPC_BUILD");
+
+	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
+	return path;
+}
+
+static int inspect(const char *a1, const char *a2, const char *a3, const char *a4)
+{
+	const char *argv[6] = { inspect_path(), a1, a2, a3, a4, NULL };
+
+	return tl_run(out, sizeof(out), argv);
+}
+
+/* The line of text that shows the record of these fields, into buf;
+ * false when there is none. */
+static bool record_line(const char *text, const char *kind, const char *type, uint32_t peer,
+			uint64_t id, char *buf, size_t len)
+{
+	const char *at, *start, *end;
+	char key[96];
+
+	snprintf(key, sizeof(key), " %-9s %-23s %5u %10llu ", kind, type, peer,
+		 (unsigned long long)id);
+	if (!(at = strstr(text, key)))
+		return false;
+	for (start = at; start > text && start[-1] != '\n'; start--)
+		;
+	end = strchr(at, '\n');
+	snprintf(buf, len, "%.*s", (int)(end ? end - start : (ptrdiff_t)strlen(start)), start);
+	return true;
+}
+
+static void check_inspector(const char *job, const uint64_t *id)
+{
+	const char *head = "{\"rank\":1,\"name\":\"worker1\",\"capacity\":64,\"claimed\":15,"
+			   "\"dropped\":0,\"records\":[{\"index\":0,";
+	const char *status = "\"status\":\"error\",\"step\":\"ran\",\"step_ns\":";
+	char line[192], *at;
+	int rc;
+
+	rc = inspect("--trace", "0", job, NULL);
+	CHECK(rc == 0, "--trace 0 exited %d", rc);
+	CHECK(strstr(out, "rank 0 (worker0): 16 of 16 records (the ring holds 64; 0 dropped)"),
+	      "no summary line");
+	CHECK(strstr(out, trace_header()), "no column header");
+	CHECK(record_line(out, "completed", "-", 1, id[4], line, sizeof(line)) &&
+	      strstr(line, " timeout   took "), "the timeout: \"%s\"", line);
+	CHECK(record_line(out, "completed", "SCRIPT_RET", 1, id[4], line, sizeof(line)) &&
+	      strstr(line, " late "), "the late reply: \"%s\"", line);
+	CHECK(record_line(out, "completed", "EXCEPTION", 1, id[2], line, sizeof(line)) &&
+	      strstr(line, " error     took "), "the unknown function: \"%s\"", line);
+	CHECK(record_line(out, "finished", "SCRIPT_RET", 0, id[3], line, sizeof(line)) &&
+	      strstr(line, " ok        ran "), "the call to itself: \"%s\"", line);
+
+	rc = inspect("--json", "--trace", "1", job);
+	CHECK(rc == 0, "--json --trace 1 exited %d", rc);
+	CHECK(!strncmp(out, head, strlen(head)) && strstr(out, "}]}\n"),
+	      "not the JSON of rank 1's ring");
+	snprintf(line, sizeof(line), "\"kind\":\"finished\",\"type\":\"EXCEPTION\",\"type_id\":%u,"
+		 "\"peer\":0,\"msg_id\":%llu,", MSG_EXCEPTION, (unsigned long long)id[1]);
+	CHECK((at = strstr(out, line)) && (at = strstr(at, "\"status\"")) &&
+	      !strncmp(at, status, strlen(status)), "no %s ... error, ran", line);
+
+	CHECK(inspect("--trace", "2", job, NULL) == 1 && strstr(out, "no worker of rank 2"),
+	      "a rank beyond the job");
+	CHECK(inspect("--trace", "x", job, NULL) == 2 && strstr(out, "--trace wants a rank"),
+	      "a rank that is no number");
+	CHECK(inspect("--trace", "0", NULL, NULL) == 2 && strstr(out, "usage:"), "--trace without JOB");
+	CHECK(inspect("--check", "--trace", "0", job) == 2, "--trace with --check");
+}
+
+/* Enough calls to wrap the ring: it holds the last RECORDS, whole, in order. */
+static void check_wrap(void)
+{
+	struct trace_entry e[RECORDS];
+	uint64_t head, before, id;
+	size_t n;
+
+	read_ring(0, e, &before);
+	for (int i = 0; i < WRAP_CALLS; i++)
+		call(1, "add", SHMRPC_TIMEOUT_DEFAULT, 0, &id);
+	n = read_ring(0, e, &head);
+	CHECK(head == before + 2 * WRAP_CALLS, "%llu records claimed, want %llu",
+	      (unsigned long long)head, (unsigned long long)(before + 2 * WRAP_CALLS));
+	CHECK(n == RECORDS && e[0].index == head - RECORDS, "%zu records from %llu", n,
+	      (unsigned long long)e[0].index);
+	for (size_t i = 0; i < n; i += 2) {
+		expect_at(e, n, i, &(struct want){ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK,
+						   e[i].msg_id });
+		expect_at(e, n, i + 1, &(struct want){ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET,
+						       SHM_TRACE_OK, e[i].msg_id });
+		CHECK(!i || e[i].msg_id > e[i - 2].msg_id, "ids not increasing at %zu", i);
+	}
+	CHECK(e[n - 2].msg_id == id, "the newest call is %llu, want %llu",
+	      (unsigned long long)e[n - 2].msg_id, (unsigned long long)id);
+}
+
+static void calls_part(void)
+{
+	struct trace_entry e0[RECORDS], e1[RECORDS];
+	uint64_t id[6], head;
+	char job[16];
+	size_t n0, n1;
+
+	attach_segment();
+	call(1, "add", SHMRPC_TIMEOUT_DEFAULT, 0, &id[0]);
+	call(1, "fail", SHMRPC_TIMEOUT_DEFAULT, -SHMRPC_EREMOTE, &id[1]);
+	call(1, "nosuch", SHMRPC_TIMEOUT_DEFAULT, -SHMRPC_EREMOTE, &id[2]);
+	call(0, "add", SHMRPC_TIMEOUT_DEFAULT, 0, &id[3]);
+	call(1, "block", 100, -ETIMEDOUT, &id[4]);
+	call(1, "release", SHMRPC_TIMEOUT_DEFAULT, 0, &id[5]);
+	wait_late(id[4]);
+
+	n0 = read_ring(0, e0, &head);
+	check_caller(id, e0, n0);
+	n1 = read_ring(1, e1, &head);
+	check_callee(id, e0, n0, e1, n1);
+	snprintf(job, sizeof(job), "%d", (int)getppid());
+	check_inspector(job, id);
+	check_wrap();
+	shm_seg_detach(&seg);
+}
+
+/* Rank 1 dies inside a call; rank 0's ring ends with it completed as
+ * peer-dead, and its id goes on stdout for the launcher's dump. */
+static void death_part(void)
+{
+	struct trace_entry e[RECORDS];
+	uint64_t id, head;
+	size_t n;
+
+	attach_segment();
+	call(1, "add", SHMRPC_TIMEOUT_DEFAULT, 0, &id);
+	call(1, "add", SHMRPC_TIMEOUT_DEFAULT, 0, &id);
+	call(1, "die", SHMRPC_TIMEOUT_DEFAULT, -SHMRPC_EPEERDEAD, &id);
+	n = read_ring(0, e, &head);
+	CHECK(n == 6, "rank 0 has %zu records, want 6", n);
+	expect_at(e, n, 5, &(struct want){ SHM_TRACE_COMPLETED, 1, 0, SHM_TRACE_PEER_DEAD, id });
+	printf("DIE_ID=%llu\n", (unsigned long long)id);
+	fflush(stdout);
+	shm_seg_detach(&seg);
+}
+
+static int worker(void)
+{
+	const char *part = getenv(PART_ENV);
+
+	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
+	CHECK_OK(shmrpc_register("fail", "", fn_fail, NULL));
+	CHECK_OK(shmrpc_register("block", "", fn_block, NULL));
+	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
+	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
+	CHECK_OK(shmrpc_init(NULL));
+	if (shmrpc_rank() == 0) {
+		if (part && !strcmp(part, "death"))
+			death_part();
+		else
+			calls_part();
+	}
+	/* Rank 1 serves until rank 0 is done (or dies in the second job). */
+	CHECK_OK(shmrpc_shutdown(1, 60000));
+	return 0;
+}
+
+/* The dump after the death line: rank 1's 8 records, the last two the
+ * fatal call received and started. */
+static void check_dump(void)
+{
+	char line[192], *death, *dump, *id_at;
+	unsigned long long id;
+
+	id_at = strstr(out, "DIE_ID=");
+	CHECK(id_at && sscanf(id_at, "DIE_ID=%llu", &id) == 1, "rank 0 did not say the call's id");
+	death = strstr(out, "shmrun: worker 1 (worker1) died: killed by signal 9 (SIGKILL)\n");
+	CHECK(death, "no death line");
+	dump = strstr(death, "shmrun: the last 8 of the 8 records of worker 1 (worker1)");
+	CHECK(dump, "no dump of 8 records after the death line");
+	CHECK(strstr(dump, trace_header()), "no column header in the dump");
+	CHECK(record_line(dump, "received", "SCRIPT_CALL", 0, id, line, sizeof(line)) &&
+	      strstr(line, " ok"), "the dump lacks the fatal call received: \"%s\"", line);
+	CHECK(record_line(dump, "started", "SCRIPT_CALL", 0, id, line, sizeof(line)) &&
+	      strstr(line, " ok        waited "), "the dump lacks it started: \"%s\"", line);
+	CHECK(strstr(dump, " finished  SCRIPT_RET "), "the dump lacks the calls before");
+}
+
+int main(void)
+{
+	int rc;
+
+	if (tl_is_worker())
+		return worker();
+	if (access(tl_shmrun_path(), X_OK))
+		return TL_SKIP;
+	setenv(PART_ENV, "calls", 1);
+	rc = tl_shmrun(out, sizeof(out), "-n", "2", "--trace-records", "64", NULL);
+	CHECK(rc == 0, "the first job exited %d", rc);
+
+	setenv(PART_ENV, "death", 1);
+	rc = tl_shmrun(out, sizeof(out), "-n", "2", "--trace-records", "64", "--on-failure=continue",
+		       "--dump-on-failure", NULL);
+	CHECK(rc == 1, "the job with a death exited %d, want 1", rc);
+	check_dump();
+	CHECK(!strstr(out, "left in the RRef table"), "the job leaked RRefs");
+	CHECK(tl_wait_children(), "a child failed");
+	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
+	return 0;
+}

@@ -1,0 +1,227 @@
+/*
+ * The flight recorder: writing this worker's records, and reading any
+ * worker's (shm/layout.h gives the protocol both follow).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shmrpc.h"
+#include "common/clock.h"
+#include "worker/msg.h"
+#include "worker/trace.h"
+
+struct trace_self trace_self;
+
+void trace_open(const struct shm_seg *seg, uint32_t rank)
+{
+	const char *v = getenv("SHMRPC_TRACE");
+
+	if (v && !strcmp(v, "0"))
+		return;
+	trace_self = (struct trace_self){ shm_trace(seg, rank), shm_trace_recs(seg, rank),
+					  seg->trace_records - 1 };
+}
+
+void trace_close(void)
+{
+	trace_self = (struct trace_self){ 0 };
+}
+
+void trace_write(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id, size_t size,
+		 uint32_t status)
+{
+	const struct trace_self *t = &trace_self;
+	uint64_t now = shmrpc_now_ns();
+	/* Relaxed: the index only has to be unique; the record's seq publishes it. */
+	uint64_t i = atomic_fetch_add_explicit(&t->ctl->head, 1, memory_order_relaxed);
+	struct shm_trace_rec *r = &t->recs[i & t->mask];
+	uint64_t seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
+
+	/* Odd: a writer a lap away is still in this slot; above 2i: one a lap
+	 * ahead has filled it. Either way this record is the one to lose.
+	 * Acquire on success: our stores come after the last owner's. */
+	if ((seq & 1) || seq > 2 * i ||
+	    !atomic_compare_exchange_strong_explicit(&r->seq, &seq, 2 * i + 1, memory_order_acquire,
+						     memory_order_relaxed)) {
+		atomic_fetch_add_explicit(&t->ctl->dropped, 1, memory_order_relaxed);
+		return;
+	}
+	/* Release fence: a reader that sees any word below sees seq odd (or
+	 * newer) on its second load. */
+	atomic_thread_fence(memory_order_release);
+	atomic_store_explicit(&r->msg_id, msg_id, memory_order_relaxed);
+	atomic_store_explicit(&r->time_ns, now, memory_order_relaxed);
+	atomic_store_explicit(&r->info,
+			      SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
+					     size > UINT32_MAX ? UINT32_MAX : size),
+			      memory_order_relaxed);
+	/* Release: the words are visible to whoever sees the even seq. */
+	atomic_store_explicit(&r->seq, 2 * i + 2, memory_order_release);
+}
+
+uint32_t trace_status_of(int err)
+{
+	switch (err) {
+	case 0:
+		return SHM_TRACE_OK;
+	case -ETIMEDOUT:
+		return SHM_TRACE_TIMEOUT;
+	case -SHMRPC_EPEERDEAD:
+		return SHM_TRACE_PEER_DEAD;
+	case -ESHUTDOWN:
+		return SHM_TRACE_SHUTDOWN;
+	default:
+		return SHM_TRACE_ERROR;
+	}
+}
+
+uint32_t trace_reply_status(uint32_t type)
+{
+	return type == MSG_EXCEPTION ? SHM_TRACE_ERROR : SHM_TRACE_OK;
+}
+
+/* ---- reading ---- */
+
+size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct trace_entry *out,
+		  uint64_t *head, uint64_t *dropped)
+{
+	const struct shm_trace_ctl *c = shm_trace(seg, rank);
+	const struct shm_trace_rec *recs = shm_trace_recs(seg, rank);
+	/* Relaxed: each record's seq says whether it is there. */
+	uint64_t h = atomic_load_explicit(&c->head, memory_order_relaxed), n = h;
+	size_t got = 0;
+
+	if (n > seg->trace_records)
+		n = seg->trace_records;
+	if (n > max)
+		n = max;
+	for (uint64_t i = h - n; i < h; i++) {
+		const struct shm_trace_rec *r = &recs[i & (seg->trace_records - 1)];
+		struct trace_entry *e = &out[got];
+		uint64_t want = 2 * i + 2, info;
+
+		/* Acquire pairs with the writer's release of the even seq. */
+		if (atomic_load_explicit(&r->seq, memory_order_acquire) != want)
+			continue;
+		e->msg_id = atomic_load_explicit(&r->msg_id, memory_order_relaxed);
+		e->time_ns = atomic_load_explicit(&r->time_ns, memory_order_relaxed);
+		info = atomic_load_explicit(&r->info, memory_order_relaxed);
+		/* Acquire fence: pairs with the release fence of a writer whose
+		 * words we may have read; then its odd seq shows below. */
+		atomic_thread_fence(memory_order_acquire);
+		if (atomic_load_explicit(&r->seq, memory_order_relaxed) != want)
+			continue;
+		e->index = i;
+		e->size = SHM_TRACE_SIZE(info);
+		e->peer = SHM_TRACE_PEER(info);
+		e->type = SHM_TRACE_TYPE(info);
+		e->kind = SHM_TRACE_KIND(info);
+		e->status = SHM_TRACE_STATUS(info);
+		got++;
+	}
+	*head = h;
+	*dropped = atomic_load_explicit(&c->dropped, memory_order_relaxed);
+	return got;
+}
+
+const char *trace_kind_name(uint32_t kind)
+{
+	static const char *const names[] = { "?", "sent", "received", "started", "finished",
+					     "completed" };
+
+	return kind < sizeof(names) / sizeof(names[0]) ? names[kind] : "?";
+}
+
+const char *trace_status_name(uint32_t status)
+{
+	static const char *const names[] = { "ok", "error", "timeout", "peer-dead", "shutdown",
+					     "late" };
+
+	return status < sizeof(names) / sizeof(names[0]) ? names[status] : "?";
+}
+
+const char *trace_step(const struct trace_entry *e, size_t i, uint64_t *ns)
+{
+	uint32_t before;
+	const char *what;
+
+	switch (e[i].kind) {
+	case SHM_TRACE_STARTED:
+		before = SHM_TRACE_RECEIVED, what = "waited";
+		break;
+	case SHM_TRACE_FINISHED:
+		before = SHM_TRACE_STARTED, what = "ran";
+		break;
+	case SHM_TRACE_COMPLETED:
+		before = SHM_TRACE_SENT, what = "took";
+		break;
+	default:
+		return NULL;
+	}
+	for (size_t j = i; j-- > 0;) {
+		if (e[j].kind == before && e[j].peer == e[i].peer && e[j].msg_id == e[i].msg_id) {
+			*ns = e[i].time_ns > e[j].time_ns ? e[i].time_ns - e[j].time_ns : 0;
+			return what;
+		}
+	}
+	return NULL;
+}
+
+uint64_t trace_newest_ns(const struct trace_entry *e, size_t n)
+{
+	uint64_t newest = 0;
+
+	for (size_t i = 0; i < n; i++)
+		if (e[i].time_ns > newest)
+			newest = e[i].time_ns;
+	return newest;
+}
+
+const char *trace_header(void)
+{
+	return "    TIME_S KIND      TYPE                     PEER     MSG_ID     SIZE STATUS    STEP";
+}
+
+/* "850ns", "12.3us", "4.56ms", "1.23s". */
+static void fmt_ns(uint64_t ns, char *buf, size_t len)
+{
+	if (ns < 1000u)
+		snprintf(buf, len, "%lluns", (unsigned long long)ns);
+	else if (ns < 1000000u)
+		snprintf(buf, len, "%.1fus", (double)ns / 1e3);
+	else if (ns < 1000000000u)
+		snprintf(buf, len, "%.2fms", (double)ns / 1e6);
+	else
+		snprintf(buf, len, "%.2fs", (double)ns / 1e9);
+}
+
+void trace_format(const struct trace_entry *e, size_t i, uint64_t newest_ns, char *buf, size_t len)
+{
+	const struct trace_entry *r = &e[i];
+	const char *name = worker_msg_name(r->type), *step;
+	char type[16], dur[32] = "";
+	uint64_t ns;
+	int n;
+
+	if (!name && r->type) {
+		snprintf(type, sizeof(type), "%u", r->type);
+		name = type;
+	} else if (!name) {
+		name = "-";
+	}
+	if ((step = trace_step(e, i, &ns))) {
+		size_t at = (size_t)snprintf(dur, sizeof(dur), "%s ", step);
+
+		fmt_ns(ns, dur + at, sizeof(dur) - at);
+	}
+	/* Signed: the newest prints as 0, not -0. */
+	n = snprintf(buf, len, "%10.6f %-9s %-23s %5u %10llu %8u %-9s %s",
+		     (double)((int64_t)r->time_ns - (int64_t)newest_ns) / 1e9,
+		     trace_kind_name(r->kind), name, r->peer, (unsigned long long)r->msg_id, r->size,
+		     trace_status_name(r->status), dur);
+	/* No padding at the end of a line without a step. */
+	for (n = n < (int)len ? n : (int)len - 1; n > 0 && buf[n - 1] == ' '; n--)
+		buf[n - 1] = '\0';
+}
