@@ -38,6 +38,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/rref.h"
+#include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
 
@@ -132,46 +133,6 @@ static int fn_killed_at(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrp
 	atomic_store(&killed_at, (uint64_t)a[0].u.i);
 	*r = shmrpc_nil();
 	return 0;
-}
-
-/* ---- a barrier on rank 0 among the first `parties` ranks ---- */
-
-static atomic_int arrived[4];
-
-static int fn_arrive(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)n, (void)u;
-	*r = shmrpc_int(atomic_fetch_add(&arrived[a[0].u.i], 1) + 1);
-	return 0;
-}
-
-static int fn_arrived(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)n, (void)u;
-	*r = shmrpc_int(atomic_load(&arrived[a[0].u.i]));
-	return 0;
-}
-
-static void barrier(int phase, int parties)
-{
-	shmrpc_value v = shmrpc_int(phase);
-	const char *fn = "arrive";
-	uint64_t t0 = shmrpc_now_ns();
-	shmrpc_future *f;
-	int64_t n;
-
-	for (;;) {
-		CHECK_OK(shmrpc_rpc_sync(0, fn, &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
-		n = shmrpc_future_value(f)->u.i;
-		shmrpc_future_free(f);
-		if (n == parties)
-			return;
-		/* A party that failed never comes: fail too, not hang. */
-		CHECK(shmrpc_now_ns() - t0 < BARRIER_WAIT_NS, "worker %d: barrier %d: %lld of %d "
-		      "came", shmrpc_rank(), phase, (long long)n, parties);
-		fn = "arrived";
-		usleep(2000);
-	}
 }
 
 static pid_t pid_of(int rank)
@@ -303,12 +264,12 @@ static void owner_dies(void)
 		CHECK_OK(shmrpc_rpc_sync((me + 1) % 3, "keep", keep, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
 		shmrpc_future_free(f);
 	}
-	barrier(0, 3);
+	tl_barrier(0, 3);
 	for (int i = 0; i < PENDING; i++) {
 		CHECK_OK(shmrpc_remote(3, "slow", &slow, 1, SHMRPC_TIMEOUT_NONE, &w[i].r));
 		CHECK(pthread_create(&w[i].thread, NULL, wait_value, &w[i]) == 0, "pthread_create");
 	}
-	barrier(1, 3);
+	tl_barrier(1, 3);
 	if (me == 0) {
 		uint64_t t0;
 
@@ -367,7 +328,7 @@ static void owner_dies(void)
 	while (forks.n)
 		shmrpc_rref_free(forks.r[--forks.n]);
 	pthread_mutex_unlock(&forks.lock);
-	barrier(2, 3);
+	tl_barrier(2, 3);
 	wait_empty();
 	fprintf(stderr, "worker %d: the RRef table is empty\n", me);
 }
@@ -403,7 +364,7 @@ static void user_dies(void)
 	if (shmrpc_rank() == 2)
 		return; /* serves "keep" until the kill */
 	give_to_victim(READY, ids);
-	barrier(0, 2);
+	tl_barrier(0, 2);
 	if (shmrpc_rank() == 1)
 		return;
 	/* Ours are alive and come to be held by rank 2 alone (once rank 2
@@ -446,8 +407,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("slow", "i", fn_slow, NULL));
 	CHECK_OK(shmrpc_register("keep", "ri", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("killed_at", "i", fn_killed_at, NULL));
-	CHECK_OK(shmrpc_register("arrive", "i", fn_arrive, NULL));
-	CHECK_OK(shmrpc_register("arrived", "i", fn_arrived, NULL));
+	CHECK_OK(tl_barrier_register());
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_world_size() == 4)
 		owner_dies();

@@ -24,6 +24,7 @@
 #include "common/clock.h"
 #include "shm/pool.h"
 #include "worker/agent.h"
+#include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
 
@@ -34,7 +35,6 @@
 #define MAX_HOPS 3
 #define KEPT_MAX 64   /* copies a worker's takes keep */
 #define WINDOW 32     /* handles a driver keeps a while before dropping */
-#define BARRIER_WAIT_NS (60ull * 1000000000ull)
 #define EMPTY_WAIT_NS (10ull * 1000000000ull) /* deletes still in flight at the end */
 
 static const DLDataType u8 = { kDLUInt, 8, 1 };
@@ -217,46 +217,6 @@ static int fn_take(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
-/* ---- a barrier on rank 0 ---- */
-
-static atomic_int arrived[4];
-
-static int fn_arrive(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)n, (void)u;
-	*r = shmrpc_int(atomic_fetch_add(&arrived[a[0].u.i], 1) + 1);
-	return 0;
-}
-
-static int fn_arrived(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)n, (void)u;
-	*r = shmrpc_int(atomic_load(&arrived[a[0].u.i]));
-	return 0;
-}
-
-static void barrier(int phase)
-{
-	shmrpc_value v = shmrpc_int(phase);
-	const char *fn = "arrive";
-	uint64_t t0 = shmrpc_now_ns();
-	shmrpc_future *f;
-	int64_t n;
-
-	for (;;) {
-		CHECK_OK(shmrpc_rpc_sync(0, fn, &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
-		n = shmrpc_future_value(f)->u.i;
-		shmrpc_future_free(f);
-		if (n == shmrpc_world_size())
-			return;
-		/* A party that failed never comes: fail too, not hang. */
-		CHECK(shmrpc_now_ns() - t0 < BARRIER_WAIT_NS, "worker %d: barrier %d: %lld of %d "
-		      "came", shmrpc_rank(), phase, (long long)n, shmrpc_world_size());
-		fn = "arrived";
-		usleep(2000);
-	}
-}
-
 /* ---- the end: the owners freed everything ---- */
 
 static void dump_table(void)
@@ -371,15 +331,14 @@ static int worker(void)
 
 	CHECK_OK(shmrpc_register("make", "ib", fn_make, NULL));
 	CHECK_OK(shmrpc_register("take", "rii", fn_take, NULL));
-	CHECK_OK(shmrpc_register("arrive", "i", fn_arrive, NULL));
-	CHECK_OK(shmrpc_register("arrived", "i", fn_arrived, NULL));
+	CHECK_OK(tl_barrier_register());
 	CHECK_OK(shmrpc_init(NULL));
 	count = (int)(TOTAL_RREFS * tl_scale()) / shmrpc_world_size();
 	if (count < 8)
 		count = 8;
 	t0 = shmrpc_now_ns();
 	drive(count);
-	barrier(0); /* no take runs any more */
+	tl_barrier(0, shmrpc_world_size()); /* no take runs any more */
 	for (int i = 0; i < KEPT_MAX; i++) {
 		struct held h;
 
@@ -389,7 +348,7 @@ static int worker(void)
 		pthread_mutex_unlock(&kept.lock);
 		drop(h);
 	}
-	barrier(1); /* every handle of the job is gone */
+	tl_barrier(1, shmrpc_world_size()); /* every handle of the job is gone */
 	wait_empty();
 	fprintf(stderr, "worker %d: %d RRefs made, %ld reads, %ld forwards, %ld returns, %ld kept: "
 		"all freed (%.1f s)\n", shmrpc_rank(), count, atomic_load(&n_reads),

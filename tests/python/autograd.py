@@ -13,13 +13,7 @@ try:
 except ImportError:
     torch = None
 
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+from checks import check, failed, failures
 
 
 def weights(rows, cols, scale):
@@ -228,7 +222,7 @@ def main():
         check(live == [0, 0, 0], f"no context left on any worker: {live}")
         print(f"autograd: {len(failures)} failures", file=sys.stderr)
     rpc.shutdown()
-    return 1 if failures else 0
+    return failed()
 
 
 if __name__ == "__main__":

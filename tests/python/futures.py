@@ -10,13 +10,7 @@ import threading
 
 import shmrpc as rpc
 
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+from checks import check, failed
 
 
 def add(a, b):
@@ -72,9 +66,9 @@ def main():
         check(False, "set_exception did not raise")
     except KeyError:
         pass
-    failed = rpc.rpc_async(peer, add, args=(1, "x")).then(lambda f: f.wait())
+    broken = rpc.rpc_async(peer, add, args=(1, "x")).then(lambda f: f.wait())
     try:
-        failed.wait()
+        broken.wait()
         check(False, "an error did not travel through then()")
     except TypeError as e:
         check("unsupported operand" in str(e), f"TypeError text: {e}")
@@ -96,7 +90,7 @@ def main():
     check(rpc.rpc_sync(peer, ping_pong, args=(8, me)) == "bottom", "a nested chain of 8")
 
     rpc.shutdown()
-    return 1 if failures else 0
+    return failed()
 
 
 if __name__ == "__main__":

@@ -8,13 +8,7 @@ import tempfile
 
 import shmrpc as rpc
 
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+from checks import check, failed
 
 
 def add(a, b):
@@ -45,7 +39,7 @@ def main():
         check(sum(e["ph"] == "X" for e in trace) == len(names), "complete events in the trace")
         check(sum(e["ph"] == "f" for e in trace) == 3, "flows in the trace")
     rpc.shutdown()
-    return 1 if failures else 0
+    return failed()
 
 
 if __name__ == "__main__":

@@ -8,13 +8,7 @@ import time
 
 import shmrpc as rpc
 
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+from checks import check, failed
 
 
 def add(a, b=0):
@@ -150,7 +144,7 @@ def main():
     del rref, mine, bad, made, nested_ref, lst
 
     rpc.shutdown()
-    return 1 if failures else 0
+    return failed()
 
 
 if __name__ == "__main__":

@@ -10,13 +10,7 @@ import numpy as np
 
 import shmrpc as rpc
 
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"rank {os.environ.get('SHMRPC_RANK')}: FAILED: {what}", file=sys.stderr)
+from checks import check, failed
 
 
 def scribble(a, value):
@@ -72,7 +66,7 @@ def main():
         check(pool_t[0, 0].item() == 5.0, "a pool torch tensor written by the callee")
     del big, back, got, rr
     rpc.shutdown()
-    return 1 if failures else 0
+    return failed()
 
 
 if __name__ == "__main__":
