@@ -23,11 +23,13 @@ $SHMRPC_BUILD (default build), its package in $SHMRPC_BUILD/python.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from torchpeer import init_pair, spawn_pair  # noqa: E402
 
 SIZES = [(1 << 10, "1KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB"), (1 << 30, "1GiB")]
 # torch's 1 GiB echo holds the caller's tensor, the callee's copy and the
@@ -104,10 +106,7 @@ def torch_worker(rank, port, quick, sizes, out):
     import torch
     import torch.distributed.rpc as rpc
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=600)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    init_pair(rank, port, rpc_timeout=600)
     if rank == 0:
         write_figures(out, measure(rpc, lambda n: torch.empty(n, dtype=torch.uint8), sizes, quick))
     rpc.shutdown()
@@ -137,16 +136,10 @@ def mem_available():
     return 0
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_torch(quick, out):
     """torch's figures, or None without torch."""
     try:
-        import torch.multiprocessing as mp
+        import torch  # noqa: F401 (only whether it is there)
     except ImportError:
         print("python_rpc: torch is not importable: shmrpc's figures alone", file=sys.stderr)
         return None
@@ -155,7 +148,7 @@ def run_torch(quick, out):
         print("python_rpc: too little memory for torch's 1 GiB echo: shmrpc's alone",
               file=sys.stderr)
         sizes = SIZES[:-1]
-    mp.spawn(torch_worker, args=(free_port(), quick, sizes, out), nprocs=2, join=True)
+    spawn_pair(torch_worker, quick, sizes, out)
     with open(out) as f:
         return json.load(f)
 

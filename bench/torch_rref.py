@@ -13,13 +13,14 @@ as ratios against them. Run by Debian's /usr/bin/python3 with python3-torch.
 -q: fewer round trips.
 """
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed.rpc as rpc
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from torchpeer import init_pair, median_p99, spawn_pair  # noqa: E402
 
 # Made on the owner when it imports this file; only the owner's is sent.
 ONES = torch.ones(262144, dtype=torch.float32)
@@ -41,11 +42,6 @@ class Box:
         return self.n
 
 
-def median_p99(samples):
-    samples.sort()
-    return samples[len(samples) // 2], samples[len(samples) * 99 // 100]
-
-
 def timed(op, n):
     for _ in range(max(10, n // 10)):
         op()
@@ -58,10 +54,7 @@ def timed(op, n):
 
 
 def run(rank, port, quick):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=120)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    init_pair(rank, port)
     if rank == 0:
         n = 100 if quick else 1000
         med, p99 = timed(lambda: rpc.remote("w1", empty).to_here(), n)
@@ -77,11 +70,5 @@ def run(rank, port, quick):
     rpc.shutdown()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
-    mp.spawn(run, args=(free_port(), "-q" in sys.argv), nprocs=2, join=True)
+    spawn_pair(run, "-q" in sys.argv)

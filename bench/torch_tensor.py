@@ -7,13 +7,15 @@ and BENCH torch_mp_tensor lines; bench/tensor_handoff prints its own as
 ratios against them. -q: fewer repetitions.
 """
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from torchpeer import init_pair, median_p99, spawn_pair  # noqa: E402
 
 SIZES = [1 << 10, 1 << 20, 64 << 20, 1 << 30]
 
@@ -27,16 +29,8 @@ def echo(t):
     return t
 
 
-def median(samples):
-    samples.sort()
-    return samples[len(samples) // 2]
-
-
 def rpc_worker(rank, port, quick):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=600)
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    init_pair(rank, port, rpc_timeout=600)
     if rank == 0:
         for size in SIZES:
             t = torch.empty(size, dtype=torch.uint8)
@@ -46,7 +40,7 @@ def rpc_worker(rank, port, quick):
                 t0 = time.perf_counter_ns()
                 rpc.rpc_sync("w1", echo, args=(t,))
                 samples.append(time.perf_counter_ns() - t0)
-            print(f"BENCH torch_rpc_tensor size={size} median_ns={median(samples)}", flush=True)
+            print(f"BENCH torch_rpc_tensor size={size} median_ns={median_p99(samples)[0]}", flush=True)
             del t
     rpc.shutdown()
 
@@ -74,18 +68,12 @@ def mp_bench(quick):
             inq.put(t)
             outq.get()
             samples.append(time.perf_counter_ns() - t0)
-        print(f"BENCH torch_mp_tensor size={size} median_ns={median(samples)}", flush=True)
+        print(f"BENCH torch_mp_tensor size={size} median_ns={median_p99(samples)[0]}", flush=True)
     inq.put(None)
     p.join()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
     quick = "-q" in sys.argv
-    mp.spawn(rpc_worker, args=(free_port(), quick), nprocs=2, join=True)
+    spawn_pair(rpc_worker, quick)
     mp_bench(quick)
