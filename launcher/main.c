@@ -53,9 +53,7 @@ int main(int argc, char **argv)
 {
 	struct shmrun_opts o;
 	struct job j = { .o = &o, .sigfd = -1 };
-	struct shm_seg_params sp;
-	struct pool_params pp;
-	struct rref_table_params rp;
+	struct job_shm_params jp;
 	int rc = shmrun_parse_options(argc, argv, &o);
 
 	if (rc >= 0)
@@ -75,24 +73,12 @@ int main(int argc, char **argv)
 	}
 	if (raise_fd_limit(&o) || watch_init(&j))
 		goto out;
-	sp = (struct shm_seg_params){ .world_size = o.nproc, .ring_size = o.ring_size,
-				      .trace_records = o.trace_records, .flags = o.seg_flags,
-				      .job_name = basename(o.argv[0]) };
-	if (shm_seg_create(&j.seg, &sp)) {
+	jp = (struct job_shm_params){ .world = o.nproc, .ring_size = o.ring_size,
+				      .trace_records = o.trace_records, .seg_flags = o.seg_flags,
+				      .job_name = basename(o.argv[0]), .pool_size = o.pool_size,
+				      .max_rrefs = o.max_rrefs };
+	if (job_shm_create(&j.shm, &jp)) {
 		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
-		goto out;
-	}
-	pp = (struct pool_params){ .bytes = o.pool_size, .world = o.nproc };
-	if (pool_create(&j.pool, &pp)) {
-		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
-		shm_seg_detach(&j.seg);
-		goto out;
-	}
-	rp = (struct rref_table_params){ .max_rrefs = o.max_rrefs, .world = o.nproc };
-	if (rref_table_create(&j.rrefs, &rp)) {
-		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
-		pool_detach(&j.pool);
-		shm_seg_detach(&j.seg);
 		goto out;
 	}
 	if (spawn_workers(&j))
@@ -101,9 +87,7 @@ int main(int argc, char **argv)
 	if (!o.quiet)
 		report_summary(&j);
 	report_leaks(&j);
-	rref_table_detach(&j.rrefs);
-	pool_detach(&j.pool);
-	shm_seg_detach(&j.seg);
+	job_shm_close(&j.shm);
 out:
 	watch_free(&j);
 	free(j.procs);

@@ -12,7 +12,7 @@
 
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len)
 {
-	const char *name = shm_worker(&j->seg, rank)->name;
+	const char *name = shm_worker(&j->shm.seg, rank)->name;
 
 	/* A worker may rename itself in its slot: read it bounded. */
 	snprintf(buf, len, "worker %u (%.*s)", rank, (int)strnlen(name, SHM_NAME_MAX), name);
@@ -33,7 +33,7 @@ void report_trace(const struct job *j, uint32_t rank)
 	char who[SHM_NAME_MAX + 32], line[192];
 	uint64_t head, dropped, newest;
 	/* The segment is still mapped: the dead worker's ring is as it left it. */
-	size_t n = trace_read(&j->seg, rank, SHMRUN_DUMP_RECORDS, e, &head, &dropped);
+	size_t n = trace_read(&j->shm.seg, rank, SHMRUN_DUMP_RECORDS, e, &head, &dropped);
 
 	report_worker(j, rank, who, sizeof(who));
 	if (!n) {
@@ -126,10 +126,10 @@ void report_leaks(const struct job *j)
 
 	/* Every worker has ended and been swept: nothing may remain but what
 	 * a death between two steps of the protocol strands (rref_table.h). */
-	for (uint32_t s = 0; s < j->rrefs.capacity; s++) {
+	for (uint32_t s = 0; s < j->shm.rrefs.capacity; s++) {
 		struct rref_info info;
 
-		if (!rref_info_at(&j->rrefs, s, &info))
+		if (!rref_info_at(&j->shm.rrefs, s, &info))
 			continue;
 		if (!left++)
 			snprintf(first, sizeof(first), "the first: id %u:%llu, owner %u, %s, %u "

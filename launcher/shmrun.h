@@ -16,9 +16,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "shm/pool.h"
-#include "shm/rref_table.h"
-#include "shm/segment.h"
+#include "launcher/job_shm.h"
 
 /* Exit codes of the launcher itself. */
 #define SHMRUN_EXIT_FAILED 1  /* a worker failed, or the job could not start */
@@ -80,9 +78,7 @@ enum stop_reason {
 
 struct job {
 	const struct shmrun_opts *o;
-	struct shm_seg seg;
-	struct shm_pool pool;
-	struct rref_table rrefs;
+	struct job_shm shm;
 	struct proc *procs; /* [o->nproc] */
 	uint32_t running;   /* started and not reaped yet */
 	uint32_t failed;

@@ -56,7 +56,7 @@ static void set_env_u32(const char *name, uint32_t v)
 static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 {
 	const struct shmrun_opts *o = j->o;
-	const char *name = shm_worker(&j->seg, rank)->name;
+	const char *name = shm_worker(&j->shm.seg, rank)->name;
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != j->launcher_pid)
 		_exit(SHMRUN_EXIT_FAILED);
@@ -75,12 +75,12 @@ static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 				strerror(errno));
 	}
 	/* Segment and pool are close-on-exec in the launcher; the worker inherits them. */
-	if (fcntl(j->seg.fd, F_SETFD, 0) < 0 || fcntl(j->pool.fd, F_SETFD, 0) < 0 ||
-	    fcntl(j->rrefs.fd, F_SETFD, 0) < 0)
+	if (fcntl(j->shm.seg.fd, F_SETFD, 0) < 0 || fcntl(j->shm.pool.fd, F_SETFD, 0) < 0 ||
+	    fcntl(j->shm.rrefs.fd, F_SETFD, 0) < 0)
 		_exit(SHMRUN_EXIT_FAILED);
-	set_env_u32(SHMRPC_ENV_JOB_FD, (uint32_t)j->seg.fd);
-	set_env_u32(SHMRPC_ENV_POOL_FD, (uint32_t)j->pool.fd);
-	set_env_u32(SHMRPC_ENV_RREF_FD, (uint32_t)j->rrefs.fd);
+	set_env_u32(SHMRPC_ENV_JOB_FD, (uint32_t)j->shm.seg.fd);
+	set_env_u32(SHMRPC_ENV_POOL_FD, (uint32_t)j->shm.pool.fd);
+	set_env_u32(SHMRPC_ENV_RREF_FD, (uint32_t)j->shm.rrefs.fd);
 	set_env_u32("SHMRPC_RANK", rank);
 	set_env_u32("SHMRPC_WORLD_SIZE", o->nproc);
 	set_env_u32("SHMRPC_LOCAL_RANK", rank);
@@ -135,7 +135,7 @@ static int start_one(struct job *j, uint32_t rank)
 		goto fail;
 	p->pid = pid;
 	/* Release: the slot's name and generation are visible with the pid. */
-	atomic_store_explicit(&shm_worker(&j->seg, rank)->pid, (uint32_t)pid, memory_order_release);
+	atomic_store_explicit(&shm_worker(&j->shm.seg, rank)->pid, (uint32_t)pid, memory_order_release);
 	p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
 	if (p->pidfd < 0) {
 		err = errno;
@@ -158,7 +158,7 @@ int spawn_workers(struct job *j)
 	if (o->cpu_bind && list_cpus(j))
 		return -1;
 	for (uint32_t r = 0; r < o->nproc; r++) {
-		struct shm_worker *w = shm_worker(&j->seg, r);
+		struct shm_worker *w = shm_worker(&j->shm.seg, r);
 
 		spawn_format_name(o->name_format, r, r, w->name, sizeof(w->name));
 		atomic_store_explicit(&w->generation, 1, memory_order_release);

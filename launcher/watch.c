@@ -3,11 +3,9 @@
  * a pidfd per worker and the --tag-output pipes, with the job's timeout
  * and the SIGKILL that follows a stop as poll's timeout.
  *
- * When a worker ends badly the launcher is the first to know. It records
- * how in the slot (exit_info, then state DEAD with release: a reader that
- * sees DEAD with acquire sees exit_info), bumps the slot's and the
- * header's generation, and rings every doorbell so that sleeping workers
- * look at once and fail their calls to it.
+ * When a worker ends, job_worker_ended (job_shm.c) records how and
+ * releases what it held; the launcher then says so and, unless told to go
+ * on, stops the job.
  */
 #include <errno.h>
 #include <limits.h>
@@ -17,12 +15,10 @@
 #include <string.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
 #include "common/clock.h"
-#include "ipc/doorbell.h"
 #include "launcher/shmrun.h"
 
 /* What each pollfd stands for. */
@@ -67,12 +63,6 @@ void watch_free(struct job *j)
 		close(j->sigfd);
 }
 
-static void ring_all(const struct job *j)
-{
-	for (uint32_t r = 0; r < j->o->nproc; r++)
-		ipc_doorbell_ring(shm_worker(&j->seg, r), NULL);
-}
-
 static void signal_all(const struct job *j, int sig)
 {
 	/* Through the pidfd: a reaped pid that was reused is never hit. */
@@ -94,85 +84,26 @@ void watch_stop(struct job *j, enum stop_reason why, int sig)
 	j->stop = why;
 	j->stop_signal = sig;
 	/* Release: workers woken by the doorbells read it with acquire. */
-	atomic_store_explicit(&j->seg.hdr->shutting_down, 1, memory_order_release);
-	ring_all(j);
+	atomic_store_explicit(&j->shm.seg.hdr->shutting_down, 1, memory_order_release);
+	job_ring_all(&j->shm);
 	signal_all(j, sig);
 	j->kill_at_ns = shmrpc_now_ns() + j->o->grace_ns;
-}
-
-/* How the worker ended, as shm/layout.h encodes it; 0 for exit code 0. */
-static uint32_t reap(struct proc *p)
-{
-	siginfo_t si = { 0 };
-	int rc;
-
-	do
-		rc = waitid(P_PIDFD, (id_t)p->pidfd, &si, WEXITED);
-	while (rc < 0 && errno == EINTR);
-	if (rc < 0) {
-		fprintf(stderr, "shmrun: cannot collect worker pid %d: %s\n", (int)p->pid,
-			strerror(errno));
-		return 0xffffffffu; /* formats as "ended (cause unknown)" */
-	}
-	if (si.si_code == CLD_EXITED)
-		return si.si_status ? SHM_EXIT_CODE(si.si_status) : 0;
-	return SHM_EXIT_SIGNAL(si.si_status);
-}
-
-/* Whatever the worker still held in the tensor pool goes back: all of it
- * after a death, what it forgot to release after a clean exit. Acquire:
- * the generation it ran as, written before its fork. */
-static void sweep_pool(struct job *j, uint32_t rank)
-{
-	uint32_t gen = atomic_load_explicit(&shm_worker(&j->seg, rank)->generation,
-					    memory_order_acquire);
-	int n = pool_sweep(&j->pool, rank, gen);
-
-	if (n < 0)
-		fprintf(stderr, "shmrun: cannot release what worker %u held in the tensor pool: %s\n",
-			rank, shmrpc_errmsg());
-}
-
-/* What the worker held in the RRef table, swept twice in the order the
- * table needs (shm/rref_table.h): before the pool frees its blocks, and
- * after it is marked dead or exited (with a seq_cst store: a sender that
- * charged it a reference reads that state with seq_cst after charging). */
-static void sweep_rrefs(struct job *j, uint32_t rank)
-{
-	if (rref_sweep_rank(&j->rrefs, rank) < 0)
-		fprintf(stderr, "shmrun: cannot release what worker %u held in the RRef table: %s\n",
-			rank, shmrpc_errmsg());
 }
 
 static void on_worker_end(struct job *j, uint32_t rank)
 {
 	struct proc *p = &j->procs[rank];
-	struct shm_worker *w = shm_worker(&j->seg, rank);
 
-	p->exit_info = reap(p);
+	p->exit_info = job_reap(p->pidfd, (int)p->pid);
 	close(p->pidfd);
 	p->pidfd = -1;
 	j->running--;
 	/* Its last words before the launcher's word on it. */
 	output_finish(&p->out[0]);
 	output_finish(&p->out[1]);
-	sweep_rrefs(j, rank);
-	sweep_pool(j, rank);
-	if (!p->exit_info) {
-		/* seq_cst (release at least): pairs with the readers' acquire of
-		 * the state, and with rref_charge's seq_cst read of it. */
-		atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_seq_cst);
-		sweep_rrefs(j, rank);
+	job_worker_ended(&j->shm, rank, p->exit_info);
+	if (!p->exit_info)
 		return;
-	}
-	/* Relaxed: published by the release store of DEAD that follows. */
-	atomic_store_explicit(&w->exit_info, p->exit_info, memory_order_relaxed);
-	/* seq_cst: also against rref_charge's seq_cst read (see it). */
-	atomic_store_explicit(&w->state, SHM_WORKER_DEAD, memory_order_seq_cst);
-	atomic_fetch_add_explicit(&w->generation, 1, memory_order_release);
-	atomic_fetch_add_explicit(&j->seg.hdr->generation, 1, memory_order_release);
-	sweep_rrefs(j, rank);
-	ring_all(j);
 	if (j->stop != STOP_NONE) {
 		p->stopped = true;
 		return;

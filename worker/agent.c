@@ -301,7 +301,8 @@ static int attach_pool(struct agent *ag)
 		return rc;
 	/* Acquire pairs with the launcher's release when it set up the slot. */
 	rc = pool_join(&ag->pool, ag->rank,
-		       atomic_load_explicit(&ag->self->generation, memory_order_acquire));
+		       atomic_load_explicit(&ag->self->generation, memory_order_acquire)) ?:
+	     tensor_view_open(&ag->pool, &ag->view);
 	if (rc) {
 		pool_detach(&ag->pool);
 		return rc;
@@ -344,7 +345,11 @@ static void agent_free(struct agent *ag)
 	}
 	if (ag->has_pool) {
 		pool_leave(&ag->pool, ag->rank);
+		/* The mapping is the view's now: unmapped when the last tensor
+		 * handle into it goes, so that pool_detach only closes the fd. */
+		ag->pool.base = NULL;
 		pool_detach(&ag->pool);
+		tensor_view_put(ag->view);
 	}
 	if (ag->port.seg)
 		ipc_port_close(&ag->port);

@@ -33,6 +33,7 @@ struct agent {
 	struct ipc_port port;
 	struct shm_pool pool;
 	bool has_pool; /* the job has a tensor pool (shmrun makes one) */
+	struct tensor_view *view; /* the pool's mapping, shared with the tensor handles */
 	struct rref_table rrefs;
 	bool has_rrefs; /* the job has an RRef table (shmrun makes one) */
 	bool rref_fetch_by_message; /* SHMRPC_RREF_FETCH=message: to_here() asks the owner */

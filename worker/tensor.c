@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "common/error.h"
 #include "shm/pool.h"
@@ -35,6 +36,35 @@ static struct shm_pool *pool_or_fail(void)
 	return &ag->pool;
 }
 
+int tensor_view_open(struct shm_pool *p, struct tensor_view **out)
+{
+	struct tensor_view *v = malloc(sizeof(*v));
+
+	if (!v)
+		return shmrpc__fail(-ENOMEM, "out of memory attaching the tensor pool");
+	v->base = p->base;
+	v->size = p->size;
+	atomic_init(&v->refs, 1);
+	*out = v;
+	return 0;
+}
+
+void tensor_view_put(struct tensor_view *v)
+{
+	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
+	if (v && atomic_fetch_sub_explicit(&v->refs, 1, memory_order_acq_rel) == 1) {
+		munmap(v->base, v->size);
+		free(v);
+	}
+}
+
+/* A handle that never got its pool reference (or whose reference is gone). */
+static void handle_discard(shmrpc_tensor *t)
+{
+	tensor_view_put(t->view);
+	free(t);
+}
+
 static uint64_t dtype_bytes(DLDataType d)
 {
 	return ((uint64_t)d.bits * d.lanes + 7) / 8;
@@ -59,6 +89,9 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 	}
 	if (!(t = calloc(1, sizeof(*t))))
 		return shmrpc__fail(-ENOMEM, "out of memory making a tensor handle");
+	t->view = worker_agent->view;
+	/* Relaxed: the agent's own reference keeps the count above zero here. */
+	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
 	t->off = off;
 	t->nbytes = n;
 	memcpy(t->shape, shape, (size_t)ndim * sizeof(*shape));
@@ -90,7 +123,7 @@ int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape, sh
 		return rc;
 	rc = pool_alloc(p, worker_agent->rank, t->nbytes ? t->nbytes : 1, &off);
 	if (rc) {
-		free(t);
+		handle_discard(t);
 		return rc;
 	}
 	t->off = off;
@@ -111,7 +144,7 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 		return rc;
 	rc = pool_ref(p, worker_agent->rank, t->off);
 	if (rc) {
-		free(*out);
+		handle_discard(*out);
 		*out = NULL;
 	}
 	return rc;
@@ -123,10 +156,12 @@ void shmrpc_tensor_free(shmrpc_tensor *t)
 
 	if (!t)
 		return;
-	/* After shutdown the pool is gone, and pool_leave dropped every reference. */
-	if (ag && ag->has_pool && pool_unref(&ag->pool, ag->rank, t->off))
+	/* A handle of a job this process has left (its agent shut down, or
+	 * another agent since) has no reference any more: pool_leave dropped
+	 * them all. Its view still keeps the bytes mapped until now. */
+	if (ag && ag->has_pool && ag->view == t->view && pool_unref(&ag->pool, ag->rank, t->off))
 		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
-	free(t);
+	handle_discard(t);
 }
 
 void *shmrpc_tensor_data(const shmrpc_tensor *t)
@@ -251,14 +286,14 @@ int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
 	if (rc)
 		return rc;
 	if ((*out)->nbytes != w.nbytes || w.nbytes > (uint64_t)block) {
-		free(*out);
+		handle_discard(*out);
 		return shmrpc__fail(-EBADMSG, "a tensor descriptor says %llu bytes for a shape of %llu "
 				    "bytes in a block of %lld", (unsigned long long)w.nbytes,
 				    (unsigned long long)(*out)->nbytes, (long long)block);
 	}
 	rc = pool_ref(p, worker_agent->rank, w.off);
 	if (rc)
-		free(*out);
+		handle_discard(*out);
 	return rc;
 }
 
@@ -443,7 +478,7 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 		}
 	}
 	if (rc) {
-		free(*out);
+		handle_discard(*out);
 		*out = NULL;
 		return rc;
 	}

@@ -21,8 +21,20 @@
 
 #include "shmrpc.h"
 #include "common/compiler.h"
+#include "shm/pool.h"
+
+/* A mapping of a job's pool, shared by the agent and every handle into it:
+ * it lasts until the last of them lets go, so that a tensor a program
+ * still holds after shmrpc_shutdown (a data-loader batch kept past its
+ * epoch) still reads its bytes. */
+struct tensor_view {
+	void *base;
+	uint64_t size;
+	_Atomic uint32_t refs;
+};
 
 struct shmrpc_tensor {
+	struct tensor_view *view; /* the mapping dl.data points into */
 	uint64_t off;
 	uint64_t nbytes;
 	DLTensor dl;
@@ -39,6 +51,11 @@ struct tensor_list {
 	uint32_t nr, rcap;
 	bool take;
 };
+
+/* The agent's view of its pool: made when it attaches (one reference, the
+ * agent's), dropped when it detaches; unmapped by the last holder. */
+SHMRPC_HIDDEN int tensor_view_open(struct shm_pool *p, struct tensor_view **out);
+SHMRPC_HIDDEN void tensor_view_put(struct tensor_view *v);
 
 SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
 SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
