@@ -56,6 +56,7 @@ RUNNER   := $(BUILD)/bin/shmrpc-test-runner
 # into python3, and the C tests cover the same library code.
 PY_INC   := $(shell /usr/bin/python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
 PY_MODS  := $(wildcard python/shmrpc/*.py)
+PY_C_SRCS := $(wildcard python/*.c)
 PYTHON   := $(if $(and $(wildcard $(PY_INC)/Python.h),$(if $(SAN),,yes)),$(BUILD)/python/shmrpc/_shmrpc.abi3.so \
 		$(PY_MODS:python/%=$(BUILD)/python/%))
 
@@ -103,11 +104,13 @@ $(BUILD)/bin/shmrun: $(LAUNCHER_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/obj/python/_shmrpc.o: python/_shmrpc.c
+$(BUILD)/obj/python/%.o: python/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -isystem $(PY_INC) $(CFLAGS) -MMD -MP -c -o $@ $<
 
-$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(BUILD)/obj/python/_shmrpc.o $(LIB_OBJS)
+# The extension: its C files, and launcher/job_shm.c for the jobs that
+# shmrpc.data launches itself.
+$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS)
 

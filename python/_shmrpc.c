@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "shmrpc.h"
+#include "python/module.h"
 #include "worker/executor.h"
 #include "worker/profile.h"
 #include "worker/python.h"
@@ -868,7 +869,7 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 	if (!FutureType || !RRefType || !TensorType ||
 	    PyModule_AddObject(m, "Future", new_ref(FutureType)) ||
 	    PyModule_AddObject(m, "Tensor", new_ref(TensorType)) ||
-	    PyModule_AddObject(m, "RRef", new_ref(RRefType)) ||
+	    PyModule_AddObject(m, "RRef", new_ref(RRefType)) || module_add_job(m) ||
 	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT)) {
 		Py_DECREF(m);
 		return NULL;

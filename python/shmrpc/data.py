@@ -1,0 +1,766 @@
+"""shmrpc.data: torch.utils.data.DataLoader's API, with batches handed over
+in the job's shared tensor pool instead of pickled through queues.
+
+    from shmrpc.data import DataLoader
+    for batch in DataLoader(dataset, batch_size=32, shuffle=True, num_workers=2):
+        ...
+
+The workers are shmrpc workers. By default the loader starts them itself:
+it forks them from this process (so, as with torch's default on Linux, the
+dataset is inherited, not pickled) into a job of its own, whose launcher
+this process is (_shmrpc.Job). Or, inside an ``shmrun`` job, give the ranks
+that load with ``workers=[...]``: the dataset, collate_fn and
+worker_init_fn then travel to them pickled, as with torch's "spawn".
+
+A worker collates a batch straight into the pool (each byte written once)
+and returns it; the trainer gets torch tensors viewing the same bytes, and
+a batch's blocks go back to the pool when the trainer drops it. Sampling,
+seeding, batching, the order of batches and the errors are torch's: this
+module uses torch's samplers and mirrors its iterator. torch is needed.
+"""
+import itertools
+import math
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+from . import _shmrpc
+
+__all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate"]
+
+_DEFAULT_POOL_BYTES = 1 << 30
+_POOL_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
+
+
+def _torch():
+    try:
+        import torch
+        import torch.utils.data  # noqa: F401
+    except ImportError:
+        raise ImportError("shmrpc.data needs torch (Debian: apt-get install python3-torch)") from None
+    return torch
+
+
+# ---- inside a worker ----
+
+class WorkerInfo:
+    """What get_worker_info() returns inside a loader worker (torch's fields)."""
+    __initialized = False
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+        self.__keys = tuple(kwargs.keys())
+        self.__initialized = True
+
+    def __setattr__(self, key, val):
+        if self.__initialized:
+            raise RuntimeError(f"Cannot assign attributes to {self.__class__.__name__} objects")
+        return super().__setattr__(key, val)
+
+    def __repr__(self):
+        items = ", ".join(f"{k}={getattr(self, k)}" for k in self.__keys)
+        return f"{self.__class__.__name__}({items})"
+
+
+_worker_info = None
+
+
+def get_worker_info():
+    """In a loader worker: its WorkerInfo (id, num_workers, seed, dataset);
+    None elsewhere. torch.utils.data.get_worker_info() says the same there,
+    so datasets written for torch shard as they do under torch."""
+    return _worker_info
+
+
+class _Batcher:
+    """One worker's side of one loader: torch's fetchers. fetch(index) is a
+    batch, or raises StopIteration when an iterable dataset is exhausted."""
+
+    def __init__(self, dataset, iterable, auto_collation, collate_fn, drop_last):
+        self.dataset, self.iterable = dataset, iterable
+        self.auto_collation, self.collate_fn, self.drop_last = auto_collation, collate_fn, drop_last
+        self.reset()
+
+    def reset(self):
+        self.it = iter(self.dataset) if self.iterable else None
+        self.ended = False
+
+    def fetch(self, index):
+        if not self.iterable:
+            if self.auto_collation:
+                return self.collate_fn([self.dataset[i] for i in index])
+            return self.collate_fn(self.dataset[index])
+        if self.ended:
+            raise StopIteration
+        if not self.auto_collation:
+            return self.collate_fn(next(self.it))
+        data = []
+        for _ in index:
+            try:
+                data.append(next(self.it))
+            except StopIteration:
+                self.ended = True
+                break
+        if not data or (self.drop_last and len(data) < len(index)):
+            raise StopIteration
+        return self.collate_fn(data)
+
+
+_batchers = {}  # loader key -> _Batcher, in a worker
+_init_errors = {}  # loader key -> the text of worker_init_fn's failure
+
+
+def _set_worker(worker_id, num_workers, base_seed, dataset):
+    """torch's worker start: one thread, seeds from base_seed, worker info."""
+    global _worker_info
+    torch = _torch()
+    torch.set_num_threads(1)
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        import numpy as np
+        from torch.utils.data._utils import worker as torch_worker
+        np.random.seed(torch_worker._generate_state(base_seed, worker_id))
+    _worker_info = WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
+    # torch.utils.data.get_worker_info() reads this module global of torch's.
+    from torch.utils.data._utils import worker as torch_worker
+    torch_worker._worker_info = _worker_info
+
+
+def _error_text(worker_id):
+    e = sys.exc_info()[1]
+    return (type(e), f"Caught {type(e).__name__} in DataLoader worker process {worker_id}.\n"
+            f"Original {''.join(traceback.format_exception(*sys.exc_info()))}")
+
+
+def _w_setup(key, spec, worker_id, num_workers, base_seed):
+    """Makes this process worker worker_id of loader key (spec: what
+    _Loader._spec returns). A worker_init_fn failure is kept and sent with
+    the first batch, as torch does."""
+    dataset, iterable, auto_collation, collate_fn, drop_last, init_fn = spec
+    _set_worker(worker_id, num_workers, base_seed, dataset)
+    try:
+        if init_fn is not None:
+            init_fn(worker_id)
+        _batchers[key] = _Batcher(dataset, iterable, auto_collation,
+                                  collate_fn if collate_fn is not None else
+                                  (default_collate if auto_collation else _convert), drop_last)
+    except Exception:
+        _init_errors[key] = _error_text(worker_id)
+
+
+def _w_fetch(key, index):
+    """One batch: ("ok", batch), ("stop",) when an iterable dataset is
+    exhausted, or ("error", type, text)."""
+    err = _init_errors.pop(key, None)
+    if err is not None:
+        return ("error",) + err
+    b = _batchers.get(key)
+    if b is None:
+        return ("error", RuntimeError, "shmrpc.data: this worker has no such loader")
+    try:
+        return ("ok", b.fetch(index))
+    except StopIteration:
+        if b.iterable:
+            return ("stop",)
+        return ("error",) + _error_text(_worker_info.id)
+    except Exception:
+        return ("error",) + _error_text(_worker_info.id)
+
+
+def _w_reset(key):
+    """A new epoch with persistent workers: an iterable dataset starts over."""
+    b = _batchers.get(key)
+    if b is not None:
+        b.reset()
+
+
+def _w_forget(key):
+    _batchers.pop(key, None)
+    _init_errors.pop(key, None)
+
+
+# ---- collate, into the pool ----
+
+_copied_batches = 0  # batches stacked outside the pool because it was full
+
+
+def _pool_stack(torch, batch):
+    """torch.stack(batch) written straight into a pool block, so that the
+    batch travels without a copy; outside the pool when this process has
+    none, the dtype is not a pool dtype, or the pool is full."""
+    global _copied_batches
+    elem = batch[0]
+    dtype = str(elem.dtype).replace("torch.", "")
+    if (_worker_info is None or elem.device.type != "cpu" or dtype not in _POOL_DTYPES
+            or any(t.shape != elem.shape for t in batch)):
+        return torch.stack(batch, 0)
+    from . import empty
+    try:
+        out = empty((len(batch),) + tuple(elem.shape), dtype, like="torch")
+    except RuntimeError:
+        _copied_batches += 1
+        return torch.stack(batch, 0)
+    return torch.stack(batch, 0, out=out)
+
+
+def _convert(data):
+    return _torch().utils.data.default_convert(data)
+
+
+def default_collate(batch):
+    """torch's default_collate (same structure, types and errors), with
+    tensors stacked into the pool inside a loader worker."""
+    import collections.abc
+    import re
+    torch = _torch()
+    elem = batch[0]
+    elem_type = type(elem)
+    if isinstance(elem, torch.Tensor):
+        return _pool_stack(torch, batch)
+    if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
+        if elem_type.__name__ in ("ndarray", "memmap"):
+            if re.search("[SaUO]", elem.dtype.str) is not None:
+                raise TypeError(_COLLATE_ERR.format(elem.dtype))
+            return default_collate([torch.as_tensor(b) for b in batch])
+        if elem.shape == ():  # numpy scalars
+            return torch.as_tensor(batch)
+    elif isinstance(elem, float):
+        return torch.tensor(batch, dtype=torch.float64)
+    elif isinstance(elem, int):
+        return torch.tensor(batch)
+    elif isinstance(elem, (str, bytes)):
+        return batch
+    elif isinstance(elem, collections.abc.Mapping):
+        try:
+            return elem_type({key: default_collate([d[key] for d in batch]) for key in elem})
+        except TypeError:
+            return {key: default_collate([d[key] for d in batch]) for key in elem}
+    elif isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
+        return elem_type(*(default_collate(samples) for samples in zip(*batch)))
+    elif isinstance(elem, collections.abc.Sequence):
+        it = iter(batch)
+        elem_size = len(next(it))
+        if not all(len(e) == elem_size for e in it):
+            raise RuntimeError("each element in list of batch should be of equal size")
+        transposed = list(zip(*batch))
+        if isinstance(elem, tuple):
+            return [default_collate(samples) for samples in transposed]
+        try:
+            return elem_type([default_collate(samples) for samples in transposed])
+        except TypeError:
+            return [default_collate(samples) for samples in transposed]
+    raise TypeError(_COLLATE_ERR.format(elem_type))
+
+
+_COLLATE_ERR = ("default_collate: batch must contain tensors, numpy arrays, numbers, "
+                "dicts or lists; found {}")
+
+
+# ---- the trainer's side ----
+
+class _LoaderJob:
+    """The workers of one loader: a job this process launched by fork, or
+    ranks of the job this process is in (workers=[...])."""
+
+    _next_key = itertools.count()
+
+    def __init__(self, loader, base_seed):
+        import shmrpc
+        self.key = (os.getpid(), next(self._next_key))
+        self.job = None
+        n = loader.num_workers
+        spec = loader._spec()
+        if loader.workers is not None:
+            self.ranks = [shmrpc._rank_of(w) for w in loader.workers]
+            futs = [shmrpc.rpc_async(r, _w_setup, (self.key, spec, i, n, base_seed))
+                    for i, r in enumerate(self.ranks)]
+            shmrpc.wait_all(futs)
+            self.pids = [None] * n
+            return
+        if shmrpc._initialized:
+            raise NotImplementedError(
+                "shmrpc.data: this process is a worker of an shmrpc job already; forking loader "
+                "workers from it is not supported yet: give the loader ranks of the job to load "
+                "with, DataLoader(..., workers=[...])")
+        names = ["dataloader-trainer"] + [f"dataloader{i}" for i in range(n)]
+        self.job = _shmrpc.Job(names, loader.pool_size)
+        self.ranks = list(range(1, n + 1))
+        self.pids = []
+        fds = self.job.fds()
+        parent = os.getpid()
+        try:
+            for i in range(n):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child_main(self.key, spec, i, n, base_seed, names, fds, parent)
+                self.pids.append(pid)
+                self.job.started(i + 1, pid)
+            self.job.watch()
+            _attach(names[0], n + 1, fds)
+        except BaseException:
+            self.job.kill()
+            self.job.close(0)
+            self.job = None
+            raise
+
+    def fetch(self, worker_id, index):
+        import shmrpc
+        dst = self.ranks[worker_id]
+        data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, index), None, dst)
+        return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
+
+    def reset(self):
+        import shmrpc
+        shmrpc.wait_all([shmrpc.rpc_async(r, _w_reset, (self.key,)) for r in self.ranks])
+
+    def death_text(self, worker_id):
+        """The torch-like message for a worker that ended, or None."""
+        if self.job is None:
+            return None
+        for rank, pid, info, text in self.job.ended():
+            if rank == self.ranks[worker_id] and info:
+                return (f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: "
+                        f"{text}")
+        return None
+
+    def close(self):
+        import shmrpc
+        if self.job is None:
+            if shmrpc._initialized:
+                for r in self.ranks:
+                    try:
+                        shmrpc.rpc_sync(r, _w_forget, (self.key,))
+                    except Exception:
+                        pass  # a rank that died forgets by itself
+            return
+        job, self.job = self.job, None
+        try:
+            shmrpc.shutdown(graceful=True, timeout=30)
+        except Exception:
+            job.kill()
+            if shmrpc._initialized:
+                shmrpc.shutdown(graceful=False)
+        finally:
+            job.close(5000)
+
+
+def _attach(name, world, fds):
+    """This process joins the loader's job as rank 0 (with duplicates of
+    its memfds: the agent closes what it attaches)."""
+    import shmrpc
+    env = {"SHMRPC_RANK": "0", "SHMRPC_WORLD_SIZE": str(world), "SHMRPC_NAME": name}
+    dups = [os.dup(fd) for fd in fds]
+    for var, fd in zip(("SHMRPC_JOB_FD", "SHMRPC_POOL_FD", "SHMRPC_RREF_FD"), dups):
+        env[var] = str(fd)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        shmrpc.init_rpc(name)
+    except BaseException:
+        for fd in dups:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent):
+    """A forked worker: joins the job, serves fetches until the trainer
+    leaves, and exits without running the trainer's cleanup."""
+    code = 1
+    try:
+        _shmrpc.die_with_parent(parent)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+        rank = worker_id + 1
+        os.environ.update({"SHMRPC_RANK": str(rank), "SHMRPC_WORLD_SIZE": str(num_workers + 1),
+                           "SHMRPC_NAME": names[rank], "SHMRPC_JOB_FD": str(fds[0]),
+                           "SHMRPC_POOL_FD": str(fds[1]), "SHMRPC_RREF_FD": str(fds[2])})
+        _w_setup(key, spec, worker_id, num_workers, base_seed)
+        import shmrpc
+        shmrpc.init_rpc(names[rank])
+        shmrpc.shutdown(graceful=True)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class _Iter:
+    """torch's _MultiProcessingDataLoaderIter, over shmrpc calls: up to
+    prefetch_factor batches per worker in flight, handed out round robin,
+    returned in order."""
+
+    def __init__(self, loader):
+        torch = _torch()
+        self.loader = loader
+        self.sampler_iter = iter(loader._index_sampler)
+        self.num_yielded = 0
+        self.progress = _Progress(loader.progress)
+        if loader.persistent_workers and loader._workers is not None:
+            # As torch's _reset: the same workers, no new base seed.
+            self.workers = loader._workers
+            if loader._iterable:
+                self.workers.reset()
+        else:
+            base_seed = torch.empty((), dtype=torch.int64).random_(
+                generator=loader.generator).item()
+            self.workers = _LoaderJob(loader, base_seed)
+            if loader.persistent_workers:
+                loader._workers = self.workers
+        n = loader.num_workers
+        self.active = [True] * n
+        self.cycle = itertools.cycle(range(n))
+        self.tasks = {}  # send index -> (worker id, call)
+        self.send_idx = self.rcvd_idx = 0
+        self.ended = False
+        for _ in range(loader.prefetch_factor * n):
+            self._put()
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _put(self):
+        try:
+            index = next(self.sampler_iter)
+        except StopIteration:
+            return
+        for _ in range(len(self.active)):
+            w = next(self.cycle)
+            if self.active[w]:
+                break
+        else:
+            return
+        self.tasks[self.send_idx] = (w, self.workers.fetch(w, index))
+        self.send_idx += 1
+
+    def _wait(self, w, call):
+        import shmrpc
+        timeout = self.loader.timeout
+        try:
+            msg = call.wait(int(timeout * 1000) if timeout > 0 else -1)
+        except TimeoutError:
+            raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
+        except RuntimeError as e:
+            raise RuntimeError(self.workers.death_text(w) or str(e)) from None
+        return shmrpc._result(msg)
+
+    def __next__(self):
+        try:
+            reply = self._next_reply()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._end()  # a death, a timeout, Ctrl-C: the epoch is over
+            raise
+        if reply[0] == "error":
+            raise _reraise(reply[1], reply[2])
+        self.num_yielded += 1
+        batch = reply[1]
+        if self.loader._pin:
+            batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
+        self.progress.update(batch)
+        return batch
+
+    def _next_reply(self):
+        """The next task's reply in order, skipping workers whose iterable
+        dataset is exhausted (torch's _next_data)."""
+        while True:
+            while self.rcvd_idx < self.send_idx and not self.active[self.tasks[self.rcvd_idx][0]]:
+                del self.tasks[self.rcvd_idx]
+                self.rcvd_idx += 1
+            if self.rcvd_idx >= self.send_idx:
+                self._end()
+                raise StopIteration
+            w, call = self.tasks.pop(self.rcvd_idx)
+            reply = self._wait(w, call)
+            self.rcvd_idx += 1
+            if reply[0] == "stop":
+                self.active[w] = False
+            self._put()
+            if reply[0] != "stop":
+                return reply
+
+    def _end(self):
+        """The epoch is over (or broken off): the workers stop unless they
+        persist; batches in flight are dropped."""
+        if self.ended:
+            return
+        self.ended = True
+        self.progress.close()
+        for _, call in self.tasks.values():
+            try:
+                call.wait(-1)
+            except Exception:
+                pass
+        self.tasks.clear()
+        if self.workers is not self.loader._workers:
+            self.workers.close()
+
+    def __del__(self):
+        try:
+            self._end()
+        except Exception:
+            pass
+
+
+def _reraise(exc_type, text):
+    """torch's ExceptionWrapper.reraise: the worker's type, with its traceback in the text."""
+    if exc_type is KeyError:
+        text = KeyErrorMessage(text)
+    try:
+        return exc_type(text)
+    except Exception:
+        return RuntimeError(text)
+
+
+class KeyErrorMessage(str):
+    """As torch: a KeyError's message printed as is (not repr'd)."""
+
+    def __repr__(self):
+        return self
+
+
+class _SingleIter:
+    """num_workers=0: batches made in this process, as torch does."""
+
+    def __init__(self, loader):
+        torch = _torch()
+        self.loader = loader
+        self.sampler_iter = iter(loader._index_sampler)
+        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # torch's base seed draw
+        spec = loader._spec()
+        self.batcher = _Batcher(spec[0], spec[1], spec[2], spec[3] if spec[3] is not None else
+                                (default_collate if spec[2] else _convert), spec[4])
+        self.progress = _Progress(loader.progress)
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __next__(self):
+        try:
+            index = next(self.sampler_iter)
+            batch = self.batcher.fetch(index)
+        except StopIteration:
+            self.progress.close()
+            raise
+        if self.loader._pin:
+            batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
+        self.progress.update(batch)
+        return batch
+
+
+class _Progress:
+    """progress=True: one line on stderr, rewritten in place, with batches,
+    samples/s and bytes/s (of the tensors in the batches)."""
+
+    def __init__(self, on):
+        self.on = on
+        self.t0 = self.shown = time.monotonic()
+        self.batches = self.samples = self.bytes = 0
+
+    def update(self, batch):
+        if not self.on:
+            return
+        self.batches += 1
+        sizes = []
+        self.bytes += _tensor_bytes(batch, sizes)
+        self.samples += sizes[0] if sizes else 1
+        now = time.monotonic()
+        if now - self.shown >= 0.25:
+            self.shown = now
+            self._show(now)
+
+    def _show(self, now):
+        dt = max(now - self.t0, 1e-9)
+        sys.stderr.write(f"\r{self.batches} batches  {self.samples / dt:,.0f} samples/s  "
+                         f"{self.bytes / dt / 1e6:,.1f} MB/s")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.on and self.batches:
+            self._show(time.monotonic())
+            sys.stderr.write("\n")
+            self.on = False
+
+
+def _tensor_bytes(obj, sizes):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        sizes.append(obj.shape[0] if obj.dim() else 1)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, sizes) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, sizes) for v in obj)
+    return 0
+
+
+class DataLoader:
+    """torch.utils.data.DataLoader, with workers that hand batches over in
+    shared memory. Arguments mean what torch's do; shmrpc adds:
+
+    workers: inside an shmrun job, the ranks (names, ranks or WorkerInfo)
+        that load for this loader (num_workers is then their number);
+    pool_size: bytes of the pool of the job the loader starts (1 GiB by
+        default; committed up front). A batch that does not fit is stacked
+        outside it and copied once in transit (counted, never an error);
+    progress: a progress line on stderr.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=2, persistent_workers=False, pin_memory_device="",
+                 workers=None, pool_size=_DEFAULT_POOL_BYTES, progress=False):
+        torch = _torch()
+        tud = torch.utils.data
+        if workers is not None:
+            workers = list(workers)
+            num_workers = len(workers)
+        if num_workers < 0:
+            raise ValueError("num_workers option should be non-negative; "
+                             "use num_workers=0 to disable multiprocessing.")
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor != 2:
+            raise ValueError("prefetch_factor option could only be specified in multiprocessing."
+                             "let num_workers > 0 to enable multiprocessing.")
+        if prefetch_factor <= 0:
+            raise ValueError("prefetch_factor must be positive")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if multiprocessing_context is not None:
+            raise NotImplementedError("shmrpc.data: multiprocessing_context is not supported yet "
+                                      "(workers are forked, or given with workers=[...])")
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
+        self.workers = workers
+        self.pool_size = pool_size
+        self.progress = progress
+        self._pin = pin_memory and torch.cuda.is_available()
+        self._iterable = isinstance(dataset, tud.IterableDataset)
+        if self._iterable:
+            if shuffle not in {False, None}:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified shuffle "
+                                 f"option, but got shuffle={shuffle}")
+            if sampler is not None:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified sampler "
+                                 f"option, but got sampler={sampler}")
+            if batch_sampler is not None:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified "
+                                 f"batch_sampler option, but got batch_sampler={batch_sampler}")
+        else:
+            shuffle = bool(shuffle)
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError("batch_sampler option is mutually exclusive with batch_size, "
+                                 "shuffle, sampler, and drop_last")
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                             "exclusive with drop_last")
+        if sampler is None:
+            if self._iterable:
+                sampler = itertools.repeat(None)
+            elif shuffle:
+                sampler = tud.RandomSampler(dataset, generator=generator)
+            else:
+                sampler = tud.SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = (_InfiniteBatches(batch_size) if self._iterable
+                             else tud.BatchSampler(sampler, batch_size, drop_last))
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        self.collate_fn = collate_fn
+        self._workers = None  # persistent workers, once started
+
+    @property
+    def _auto_collation(self):
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self):
+        if self._auto_collation:
+            return self.batch_sampler
+        if self._iterable:
+            return itertools.repeat(None)
+        return self.sampler
+
+    def _spec(self):
+        return (self.dataset, self._iterable, self._auto_collation, self.collate_fn,
+                self.drop_last, self.worker_init_fn)
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return _SingleIter(self)
+        return _Iter(self)
+
+    def __len__(self):
+        if self._iterable:
+            length = len(self.dataset)
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else math.ceil(
+                    length / self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    def close(self):
+        """Stops persistent workers (also done when the loader is collected)."""
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _InfiniteBatches:
+    """An iterable dataset's batch sampler: batch_size placeholders, forever."""
+
+    def __init__(self, batch_size):
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        while True:
+            yield [None] * self.batch_size
