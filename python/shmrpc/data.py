@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -31,7 +32,7 @@ from . import _shmrpc
 
 __all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate"]
 
-_DEFAULT_POOL_BYTES = 1 << 30
+_DEFAULT_POOL_BYTES = 256 << 20
 _POOL_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 
 
@@ -83,7 +84,29 @@ class _Batcher:
     def __init__(self, dataset, iterable, auto_collation, collate_fn, drop_last):
         self.dataset, self.iterable = dataset, iterable
         self.auto_collation, self.collate_fn, self.drop_last = auto_collation, collate_fn, drop_last
+        self.turn = threading.Condition()  # the trainer's requests run one at a time, in order
+        self.next_seq = 0
         self.reset()
+
+    def in_turn(self, seq, run):
+        """run() once every request sent before request seq has run: the
+        dataset, its iterator and the random generators see the order torch
+        gives them, whatever thread the call came on. Meanwhile this thread
+        serves queued calls (the one we wait for may be behind us)."""
+        with self.turn:
+            while self.next_seq != seq:
+                self.turn.release()
+                try:
+                    ran = _shmrpc.help_once()
+                finally:
+                    self.turn.acquire()
+                if not ran and self.next_seq != seq:
+                    self.turn.wait(0.001)
+            try:
+                return run()
+            finally:
+                self.next_seq += 1
+                self.turn.notify_all()
 
     def reset(self):
         self.it = iter(self.dataset) if self.iterable else None
@@ -152,17 +175,27 @@ def _w_setup(key, spec, worker_id, num_workers, base_seed):
                                   (default_collate if auto_collation else _convert), drop_last)
     except Exception:
         _init_errors[key] = _error_text(worker_id)
+        _batchers[key] = _Batcher((), False, False, None, False)
 
 
-def _w_fetch(key, index):
-    """One batch: ("ok", batch), ("stop",) when an iterable dataset is
-    exhausted, or ("error", type, text)."""
-    err = _init_errors.pop(key, None)
-    if err is not None:
-        return ("error",) + err
+def _w_fetch(key, seq, index):
+    """Request seq of loader key to this worker: a batch, ("ok", batch);
+    ("stop",) when an iterable dataset is exhausted; ("error", type, text).
+    index None: a new epoch of persistent workers (an iterable dataset
+    starts over), answered ("ok", None)."""
     b = _batchers.get(key)
     if b is None:
         return ("error", RuntimeError, "shmrpc.data: this worker has no such loader")
+    return b.in_turn(seq, lambda: _fetch(key, b, index))
+
+
+def _fetch(key, b, index):
+    if index is None:
+        b.reset()
+        return ("ok", None)
+    err = _init_errors.pop(key, None)
+    if err is not None:
+        return ("error",) + err
     try:
         return ("ok", b.fetch(index))
     except StopIteration:
@@ -171,13 +204,6 @@ def _w_fetch(key, index):
         return ("error",) + _error_text(_worker_info.id)
     except Exception:
         return ("error",) + _error_text(_worker_info.id)
-
-
-def _w_reset(key):
-    """A new epoch with persistent workers: an iterable dataset starts over."""
-    b = _batchers.get(key)
-    if b is not None:
-        b.reset()
 
 
 def _w_forget(key):
@@ -274,6 +300,7 @@ class _LoaderJob:
         import shmrpc
         self.key = (os.getpid(), next(self._next_key))
         self.job = None
+        self.seq = [0] * loader.num_workers
         n = loader.num_workers
         spec = loader._spec()
         if loader.workers is not None:
@@ -312,14 +339,17 @@ class _LoaderJob:
             raise
 
     def fetch(self, worker_id, index):
+        """Sends request number seq[worker_id] (index None: a reset); the call."""
         import shmrpc
         dst = self.ranks[worker_id]
-        data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, index), None, dst)
+        seq = self.seq[worker_id]
+        self.seq[worker_id] += 1
+        data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
         return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
 
     def reset(self):
-        import shmrpc
-        shmrpc.wait_all([shmrpc.rpc_async(r, _w_reset, (self.key,)) for r in self.ranks])
+        for call in [self.fetch(w, None) for w in range(len(self.ranks))]:
+            call.wait(-1)
 
     def death_text(self, worker_id):
         """The torch-like message for a worker that ended, or None."""
@@ -392,7 +422,7 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
                            "SHMRPC_POOL_FD": str(fds[1]), "SHMRPC_RREF_FD": str(fds[2])})
         _w_setup(key, spec, worker_id, num_workers, base_seed)
         import shmrpc
-        shmrpc.init_rpc(names[rank])
+        shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
         shmrpc.shutdown(graceful=True)
         code = 0
     except BaseException:
@@ -403,6 +433,12 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+class _OneThread:
+    """A forked worker serves its loader on one executor thread: its
+    requests run in arrival order without waiting for their turn."""
+    num_worker_threads = 1
 
 
 class _Iter:
@@ -431,6 +467,7 @@ class _Iter:
         self.active = [True] * n
         self.cycle = itertools.cycle(range(n))
         self.tasks = {}  # send index -> (worker id, call)
+        self.abandoned = []
         self.send_idx = self.rcvd_idx = 0
         self.ended = False
         for _ in range(loader.prefetch_factor * n):
@@ -489,7 +526,8 @@ class _Iter:
         dataset is exhausted (torch's _next_data)."""
         while True:
             while self.rcvd_idx < self.send_idx and not self.active[self.tasks[self.rcvd_idx][0]]:
-                del self.tasks[self.rcvd_idx]
+                # Its worker is exhausted: the reply will be "stop"; collected at _end.
+                self.abandoned.append(self.tasks.pop(self.rcvd_idx)[1])
                 self.rcvd_idx += 1
             if self.rcvd_idx >= self.send_idx:
                 self._end()
@@ -510,12 +548,13 @@ class _Iter:
             return
         self.ended = True
         self.progress.close()
-        for _, call in self.tasks.values():
+        for call in self.abandoned + [call for _, call in self.tasks.values()]:
             try:
                 call.wait(-1)
             except Exception:
                 pass
         self.tasks.clear()
+        self.abandoned.clear()
         if self.workers is not self.loader._workers:
             self.workers.close()
 
@@ -627,7 +666,7 @@ class DataLoader:
 
     workers: inside an shmrun job, the ranks (names, ranks or WorkerInfo)
         that load for this loader (num_workers is then their number);
-    pool_size: bytes of the pool of the job the loader starts (1 GiB by
+    pool_size: bytes of the pool of the job the loader starts (256 MiB by
         default; committed up front). A batch that does not fit is stacked
         outside it and copied once in transit (counted, never an error);
     progress: a progress line on stderr.

@@ -1,0 +1,129 @@
+"""shmrpc.data.DataLoader gives the batches torch.utils.data.DataLoader
+gives, in the same order, for the same seeds: map-style and iterable
+datasets, shuffle with a generator and with the global seed, drop_last,
+custom collate, sampler and batch_sampler, no batching, num_workers
+0/1/2/4, persistent workers over epochs, and per-worker random numbers
+(the workers are seeded as torch seeds them)."""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+import shmrpc.data as sd
+from checks import check, failed
+
+
+class Squares(tud.Dataset):
+    def __init__(self, n, shape=(3,)):
+        self.n, self.shape = n, shape
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        # torch.rand: the worker's seed decides it, so it checks the seeding.
+        return {"x": torch.full(self.shape, float(i * i)), "r": torch.rand(2), "i": i,
+                "np": np.arange(4, dtype=np.float32) + i, "name": f"s{i}"}
+
+
+class Shards(tud.IterableDataset):
+    """Each worker yields its own share, as torch's docs shard."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        lo, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(lo, self.n, step):
+            yield torch.tensor([i, i + 1], dtype=torch.int32), float(i)
+
+
+def pairs_collate(batch):
+    return [b["i"] for b in batch], torch.stack([b["x"] for b in batch])
+
+
+def same(a, b, path="batch"):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b)) or print(f"{path}: {a!r} != {b!r}", file=sys.stderr)
+    if isinstance(a, dict):
+        return (type(a) is type(b) and a.keys() == b.keys()
+                and all(same(a[k], b[k], f"{path}[{k!r}]") for k in a))
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(same(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b))))
+    return a == b or print(f"{path}: {a!r} != {b!r}", file=sys.stderr)
+
+
+def epochs(make, n_epochs=1, seed=1234):
+    """The batches of n_epochs epochs of the loader make(module) builds."""
+    out = {}
+    for name, mod in (("torch", tud), ("shmrpc", sd)):
+        torch.manual_seed(seed)
+        loader = make(mod)
+        out[name] = ([list(loader) for _ in range(n_epochs)], len(loader))
+        if hasattr(loader, "close"):
+            loader.close()
+    return out["torch"], out["shmrpc"]
+
+
+def compare(what, make, n_epochs=1):
+    (t, tlen), (s, slen) = epochs(make, n_epochs)
+    check(tlen == slen, f"{what}: len {slen}, torch says {tlen}")
+    check(len(t) == len(s) and all(len(a) == len(b) for a, b in zip(t, s)),
+          f"{what}: {[len(e) for e in s]} batches per epoch, torch {[len(e) for e in t]}")
+    check(same(t, s), f"{what}: batches differ from torch's")
+
+
+def main():
+    ds = Squares(37)
+    for nw in (0, 1, 2, 4):
+        compare(f"sequential nw={nw}",
+                lambda m: m.DataLoader(ds, batch_size=5, num_workers=nw))
+        compare(f"shuffle nw={nw}",
+                lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=nw))
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    compare("shuffle with generator, drop_last",
+            lambda m: m.DataLoader(ds, batch_size=6, shuffle=True, generator=g(), drop_last=True,
+                                   num_workers=2))
+    compare("custom collate and sampler",
+            lambda m: m.DataLoader(ds, batch_size=3, sampler=tud.SubsetRandomSampler(range(0, 37, 2)),
+                                   collate_fn=pairs_collate, num_workers=2))
+    compare("batch_sampler",
+            lambda m: m.DataLoader(ds, batch_sampler=tud.BatchSampler(
+                tud.SequentialSampler(range(20)), 7, False), num_workers=2))
+    compare("no batching (batch_size=None)",
+            lambda m: m.DataLoader(ds, batch_size=None, num_workers=2))
+    compare("worker_init_fn and prefetch_factor",
+            lambda m: m.DataLoader(ds, batch_size=4, num_workers=2, prefetch_factor=3,
+                                   worker_init_fn=lambda wid: torch.manual_seed(99 + wid)))
+    compare("persistent workers, 3 epochs",
+            lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                   persistent_workers=True), n_epochs=3)
+    compare("non-persistent, 2 epochs",
+            lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2), n_epochs=2)
+    it = Shards(23)
+    for nw in (0, 1, 2, 4):
+        compare(f"iterable nw={nw}", lambda m: m.DataLoader(it, batch_size=4, num_workers=nw))
+    compare("iterable, drop_last", lambda m: m.DataLoader(it, batch_size=4, num_workers=2,
+                                                          drop_last=True))
+    compare("iterable, persistent, 2 epochs",
+            lambda m: m.DataLoader(it, batch_size=5, num_workers=2, persistent_workers=True),
+            n_epochs=2)
+    # A batch kept after its epoch (and its workers) ended still reads its bytes.
+    kept = list(sd.DataLoader(Squares(8, (1024,)), batch_size=4, num_workers=2))
+    check(all(float(b["x"][1, 0]) == float(b["i"][1] ** 2) for b in kept),
+          "batches kept after the epoch read wrong bytes")
+    # Batches really come through the pool: a worker sees its own pid in none.
+    check(all(b["x"].is_shared() is False for b in kept), "pool tensors are plain tensors")
+    return failed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
