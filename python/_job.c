@@ -82,10 +82,14 @@ static void *watch_main(void *arg)
 			info = job_reap(c->pidfd, c->pid);
 			close(c->pidfd);
 			c->pidfd = -1;
-			job_worker_ended(&j->shm, rank[i], info);
+			/* Known here before the agents hear of it (job_worker_ended's
+			 * doorbells), so that a failed call can name the cause. */
 			pthread_mutex_lock(&j->lock);
 			c->ended = true;
 			c->exit_info = info;
+			pthread_mutex_unlock(&j->lock);
+			job_worker_ended(&j->shm, rank[i], info);
+			pthread_mutex_lock(&j->lock);
 			j->running--;
 			pthread_cond_broadcast(&j->changed);
 			pthread_mutex_unlock(&j->lock);
@@ -330,6 +334,19 @@ static PyObject *job_close(PyObject *self, PyObject *args)
 	Py_RETURN_NONE;
 }
 
+/* pool_stats() -> (size, used): bytes of tensor data in the job's pool. */
+static PyObject *job_pool_stats(PyObject *self, PyObject *unused)
+{
+	JobObject *j = open_job(self);
+	struct pool_stats st;
+
+	(void)unused;
+	if (!j)
+		return NULL;
+	pool_stats(&j->shm.pool, &st);
+	return Py_BuildValue("(KK)", (unsigned long long)st.size, (unsigned long long)st.used);
+}
+
 /* kill(): SIGKILL to every child still running (the trainer is going away). */
 static PyObject *job_kill(PyObject *self, PyObject *unused)
 {
@@ -358,6 +375,7 @@ static PyMethodDef job_methods[] = {
 	{ "started", job_started, METH_VARARGS, "started(rank, pid): the child forked for rank" },
 	{ "watch", job_watch, METH_NOARGS, "start watching the children" },
 	{ "ended", job_ended, METH_NOARGS, "ended() -> [(rank, pid, exit_info, text)]" },
+	{ "pool_stats", job_pool_stats, METH_NOARGS, "pool_stats() -> (size, used) bytes" },
 	{ "kill", job_kill, METH_NOARGS, "SIGKILL every child still running" },
 	{ "close", job_close, METH_VARARGS, "close(grace_ms): wait, then kill, then free" },
 	{ NULL, NULL, 0, NULL },

@@ -345,7 +345,10 @@ class _LoaderJob:
         seq = self.seq[worker_id]
         self.seq[worker_id] += 1
         data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
-        return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
+        try:
+            return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
+        except RuntimeError as e:
+            raise RuntimeError(self.death_text(worker_id) or str(e)) from None
 
     def reset(self):
         for call in [self.fetch(w, None) for w in range(len(self.ranks))]:
