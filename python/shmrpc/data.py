@@ -219,12 +219,12 @@ _copied_batches = 0  # batches stacked outside the pool because it was full
 def _pool_stack(torch, batch):
     """torch.stack(batch) written straight into a pool block, so that the
     batch travels without a copy; outside the pool when this process has
-    none, the dtype is not a pool dtype, or the pool is full."""
+    none, the dtype is not a pool dtype, or the pool is full. (Samples of
+    different shapes fail in torch.stack with torch's own message.)"""
     global _copied_batches
     elem = batch[0]
     dtype = str(elem.dtype).replace("torch.", "")
-    if (_worker_info is None or elem.device.type != "cpu" or dtype not in _POOL_DTYPES
-            or any(t.shape != elem.shape for t in batch)):
+    if _worker_info is None or elem.device.type != "cpu" or dtype not in _POOL_DTYPES:
         return torch.stack(batch, 0)
     from . import empty
     try:

@@ -1,0 +1,93 @@
+"""The data-loader bench (issue 8): shmrpc.data.DataLoader beside
+torch.utils.data.DataLoader in the same run, batch 32, num_workers=2, for
+4 KiB, 1 MiB and 16 MiB float32 samples, and the one-write limit: writing
+a batch's bytes once with memset into a buffer of that size (warm pages).
+
+The first WARMUP batches are not measured. The dataset holds 33 samples in memory and returns a view of one (no
+write), so what a loader costs beyond that is its collate (each byte
+written into the batch) and its hand-over. Prints per size
+
+  BENCH dataloader size=4KiB samples_per_s= GBps= trainer_cpu_us_per_batch=
+        torch_samples_per_s= torch_GBps= torch_trainer_cpu_us_per_batch=
+        memset_GBps= vs_torch= vs_memset=
+
+vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
+shmrpc's GB/s over the one-write limit's (1 is the limit). -q: fewer batches.
+"""
+import ctypes
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.environ.get("SHMRPC_BUILD", "build"), "python"))
+
+import torch  # noqa: E402
+import torch.utils.data as tud  # noqa: E402
+
+import shmrpc.data as sd  # noqa: E402
+
+BATCH = 32
+WORKERS = 2
+# (sample bytes, name, batches measured); before them WARMUP batches are
+# not: the workers start, and the pool's blocks are first touched (a page
+# fault per 4 KiB page, slow on virtual machines) until they are reused.
+SIZES = [(4 << 10, "4KiB", 3000), (1 << 20, "1MiB", 60), (16 << 20, "16MiB", 12)]
+WARMUP = 8
+
+
+class Samples(tud.Dataset):
+    def __init__(self, nbytes, n):
+        self.n = n
+        self.data = torch.rand(33, nbytes // 4)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.data[i % 33]
+
+
+def run(module, nbytes, batches, **extra):
+    """(samples/s, bytes/s, trainer CPU seconds per batch) over one epoch."""
+    ds = Samples(nbytes, (WARMUP + batches) * BATCH)
+    loader = module.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS, **extra)
+    it = iter(loader)
+    for _ in range(WARMUP):
+        next(it)
+    t0, c0, n = time.perf_counter(), time.process_time(), 0
+    for batch in it:
+        n += 1
+        del batch
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    del it
+    return n * BATCH / dt, n * BATCH * nbytes / dt, cpu / max(n, 1)
+
+
+def memset_rate(nbytes):
+    buf = ctypes.create_string_buffer(nbytes * BATCH)
+    ctypes.memset(buf, 1, len(buf))  # pages in
+    reps = max(3, (1 << 30) // len(buf))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        ctypes.memset(buf, 2, len(buf))
+    return reps * len(buf) / (time.perf_counter() - t0)
+
+
+def main():
+    quick = "-q" in sys.argv[1:]
+    for nbytes, name, batches in SIZES:
+        if quick:
+            batches = max(4, batches // 5)
+        pool = max(256 << 20, (WORKERS * 2 + 3) * BATCH * nbytes)
+        s_rate, s_bw, s_cpu = run(sd, nbytes, batches, pool_size=pool)
+        t_rate, t_bw, t_cpu = run(tud, nbytes, batches)
+        m_bw = memset_rate(nbytes)
+        print(f"BENCH dataloader size={name} samples_per_s={s_rate:.0f} GBps={s_bw / 1e9:.3f} "
+              f"trainer_cpu_us_per_batch={s_cpu * 1e6:.0f} torch_samples_per_s={t_rate:.0f} "
+              f"torch_GBps={t_bw / 1e9:.3f} torch_trainer_cpu_us_per_batch={t_cpu * 1e6:.0f} "
+              f"memset_GBps={m_bw / 1e9:.2f} vs_torch={s_rate / t_rate:.2f} "
+              f"vs_memset={s_bw / m_bw:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
