@@ -13,10 +13,12 @@
  * everyone drops what it kept, and every worker waits until the RRef table
  * is empty and the tensor pool holds nothing while all owners still run,
  * so the owners freed every value themselves; the launcher then finds the
- * table empty too.
+ * table empty too. Run twice: with forks charged in the table, and with
+ * SHMRPC_RREF_FORK=message (torch's fork messages, docs/RREF.md).
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -360,5 +362,13 @@ static int worker(void)
 
 int main(void)
 {
+	int rc;
+
+	if (tl_is_worker())
+		return worker();
+	rc = tl_job_test(worker, "-n", WORKERS, NULL);
+	if (rc)
+		return rc;
+	setenv("SHMRPC_RREF_FORK", "message", 1);
 	return tl_job_test(worker, "-n", WORKERS, NULL);
 }

@@ -13,6 +13,15 @@
  * value read from the table (to_here) holds RRefs that the reader must take
  * references to itself (rref_unpack with take).
  *
+ * With SHMRPC_RREF_FORK=message (read once, at the first fork), a user
+ * that forks an RRef it does not own follows torch's protocol instead: it
+ * keeps a pending-child reference of its own, keyed by the fork id; the
+ * child sends RREF_FORK_REQUEST to the owner, which makes the child's
+ * reference (once per fork id) and answers RREF_ACK; the child then sends
+ * RREF_CHILD_ACCEPT to the parent, which drops its pending-child reference.
+ * Until the owner's answer the child's handles are pending: they owe their
+ * references, and the parent's keeps the RRef alive. docs/RREF.md.
+ *
  * The owner keeps, per RRef with a value, a record: the pool block of the
  * encoded value and the tensors and RRefs it holds (their references are
  * the owner's). The record goes when the table says UNREFERENCED.
@@ -32,6 +41,7 @@
 #include "worker/tensor.h"
 
 struct agent;
+struct pending_user;
 
 struct shmrpc_rref {
 	uint64_t id;
@@ -39,6 +49,7 @@ struct shmrpc_rref {
 	uint32_t slot;     /* in the table */
 	uint32_t owner;
 	bool forked;       /* came in a message: its owner's table had it at once */
+	struct pending_user *pending; /* came forked by message: the owner's answer; fixed */
 	char owner_name[SHM_NAME_MAX];
 	shmrpc_future *created; /* remote()'s request, on the creator only */
 	pthread_mutex_t lock;   /* the local value, below */
@@ -60,6 +71,21 @@ SHMRPC_HIDDEN int rref_charge(struct agent *ag, const struct tensor_list *l, uin
 SHMRPC_HIDDEN void rref_uncharge(struct agent *ag, const struct tensor_list *l, uint32_t dst);
 
 /* The owner's side (server.c). */
+/* RREF_FORK_REQUEST: the child's reference to id (once per fork id; a
+ * repeated request changes nothing). */
+SHMRPC_HIDDEN int rref_owner_add_fork(struct agent *ag, uint64_t id, uint32_t slot,
+				      uint64_t fork_id, uint32_t child);
+/* RREF_CHILD_ACCEPT: our pending-child reference for fork_id goes (none
+ * left: nothing happens). */
+SHMRPC_HIDDEN void rref_child_accepted(struct agent *ag, uint64_t fork_id);
+/* The child's messages, sent as the protocol does; tests call them again
+ * by hand to check that a repeated request changes nothing. *out: the
+ * request (RREF_ACK, or the error). */
+SHMRPC_HIDDEN int rref_send_fork_request(struct agent *ag, uint64_t id, uint32_t slot,
+					 uint32_t owner, uint64_t fork_id, shmrpc_future **out);
+SHMRPC_HIDDEN int rref_send_child_accept(struct agent *ag, uint32_t parent, uint64_t fork_id,
+					 shmrpc_future **out);
+
 /* Runs checks on a SCRIPT_REMOTE_CALL's (id, slot): the entry is ours and pending. */
 SHMRPC_HIDDEN int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot);
 /* Stores result (error NULL) or the error [type, text, backtrace] for id
@@ -75,9 +101,11 @@ SHMRPC_HIDDEN int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot,
 /* Frees what an UNREFERENCED RRef of ours holds; ignores others. */
 SHMRPC_HIDDEN void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot);
 /* A peer died (its references were swept): collects every RRef of ours it
- * left unreferenced. From an executor thread. */
+ * left unreferenced, and drops our pending-child references to forks sent
+ * to a child that is gone. From an executor thread. */
 SHMRPC_HIDDEN void rref_owner_collect_all(struct agent *ag);
-/* The agent stops: every record goes (the launcher sweeps the table). */
+/* The agent stops: every record goes, the owner's fork ids and pending
+ * children too (the launcher sweeps the table). */
 SHMRPC_HIDDEN void rref_owner_free_all(struct agent *ag);
 
 /* The local value of an RRef we own, decoded once (for proxies on the owner). */

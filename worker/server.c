@@ -419,6 +419,49 @@ static void run_rref_delete(struct request_job *rq, shmrpc_call *call)
 	send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
 }
 
+/* The fork id after a fork message's header (used bytes in). */
+static int fork_id_at(struct request_job *rq, shmrpc_call *call, size_t used, uint64_t *fork_id)
+{
+	shmrpc_value v;
+	size_t n;
+
+	if (value_unpack(rq->payload + used, rq->len - used, &call->arena, &v, &n, NULL) ||
+	    used + n != rq->len || v.type != SHMRPC_INT)
+		return shmrpc__fail(-EBADMSG, "a malformed %s request came in",
+				    worker_msg_name(rq->type));
+	*fork_id = (uint64_t)v.u.i;
+	return 0;
+}
+
+/* RREF_FORK_REQUEST [rref_id, slot] fork_id: a child of a user's fork
+ * wants its reference to an RRef of ours; a repeated one changes nothing. */
+static void run_rref_fork_request(struct request_job *rq, shmrpc_call *call)
+{
+	uint64_t id, fork_id;
+	uint32_t slot;
+	size_t used;
+
+	if (rref_header(rq, call, &id, &slot, &used) || fork_id_at(rq, call, used, &fork_id) ||
+	    rref_owner_add_fork(rq->ag, id, slot, fork_id, rq->src))
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+	else
+		send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
+}
+
+/* RREF_CHILD_ACCEPT fork_id: the owner confirmed a fork we sent; our
+ * pending-child reference goes (an unknown fork id: nothing happens). */
+static void run_rref_child_accept(struct request_job *rq, shmrpc_call *call)
+{
+	uint64_t fork_id;
+
+	if (fork_id_at(rq, call, 0, &fork_id)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+		return;
+	}
+	rref_child_accepted(rq->ag, fork_id);
+	send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
+}
+
 static void dispatch(struct request_job *rq, shmrpc_call *call);
 
 static void run_request(struct job *j)
@@ -484,6 +527,12 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 		break;
 	case MSG_RREF_USER_DELETE:
 		run_rref_delete(rq, call);
+		break;
+	case MSG_RREF_FORK_REQUEST:
+		run_rref_fork_request(rq, call);
+		break;
+	case MSG_RREF_CHILD_ACCEPT:
+		run_rref_child_accept(rq, call);
 		break;
 	case MSG_RUN_WITH_PROFILING_REQ:
 		run_profiled(rq, call);
