@@ -31,6 +31,8 @@ static const struct {
 	{ "futures", "64M", "2" },
 	{ "profiling", "64M", "2" },
 	{ "autograd", "64M", "3" }, /* model parallel over 3 workers */
+	{ "optim", "64M", "3" }, /* a model over 2 and 3 workers; runs its dead-worker job */
+	{ "param_server", "64M", "2" }, /* the tutorial's parameter server, one trainer */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */

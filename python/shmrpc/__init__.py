@@ -7,6 +7,7 @@ Functions travel by reference (module and qualified name) with pickle, as
 torch's default RPC pickler does: define them on both sides. What torch
 offers that shmrpc does not do yet raises NotImplementedError saying so.
 """
+import itertools
 import os
 import pickle
 import sys
@@ -485,9 +486,14 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 class RRef:
     """A reference to a value on its owner (from remote())."""
 
-    def __init__(self, value=None, _c=None):
+    def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:
-            raise _not_supported("RRef(value) (a local owner RRef)")
+            # A local owner RRef: this worker stores value as remote()'s
+            # results are, pickled from the object itself (so a tensor that
+            # requires grad, a parameter, keeps its identity: autograd.py).
+            key = next(_local_keys)
+            _local_values[key] = value
+            _c = remote(_shmrpc.rank(), _take_local, args=(key,))._r
         self._r = _c
 
     def to_here(self, timeout=UNSET_RPC_TIMEOUT):
@@ -497,8 +503,9 @@ class RRef:
         """The value, on the owner. shmrpc stores an RRef's value pickled in
         the job's pool: each call returns a fresh copy (torch returns the
         same object; changes to it are not kept here), but for a tensor
-        that required grad made inside a distributed autograd context that
-        still lives: that is the tensor itself, with its graph."""
+        that requires grad which the owner still holds (a parameter, or an
+        activation of a live distributed autograd context): that is the
+        tensor itself, with its graph."""
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
@@ -540,6 +547,14 @@ class RRef:
         return str(self._r)
 
     __repr__ = __str__
+
+
+_local_values = {}  # key -> a value RRef(value) is storing, until its remote() takes it
+_local_keys = itertools.count()
+
+
+def _take_local(key):
+    return _local_values.pop(key)
 
 
 def _call_method(name, rref, *args, **kwargs):

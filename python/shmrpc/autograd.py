@@ -26,6 +26,18 @@ cleanup are ordinary calls of this module's functions.
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).
 
+A tensor that requires grad (a parameter) keeps its identity on the worker
+that sent it: the owner of an RRef holding one gets the tensor itself from
+local_value() while it lives (torch's OwnerRRef holds the object; shmrpc
+keeps the value pickled), so its gradients in a context, and an optimizer
+stepping it (shmrpc.optim), are those of the tensor the owner's model uses.
+
+A worker that dies fails the backward passes that need it, with an error
+naming it ("worker 2 (worker2) died: ..."); leaving a context skips the
+dead workers it reached. A worker that learns of a death that way (a call
+to the dead worker failing) also releases the contexts the dead worker had
+made, here and on the workers they reached: nobody else would.
+
 Differences from torch: calls made inside a context carry it even without
 tensors that require grad (torch only propagates it with such tensors);
 the senders' graphs are always retained until the context is left (a
@@ -38,7 +50,9 @@ than the pool (bool, bfloat16, empty) arrive without graph connection.
 """
 import contextlib
 import itertools
+import re
 import threading
+import weakref
 
 from . import _shmrpc
 
@@ -49,6 +63,11 @@ _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
 _counter = itertools.count()
 _send_ids = itertools.count()
+# send id -> a tensor that required grad, sent from here: what local_value
+# gives back for it while it lives.
+_kept = weakref.WeakValueDictionary()
+# The C half's text for a call to a worker that died (worker/agent.c).
+_DIED = re.compile(r"worker (\d+) \([^)]*\) died")
 
 
 def _torch():
@@ -147,25 +166,29 @@ def _called(fut):
 
 
 def _sending(tensor):
-    """tensor requires grad and is being pickled: its autograd metadata
-    (context id, sender rank, send id), or None outside a context."""
+    """tensor requires grad and is being pickled: its metadata (context id
+    or None outside one, sender rank, send id)."""
     ctx = _current()
-    if ctx is None:
-        return None
     send_id = next(_send_ids)
-    with ctx.lock:
-        ctx.sends[send_id] = tensor
-    return (ctx.id, _my_rank(), send_id)
+    _kept[send_id] = tensor
+    if ctx is not None:
+        with ctx.lock:
+            ctx.sends[send_id] = tensor
+    return (None if ctx is None else ctx.id, _my_rank(), send_id)
 
 
 def _received(tensor, meta, mode):
     """The tensor that arrives for a sent one that required grad. mode:
     "call" (a callee's arguments: the context is created here if need be),
     "result" (recorded only while the context lives here) or "local" (the
-    owner reading its RRef: a tensor it sent itself is the sent one, graph
-    and all)."""
-    if meta is not None:
-        cid, sender, send_id = meta
+    owner reading its RRef: a tensor it sent itself, still alive, is the
+    sent one, graph and all)."""
+    cid, sender, send_id = meta
+    if mode == "local" and sender == _my_rank():
+        kept = _kept.get(send_id)
+        if kept is not None:
+            return kept
+    if cid is not None:
         if mode == "call":
             ctx = _get_or_create(cid)
         else:
@@ -173,8 +196,6 @@ def _received(tensor, meta, mode):
                 ctx = _contexts.get(cid)
         if ctx is not None:
             with ctx.lock:
-                if mode == "local" and sender == _my_rank() and send_id in ctx.sends:
-                    return ctx.sends[send_id]
                 leaf = tensor.requires_grad_(True)
                 ctx.recvs[id(leaf)] = (leaf, sender, send_id)
                 ctx.known.add(sender)
@@ -197,26 +218,55 @@ def context():
         yield cid
     finally:
         _tls.ctx = None
-        for fut in ctx.pending:
-            try:
-                fut.wait()
-            except Exception:
-                pass  # the caller saw it, or will
+        _wait_all(ctx.pending)  # their errors: the caller saw them, or will
         _release(cid, _my_rank())
 
 
 def _release(cid, caller):
     """Drops the context here, then on the workers it reached (each drops
     it once: the first release that finds it passes it on)."""
-    from . import rpc_async
     with _lock:
         ctx = _contexts.pop(cid, None)
     if ctx is None:
         return
     me = _my_rank()
-    futs = [rpc_async(w, _release, args=(cid, me)) for w in sorted(ctx.known - {me, caller})]
+    # Best effort, as torch's: a worker that died or left has nothing to release.
+    _wait_all([_start(w, _release, (cid, me)) for w in sorted(ctx.known - {me, caller})])
+
+
+def _start(dst, fn, args):
+    """rpc_async(dst, fn, args); a call that cannot even start (its worker
+    is gone) as a Future holding the error."""
+    from . import Future, rpc_async
+    try:
+        return rpc_async(dst, fn, args=args)
+    except Exception as e:
+        fut = Future()
+        fut.set_exception(e)
+        return fut
+
+
+def _wait_all(futs):
+    """Waits for every future; their errors, in order. An error saying a
+    worker died releases the contexts that worker made (see the module's
+    docstring)."""
+    errors = []
     for fut in futs:
-        fut.wait()
+        try:
+            fut.wait()
+        except Exception as e:
+            errors.append(e)
+            for rank in {int(r) for r in _DIED.findall(str(e))}:
+                _orphaned_by(rank)
+    return errors
+
+
+def _orphaned_by(rank):
+    """rank died: release the contexts it made."""
+    with _lock:
+        orphans = [cid for cid in _contexts if cid >> 48 == rank]
+    for cid in orphans:
+        _release(cid, rank)
 
 
 def _leaves(roots):
@@ -244,7 +294,6 @@ def _run_backward(ctx, tensors, grad_outputs, retain_graph):
     """Backward from tensors (with grad_outputs) over this worker's graph;
     then the gradients of recv leaves go back to their senders."""
     torch = _torch()
-    from . import rpc_async
     leaves = _leaves(tensors)
     if not leaves:
         return
@@ -262,16 +311,10 @@ def _run_backward(ctx, tensors, grad_outputs, retain_graph):
             back.setdefault(recv[1], []).append((recv[2], grad))
     saved, _tls.ctx = _current(), ctx
     try:
-        futs = [rpc_async(w, _backward_from_sends, args=(ctx.id, items))
-                for w, items in back.items()]
+        futs = [_start(w, _backward_from_sends, (ctx.id, items)) for w, items in back.items()]
     finally:
         _tls.ctx = saved
-    errors = []
-    for fut in futs:  # all of them, then the first error
-        try:
-            fut.wait()
-        except Exception as e:
-            errors.append(e)
+    errors = _wait_all(futs)  # all of them, then the first error
     if errors:
         raise errors[0]
 

@@ -532,13 +532,9 @@ def rref_list_arg():
     return show(rpc.rpc_sync(PEER, rref_sum, args=(rrefs,)))
 
 
-@case(known="RRef(value), a local owner RRef, raises NotImplementedError in shmrpc "
-      "(not supported yet, as its module docstring says)")
+@case
 def rref_local_owner():
-    try:
-        r = rpc.RRef([1, 2])
-    except NotImplementedError:
-        return "NotImplementedError"
+    r = rpc.RRef([1, 2])
     return show((r.is_owner(), r.local_value(), rpc.rpc_sync(PEER, rref_info, args=(r,))))
 
 

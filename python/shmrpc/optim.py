@@ -1,0 +1,115 @@
+"""shmrpc.optim.DistributedOptimizer: torch.distributed.optim's, over shmrpc.
+
+    opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.05)
+    with shmrpc.autograd.context() as cid:
+        ...forward...
+        shmrpc.autograd.backward(cid, [loss])
+        opt.step(cid)
+
+As torch's: the parameters' RRefs are grouped by owner; each owner makes
+one local optimizer over its parameters (RRef.local_value() there: the
+parameters themselves, see shmrpc.autograd); step(context_id) runs every
+owner's optimizer with that context's gradients on it
+(shmrpc.autograd.get_gradients), in parallel, waits for all of them and
+raises the first error. Steps on one worker are serialized, as torch's.
+
+Like torch's TorchScript optimizers (the default for SGD, Adam and the
+others torch has functional versions of), a step updates only the
+parameters that have a gradient in the context. The local optimizers live
+in a table on their owners rather than in RRefs (shmrpc keeps an RRef's
+value pickled: an optimizer's state would not survive a step); they are
+dropped when the DistributedOptimizer is.
+"""
+import itertools
+import threading
+import weakref
+
+from . import autograd, rpc_async
+
+__all__ = ["DistributedOptimizer"]
+
+_step_lock = threading.Lock()  # one step at a time on this worker (torch's global_lock)
+_lock = threading.Lock()
+_optimizers = {}  # key -> _LocalOptimizer, on the owner
+_keys = itertools.count()
+
+
+class _LocalOptimizer:
+    def __init__(self, optimizer_class, param_rrefs, args, kwargs):
+        self.params = [rref.local_value() for rref in param_rrefs]
+        self.optim = optimizer_class(self.params, *args, **kwargs)
+
+    def step(self, context_id):
+        grads = autograd.get_gradients(context_id)
+        with _step_lock:
+            for p in self.params:
+                p.grad = grads.get(p)  # None: the optimizer leaves p alone
+            self.optim.step()
+
+
+def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs):
+    """On the owner: a local optimizer over its parameters; its key."""
+    opt = _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
+    with _lock:
+        key = next(_keys)
+        _optimizers[key] = opt
+    return key
+
+
+def _local_step(key, context_id):
+    with _lock:
+        opt = _optimizers[key]
+    opt.step(context_id)
+
+
+def _drop_local(keys):
+    with _lock:
+        for key in keys:
+            _optimizers.pop(key, None)
+
+
+def _drop(remote_optimizers):
+    """The DistributedOptimizer is gone: its owners drop their optimizers
+    (no wait; an owner already gone has nothing to drop)."""
+    for owner, key in remote_optimizers:
+        try:
+            rpc_async(owner, _drop_local, args=([key],))
+        except Exception:
+            pass
+
+
+def _wait_for_all(futs):
+    """Every future's value; the first error once all are done."""
+    results, error = [], None
+    for fut in futs:
+        try:
+            results.append(fut.wait())
+        except Exception as e:
+            results.append(e)
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
+    return results
+
+
+class DistributedOptimizer:
+    """optimizer_class(params, *args, **kwargs) on each worker owning some
+    of params_rref (RRefs to parameters), stepped together by step()."""
+
+    def __init__(self, optimizer_class, params_rref, *args, **kwargs):
+        per_owner = {}
+        for rref in params_rref:
+            per_owner.setdefault(rref.owner(), []).append(rref)
+        futs = [rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
+                for owner, rrefs in per_owner.items()]
+        self.remote_optimizers = list(zip(per_owner, _wait_for_all(futs)))
+        # Not at exit: the job may be shut down by then.
+        weakref.finalize(self, _drop, self.remote_optimizers).atexit = False
+
+    def step(self, context_id):
+        """One step of every owner's optimizer with the gradients of
+        context_id; returns when all are done."""
+        autograd._retrieve(context_id)  # the context must live here (torch's check)
+        _wait_for_all([rpc_async(owner, _local_step, args=(key, context_id))
+                       for owner, key in self.remote_optimizers])
