@@ -83,7 +83,10 @@ class _Batcher:
 
     def __init__(self, dataset, iterable, auto_collation, collate_fn, drop_last):
         self.dataset, self.iterable = dataset, iterable
-        self.auto_collation, self.collate_fn, self.drop_last = auto_collation, collate_fn, drop_last
+        self.auto_collation, self.drop_last = auto_collation, drop_last
+        if collate_fn is None:  # torch's defaults
+            collate_fn = default_collate if auto_collation else _convert
+        self.collate_fn = collate_fn
         self.turn = threading.Condition()  # the trainer's requests run one at a time, in order
         self.next_seq = 0
         self.reset()
@@ -170,9 +173,7 @@ def _w_setup(key, spec, worker_id, num_workers, base_seed):
     try:
         if init_fn is not None:
             init_fn(worker_id)
-        _batchers[key] = _Batcher(dataset, iterable, auto_collation,
-                                  collate_fn if collate_fn is not None else
-                                  (default_collate if auto_collation else _convert), drop_last)
+        _batchers[key] = _Batcher(dataset, iterable, auto_collation, collate_fn, drop_last)
     except Exception:
         _init_errors[key] = _error_text(worker_id)
         _batchers[key] = _Batcher((), False, False, None, False)
@@ -444,7 +445,23 @@ class _OneThread:
     num_worker_threads = 1
 
 
-class _Iter:
+class _BaseIter:
+    """What both iterators share: their length, and a batch's delivery."""
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _deliver(self, batch):
+        if self.loader._pin:
+            batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
+        self.progress.update(batch)
+        return batch
+
+
+class _Iter(_BaseIter):
     """torch's _MultiProcessingDataLoaderIter, over shmrpc calls: up to
     prefetch_factor batches per worker in flight, handed out round robin,
     returned in order."""
@@ -475,12 +492,6 @@ class _Iter:
         self.ended = False
         for _ in range(loader.prefetch_factor * n):
             self._put()
-
-    def __iter__(self):
-        return self
-
-    def __len__(self):
-        return len(self.loader)
 
     def _put(self):
         try:
@@ -518,11 +529,7 @@ class _Iter:
         if reply[0] == "error":
             raise _reraise(reply[1], reply[2])
         self.num_yielded += 1
-        batch = reply[1]
-        if self.loader._pin:
-            batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
-        self.progress.update(batch)
-        return batch
+        return self._deliver(reply[1])
 
     def _next_reply(self):
         """The next task's reply in order, skipping workers whose iterable
@@ -585,7 +592,7 @@ class KeyErrorMessage(str):
         return self
 
 
-class _SingleIter:
+class _SingleIter(_BaseIter):
     """num_workers=0: batches made in this process, as torch does."""
 
     def __init__(self, loader):
@@ -593,16 +600,8 @@ class _SingleIter:
         self.loader = loader
         self.sampler_iter = iter(loader._index_sampler)
         torch.empty((), dtype=torch.int64).random_(generator=loader.generator)  # torch's base seed draw
-        spec = loader._spec()
-        self.batcher = _Batcher(spec[0], spec[1], spec[2], spec[3] if spec[3] is not None else
-                                (default_collate if spec[2] else _convert), spec[4])
+        self.batcher = _Batcher(*loader._spec()[:5])
         self.progress = _Progress(loader.progress)
-
-    def __iter__(self):
-        return self
-
-    def __len__(self):
-        return len(self.loader)
 
     def __next__(self):
         try:
@@ -611,10 +610,7 @@ class _SingleIter:
         except StopIteration:
             self.progress.close()
             raise
-        if self.loader._pin:
-            batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
-        self.progress.update(batch)
-        return batch
+        return self._deliver(batch)
 
 
 class _Progress:
