@@ -2,8 +2,8 @@
  * Request types the agent does not implement yet are answered, not
  * dropped: rank 0 speaks the wire protocol by hand (a raw port, no agent)
  * and sends rank 1's agent a PYTHON_CALL, a type that is no message type
- * at all, a SCRIPT_CALL whose payload is not MessagePack, and RRef
- * requests naming RRefs that do not exist. Each gets an EXCEPTION with the
+ * at all, a SCRIPT_CALL whose payload is not MessagePack, RRef requests
+ * naming RRefs that do not exist, and a malformed RREF_FORK_REQUEST. Each gets an EXCEPTION with the
  * request's id and a clear text, and rank 1 keeps serving: a well-formed
  * SCRIPT_CALL afterwards still gets its SCRIPT_RET.
  */
@@ -102,8 +102,8 @@ static int raw_worker(void)
 	CHECK(r.type == MSG_RREF_ACK, "a delete of an RRef that is not there is harmless: type %u "
 	      "\"%s\"", r.type, r.text);
 	r = ask(&port, MSG_RREF_FORK_REQUEST, 15, "\x90", 1);
-	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "RREF_FORK_REQUEST is not supported yet"),
-	      "fork request: \"%s\"", r.text);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed RREF_FORK_REQUEST"),
+	      "malformed fork request: \"%s\"", r.text);
 	r = ask(&port, MSG_SCRIPT_CALL, 10, call, sizeof(call) - 1);
 	CHECK(r.type == MSG_SCRIPT_RET, "the agent stopped serving: type %u \"%s\"", r.type, r.text);
 	atomic_store_explicit(&shm_worker(&seg, 0)->agent_state, SHM_AGENT_GONE, memory_order_release);
