@@ -167,6 +167,10 @@ def _from_pool(kind, t):
     return torch.from_numpy(np.asarray(t))
 
 
+# Objects of these exact types are never RRefs or tensors.
+_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), tuple, list, dict))
+
+
 class _Pickler(pickle.Pickler):
     """torch's default RPC pickler: functions by reference. RRefs and
     tensors go beside the pickle (which names them by index): the agent
@@ -181,6 +185,8 @@ class _Pickler(pickle.Pickler):
         self.tensors = []
 
     def persistent_id(self, obj):
+        if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
+            return None
         if isinstance(obj, RRef):
             self.rrefs.append(obj._r)
             return ("rref", len(self.rrefs) - 1)
