@@ -30,7 +30,7 @@ import traceback
 
 from . import _shmrpc
 
-__all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate"]
+__all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate", "NativeTransform"]
 
 _DEFAULT_POOL_BYTES = 256 << 20
 _POOL_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
@@ -287,6 +287,64 @@ def default_collate(batch):
 
 _COLLATE_ERR = ("default_collate: batch must contain tensors, numpy arrays, numbers, "
                 "dicts or lists; found {}")
+
+
+class NativeTransform:
+    """A collate_fn that runs a C function on the collated batch in place,
+    in the worker: each tensor of the batch (a pool block, when collated
+    there) is passed as a DLPack DLTensor* to `int symbol(DLTensor *t)`
+    from the shared library `library`, with the GIL released; a non-zero
+    return fails the batch. So a pipeline can be native from the pool block
+    to the trainer:
+
+        collate_fn=NativeTransform("./libaugment.so", "normalize")
+
+    collate_fn: what collates before the transform (default_collate).
+    Picklable (the library is loaded in each worker, once)."""
+
+    def __init__(self, library, symbol, collate_fn=None):
+        self.library, self.symbol, self.collate_fn = library, symbol, collate_fn
+        self._fn = None
+
+    def __getstate__(self):
+        return (self.library, self.symbol, self.collate_fn)
+
+    def __setstate__(self, state):
+        self.library, self.symbol, self.collate_fn = state
+        self._fn = None
+
+    def __call__(self, batch):
+        import ctypes
+        if self._fn is None:
+            fn = getattr(ctypes.CDLL(self.library), self.symbol)
+            fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_int
+            self._fn = fn
+        out = (self.collate_fn or default_collate)(batch)
+        for t in _tensors_of(out):
+            self._run(ctypes, t)
+        return out
+
+    def _run(self, ctypes, t):
+        from torch.utils.dlpack import to_dlpack
+        capsule = to_dlpack(t)  # a view: its DLTensor points at t's bytes
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.argtypes, get.restype = [ctypes.py_object, ctypes.c_char_p], ctypes.c_void_p
+        rc = self._fn(get(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+        if rc:
+            raise RuntimeError(f"native transform {self.symbol} from {self.library} returned {rc} "
+                               f"for a tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
+
+
+def _tensors_of(obj):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_of(v)
 
 
 # ---- the trainer's side ----
@@ -648,15 +706,11 @@ class _Progress:
 
 
 def _tensor_bytes(obj, sizes):
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        sizes.append(obj.shape[0] if obj.dim() else 1)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, sizes) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v, sizes) for v in obj)
-    return 0
+    n = 0
+    for t in _tensors_of(obj):
+        sizes.append(t.shape[0] if t.dim() else 1)
+        n += t.numel() * t.element_size()
+    return n
 
 
 class DataLoader:
