@@ -30,6 +30,7 @@
 #include "launcher/job_shm.h"
 #include "python/module.h"
 #include "shm/exit_info.h"
+#include "worker/agent.h"
 
 struct child {
 	pid_t pid;  /* 0: not started */
@@ -406,7 +407,23 @@ static PyObject *mod_die_with_parent(PyObject *m, PyObject *arg)
 	Py_RETURN_NONE;
 }
 
+/* pool_mapping() -> (address, bytes) of this process's mapping of its
+ * job's pool, or None: what to register with CUDA so that batches in the
+ * pool are pinned host memory. */
+static PyObject *mod_pool_mapping(PyObject *m, PyObject *unused)
+{
+	struct agent *ag = worker_agent;
+
+	(void)m, (void)unused;
+	if (!ag || !ag->has_pool)
+		Py_RETURN_NONE;
+	return Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)ag->view->base,
+			     (unsigned long long)ag->view->size);
+}
+
 static PyMethodDef job_functions[] = {
+	{ "pool_mapping", mod_pool_mapping, METH_NOARGS,
+	  "pool_mapping() -> (address, bytes) of the pool's mapping, or None" },
 	{ "die_with_parent", mod_die_with_parent, METH_O,
 	  "die_with_parent(ppid): SIGKILL when the parent dies" },
 	{ NULL, NULL, 0, NULL },

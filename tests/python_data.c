@@ -16,7 +16,7 @@
 
 #define PYTHON "/usr/bin/python3"
 
-static const char *const scripts[] = { "data_order", "data_faults", "data_native" };
+static const char *const scripts[] = { "data_order", "data_faults", "data_native", "data_gpu" };
 
 int main(void)
 {

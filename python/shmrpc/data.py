@@ -359,6 +359,7 @@ class _LoaderJob:
         import shmrpc
         self.key = (os.getpid(), next(self._next_key))
         self.job = None
+        self.pinned = None  # the pool's address, once registered with CUDA
         self.seq = [0] * loader.num_workers
         n = loader.num_workers
         spec = loader._spec()
@@ -391,6 +392,7 @@ class _LoaderJob:
                 self.job.started(i + 1, pid)
             self.job.watch()
             _attach(names[0], n + 1, fds)
+            self.pinned = loader._pin and _pin_pool()
         except BaseException:
             self.job.kill()
             self.job.close(0)
@@ -434,6 +436,8 @@ class _LoaderJob:
                         pass  # a rank that died forgets by itself
             return
         job, self.job = self.job, None
+        if self.pinned:
+            _torch().cuda.cudart().cudaHostUnregister(self.pinned)
         try:
             shmrpc.shutdown(graceful=True, timeout=30)
         except Exception:
@@ -442,6 +446,23 @@ class _LoaderJob:
                 shmrpc.shutdown(graceful=False)
         finally:
             job.close(5000)
+
+
+def _pin_pool():
+    """pin_memory with CUDA: the pool itself becomes pinned host memory
+    (cudaHostRegister), so batches are pinned where the workers wrote them
+    and go to the GPU by DMA, with no pinned copy. Its address, or None
+    (then batches are pinned by copy, as torch does)."""
+    import warnings
+    where = _shmrpc.pool_mapping()
+    if where is None:
+        return None
+    err = _torch().cuda.cudart().cudaHostRegister(where[0], where[1], 0)
+    if int(err) != 0:
+        warnings.warn(f"shmrpc.data: cannot pin the pool ({where[1]} bytes) with "
+                      f"cudaHostRegister (error {int(err)}); batches are pinned by copy")
+        return None
+    return where[0]
 
 
 def _attach(name, world, fds):
@@ -513,7 +534,7 @@ class _BaseIter:
         return len(self.loader)
 
     def _deliver(self, batch):
-        if self.loader._pin:
+        if self.loader._pin:  # a no-op for tensors in a pinned pool
             batch = _torch().utils.data._utils.pin_memory.pin_memory(batch)
         self.progress.update(batch)
         return batch
