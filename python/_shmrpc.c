@@ -10,13 +10,14 @@
  *
  * The GIL: released around everything that waits (init's barrier, a
  * future, to_here, shutdown), taken by executor threads only to run the
- * handler.
+ * handler and callbacks; how long they wait for it is recorded (debug_info).
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -24,7 +25,9 @@
 #include <string.h>
 
 #include "shmrpc.h"
+#include "common/clock.h"
 #include "python/module.h"
+#include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/profile.h"
 #include "worker/python.h"
@@ -323,6 +326,22 @@ static void msg_free(struct python_msg *m)
 
 /* ---- the handler, on executor threads ---- */
 
+/* How often executor threads took the GIL and how long they waited for it
+ * (torch's agent.gil_average_wait_time_us). Relaxed: two independent
+ * counters, read by debug_info, which may see one a little ahead. */
+static _Atomic uint64_t gil_takes, gil_wait_ns;
+
+/* PyGILState_Ensure, timed. */
+static PyGILState_STATE gil_take(void)
+{
+	uint64_t t0 = shmrpc_now_ns();
+	PyGILState_STATE g = PyGILState_Ensure();
+
+	atomic_fetch_add_explicit(&gil_wait_ns, shmrpc_now_ns() - t0, memory_order_relaxed);
+	atomic_fetch_add_explicit(&gil_takes, 1, memory_order_relaxed);
+	return g;
+}
+
 /* A list of new objects, one per handle, each holding a handle of its own. */
 static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
 {
@@ -381,7 +400,7 @@ static int msg_copy(const struct python_msg *view, struct python_msg *out)
 
 static int run_handler(uint32_t caller, const struct python_msg *in, struct python_msg *out)
 {
-	PyGILState_STATE g = PyGILState_Ensure();
+	PyGILState_STATE g = gil_take();
 	PyObject *res = NULL, *rrefs, *tensors, *pickled;
 	struct python_msg view;
 	int rc = -EIO;
@@ -444,7 +463,7 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 /* Runs a Python callable once the future completes (an executor thread). */
 static void run_callback(shmrpc_future *f, void *arg)
 {
-	PyGILState_STATE g = PyGILState_Ensure();
+	PyGILState_STATE g = gil_take();
 	PyObject *res = PyObject_CallObject(arg, NULL);
 
 	(void)f;
@@ -831,7 +850,41 @@ static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 	return PyBool_FromLong(executor_on_worker_thread());
 }
 
+/* debug_info() -> {key: int}: this worker's agent gauges from its slot
+ * (torch's names where torch has them) and the executor threads' GIL waits. */
+static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
+{
+	struct agent *ag = worker_agent;
+	const struct shm_worker *w;
+	uint64_t takes = atomic_load_explicit(&gil_takes, memory_order_relaxed);
+	uint64_t wait_ns = atomic_load_explicit(&gil_wait_ns, memory_order_relaxed);
+
+	(void)m, (void)unused;
+	if (!ag) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"RPC has not been initialized. Call shmrpc.init_rpc first.");
+		return NULL;
+	}
+	w = ag->self;
+	/* Relaxed: gauges the owner updates as it goes; a snapshot. */
+#define GAUGE(f) (unsigned long long)atomic_load_explicit(&w->f, memory_order_relaxed)
+	return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+			     "agent.thread_pool_size", GAUGE(thread_pool_size),
+			     "agent.num_idle_threads", GAUGE(num_idle_threads),
+			     "agent.client_active_calls", GAUGE(client_active_calls),
+			     "agent.server_active_calls", GAUGE(server_active_calls),
+			     "agent.server_pending_calls", GAUGE(num_pending_futures),
+			     "agent.calls_served", GAUGE(calls_served),
+			     "agent.gil_average_wait_time_us",
+			     (unsigned long long)(takes ? wait_ns / takes / 1000 : 0),
+			     "agent.gil_acquisitions", (unsigned long long)takes,
+			     "agent.gil_wait_time_ns", (unsigned long long)wait_ns);
+#undef GAUGE
+}
+
 static PyMethodDef mod_methods[] = {
+	{ "debug_info", mod_debug_info, METH_NOARGS,
+	  "debug_info() -> {key: int}: agent gauges and GIL waits (shmrpc._get_debug_info)" },
 	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },

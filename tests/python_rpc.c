@@ -33,6 +33,7 @@ static const struct {
 	{ "autograd", "64M", "3" }, /* model parallel over 3 workers */
 	{ "optim", "64M", "3" }, /* a model over 2 and 3 workers; runs its dead-worker job */
 	{ "param_server", "64M", "2" }, /* the tutorial's parameter server, one trainer */
+	{ "debug_info", "64M", "2" },
 	{ "data_ranks", "64M", "3" }, /* shmrpc.data loading on ranks 1 and 2 */
 };
 

@@ -116,6 +116,18 @@ def shutdown(graceful=True, timeout=0):
     _initialized = False
 
 
+def _get_debug_info():
+    """torch's rpc._get_debug_info() for this worker, its values strings as
+    torch's: agent.thread_pool_size, agent.num_idle_threads,
+    agent.client_active_calls, agent.server_active_calls and
+    agent.gil_average_wait_time_us (how long executor threads waited for
+    the GIL before running Python, on average, in whole microseconds), and shmrpc's own agent.server_pending_calls
+    (received, not started), agent.calls_served, agent.gil_acquisitions and
+    agent.gil_wait_time_ns (their total wait). torch's RRef and autograd
+    counts are not kept."""
+    return {k: str(v) for k, v in _shmrpc.debug_info().items()}
+
+
 def get_worker_info(worker_name=None):
     name, rank = _shmrpc.worker_info(worker_name)
     return WorkerInfo(name, rank)
