@@ -1,8 +1,9 @@
 """shmrpc.data.DataLoader when things go wrong: an exception in a worker
 (raised in the trainer with the worker's id and traceback), a failing
 worker_init_fn, a killed worker (named, with its pid and signal), a
-timeout, Ctrl-C, an early break; and persistent workers across epochs,
-whose pool is back to zero once the batches are dropped. After each case
+timeout, Ctrl-C, an early break; persistent workers across epochs,
+whose pool is back to zero once the batches are dropped; the progress
+line. After each case
 no worker process is left."""
 import os
 import re
@@ -120,6 +121,16 @@ def main():
     check(soon(lambda: used() == 0), "a dropped batch's bytes stay in use")
     loader.close()
     no_children("persistent workers, closed")
+
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        n = len(list(sd.DataLoader(Items(40, nap=0.02), batch_size=4, num_workers=2,
+                                   progress=True)))
+    line = err.getvalue().rstrip("\n").split("\r")[-1]
+    check(n == 10 and re.fullmatch(r"10 batches  [\d,]+ samples/s  [\d,.]+ MB/s", line),
+          f"progress line: {line!r}")
 
     def interrupt():
         time.sleep(0.5)
