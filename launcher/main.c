@@ -84,6 +84,10 @@ int main(int argc, char **argv)
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
+	/* A failed job's trace is the one most wanted; a failed write only
+	 * turns a success into a failure. */
+	if (o.trace_path && trace_json_write(&j, o.trace_path) && !rc)
+		rc = SHMRUN_EXIT_FAILED;
 	if (!o.quiet)
 		report_summary(&j);
 	report_leaks(&j);

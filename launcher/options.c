@@ -26,6 +26,7 @@ enum {
 	OPT_POOL_SIZE,
 	OPT_MAX_RREFS,
 	OPT_TRACE_RECORDS,
+	OPT_TRACE,
 	OPT_DUMP_ON_FAILURE,
 	OPT_NO_CSUM,
 	OPT_QUIET,
@@ -46,6 +47,7 @@ static const struct option long_opts[] = {
 	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
 	{ "max-rrefs", required_argument, NULL, OPT_MAX_RREFS },
 	{ "trace-records", required_argument, NULL, OPT_TRACE_RECORDS },
+	{ "trace", required_argument, NULL, OPT_TRACE },
 	{ "dump-on-failure", no_argument, NULL, OPT_DUMP_ON_FAILURE },
 	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
 	{ "quiet", no_argument, NULL, OPT_QUIET },
@@ -76,6 +78,10 @@ static void usage(FILE *f)
 		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
 		"  --trace-records N       flight-recorder records per worker, a power of two\n"
 		"                          in %u..%u (default %u; fewer beyond 256 workers)\n"
+		"  --trace FILE            when the job has ended (also after a failure), write\n"
+		"                          the workers' recorders to FILE as Chrome trace JSON\n"
+		"                          for ui.perfetto.dev: calls, handlers, queue waits and\n"
+		"                          flows between them, from each ring's last records\n"
 		"  --dump-on-failure       when a worker dies, print its last %u recorded\n"
 		"                          messages (shmrpc-inspect --trace shows them live)\n"
 		"  --no-payload-checksum   frames carry no payload checksum\n"
@@ -236,6 +242,11 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 				return bad("--trace-records must be a power of two in %u..%u, not '%s'",
 					   SHM_TRACE_MIN, SHM_TRACE_MAX, optarg);
 			o->trace_records = (uint32_t)v;
+			break;
+		case OPT_TRACE:
+			if (!*optarg)
+				return bad("--trace needs a file name");
+			o->trace_path = optarg;
 			break;
 		case OPT_DUMP_ON_FAILURE:
 			o->dump_on_failure = true;

@@ -2,7 +2,8 @@
  * shmrun, the launcher: what its files share. main.c runs the steps in
  * order: options.c reads the command line, spawn.c creates the workers,
  * watch.c waits on them (pidfds, signals, the timeout) and tears the job
- * down, output.c carries --tag-output lines, report.c says what happened.
+ * down, output.c carries --tag-output lines, report.c says what happened,
+ * trace_json.c writes --trace's file.
  *
  * The launcher is one thread; only it writes `struct job`.
  */
@@ -44,6 +45,7 @@ struct shmrun_opts {
 	uint64_t pool_size;       /* bytes of tensor data */
 	uint32_t max_rrefs;       /* 0: the table's default */
 	uint32_t trace_records;   /* flight-recorder records per worker; 0: the segment's default */
+	const char *trace_path;   /* --trace: the job's recorders as trace JSON; NULL: none */
 	uint32_t seg_flags;       /* SHM_F_* */
 	char **argv;              /* the program and its arguments */
 };
@@ -135,5 +137,9 @@ void report_summary(const struct job *j);
 void report_leaks(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);
+
+/* trace_json.c: once every worker is reaped, their flight recorders as
+ * Chrome trace-event JSON into path. 0, or -1 (said on stderr). */
+int trace_json_write(const struct job *j, const char *path);
 
 #endif

@@ -1,0 +1,311 @@
+/*
+ * shmrun --trace FILE: the job's flight recorders as Chrome trace JSON.
+ *
+ * A 3-worker job with 64-record rings in which rank 0 drives every call,
+ * so that each ring's contents are known exactly: rank 0 calls rank 1 5
+ * times and rank 2 4 times, asks rank 1 to call rank 2 3 times and rank 2
+ * to call rank 0 6 times (nested calls: when they return, every record is
+ * written), then calls itself 20 times, which wraps its own ring only.
+ * /usr/bin/python3 parses the file (json, decimals kept exact) and prints
+ * what it holds: the process names, the complete events per kind, rank and
+ * peer, the unpaired records, each flow checked (one start and one finish;
+ * request from the call's start to the handler's start, reply from the
+ * handler's end to the call's end; same message id, matching ranks; times
+ * ordered send <= start <= end <= reply) and each worker's record counts.
+ * A second job kills rank 1 inside a call under --on-failure=continue: the
+ * file is still written and shows the death. A third writes to a
+ * directory that does not exist: a job that succeeded exits 1.
+ */
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "tests/lib/job.h"
+#include "tests/lib/run.h"
+#include "tests/lib/testlib.h"
+
+#define PYTHON "/usr/bin/python3"
+#define PART_ENV "TRACE_JSON_PART"
+#define OUT_MAX 65536
+#define CALLS_01 5
+#define CALLS_02 4
+#define CALLS_12 3
+#define CALLS_20 6
+#define SELF_CALLS 20
+
+static char out[OUT_MAX];
+
+/* Prints the file's contents as lines the checks below look for. */
+static const char summary_py[] =
+	"import collections, decimal, json, sys\n"
+	"d = json.load(open(sys.argv[1]), parse_float=decimal.Decimal)\n"
+	"n = collections.Counter()\n"
+	"starts, ends, flows = {}, {}, {}\n"
+	"for e in d['traceEvents']:\n"
+	"    ph = e['ph']\n"
+	"    if ph == 'M' and e['name'] == 'process_name':\n"
+	"        print('process', e['pid'], e['args']['name'])\n"
+	"    elif ph == 'X':\n"
+	"        a = e['args']\n"
+	"        n['X', e['cat'], e['pid'], a['peer']] += 1\n"
+	"        n['X', e['cat']] += 1\n"
+	"        n['status', e['cat'], e['pid'], a['status']] += 1\n"
+	"        starts[e['pid'], e['tid'], e['ts']] = e\n"
+	"        ends[e['pid'], e['tid'], e['ts'] + e['dur']] = e\n"
+	"    elif ph == 'i':\n"
+	"        n['i', e['pid'], e['name'], e['args']['msg_id']] += 1\n"
+	"        n['i'] += 1\n"
+	"    elif ph in ('s', 'f'):\n"
+	"        flows.setdefault((e['name'], e['id']), []).append(e)\n"
+	"bad = 0\n"
+	"for (name, i), v in flows.items():\n"
+	"    s = [e for e in v if e['ph'] == 's']\n"
+	"    f = [e for e in v if e['ph'] == 'f']\n"
+	"    if len(s) != 1 or len(f) != 1 or name not in ('request', 'reply'):\n"
+	"        bad += 1\n"
+	"        continue\n"
+	"    s, f = s[0], f[0]\n"
+	"    if name == 'request':\n"
+	"        c = starts.get((s['pid'], s['tid'], s['ts']))\n"
+	"        h = starts.get((f['pid'], f['tid'], f['ts']))\n"
+	"    else:\n"
+	"        h = ends.get((s['pid'], s['tid'], s['ts']))\n"
+	"        c = ends.get((f['pid'], f['tid'], f['ts']))\n"
+	"    if (not c or not h or c['cat'] != 'calls' or h['cat'] != 'handlers' or\n"
+	"            f.get('bp') != 'e' or c['args']['msg_id'] != h['args']['msg_id'] or\n"
+	"            c['pid'] != h['args']['peer'] or h['pid'] != c['args']['peer'] or\n"
+	"            not c['ts'] <= h['ts'] <= h['ts'] + h['dur'] <= c['ts'] + c['dur']):\n"
+	"        bad += 1\n"
+	"        continue\n"
+	"    n['flow', name, c['pid'], h['pid']] += 1\n"
+	"print('flows', len(flows), 'bad', bad)\n"
+	"for k, v in n.items():\n"
+	"    print(*k, v)\n"
+	"o = d['otherData']\n"
+	"print('records_per_worker', o['records_per_worker'])\n"
+	"for w in o['workers']:\n"
+	"    print('worker', w['rank'], w['name'], w['end'], w['records'], w['records_in_file'])\n";
+
+static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	*r = shmrpc_int(a[0].u.i + a[1].u.i);
+	return 0;
+}
+
+static void call_add(int dst)
+{
+	shmrpc_value args[2] = { shmrpc_int(40), shmrpc_int(2) };
+	shmrpc_future *f;
+
+	CHECK_OK(shmrpc_rpc_sync(dst, "add", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK(shmrpc_future_value(f)->u.i == 42, "add on %d gave %lld", dst,
+	      (long long)shmrpc_future_value(f)->u.i);
+	shmrpc_future_free(f);
+}
+
+/* Calls add on rank a[0], a[1] times: the nested calls rank 0 asks for. */
+static int fn_fan(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)r, (void)u;
+	for (int64_t i = 0; i < a[1].u.i; i++)
+		call_add((int)a[0].u.i);
+	return 0;
+}
+
+static int fn_die(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)r, (void)u;
+	raise(SIGKILL);
+	return 0;
+}
+
+static void fan(int via, int dst, int calls)
+{
+	shmrpc_value args[2] = { shmrpc_int(dst), shmrpc_int(calls) };
+	shmrpc_future *f;
+
+	CHECK_OK(shmrpc_rpc_sync(via, "fan", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
+}
+
+static int worker(void)
+{
+	const char *part = getenv(PART_ENV);
+
+	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
+	CHECK_OK(shmrpc_register("fan", "ii", fn_fan, NULL));
+	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
+	CHECK_OK(shmrpc_init(NULL));
+	if (shmrpc_rank() == 0 && !strcmp(part, "calls")) {
+		for (int i = 0; i < CALLS_01; i++)
+			call_add(1);
+		for (int i = 0; i < CALLS_02; i++)
+			call_add(2);
+		fan(1, 2, CALLS_12);
+		fan(2, 0, CALLS_20);
+		for (int i = 0; i < SELF_CALLS; i++)
+			call_add(0);
+	} else if (shmrpc_rank() == 0 && !strcmp(part, "death")) {
+		shmrpc_future *f;
+
+		call_add(1);
+		CHECK(shmrpc_rpc_sync(1, "die", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f) ==
+		      -SHMRPC_EPEERDEAD, "the call to a worker that died: %s", shmrpc_errmsg());
+	}
+	/* The others serve until rank 0 is done (or die in the second job). */
+	CHECK_OK(shmrpc_shutdown(1, 60000));
+	return 0;
+}
+
+/* Runs the job of part with --trace path, then the summary of the file
+ * into out; returns the launcher's exit code. */
+static int traced_job(const char *part, const char *path, const char *on_failure)
+{
+	const char *argv[] = { PYTHON, "-c", summary_py, path, NULL };
+	int rc;
+
+	unlink(path);
+	setenv(PART_ENV, part, 1);
+	rc = tl_shmrun(out, sizeof(out), "-n", "3", "--trace-records", "64", "--trace", path,
+		       on_failure, NULL);
+	CHECK(!strstr(out, "left in the RRef table"), "the job leaked RRefs");
+	CHECK(!strstr(out, "cannot write the trace"), "the trace was not written");
+	CHECK(tl_run(out, sizeof(out), argv) == 0, "the trace of the %s job does not parse", part);
+	unlink(path);
+	return rc;
+}
+
+/* The summary holds line (the whole line). */
+static void expect(const char *line)
+{
+	char key[256];
+	const char *at = out;
+	size_t len;
+
+	len = (size_t)snprintf(key, sizeof(key), "%s\n", line);
+	while ((at = strstr(at, key)) && at != out && at[-1] != '\n')
+		at += len;
+	CHECK(at, "the trace lacks \"%s\"", line);
+}
+
+static void expectf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void expectf(const char *fmt, ...)
+{
+	char line[256];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof(line), fmt, ap);
+	va_end(ap);
+	expect(line);
+}
+
+static int count_lines(const char *prefix)
+{
+	int n = 0;
+
+	for (const char *at = out; (at = strstr(at, prefix)); at++)
+		n += at == out || at[-1] == '\n';
+	return n;
+}
+
+static void check_calls(void)
+{
+	expect("process 0 worker 0 (worker0)");
+	expect("process 1 worker 1 (worker1)");
+	expect("process 2 worker 2 (worker2)");
+	CHECK(count_lines("process ") == 3, "%d process names", count_lines("process "));
+
+	/* Every call's handler run, with the wait before it, where the
+	 * callee's ring still holds it; rank 1 and 2's rings never wrap
+	 * (24 and 36 records), each fan call is one more handled. */
+	expectf("X handlers 1 0 %d", CALLS_01 + 1);
+	expectf("X handlers 2 0 %d", CALLS_02 + 1);
+	expectf("X handlers 2 1 %d", CALLS_12);
+	expectf("X queued 1 0 %d", CALLS_01 + 1);
+	expectf("X queued 2 0 %d", CALLS_02 + 1);
+	expectf("X queued 2 1 %d", CALLS_12);
+	/* Rank 0 made 140 records; its ring holds the last 64 = 12 × 5 + 4:
+	 * 12 calls to itself whole, and the last four records of the one
+	 * before: received, started, finished (a wait and a handler run) and
+	 * completed, whose sent is gone: unpaired. Rank 2's calls to rank 0
+	 * and rank 0's to the others are in their callers' rings only. */
+	expect("X handlers 0 0 13");
+	expect("X queued 0 0 13");
+	expect("X calls 0 0 12");
+	expectf("X handlers %d", CALLS_01 + CALLS_02 + CALLS_12 + 2 + 13);
+	expectf("X queued %d", CALLS_01 + CALLS_02 + CALLS_12 + 2 + 13);
+	expectf("X calls 1 2 %d", CALLS_12);
+	expectf("X calls 2 0 %d", CALLS_20);
+	expectf("X calls %d", CALLS_12 + CALLS_20 + 12);
+	expect("status calls 0 ok 12");
+	expect("i 1");
+	CHECK(count_lines("i 0 completed SCRIPT_RET ") == 1, "no unpaired completion on rank 0");
+
+	/* Two flows per call whose both sides are there, all well formed. */
+	expectf("flows %d bad 0", 2 * (12 + CALLS_12));
+	expect("flow request 0 0 12");
+	expect("flow reply 0 0 12");
+	expectf("flow request 1 2 %d", CALLS_12);
+	expectf("flow reply 1 2 %d", CALLS_12);
+
+	expect("records_per_worker 64");
+	expectf("worker 0 worker0 exited 0 %d 64",
+		2 * (CALLS_01 + CALLS_02 + 2) + 3 * CALLS_20 + 5 * SELF_CALLS);
+	expectf("worker 1 worker1 exited 0 %d %d", 3 * (CALLS_01 + 1) + 2 * CALLS_12,
+		3 * (CALLS_01 + 1) + 2 * CALLS_12);
+	expectf("worker 2 worker2 exited 0 %d %d", 3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20,
+		3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20);
+}
+
+/* Rank 1 died inside "die": rank 0's call to it ended peer-dead, and
+ * rank 1's handler was started, never finished. */
+static void check_death(void)
+{
+	expect("worker 1 worker1 killed by signal 9 (SIGKILL) 5 5");
+	expect("worker 0 worker0 exited 0 4 4");
+	expect("X calls 0 1 2");
+	expect("status calls 0 peer-dead 1");
+	expect("X handlers 1 0 1");
+	expect("X queued 1 0 2");
+	CHECK(count_lines("i 1 started SCRIPT_CALL ") == 1, "the fatal call is not shown started");
+	expect("i 1");
+	expect("flows 2 bad 0");
+	expect("worker 2 worker2 exited 0 0 0");
+}
+
+int main(void)
+{
+	char path[64];
+	int rc;
+
+	if (tl_is_worker())
+		return worker();
+	if (access(tl_shmrun_path(), X_OK) || access(PYTHON, X_OK))
+		return TL_SKIP;
+	snprintf(path, sizeof(path), "/tmp/shmrpc-trace-json-%d.json", (int)getpid());
+
+	rc = traced_job("calls", path, "--on-failure=abort");
+	CHECK(rc == 0, "the job exited %d", rc);
+	check_calls();
+
+	rc = traced_job("death", path, "--on-failure=continue");
+	CHECK(rc == 1, "the job with a death exited %d, want 1", rc);
+	check_death();
+
+	/* A trace that cannot be written fails a job that succeeded. */
+	setenv(PART_ENV, "idle", 1);
+	rc = tl_shmrun(out, sizeof(out), "-n", "3", "--trace", "/nonexistent/dir/trace.json", NULL);
+	CHECK(rc == 1, "a job whose trace cannot be written exited %d, want 1", rc);
+	CHECK(strstr(out, "shmrun: cannot write the trace to /nonexistent/dir/trace.json: "
+		      "No such file or directory"), "no message for the trace not written");
+
+	CHECK(tl_wait_children(), "a child failed");
+	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
+	return 0;
+}
