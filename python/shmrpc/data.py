@@ -33,6 +33,7 @@ from . import _shmrpc
 __all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate", "NativeTransform"]
 
 _DEFAULT_POOL_BYTES = 256 << 20
+ABORT_WAIT_MS = 5000  # how long a broken-off epoch waits for a rank's batch in flight
 _POOL_DTYPES = {"int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"}
 
 
@@ -603,7 +604,7 @@ class _Iter(_BaseIter):
         except StopIteration:
             raise
         except BaseException:
-            self._end()  # a death, a timeout, Ctrl-C: the epoch is over
+            self._end(abort=True)  # a death, a timeout, Ctrl-C: the epoch is over
             raise
         if reply[0] == "error":
             raise _reraise(reply[1], reply[2])
@@ -630,22 +631,29 @@ class _Iter(_BaseIter):
             if reply[0] != "stop":
                 return reply
 
-    def _end(self):
-        """The epoch is over (or broken off): the workers stop unless they
-        persist; batches in flight are dropped."""
+    def _end(self, abort=False):
+        """The epoch is over: the workers stop unless they persist; batches
+        in flight are dropped. abort (a death, a timeout, Ctrl-C): workers
+        this loader forked are killed at once, persistent or not (a stuck
+        worker is not waited for); ranks of a job get ABORT_WAIT_MS."""
         if self.ended:
             return
         self.ended = True
         self.progress.close()
+        workers = self.workers
+        if abort and workers.job is not None:
+            workers.job.kill()
+            if workers is self.loader._workers:
+                self.loader._workers = None  # the next epoch starts new ones
         for call in self.abandoned + [call for _, call in self.tasks.values()]:
             try:
-                call.wait(-1)
+                call.wait(ABORT_WAIT_MS if abort else -1)
             except Exception:
                 pass
         self.tasks.clear()
         self.abandoned.clear()
-        if self.workers is not self.loader._workers:
-            self.workers.close()
+        if workers is not self.loader._workers:
+            workers.close()
 
     def __del__(self):
         try:
