@@ -14,7 +14,8 @@
  * is empty and the tensor pool holds nothing while all owners still run,
  * so the owners freed every value themselves; the launcher then finds the
  * table empty too. Run twice: with forks charged in the table, and with
- * SHMRPC_RREF_FORK=message (torch's fork messages, docs/RREF.md).
+ * SHMRPC_RREF_FORK=message (torch's fork messages, docs/RREF.md);
+ * RREF_FORK_FUZZ_MODE=table or message runs one of the two.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -360,15 +361,22 @@ static int worker(void)
 	return 0;
 }
 
+/* RREF_FORK_FUZZ_MODE=table or message runs that mode only (to repeat
+ * one under load); unset, both run. */
 int main(void)
 {
+	const char *only = getenv("RREF_FORK_FUZZ_MODE");
 	int rc;
 
 	if (tl_is_worker())
 		return worker();
-	rc = tl_job_test(worker, "-n", WORKERS, NULL);
-	if (rc)
-		return rc;
+	CHECK(!only || !strcmp(only, "table") || !strcmp(only, "message"),
+	      "RREF_FORK_FUZZ_MODE=%s: expected table or message", only);
+	if (!only || !strcmp(only, "table")) {
+		rc = tl_job_test(worker, "-n", WORKERS, NULL);
+		if (rc || only)
+			return rc;
+	}
 	setenv("SHMRPC_RREF_FORK", "message", 1);
 	return tl_job_test(worker, "-n", WORKERS, NULL);
 }

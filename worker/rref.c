@@ -132,16 +132,20 @@ static void release(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner
  * owner confirmed p, nothing otherwise. ag NULL: the table is gone. */
 static void pending_put(struct agent *ag, struct pending_user *p)
 {
+	/* Read while our share holds p: once it is dropped, another
+	 * thread's put may be the last and free p before we release. */
+	uint64_t id = p->id;
+	uint32_t slot = p->slot, owner = p->owner;
 	bool counted, last;
 
 	pthread_mutex_lock(&forks.lock);
 	counted = p->done && !p->failed;
 	last = --p->refs == 0;
 	pthread_mutex_unlock(&forks.lock);
-	if (counted && ag)
-		release(ag, p->id, p->slot, p->owner);
 	if (last)
 		free(p);
+	if (counted && ag)
+		release(ag, id, slot, owner);
 }
 
 /* ---- handles ---- */
