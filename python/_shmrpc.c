@@ -4,9 +4,12 @@
  *
  * It moves bytes, never Python objects: shmrpc/__init__.py pickles a call
  * (function by reference, args, kwargs) and this module sends it as a
- * PYTHON_CALL or PYTHON_REMOTE_CALL (worker/python.h); on the callee an
- * executor thread takes the GIL and hands the bytes to the Python handler
- * (shmrpc._run_function), whose pickled result comes back as bytes.
+ * PYTHON_CALL or PYTHON_REMOTE_CALL, or inside a distributed autograd
+ * context as a FORWARD_AUTOGRAD_REQ; shmrpc/autograd.py's backward, cleanup
+ * and RRef.backward go as their own request types (worker/python.h). On the
+ * callee an executor thread takes the GIL and hands the bytes, the type and
+ * the autograd metadata to the Python handler (shmrpc._run_function), whose
+ * pickled result comes back as bytes.
  *
  * The GIL: released around everything that waits (init's barrier, a
  * future, to_here, shutdown), taken by executor threads only to run the
@@ -29,6 +32,7 @@
 #include "python/module.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
+#include "worker/msg.h"
 #include "worker/profile.h"
 #include "worker/python.h"
 
@@ -220,15 +224,16 @@ static PyType_Slot tensor_slots[] = {
 static PyType_Spec tensor_spec = { "shmrpc._shmrpc.Tensor", sizeof(HandleObject), 0,
 				   Py_TPFLAGS_DEFAULT, tensor_slots };
 
-/* (pickle: bytes, [RRef, ...], [Tensor, ...]) from a Python message value;
- * each RRef and Tensor a handle of its own. */
+/* (pickle: bytes, [RRef, ...], [Tensor, ...]) from a Python message value
+ * (or the FORWARD_AUTOGRAD_RESP that wraps one); each RRef and Tensor a
+ * handle of its own. */
 static PyObject *msg_to_py(const shmrpc_value *v)
 {
 	struct arena a = { 0 };
 	struct python_msg m;
 	PyObject *list = NULL, *tlist = NULL, *res = NULL;
 
-	if (!v || python_msg_of(v, &a, &m)) {
+	if (!v || python_reply_of(v, &a, &m)) {
 		PyErr_SetString(PyExc_RuntimeError, "a Python call came back without a pickled result");
 		goto out;
 	}
@@ -398,24 +403,33 @@ static int msg_copy(const struct python_msg *view, struct python_msg *out)
 	return rc;
 }
 
-static int run_handler(uint32_t caller, const struct python_msg *in, struct python_msg *out)
+/* The Python handler's arguments: (caller, type, context_id, message_id,
+ * retain_graph, pickle, [RRef...], [Tensor...]); it returns (pickle,
+ * [RRef...], [Tensor...]) or, answering a FORWARD_AUTOGRAD_REQ, the same
+ * and the reply's autograd message id. */
+static int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out)
 {
 	PyGILState_STATE g = gil_take();
 	PyObject *res = NULL, *rrefs, *tensors, *pickled;
+	const struct python_msg *m = &in->msg;
 	struct python_msg view;
+	long long message_id = 0;
 	int rc = -EIO;
 
 	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
-	rrefs = objects_of((void *const *)in->rrefs, in->nrrefs, true);
-	tensors = objects_of((void *const *)in->tensors, in->ntensors, false);
+	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
+	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
 	if (rrefs && tensors && handler)
-		res = PyObject_CallFunction(handler, "Iy#OO", caller, (const char *)in->data,
-					    (Py_ssize_t)in->len, rrefs, tensors);
+		res = PyObject_CallFunction(handler, "IHLLOy#OO", caller, in->type,
+					    (long long)in->context_id, (long long)in->message_id,
+					    in->retain_graph ? Py_True : Py_False,
+					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
-	if (res && PyArg_ParseTuple(res, "SOO", &pickled, &rrefs, &tensors) &&
+	if (res && PyArg_ParseTuple(res, "SOO|L", &pickled, &rrefs, &tensors, &message_id) &&
 	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
-		rc = msg_copy(&view, out);
+		out->message_id = (int64_t)message_id;
+		rc = msg_copy(&view, &out->msg);
 		msg_free(&view);
 	} else {
 		/* The handler catches what the function raises: this is a bug
@@ -682,26 +696,32 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 	return rc ? fail(rc) : Py_BuildValue("(si)", wi.name, wi.rank);
 }
 
-/* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None)
- * -> Future; kind and fn name it for the profiler. */
+/* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None,
+ * type=PYTHON_CALL, context_id=-1, message_id=0, retain_graph=False)
+ * -> Future; kind and fn name it for the profiler; type is PYTHON_CALL or
+ * one of distributed autograd's requests (worker/python.h says which of
+ * the other arguments each one carries). */
 static PyObject *mod_call(PyObject *m, PyObject *args)
 {
+	struct python_request rq = { .type = MSG_PYTHON_CALL };
 	shmrpc_future *f = NULL;
-	struct python_msg msg;
 	PyObject *pickled, *rrefs, *tensors;
 	const char *kind = NULL, *fn = NULL;
-	long long timeout;
-	int dst, rc;
+	long long timeout, context_id = -1, message_id = 0;
+	int dst, retain = 0, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL|zz", &dst, &pickled, &rrefs, &tensors, &timeout, &kind,
-			      &fn) ||
-	    msg_from_py(pickled, rrefs, tensors, &msg))
+	if (!PyArg_ParseTuple(args, "iSOOL|zzHLLp", &dst, &pickled, &rrefs, &tensors, &timeout,
+			      &kind, &fn, &rq.type, &context_id, &message_id, &retain) ||
+	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
 		return NULL;
+	rq.context_id = (int64_t)context_id;
+	rq.message_id = (int64_t)message_id;
+	rq.retain_graph = retain;
 	profile_name_next(kind, fn);
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
-	rc = python_rpc_async(dst, &msg, (int64_t)timeout, &f);
-	msg_free(&msg);
+	rc = python_request_async(dst, &rq, (int64_t)timeout, &f);
+	msg_free(&rq.msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
@@ -882,9 +902,33 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 #undef GAUGE
 }
 
+/* The request types call() sends. */
+static const uint16_t call_types[] = { MSG_PYTHON_CALL, MSG_FORWARD_AUTOGRAD_REQ,
+				       MSG_BACKWARD_AUTOGRAD_REQ, MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ,
+				       MSG_RREF_BACKWARD_REQ };
+
+/* sent_counts() -> {type name: int}: the requests call() sent, by message
+ * type (for tests: which types autograd's traffic used). */
+static PyObject *mod_sent_counts(PyObject *m, PyObject *unused)
+{
+	PyObject *counts = PyDict_New();
+
+	(void)m, (void)unused;
+	for (size_t i = 0; counts && i < sizeof(call_types) / sizeof(call_types[0]); i++) {
+		PyObject *n = PyLong_FromUnsignedLongLong(python_sent(call_types[i]));
+
+		if (!n || PyDict_SetItemString(counts, worker_msg_name(call_types[i]), n))
+			Py_CLEAR(counts);
+		Py_XDECREF(n);
+	}
+	return counts;
+}
+
 static PyMethodDef mod_methods[] = {
 	{ "debug_info", mod_debug_info, METH_NOARGS,
 	  "debug_info() -> {key: int}: agent gauges and GIL waits (shmrpc._get_debug_info)" },
+	{ "sent_counts", mod_sent_counts, METH_NOARGS,
+	  "sent_counts() -> {type name: int}: the requests sent, by message type" },
 	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
@@ -896,7 +940,8 @@ static PyMethodDef mod_methods[] = {
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
 	{ "call", mod_call, METH_VARARGS,
-	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> Future" },
+	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
+	  "message_id, retain_graph) -> Future" },
 	{ "remote", mod_remote, METH_VARARGS,
 	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef" },
 	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
@@ -908,6 +953,15 @@ static PyMethodDef mod_methods[] = {
 static struct PyModuleDef module = { PyModuleDef_HEAD_INIT, "shmrpc._shmrpc",
 				     "The C half of shmrpc's Python package.", -1, mod_methods,
 				     NULL, NULL, NULL, NULL };
+
+/* The request types the package sends and serves, as module constants. */
+static int add_types(PyObject *m)
+{
+	for (size_t i = 0; i < sizeof(call_types) / sizeof(call_types[0]); i++)
+		if (PyModule_AddIntConstant(m, worker_msg_name(call_types[i]), call_types[i]))
+			return -1;
+	return PyModule_AddIntConstant(m, "PYTHON_REMOTE_CALL", MSG_PYTHON_REMOTE_CALL);
+}
 
 PyMODINIT_FUNC PyInit__shmrpc(void);
 PyMODINIT_FUNC PyInit__shmrpc(void)
@@ -923,7 +977,8 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 	    PyModule_AddObject(m, "Future", new_ref(FutureType)) ||
 	    PyModule_AddObject(m, "Tensor", new_ref(TensorType)) ||
 	    PyModule_AddObject(m, "RRef", new_ref(RRefType)) || module_add_job(m) ||
-	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT)) {
+	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT) ||
+	    add_types(m)) {
 		Py_DECREF(m);
 		return NULL;
 	}

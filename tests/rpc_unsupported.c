@@ -1,8 +1,9 @@
 /*
  * Request types the agent does not implement yet are answered, not
  * dropped: rank 0 speaks the wire protocol by hand (a raw port, no agent)
- * and sends rank 1's agent a PYTHON_CALL, a type that is no message type
- * at all, a SCRIPT_CALL whose payload is not MessagePack, RRef requests
+ * and sends rank 1's agent a PYTHON_CALL and each of distributed
+ * autograd's requests (a C-only worker serves none), a type that is no
+ * message type at all, a SCRIPT_CALL whose payload is not MessagePack, RRef requests
  * naming RRefs that do not exist, and a malformed RREF_FORK_REQUEST. Each gets an EXCEPTION with the
  * request's id and a clear text, and rank 1 keeps serving: a well-formed
  * SCRIPT_CALL afterwards still gets its SCRIPT_RET.
@@ -62,12 +63,28 @@ static struct reply ask(struct ipc_port *p, uint16_t type, uint64_t id, const vo
 	return r;
 }
 
+/* Well-formed requests of the Python package's autograd (docs/PROTOCOL.md). */
+static const struct {
+	uint16_t type;
+	const char *payload;
+	size_t len;
+} autograd_reqs[] = {
+	/* [context 1, message 2, PYTHON_CALL, [b"", [], []]] */
+	{ MSG_FORWARD_AUTOGRAD_REQ, "\x94\x01\x02\x03\x93\xc4\x00\x90\x90", 9 },
+	/* [context 1, message 2, [b"", [], []]] */
+	{ MSG_BACKWARD_AUTOGRAD_REQ, "\x93\x01\x02\x93\xc4\x00\x90\x90", 8 },
+	{ MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ, "\x91\x01", 2 }, /* [context 1] */
+	/* [nil where the RRef goes: never looked at, context 1, false] */
+	{ MSG_RREF_BACKWARD_REQ, "\x93\xc0\x01\xc2", 4 },
+};
+
 static int raw_worker(void)
 {
 	static const char call[] = "\x92\xa3one\x90"; /* ["one", []] */
 	struct shm_seg seg;
 	struct ipc_port port;
 	struct reply r;
+	char want[160];
 
 	CHECK_OK(shm_seg_attach_env(&seg));
 	CHECK_OK(ipc_port_open(&port, &seg, 0, IPC_WAIT_AUTO));
@@ -82,6 +99,14 @@ static int raw_worker(void)
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "Error on worker 1 (worker1): request type "
 							  "PYTHON_CALL is not supported yet"),
 	      "PYTHON_CALL: type %u, \"%s\"", r.type, r.text);
+	for (size_t i = 0; i < sizeof(autograd_reqs) / sizeof(autograd_reqs[0]); i++) {
+		r = ask(&port, autograd_reqs[i].type, 20 + i, autograd_reqs[i].payload,
+			autograd_reqs[i].len);
+		snprintf(want, sizeof(want), "Error on worker 1 (worker1): request type %s is not "
+			 "supported yet: this worker runs no Python", worker_msg_name(autograd_reqs[i].type));
+		CHECK(r.type == MSG_EXCEPTION && strstr(r.text, want), "%s: type %u, \"%s\"",
+		      worker_msg_name(autograd_reqs[i].type), r.type, r.text);
+	}
 	r = ask(&port, 999, 8, "", 0);
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "unknown message type 999"), "type 999: \"%s\"",
 	      r.text);

@@ -73,7 +73,168 @@ int python_msg_of(const shmrpc_value *v, struct arena *a, struct python_msg *m)
 	return 0;
 }
 
-int python_rpc_async(int dst, const struct python_msg *m, int64_t timeout_ms, shmrpc_future **out)
+bool python_is_request(uint32_t type)
+{
+	switch (type) {
+	case MSG_PYTHON_CALL:
+	case MSG_PYTHON_REMOTE_CALL:
+	case MSG_FORWARD_AUTOGRAD_REQ:
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+	case MSG_RREF_BACKWARD_REQ:
+		return true;
+	default:
+		return false;
+	}
+}
+
+uint16_t python_reply_type(uint16_t type)
+{
+	switch (type) {
+	case MSG_FORWARD_AUTOGRAD_REQ:
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+	case MSG_RREF_BACKWARD_REQ:
+		return (uint16_t)(type + 1); /* each one's _RESP */
+	default:
+		return MSG_PYTHON_RET; /* PYTHON_REMOTE_CALL's is stored in the RRef */
+	}
+}
+
+int python_request_value(const struct python_request *r, struct arena *a, shmrpc_value *out)
+{
+	shmrpc_value *items = arena_alloc(a, 4 * sizeof(*items)), msg;
+	uint32_t n = 0;
+	int rc;
+
+	if (!items)
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
+	switch (r->type) {
+	case MSG_FORWARD_AUTOGRAD_REQ:
+	case MSG_FORWARD_AUTOGRAD_RESP:
+		/* [context_id, message_id, wrapped type, wrapped payload] */
+		if ((rc = python_msg_value(&r->msg, a, &msg)))
+			return rc;
+		items[n++] = shmrpc_int(r->context_id);
+		items[n++] = shmrpc_int(r->message_id);
+		items[n++] = shmrpc_int(r->type == MSG_FORWARD_AUTOGRAD_REQ ? MSG_PYTHON_CALL
+									    : MSG_PYTHON_RET);
+		items[n++] = msg;
+		break;
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+		/* [context_id, message_id, gradients] */
+		if ((rc = python_msg_value(&r->msg, a, &msg)))
+			return rc;
+		items[n++] = shmrpc_int(r->context_id);
+		items[n++] = shmrpc_int(r->message_id);
+		items[n++] = msg;
+		break;
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+		items[n++] = shmrpc_int(r->context_id);
+		break;
+	case MSG_RREF_BACKWARD_REQ:
+		/* [rref, context_id, retain_graph] */
+		if (r->msg.nrrefs != 1)
+			return shmrpc__fail(-EINVAL, "RREF_BACKWARD_REQ names one RRef, not %u",
+					    r->msg.nrrefs);
+		items[n++] = shmrpc_rref_value(r->msg.rrefs[0]);
+		items[n++] = shmrpc_int(r->context_id);
+		items[n++] = shmrpc_bool(r->retain_graph);
+		break;
+	case MSG_PYTHON_CALL:
+	case MSG_PYTHON_REMOTE_CALL:
+	case MSG_PYTHON_RET:
+	case MSG_BACKWARD_AUTOGRAD_RESP:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
+	case MSG_RREF_BACKWARD_RESP:
+		return python_msg_value(&r->msg, a, out);
+	default:
+		return shmrpc__fail(-EINVAL, "message type %u is no Python message", r->type);
+	}
+	*out = shmrpc_list(items, n);
+	return 0;
+}
+
+/* An id on the wire: a context's or a message's, never negative. */
+static bool wire_id(const shmrpc_value *v, int64_t *id)
+{
+	if (v->type != SHMRPC_INT || v->u.i < 0)
+		return false;
+	*id = v->u.i;
+	return true;
+}
+
+int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
+		      struct python_request *r)
+{
+	const shmrpc_value *it = v->u.items;
+	const char *name = worker_msg_name(type);
+
+	*r = (struct python_request){ .type = type, .context_id = -1,
+				      .msg = { .data = "" } /* "", not NULL: Python's bytes */ };
+	switch (type) {
+	case MSG_FORWARD_AUTOGRAD_REQ:
+	case MSG_FORWARD_AUTOGRAD_RESP:
+		if (v->type != SHMRPC_LIST || v->len != 4 || !wire_id(&it[0], &r->context_id) ||
+		    !wire_id(&it[1], &r->message_id) || it[2].type != SHMRPC_INT ||
+		    it[2].u.i != (type == MSG_FORWARD_AUTOGRAD_REQ ? MSG_PYTHON_CALL : MSG_PYTHON_RET))
+			break;
+		return python_msg_of(&it[3], a, &r->msg);
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+		if (v->type != SHMRPC_LIST || v->len != 3 || !wire_id(&it[0], &r->context_id) ||
+		    !wire_id(&it[1], &r->message_id))
+			break;
+		return python_msg_of(&it[2], a, &r->msg);
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+		if (v->type != SHMRPC_LIST || v->len != 1 || !wire_id(&it[0], &r->context_id))
+			break;
+		return 0;
+	case MSG_RREF_BACKWARD_REQ:
+		if (v->type != SHMRPC_LIST || v->len != 3 || it[0].type != SHMRPC_RREF ||
+		    !wire_id(&it[1], &r->context_id) || it[2].type != SHMRPC_BOOL ||
+		    !(r->msg.rrefs = arena_alloc(a, sizeof(*r->msg.rrefs))))
+			break;
+		r->msg.rrefs[0] = it[0].u.r;
+		r->msg.nrrefs = 1;
+		r->retain_graph = it[2].u.b;
+		return 0;
+	case MSG_PYTHON_CALL:
+	case MSG_PYTHON_REMOTE_CALL:
+	case MSG_PYTHON_RET:
+	case MSG_BACKWARD_AUTOGRAD_RESP:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
+	case MSG_RREF_BACKWARD_RESP:
+		return python_msg_of(v, a, &r->msg);
+	default:
+		return shmrpc__fail(-EINVAL, "message type %u is no Python message", type);
+	}
+	return shmrpc__fail(-EBADMSG, "a malformed %s came in", name);
+}
+
+int python_reply_of(const shmrpc_value *v, struct arena *a, struct python_msg *m)
+{
+	struct python_request r;
+	int rc;
+
+	if (v->type == SHMRPC_LIST && v->len == 4) {
+		rc = python_request_of(MSG_FORWARD_AUTOGRAD_RESP, v, a, &r);
+		*m = r.msg;
+		return rc;
+	}
+	return python_msg_of(v, a, m);
+}
+
+/* Requests sent, by type (for tests and inspectors). Relaxed: counters. */
+static _Atomic uint64_t sent_count[MSG_TYPE_END];
+
+uint64_t python_sent(uint16_t type)
+{
+	return type < MSG_TYPE_END ? atomic_load_explicit(&sent_count[type], memory_order_relaxed)
+				   : 0;
+}
+
+int python_request_async(int dst, const struct python_request *r, int64_t timeout_ms,
+			 shmrpc_future **out)
 {
 	struct agent *ag = worker_agent;
 	struct tensor_list sent = { 0 };
@@ -81,19 +242,43 @@ int python_rpc_async(int dst, const struct python_msg *m, int64_t timeout_ms, sh
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 	shmrpc_value v;
+	const char *what;
 	int rc;
 
 	*out = NULL;
 	if (!ag)
 		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call init_rpc first");
+	switch (r->type) {
+	case MSG_PYTHON_CALL:
+	case MSG_FORWARD_AUTOGRAD_REQ:
+		what = "call a Python function";
+		break;
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+		what = "send gradients";
+		break;
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+		what = "release an autograd context";
+		break;
+	case MSG_RREF_BACKWARD_REQ:
+		what = "run RRef.backward";
+		break;
+	default:
+		return shmrpc__fail(-EINVAL, "the Python package sends no request of type %u",
+				    r->type);
+	}
+	/* As the receiver would (wire_id), in torch's words. */
+	if (r->type != MSG_PYTHON_CALL && r->context_id < 0)
+		return shmrpc__fail(-EINVAL, "Could not find autograd context with id: %lld",
+				    (long long)r->context_id);
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = python_msg_value(m, &a, &v) ?: value_pack(&pk, &v, &sent);
+	rc = python_request_value(r, &a, &v) ?: value_pack(&pk, &v, &sent);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
-		rc = client_request(ag, dst, MSG_PYTHON_CALL, &sb, &sent, timeout_ms,
-				    "call a Python function", out);
+		rc = client_request(ag, dst, r->type, &sb, &sent, timeout_ms, what, out);
+	if (rc == 0)
+		atomic_fetch_add_explicit(&sent_count[r->type], 1, memory_order_relaxed);
 	msgpack_sbuffer_destroy(&sb);
 	arena_free(&a);
 	return rc;

@@ -7,11 +7,13 @@
  * PYTHON_CALL and PYTHON_REMOTE_CALL carry a pickled call; the binding's
  * handler runs it on an executor thread, and its pickled result (a value,
  * or the binding's RemoteException) comes back in PYTHON_RET or is stored
- * in the RRef.
+ * in the RRef. Distributed autograd's messages (struct python_request) go
+ * to the same handler.
  */
 #ifndef SHMRPC_WORKER_PYTHON_H
 #define SHMRPC_WORKER_PYTHON_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -28,24 +30,64 @@ struct python_msg {
 	uint32_t ntensors;
 };
 
-/* Runs the pickled call in from caller; fills out with the pickled result
- * (data, rrefs and tensors malloc'd; the handles are the agent's to free
- * once sent). 0, or -errno with the text in shmrpc_errmsg() (sent as an
- * EXCEPTION). */
-typedef int (*python_handler_fn)(uint32_t caller, const struct python_msg *in,
-				 struct python_msg *out);
+/*
+ * A message of the Python package: a pickled call or result, or one of
+ * distributed autograd's (python/shmrpc/autograd.py), with the autograd
+ * metadata torch's carry (docs/PROTOCOL.md gives each one's payload):
+ *   PYTHON_CALL, PYTHON_REMOTE_CALL, PYTHON_RET: msg;
+ *   FORWARD_AUTOGRAD_REQ / _RESP: a PYTHON_CALL / PYTHON_RET made inside
+ *     context_id, message_id naming it in the context;
+ *   BACKWARD_AUTOGRAD_REQ: gradients (pickled in msg) for sends of context_id;
+ *   CLEANUP_AUTOGRAD_CONTEXT_REQ: context_id only;
+ *   RREF_BACKWARD_REQ: backward from msg.rrefs[0]'s value in context_id;
+ *   BACKWARD_AUTOGRAD_RESP, CLEANUP_AUTOGRAD_CONTEXT_RESP, RREF_BACKWARD_RESP:
+ *     msg, the pickled outcome (None, or the error raised).
+ */
+struct python_request {
+	uint16_t type;
+	int64_t context_id;
+	int64_t message_id;
+	bool retain_graph;
+	struct python_msg msg;
+};
+
+/* Runs the request in from caller (a request type python_is_request
+ * accepts); fills out->msg with the pickled result (data, rrefs and
+ * tensors malloc'd; the handles are the agent's to free once sent) and,
+ * for a FORWARD_AUTOGRAD_REQ, out->message_id with the reply's. 0, or
+ * -errno with the text in shmrpc_errmsg() (sent as an EXCEPTION). */
+typedef int (*python_handler_fn)(uint32_t caller, const struct python_request *in,
+				 struct python_request *out);
 
 /* Installs the handler; without one, Python requests are answered
  * "request type PYTHON_CALL is not supported yet" (a C-only worker). */
 SHMRPC_HIDDEN void python_set_handler(python_handler_fn fn);
 SHMRPC_HIDDEN python_handler_fn python_handler(void);
+/* Whether the binding's handler serves requests of this type. */
+SHMRPC_HIDDEN bool python_is_request(uint32_t type);
+/* The type that answers a request python_is_request accepts. */
+SHMRPC_HIDDEN uint16_t python_reply_type(uint16_t type);
 /* m as a value, [bin, [rref...], [tensor...]], built in a (for value_pack). */
 SHMRPC_HIDDEN int python_msg_value(const struct python_msg *m, struct arena *a, shmrpc_value *out);
 /* The message a value holds (pointing into it); -EBADMSG if it is none. */
 SHMRPC_HIDDEN int python_msg_of(const shmrpc_value *v, struct arena *a, struct python_msg *m);
-/* PYTHON_CALL to dst; the future's value is the pickled result. */
-SHMRPC_HIDDEN int python_rpc_async(int dst, const struct python_msg *m, int64_t timeout_ms,
-				   shmrpc_future **out);
+/* r as the value its type's payload is, built in a. */
+SHMRPC_HIDDEN int python_request_value(const struct python_request *r, struct arena *a,
+				       shmrpc_value *out);
+/* The request of type a value holds (pointing into it); -EBADMSG with a
+ * sentence if the value is not that type's payload. */
+SHMRPC_HIDDEN int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
+				    struct python_request *r);
+/* The Python message of a reply to python_request_async: a PYTHON_RET or
+ * _RESP payload, or the one a FORWARD_AUTOGRAD_RESP wraps (the future
+ * does not keep the reply's type: the two shapes differ). */
+SHMRPC_HIDDEN int python_reply_of(const shmrpc_value *v, struct arena *a, struct python_msg *m);
+/* Sends r (a request type the binding sends: PYTHON_CALL or an autograd
+ * one) to dst; the future's value is the reply (python_reply_of). */
+SHMRPC_HIDDEN int python_request_async(int dst, const struct python_request *r,
+				       int64_t timeout_ms, shmrpc_future **out);
+/* How many requests of type this process sent with python_request_async. */
+SHMRPC_HIDDEN uint64_t python_sent(uint16_t type);
 /* PYTHON_REMOTE_CALL to dst; the RRef's value is the pickled result. */
 SHMRPC_HIDDEN int python_remote(int dst, const struct python_msg *m, int64_t timeout_ms,
 				shmrpc_rref **out);

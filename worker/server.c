@@ -188,15 +188,15 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 	}
 }
 
-/* A pickled Python call run by the binding's handler: *result is the
- * pickled result, in the call's arena. The RRef and tensor handles the
- * handler made for it are freed once sent, as a C function's
- * (free_result_handles). */
+/* A request of the Python package (a pickled call, or one of distributed
+ * autograd's) run by the binding's handler: *result is its reply's
+ * payload, in the call's arena. The RRef and tensor handles the handler
+ * made for it are freed once sent, as a C function's (free_result_handles). */
 static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 		       shmrpc_value *result)
 {
 	python_handler_fn h = python_handler();
-	struct python_msg in, out = { 0 };
+	struct python_request in, out = { .type = python_reply_type(type) };
 	shmrpc_value req;
 	void *copy;
 	size_t used;
@@ -210,7 +210,7 @@ static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, siz
 		return;
 	}
 	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
-	    python_msg_of(&req, &call->arena, &in)) {
+	    python_request_of(type, &req, &call->arena, &in)) {
 		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
 		call_fail(call, "RuntimeError", msg);
 		return;
@@ -219,19 +219,20 @@ static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, siz
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 		return;
 	}
-	copy = shmrpc_call_alloc(call, out.len ? out.len : 1);
+	out.context_id = in.context_id; /* a FORWARD_AUTOGRAD_RESP's */
+	copy = shmrpc_call_alloc(call, out.msg.len ? out.msg.len : 1);
 	if (copy)
-		memcpy(copy, out.data, out.len);
-	free((void *)out.data);
-	out.data = copy;
-	rc = copy ? python_msg_value(&out, &call->arena, result)
+		memcpy(copy, out.msg.data, out.msg.len);
+	free((void *)out.msg.data);
+	out.msg.data = copy;
+	rc = copy ? python_request_value(&out, &call->arena, result)
 		  : shmrpc__fail(-ENOMEM, "out of memory keeping a Python result");
-	for (uint32_t i = 0; rc && i < out.nrrefs; i++)
-		shmrpc_rref_free(out.rrefs[i]);
-	for (uint32_t i = 0; rc && i < out.ntensors; i++)
-		shmrpc_tensor_free(out.tensors[i]);
-	free(out.rrefs);
-	free(out.tensors);
+	for (uint32_t i = 0; rc && i < out.msg.nrrefs; i++)
+		shmrpc_rref_free(out.msg.rrefs[i]);
+	for (uint32_t i = 0; rc && i < out.msg.ntensors; i++)
+		shmrpc_tensor_free(out.msg.tensors[i]);
+	free(out.msg.rrefs);
+	free(out.msg.tensors);
 	if (rc)
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 }
@@ -289,13 +290,14 @@ static void reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 	free_result_handles(call, &sent);
 }
 
-/* Runs the call in buf: a SCRIPT_ call, or a PYTHON_ one by the binding. */
+/* Runs the call in buf: a SCRIPT_ call, or a Python package's request by
+ * the binding. */
 static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 		    const char **fn, shmrpc_value *result)
 {
 	uint64_t start = call->profile ? shmrpc_now_ns() : 0;
 
-	if (type == MSG_PYTHON_CALL || type == MSG_PYTHON_REMOTE_CALL) {
+	if (python_is_request(type)) {
 		*fn = "python";
 		run_python(call, type, buf, len, result);
 	} else {
@@ -315,7 +317,7 @@ static void run_script_call(struct request_job *rq, shmrpc_call *call)
 		reply_exception(rq, call->errtype, call->errmsg, call->backtrace);
 	else
 		reply_value(rq, call, fn, &result,
-			    rq->type == MSG_PYTHON_CALL ? MSG_PYTHON_RET : MSG_SCRIPT_RET);
+			    rq->type == MSG_SCRIPT_CALL ? MSG_SCRIPT_RET : python_reply_type(rq->type));
 }
 
 /* [rref_id, slot] at the start of an RRef request; *used: its bytes. */
@@ -516,6 +518,10 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 	switch (rq->type) {
 	case MSG_SCRIPT_CALL:
 	case MSG_PYTHON_CALL:
+	case MSG_FORWARD_AUTOGRAD_REQ:
+	case MSG_BACKWARD_AUTOGRAD_REQ:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
+	case MSG_RREF_BACKWARD_REQ:
 		run_script_call(rq, call);
 		break;
 	case MSG_SCRIPT_REMOTE_CALL:

@@ -272,17 +272,34 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
              "defined on both caller and callee modules.")
 
 
-def _run_function(caller, payload, rrefs, tensors):
-    """Runs a pickled (func, args, kwargs, autograd context id) on an
-    executor thread, inside that context; returns the pickled result (sent
-    from inside the context too), or a pickled RemoteException."""
+def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors):
+    """Serves a request of this package on an executor thread (the C half
+    gives its type and autograd metadata, worker/python.h). A pickled
+    (func, args, kwargs) runs inside the autograd context its
+    FORWARD_AUTOGRAD_REQ names (a PYTHON_REMOTE_CALL's pickle names it as a
+    fourth item: remote() cannot send FORWARD_AUTOGRAD_REQ yet), its result
+    pickled inside it too; distributed autograd's other requests go to
+    shmrpc.autograd. Returns the pickled result or RemoteException, and for
+    a FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
+        if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
+                            _shmrpc.FORWARD_AUTOGRAD_REQ):
+            return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
+                                          (payload, rrefs, tensors)))
         try:
-            func, args, kwargs, context_id = _loads((payload, rrefs, tensors), "call")
+            call = _loads((payload, rrefs, tensors), "call")
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
+        func, args, kwargs = call[:3]
+        if msg_type == _shmrpc.PYTHON_REMOTE_CALL:
+            context_id = call[3]
+        elif msg_type == _shmrpc.PYTHON_CALL:
+            context_id = None
         with autograd._running_in(context_id, caller):
-            return _dumps(_call(func, args, kwargs))
+            reply = _dumps(_call(func, args, kwargs))
+        if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
+            return reply + (autograd._message_id(),)
+        return reply
     except BaseException as e:  # every error travels back
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
@@ -473,31 +490,39 @@ class functions:
         return wrapper
 
 
-def _pack_call(func, args, kwargs, dst):
-    """The pickled call to rank dst: it carries the caller's autograd context."""
+def _pack_call(func, args, kwargs, dst=None, *extra):
+    """The pickled call (func, args, kwargs, *extra). dst is not used: the
+    autograd context travels in the message (_send_call); shmrpc.data
+    passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    return _dumps((func, tuple(args or ()), dict(kwargs or {}), autograd._calling(dst)))
+    return _dumps((func, tuple(args or ()), dict(kwargs or {})) + extra)
 
 
 def _func_name(func):
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+def _send_call(dst, func, args, kwargs, timeout, kind):
+    """The C call in flight: a PYTHON_CALL, or inside a distributed autograd
+    context a FORWARD_AUTOGRAD_REQ wrapping it (as torch, for every Python
+    call made in a context)."""
+    cid = autograd._calling(dst)
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    if cid is None:
+        return _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind, _func_name(func))
+    return _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind, _func_name(func),
+                        _shmrpc.FORWARD_AUTOGRAD_REQ, cid, autograd._message_id())
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    dst = _rank_of(to)
-    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
-    fut = Future(_c=_shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout),
-                                 "rpc_async", _func_name(func)))
+    fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
     autograd._called(fut)
     return fut
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    dst = _rank_of(to)
-    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
-    call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), "rpc_sync",
-                        _func_name(func))
+    call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_sync")
     return _result(_c_wait(call.wait))
 
 
@@ -593,7 +618,10 @@ class _Proxy:
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     dst = _rank_of(to)
-    data, rrefs, tensors = _pack_call(func, args, kwargs, dst)
+    # A PYTHON_REMOTE_CALL: its pickle carries the autograd context (or
+    # None), since the C half's remote() cannot wrap it in a
+    # FORWARD_AUTOGRAD_REQ yet.
+    data, rrefs, tensors = _pack_call(func, args, kwargs, dst, autograd._calling(dst))
     return RRef(_c=_shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout),
                                   _func_name(func)))
 

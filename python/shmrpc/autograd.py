@@ -18,10 +18,14 @@ send tensors with them (and so on across workers); those of other leaves
 accumulate in the context's gradient table on that worker (not in .grad).
 Leaving the context releases it here and on every worker it reached.
 
-torch sends FORWARD_AUTOGRAD_REQ, BACKWARD_AUTOGRAD_REQ and
-CLEANUP_AUTOGRAD_CONTEXT_REQ messages; here the context id and the send
-ids travel inside the ordinary pickled call (PYTHON_CALL), and backward and
-cleanup are ordinary calls of this module's functions.
+The messages are torch's (docs/PROTOCOL.md): a call made inside a context
+goes as FORWARD_AUTOGRAD_REQ [context id, autograd message id, PYTHON_CALL]
+and is answered FORWARD_AUTOGRAD_RESP wrapping the PYTHON_RET likewise; the
+gradients of a worker's sends go to it as BACKWARD_AUTOGRAD_REQ, leaving a
+context as CLEANUP_AUTOGRAD_CONTEXT_REQ, RRef.backward on a user as
+RREF_BACKWARD_REQ. Each sent tensor's send id travels in the pickle beside
+it. (remote() still sends a PYTHON_REMOTE_CALL, the context id in its
+pickle: the C half's remote() cannot wrap it yet.)
 
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).
@@ -63,6 +67,7 @@ _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
 _counter = itertools.count()
 _send_ids = itertools.count()
+_message_ids = itertools.count()
 # send id -> a tensor that required grad, sent from here: what local_value
 # gives back for it while it lives.
 _kept = weakref.WeakValueDictionary()
@@ -157,6 +162,12 @@ def _calling(dst):
     return ctx.id
 
 
+def _message_id():
+    """A new autograd message id, unique in the job (torch's: the rank in
+    the top 16 bits)."""
+    return (_my_rank() << 48) | next(_message_ids)
+
+
 def _called(fut):
     """An rpc_async call made in the context: leaving waits for it."""
     ctx = _current()
@@ -231,19 +242,42 @@ def _release(cid, caller):
         return
     me = _my_rank()
     # Best effort, as torch's: a worker that died or left has nothing to release.
-    _wait_all([_start(w, _release, (cid, me)) for w in sorted(ctx.known - {me, caller})])
+    _wait_all([_send(w, _shmrpc.CLEANUP_AUTOGRAD_CONTEXT_REQ, cid, "_release")
+               for w in sorted(ctx.known - {me, caller})])
 
 
-def _start(dst, fn, args):
-    """rpc_async(dst, fn, args); a call that cannot even start (its worker
-    is gone) as a Future holding the error."""
-    from . import Future, rpc_async
+def _send(dst, msg_type, cid, name, obj=None, rref=None, retain_graph=False):
+    """A Future for the autograd request msg_type to rank dst in context
+    cid: a BACKWARD_AUTOGRAD_REQ carries obj pickled (its tensors through
+    the pool), an RREF_BACKWARD_REQ rref and retain_graph (worker/python.h).
+    Its reply holds None or the error raised there. A request that cannot
+    even start (its worker is gone) gives a Future holding the error. name:
+    the profiler's."""
+    from . import Future, _dumps
     try:
-        return rpc_async(dst, fn, args=args)
+        data, rrefs, tensors = _dumps(obj) if obj is not None else (b"", [], [])
+        if rref is not None:
+            rrefs = [rref._r]
+        return Future(_c=_shmrpc.call(dst, data, rrefs, tensors, _shmrpc.TIMEOUT_DEFAULT,
+                                      "rpc_async", name, msg_type, cid, _message_id(),
+                                      retain_graph))
     except Exception as e:
         fut = Future()
         fut.set_exception(e)
         return fut
+
+
+def _serve(msg_type, caller, cid, retain_graph, msg):
+    """On the callee: the autograd request msg_type from caller (msg: the
+    C half's (pickle, [RRef], [Tensor])); its result."""
+    from . import RRef, _loads
+    if msg_type == _shmrpc.BACKWARD_AUTOGRAD_REQ:
+        return _backward_from_sends(cid, _loads(msg))
+    if msg_type == _shmrpc.CLEANUP_AUTOGRAD_CONTEXT_REQ:
+        return _release(cid, caller)
+    if msg_type == _shmrpc.RREF_BACKWARD_REQ:
+        return _rref_backward_on_owner(RRef(_c=msg[1][0]), cid, retain_graph)
+    raise RuntimeError(f"message type {msg_type} is not one of distributed autograd's")
 
 
 def _wait_all(futs):
@@ -309,11 +343,8 @@ def _run_backward(ctx, tensors, grad_outputs, retain_graph):
             ctx.accumulate(leaf, grad)
         else:
             back.setdefault(recv[1], []).append((recv[2], grad))
-    saved, _tls.ctx = _current(), ctx
-    try:
-        futs = [_start(w, _backward_from_sends, (ctx.id, items)) for w, items in back.items()]
-    finally:
-        _tls.ctx = saved
+    futs = [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
+            for w, items in back.items()]
     errors = _wait_all(futs)  # all of them, then the first error
     if errors:
         raise errors[0]
@@ -368,6 +399,5 @@ def _rref_backward(rref, dist_autograd_ctx_id, retain_graph):
             "an RRef's value is kept pickled (its graph is cut); give dist_autograd_ctx_id")
     if rref.is_owner():
         return _rref_backward_on_owner(rref, dist_autograd_ctx_id, retain_graph)
-    from . import rpc_sync
-    return rpc_sync(rref.owner(), _rref_backward_on_owner,
-                    args=(rref, dist_autograd_ctx_id, retain_graph))
+    return _send(rref.owner().id, _shmrpc.RREF_BACKWARD_REQ, dist_autograd_ctx_id,
+                 "_rref_backward_on_owner", rref=rref, retain_graph=retain_graph).wait()

@@ -3,7 +3,9 @@ job. worker0 drives; the gradients that shmrpc.autograd computes across
 workers must equal those of the same model run in one process with plain
 torch autograd. Prints "skip" and exits 0 without torch.
 """
+import json
 import os
+import subprocess
 import sys
 
 import shmrpc as rpc
@@ -84,6 +86,25 @@ def my_grads(cid):
 
 def num_contexts():
     return rpc.autograd._num_contexts()
+
+
+def sent():
+    """The requests this worker sent, by message type (the C half's counts)."""
+    return rpc._shmrpc.sent_counts()
+
+
+INSPECT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    rpc.__file__)))), "bin", "shmrpc-inspect")
+
+
+def flight_recorder():
+    """This worker's flight recorder (shmrpc-inspect --trace), or None
+    without the inspector (it is built beside the package)."""
+    if not os.access(INSPECT, os.X_OK):
+        return None
+    out = subprocess.run([INSPECT, "--json", "--trace", os.environ["SHMRPC_RANK"],
+                          str(os.getppid())], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
 
 
 def close(a, b):
@@ -193,6 +214,55 @@ def errors():
         check("Could not find autograd context" in str(e), str(e))
 
 
+def message_types():
+    """Autograd's traffic goes as torch's message types (counted where each
+    request is sent): a call in a context as FORWARD_AUTOGRAD_REQ, never a
+    PYTHON_CALL; gradients as BACKWARD_AUTOGRAD_REQ, both ways; leaving as
+    CLEANUP_AUTOGRAD_CONTEXT_REQ; RRef.backward on a user as RREF_BACKWARD_REQ.
+    Outside a context a call is a PYTHON_CALL."""
+    x = weights(4, 5, 0.5)
+    before1 = rpc.rpc_sync("worker1", sent)
+    trace = flight_recorder()
+    before = sent()
+    with rpc.autograd.context() as cid:
+        h = rpc.rpc_sync("worker1", layer1, args=(x,))
+        rpc.autograd.backward(cid, [h.sum()])
+        rr = rpc.remote("worker1", loss_of, args=(x,))
+        rr.backward(cid)
+        inside = sent()
+    after = sent()
+    if trace is None:
+        print(f"autograd: no {INSPECT}: the flight recorder is not looked at", file=sys.stderr)
+    else:
+        claimed, trace = trace["claimed"], flight_recorder()
+        seen = {(r["kind"], r["type"]) for r in trace["records"] if r["index"] >= claimed}
+        want = {("sent", "FORWARD_AUTOGRAD_REQ"), ("completed", "FORWARD_AUTOGRAD_RESP"),
+                ("sent", "BACKWARD_AUTOGRAD_REQ"), ("completed", "BACKWARD_AUTOGRAD_RESP"),
+                ("received", "BACKWARD_AUTOGRAD_REQ"), ("finished", "BACKWARD_AUTOGRAD_RESP"),
+                ("sent", "RREF_BACKWARD_REQ"), ("completed", "RREF_BACKWARD_RESP"),
+                ("sent", "CLEANUP_AUTOGRAD_CONTEXT_REQ"),
+                ("completed", "CLEANUP_AUTOGRAD_CONTEXT_RESP")}
+        check(want <= seen, f"the flight recorder misses {want - seen}")
+        check(not {("sent", "PYTHON_CALL"), ("completed", "PYTHON_RET")} & seen,
+              f"no PYTHON_CALL in the context's traffic: {sorted(seen)}")
+    after1 = rpc.rpc_sync("worker1", sent)
+    grew = {k: after[k] - before[k] for k in after}
+    check(sent()["PYTHON_CALL"] == after["PYTHON_CALL"] + 1,
+          "a call outside a context is a PYTHON_CALL")
+    check(inside["PYTHON_CALL"] == before["PYTHON_CALL"],
+          f"no PYTHON_CALL inside the context: {before} -> {inside}")
+    check(grew["FORWARD_AUTOGRAD_REQ"] == 1, f"the forward call: {grew}")
+    check(grew["BACKWARD_AUTOGRAD_REQ"] == 1, f"h's gradient to worker1: {grew}")
+    check(grew["RREF_BACKWARD_REQ"] == 1, f"rr.backward: {grew}")
+    check(grew["CLEANUP_AUTOGRAD_CONTEXT_REQ"] == 1, f"leaving releases worker1's: {grew}")
+    check(grew["PYTHON_CALL"] == 0, f"no PYTHON_CALL for the context: {grew}")
+    back = after1["BACKWARD_AUTOGRAD_REQ"] - before1["BACKWARD_AUTOGRAD_REQ"]
+    check(back == 2, f"worker1 sent x's gradients back, for h and for rr: {back}")
+    check(after1["FORWARD_AUTOGRAD_REQ"] == before1["FORWARD_AUTOGRAD_REQ"],
+          "worker1 made no call")
+    del rr
+
+
 def outside_context():
     x = torch.ones(2, requires_grad=True)
     check(rpc.rpc_sync("worker1", info, args=(x,)) == (True, True),
@@ -213,7 +283,7 @@ def main():
         return 0
     if rank == 0:
         for test in (model_parallel_mlp, sent_twice, nested_rpc_and_retain_graph, rref_backward,
-                     errors, outside_context):
+                     errors, message_types, outside_context):
             try:
                 test()
             except Exception as e:
