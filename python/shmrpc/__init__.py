@@ -516,14 +516,19 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    dst = _rank_of(to)
+    with profiler.torch_record("async", func, dst) as rf:
+        fut = Future(_c=_send_call(dst, func, args, kwargs, timeout, "rpc_async"))
+    profiler.end_on(rf, fut)
     autograd._called(fut)
     return fut
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_sync")
-    return _result(_c_wait(call.wait))
+    dst = _rank_of(to)
+    with profiler.torch_record("sync", func, dst):
+        call = _send_call(dst, func, args, kwargs, timeout, "rpc_sync")
+        return _result(_c_wait(call.wait))
 
 
 class RRef:
@@ -622,8 +627,9 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     # None), since the C half's remote() cannot wrap it in a
     # FORWARD_AUTOGRAD_REQ yet.
     data, rrefs, tensors = _pack_call(func, args, kwargs, dst, autograd._calling(dst))
-    return RRef(_c=_shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout),
-                                  _func_name(func)))
+    with profiler.torch_record("remote", func, dst):
+        return RRef(_c=_shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout),
+                                      _func_name(func)))
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)

@@ -9,8 +9,17 @@
 While it is on, this process's calls go out as RUN_WITH_PROFILING_REQ and
 come back with the callee's events (docs/PROTOCOL.md). Times are the one
 CLOCK_MONOTONIC of the machine, in microseconds in the events.
+
+When torch's own (legacy) autograd profiler is the one running, each call
+is also recorded there, under torch's key (`rpc_sync#f(worker0 ->
+worker1)`, `rpc_async#...`, `rpc_remote#...`), from its send until its
+future completes, as torch.distributed.rpc records it. The callee's events
+are not added to torch's profiler (torch 1.13 has no Python API for
+that): shmrpc.profiler.profile has them.
 """
+import contextlib
 import json
+import sys
 
 from . import _shmrpc
 
@@ -78,3 +87,39 @@ class profile:
                               "pid": e.node_id, "tid": 1, "ts": e.start_us})
         with open(path, "w") as f:
             json.dump({"displayTimeUnit": "ns", "traceEvents": trace}, f)
+
+
+def _torch_profiling():
+    """torch's legacy autograd profiler is on in this thread (torch's
+    _get_should_profile), without importing torch when it is not loaded."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.autograd._profiler_enabled():
+        return False
+    return torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.LEGACY
+
+
+@contextlib.contextmanager
+def torch_record(exec_type, func, dst):
+    """Around a call to rank dst ("sync", "async" or "remote"): when torch's
+    profiler is on, a record_function named with torch's key (ended on
+    leaving, or by end_on(rf, future)). Yields it, or None."""
+    if not _torch_profiling():
+        yield None
+        return
+    import torch
+    name = getattr(func, "__qualname__", None) or repr(func)
+    key = (f"rpc_{exec_type}#{name}({_shmrpc.worker_info(None)[0]} -> "
+           f"{_shmrpc.worker_info(dst)[0]})")
+    with torch.autograd.profiler.record_function(key) as rf:
+        yield rf
+
+
+def end_on(rf, fut):
+    """The record ends when fut completes (on whatever thread completes it),
+    as torch's _call_end_callbacks_on_future does."""
+    if rf is None:
+        return
+    import torch
+    rf.run_callbacks_on_exit = False
+    fut.add_done_callback(lambda _: torch.ops.profiler._record_function_exit(rf.handle))
+

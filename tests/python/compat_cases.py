@@ -802,3 +802,15 @@ def numpy_dtypes():
 def numpy_in_rref():
     r = rpc.remote(PEER, echo, args=(np.linspace(0, 1, 5),))
     return show(r.to_here())
+
+
+@case(needs_torch=True)
+def torch_profiler_keys():
+    """Calls made under torch's own (legacy: torch 1.13 profiles RPCs only
+    there) autograd profiler appear in it, under torch's keys."""
+    with torch.autograd.profiler_legacy.profile() as prof:
+        rpc.rpc_sync(PEER, add, args=(1, 2))
+        rpc.rpc_async(PEER, add, args=(3, 4)).wait()
+        rpc.remote(PEER, add, args=(5, 6)).to_here()
+    return show(sorted({e.name for e in prof.function_events
+                        if e.name.startswith("rpc_") and "#remote_op" not in e.name}))
