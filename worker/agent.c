@@ -361,8 +361,22 @@ static void agent_free(struct agent *ag)
 	free(ag);
 }
 
+/* A child forked from a worker (torch's DataLoader forks its workers so)
+ * is not that worker: when it frees its copies of our handles, nothing of
+ * the job's shared counts may change, and it cannot call. */
+static void forget_agent_in_child(void)
+{
+	worker_agent = NULL;
+}
+
+static void watch_forks(void)
+{
+	pthread_atfork(NULL, NULL, forget_agent_in_child);
+}
+
 int shmrpc_init(const struct shmrpc_options *opts)
 {
+	static pthread_once_t forks_watched = PTHREAD_ONCE_INIT;
 	struct shmrpc_options o = opts ? *opts : (struct shmrpc_options){ 0 };
 	long rank = env_long("SHMRPC_RANK", -1), world = env_long("SHMRPC_WORLD_SIZE", -1);
 	const char *name = o.name ? o.name : getenv("SHMRPC_NAME");
@@ -371,6 +385,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 
 	if (worker_agent)
 		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
+	pthread_once(&forks_watched, watch_forks);
 	if (rank < 0 || world <= 0 || !getenv(SHMRPC_ENV_JOB_FD))
 		return shmrpc__fail(-EINVAL, "shmrpc_init: SHMRPC_RANK, SHMRPC_WORLD_SIZE and %s are "
 				    "not set: start the program with shmrun -n N -- PROG",

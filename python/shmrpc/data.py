@@ -95,17 +95,14 @@ class _Batcher:
     def in_turn(self, seq, run):
         """run() once every request sent before request seq has run: the
         dataset, its iterator and the random generators see the order torch
-        gives them, whatever thread the call came on. Meanwhile this thread
-        serves queued calls (the one we wait for may be behind us)."""
+        gives them, whatever thread the call came on. A plain wait: the
+        requests come in order on one ring and the executor takes them in
+        order, so every earlier one is already running on a thread. (Serving
+        queued calls meanwhile, as a nested rpc_sync does, would deadlock:
+        a later request run inside this wait would wait for this one.)"""
         with self.turn:
             while self.next_seq != seq:
-                self.turn.release()
-                try:
-                    ran = _shmrpc.help_once()
-                finally:
-                    self.turn.acquire()
-                if not ran and self.next_seq != seq:
-                    self.turn.wait(0.001)
+                self.turn.wait()
             try:
                 return run()
             finally:

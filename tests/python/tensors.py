@@ -3,6 +3,7 @@ handed over through the pool, not pickled. A 256 MiB array made in the pool
 and written by the callee is seen written by the caller (nothing was
 copied); other arrays arrive equal; torch tensors too when torch is there.
 """
+import gc
 import os
 import sys
 
@@ -64,7 +65,22 @@ def main():
         pool_t.zero_()
         rpc.rpc_sync(peer, scribble, args=(pool_t.view(-1), 5.0))
         check(pool_t[0, 0].item() == 5.0, "a pool torch tensor written by the callee")
-    del big, back, got, rr
+    # A child forked from a worker (as torch's DataLoader forks) that drops
+    # its copy of a pool array must not drop the worker's reference: the
+    # block stays ours, and a new one is not laid over it.
+    kept = rpc.empty(4096, "int32")
+    kept[:] = 7
+    pid = os.fork()
+    if pid == 0:
+        del kept
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    fresh = [rpc.empty(4096, "int32") for _ in range(4)]
+    for f in fresh:
+        f[:] = 9
+    check(bool((kept == 7).all()), "a forked child's drop freed the parent's pool block")
+    del big, back, got, rr, kept, fresh
     rpc.shutdown()
     return failed()
 
