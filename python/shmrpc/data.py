@@ -393,6 +393,8 @@ class _LoaderJob:
             self.pinned = loader._pin and _pin_pool()
         except BaseException:
             self.job.kill()
+            if shmrpc._initialized:  # attached before the failure: leave the job
+                shmrpc.shutdown(graceful=False)
             self.job.close(0)
             self.job = None
             raise
@@ -455,10 +457,13 @@ def _pin_pool():
     where = _shmrpc.pool_mapping()
     if where is None:
         return None
-    err = _torch().cuda.cudart().cudaHostRegister(where[0], where[1], 0)
-    if int(err) != 0:
+    try:
+        err = int(_torch().cuda.cudart().cudaHostRegister(where[0], where[1], 0))
+    except Exception as e:  # no CUDA runtime to call: as a failed registration
+        err = repr(e)
+    if err != 0:
         warnings.warn(f"shmrpc.data: cannot pin the pool ({where[1]} bytes) with "
-                      f"cudaHostRegister (error {int(err)}); batches are pinned by copy")
+                      f"cudaHostRegister (error {err}); batches are pinned by copy")
         return None
     return where[0]
 
