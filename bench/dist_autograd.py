@@ -19,7 +19,6 @@ bench/*.py); the shmrpc build is $SHMRPC_BUILD (default build). Skips
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -32,7 +31,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "lib"))
 sys.path.insert(0, here)
 from torchpeer import init_pair, spawn_pair  # noqa: E402
-from python_rpc import timed  # noqa: E402
+from python_rpc import run_shmrpc, timed  # noqa: E402
 
 WIDTH = 16
 SIZES = [(1 << 20, "1MiB"), (64 << 20, "64MiB")]
@@ -101,19 +100,6 @@ def shmrpc_worker(quick, out):
     rpc.shutdown()
 
 
-def run_shmrpc(build, quick, out):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(build, "python") + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", POOL, "--quiet",
-           "--timeout", "600", "--", sys.executable, os.path.abspath(__file__), "--worker", out]
-    if quick:
-        cmd.append("-q")
-    subprocess.run(cmd, env=env, check=True)
-    with open(out) as f:
-        return json.load(f)
-
-
 def main():
     quick = "-q" in sys.argv
     if "--worker" in sys.argv:
@@ -132,7 +118,7 @@ def main():
         spawn_pair(torch_worker, quick, theirs)
         with open(theirs) as f:
             theirs = json.load(f)
-        ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
+        ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"), __file__, POOL)
     for _, label in SIZES:
         print(f"BENCH dist_autograd_{label} step_us={ours[label] / 1000:.0f} "
               f"torch_us={theirs[label] / 1000:.0f} vs_torch={ours[label] / theirs[label]:.3g}",

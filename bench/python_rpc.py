@@ -153,12 +153,14 @@ def run_torch(quick, out):
         return json.load(f)
 
 
-def run_shmrpc(build, quick, out):
+def run_shmrpc(build, quick, out, script=__file__, pool=POOL):
+    """Runs script --worker out as a two-worker shmrpc job (pool: its
+    --pool-size); what its rank 0 wrote to out, as JSON."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(build, "python") + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", POOL, "--quiet",
-           "--timeout", "600", "--", sys.executable, os.path.abspath(__file__), "--worker", out]
+    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", pool, "--quiet",
+           "--timeout", "600", "--", sys.executable, os.path.abspath(script), "--worker", out]
     if quick:
         cmd.append("-q")
     subprocess.run(cmd, env=env, check=True)
