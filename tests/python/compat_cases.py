@@ -811,6 +811,8 @@ def torch_profiler_keys():
     with torch.autograd.profiler_legacy.profile() as prof:
         rpc.rpc_sync(PEER, add, args=(1, 2))
         rpc.rpc_async(PEER, add, args=(3, 4)).wait()
-        rpc.remote(PEER, add, args=(5, 6)).to_here()
+        # (Not remote(): torch ends its record when the owner's confirmation
+        # comes, which may be after the profiler stopped. tests/python/
+        # profiling.py checks shmrpc's rpc_remote# record.)
     return show(sorted({e.name for e in prof.function_events
                         if e.name.startswith("rpc_") and "#remote_op" not in e.name}))

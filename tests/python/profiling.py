@@ -1,6 +1,7 @@
 """RPC profiling from Python (run by tests/python_rpc.c): the keys of
-rpc_sync, rpc_async and remote, the callee's events beneath them, and the
-Chrome trace (valid JSON with the events and their flows)."""
+rpc_sync, rpc_async and remote, the callee's events beneath them, the
+Chrome trace (valid JSON with the events and their flows), and the same
+keys in torch's own profiler."""
 import json
 import os
 import sys
@@ -13,6 +14,23 @@ from checks import check, failed
 
 def add(a, b):
     return a + b
+
+
+def torch_profiler():
+    """Under torch's legacy autograd profiler the calls are recorded there
+    too, under torch's keys (the compat suite compares sync and async with
+    torch itself)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    with torch.autograd.profiler_legacy.profile() as prof:
+        rpc.rpc_sync("worker1", add, args=(1, 2))
+        rpc.rpc_async("worker1", add, args=(1, 2)).wait()
+        rpc.remote("worker1", add, args=(1, 2)).to_here()
+    names = {e.name for e in prof.function_events}
+    for kind in ("rpc_sync", "rpc_async", "rpc_remote"):
+        check(f"{kind}#add(worker0 -> worker1)" in names, f"torch's profiler has {kind}: {names}")
 
 
 def main():
@@ -38,6 +56,7 @@ def main():
         os.rmdir(os.path.dirname(path))
         check(sum(e["ph"] == "X" for e in trace) == len(names), "complete events in the trace")
         check(sum(e["ph"] == "f" for e in trace) == 3, "flows in the trace")
+        torch_profiler()
     rpc.shutdown()
     return failed()
 
