@@ -40,6 +40,7 @@
 #include "worker/rref.h"
 #include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define READY 4   /* ready RRefs per user */
@@ -146,29 +147,15 @@ static pid_t pid_of(int rank)
 	return pid;
 }
 
-static uint32_t table_live(void)
-{
-	return atomic_load_explicit(&worker_agent->rrefs.hdr->live, memory_order_relaxed);
-}
-
-static uint64_t pool_used(void)
-{
-	struct pool_stats st;
-
-	pool_stats(&worker_agent->pool, &st);
-	return st.used;
-}
-
 /* Waits (up to EMPTY_WAIT_NS) until the table and the pool are empty. */
 static void wait_empty(void)
 {
 	uint64_t t0 = shmrpc_now_ns();
 
-	while ((table_live() || pool_used()) && shmrpc_now_ns() - t0 < EMPTY_WAIT_NS)
-		usleep(1000);
-	CHECK(table_live() == 0 && pool_used() == 0, "worker %d: %u RRefs live, %llu pool bytes "
-	      "used after %.1f s", shmrpc_rank(), table_live(), (unsigned long long)pool_used(),
-	      (double)(shmrpc_now_ns() - t0) / 1e9);
+	tl_wait_empty(EMPTY_WAIT_NS);
+	CHECK(tl_rrefs_live() == 0 && tl_pool_used() == 0, "worker %d: %u RRefs live, %llu pool "
+	      "bytes used after %.1f s", shmrpc_rank(), tl_rrefs_live(),
+	      (unsigned long long)tl_pool_used(), (double)(shmrpc_now_ns() - t0) / 1e9);
 }
 
 /* ---- the owner dies ---- */
@@ -383,8 +370,8 @@ static void user_dies(void)
 		      "RRef %d: counts %u, %u", i, rref_count_of(t, slot, 0),
 		      rref_count_of(t, slot, 2));
 	}
-	CHECK(table_live() == 2 * READY, "%u RRefs live, want %d", table_live(), 2 * READY);
-	CHECK(pool_used() > 0, "the values are not in the pool");
+	CHECK(tl_rrefs_live() == 2 * READY, "%u RRefs live, want %d", tl_rrefs_live(), 2 * READY);
+	CHECK(tl_pool_used() > 0, "the values are not in the pool");
 	victim = pid_of(2);
 	if (pause_ms)
 		CHECK(kill(getppid(), SIGSTOP) == 0, "stopping the launcher");

@@ -29,6 +29,7 @@
 #include "worker/agent.h"
 #include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define WORKERS "8"
@@ -244,21 +245,12 @@ static void dump_table(void)
 static void wait_empty(void)
 {
 	uint64_t t0 = shmrpc_now_ns();
-	struct pool_stats st;
-	uint32_t live;
 
-	for (;;) {
-		live = atomic_load_explicit(&worker_agent->rrefs.hdr->live, memory_order_relaxed);
-		pool_stats(&worker_agent->pool, &st);
-		if ((live == 0 && st.used == 0) || shmrpc_now_ns() - t0 > EMPTY_WAIT_NS)
-			break;
-		usleep(5000);
-	}
-	if (live)
+	if (!tl_wait_empty(EMPTY_WAIT_NS) && tl_rrefs_live())
 		dump_table();
-	CHECK(live == 0 && st.used == 0, "worker %d: %u RRefs live and %llu pool bytes used %.1f s "
-	      "after everyone dropped everything", shmrpc_rank(), live,
-	      (unsigned long long)st.used, (double)(shmrpc_now_ns() - t0) / 1e9);
+	CHECK(tl_rrefs_live() == 0 && tl_pool_used() == 0, "worker %d: %u RRefs live and %llu pool "
+	      "bytes used %.1f s after everyone dropped everything", shmrpc_rank(), tl_rrefs_live(),
+	      (unsigned long long)tl_pool_used(), (double)(shmrpc_now_ns() - t0) / 1e9);
 }
 
 /* ---- the driver ---- */

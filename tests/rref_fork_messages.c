@@ -34,6 +34,7 @@
 #include "worker/rref.h"
 #include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define NWORKERS 4
@@ -311,19 +312,9 @@ static void in_flight(void)
 
 static void wait_empty(void)
 {
-	uint64_t t0 = shmrpc_now_ns();
-	struct pool_stats st;
-	uint32_t live;
-
-	for (;;) {
-		live = atomic_load_explicit(&worker_agent->rrefs.hdr->live, memory_order_relaxed);
-		pool_stats(&worker_agent->pool, &st);
-		if ((live == 0 && st.used == 0) || shmrpc_now_ns() - t0 > SETTLE_NS)
-			break;
-		usleep(2000);
-	}
-	CHECK(live == 0 && st.used == 0, "worker %d: %u RRefs live, %llu pool bytes used",
-	      shmrpc_rank(), live, (unsigned long long)st.used);
+	tl_wait_empty(SETTLE_NS);
+	CHECK(tl_rrefs_live() == 0 && tl_pool_used() == 0, "worker %d: %u RRefs live, %llu pool "
+	      "bytes used", shmrpc_rank(), tl_rrefs_live(), (unsigned long long)tl_pool_used());
 }
 
 static int worker(void)
