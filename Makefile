@@ -10,8 +10,8 @@ CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
 TEST_TIMEOUT ?= 300
-DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip
-BENCH_PKGS := python3-torch python3-numpy
+DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip python3-numpy
+BENCH_PKGS := python3-torch
 
 ifeq ($(SAN),)
 BUILD    ?= build
