@@ -203,8 +203,13 @@ static void *loop_main(void *arg)
 				shmrpc_errmsg());
 	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */
 	while (!atomic_load_explicit(&ag->stop, memory_order_relaxed)) {
-		int n = ipc_port_poll(&ag->port, on_frame, ag, 256);
-		uint64_t now = shmrpc_now_ns(), next, sleep_ns;
+		uint64_t now, next, sleep_ns;
+		int n;
+
+		executor_batch_begin();
+		n = ipc_port_poll(&ag->port, on_frame, ag, 256);
+		executor_batch_end();
+		now = shmrpc_now_ns();
 
 		settle_deaths(ag, now);
 		next = client_expire(ag, now);

@@ -6,6 +6,9 @@
 #include "worker/arena.h"
 
 #define CHUNK_MIN 4096u
+/* Most arenas hold one small decoded value (a call's arguments, a reply):
+ * a first chunk this small comes from malloc's per-thread cache. */
+#define CHUNK_FIRST (512u - sizeof(struct arena_chunk))
 
 struct arena_chunk {
 	struct arena_chunk *next;
@@ -22,7 +25,7 @@ void *arena_alloc(struct arena *a, size_t n)
 	if (need < n)
 		return NULL;
 	if (!c || c->size - c->used < need) {
-		size_t size = need > CHUNK_MIN ? need : CHUNK_MIN;
+		size_t min = c ? CHUNK_MIN : CHUNK_FIRST, size = need > min ? need : min;
 
 		if (size > SIZE_MAX - sizeof(*c) || !(c = malloc(sizeof(*c) + size)))
 			return NULL;

@@ -19,7 +19,7 @@
 #include "worker/trace.h"
 #include "worker/value.h"
 
-#define PENDING_BUCKETS 4096u
+#define PENDING_BUCKETS 65536u
 
 static struct {
 	pthread_mutex_t lock;
@@ -360,13 +360,24 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	return 0;
 }
 
+/* "call fn()" (fn cut at 256 bytes), for client_request's errors: made on
+ * every call, so by hand (snprintf costs more than the rest of encoding). */
+static void call_what(char what[static 264], const char *fn)
+{
+	size_t n = strnlen(fn, 256);
+
+	memcpy(what, "call ", 5);
+	memcpy(what + 5, fn, n);
+	memcpy(what + 5 + n, "()", 3);
+}
+
 int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 		     int64_t timeout_ms, shmrpc_future **out)
 {
 	struct agent *ag = worker_agent;
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
-	char what[320];
+	char what[264];
 	int rc;
 
 	if (!out || !fn || (nargs && !args))
@@ -376,7 +387,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
 	msgpack_sbuffer_init(&sb);
 	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
-	snprintf(what, sizeof(what), "call %.256s()", fn);
+	call_what(what, fn);
 	profile_name_next("rpc_async", fn);
 	if (rc)
 		tensor_list_forget(&sent);

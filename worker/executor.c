@@ -24,12 +24,21 @@ static struct {
 	int idle;
 	int sleeping; /* idle threads inside pthread_cond_wait */
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
-	int helpers; /* threads waiting on a future inside executor_help_until */
+	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
 	struct shm_worker *gauges;
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
+
+/* Jobs a thread queues between executor_batch_begin and _end (the loop
+ * thread, for the frames of one poll): pushed together, with one wake-up. */
+#define BATCH_MAX 32
+static _Thread_local struct {
+	struct job *head, *tail;
+	int n;
+	bool open;
+} batch;
 
 struct callback_job {
 	struct job base;
@@ -56,6 +65,9 @@ static struct job *pop(void)
 			ex.tail = NULL;
 		/* Relaxed: a hint for spinners; the queue itself is under the lock. */
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
+		/* More work than this thread: wake one more (push wakes only one). */
+		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
+			pthread_cond_signal(&ex.cond);
 	}
 	return j;
 }
@@ -152,23 +164,58 @@ void executor_stop(void)
 	pthread_cond_destroy(&ex.cond);
 }
 
+/* Queues the chain head..tail of n jobs. One thread is woken, and only if
+ * none is idle and awake (spinning): a thread that takes a job and sees
+ * more wakes the next (pop), so a burst wakes threads as it needs them,
+ * not one per job. Helpers are all woken: any of them may take it. */
+static void push(struct job *head, struct job *tail, int n)
+{
+	pthread_mutex_lock(&ex.lock);
+	if (ex.tail)
+		ex.tail->next = head;
+	else
+		ex.head = head;
+	ex.tail = tail;
+	atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
+	/* Relaxed: helpers changes under the lock, which we hold. */
+	if (atomic_load_explicit(&ex.helpers, memory_order_relaxed))
+		pthread_cond_broadcast(&ex.cond);
+	else if (ex.sleeping && ex.idle == ex.sleeping)
+		pthread_cond_signal(&ex.cond);
+	pthread_mutex_unlock(&ex.lock);
+}
+
 void executor_submit(struct job *j)
 {
 	j->next = NULL;
-	pthread_mutex_lock(&ex.lock);
-	if (ex.tail)
-		ex.tail->next = j;
+	if (!batch.open) {
+		push(j, j, 1);
+		return;
+	}
+	if (batch.tail)
+		batch.tail->next = j;
 	else
-		ex.head = j;
-	ex.tail = j;
-	atomic_fetch_add_explicit(&ex.queued, 1, memory_order_relaxed);
-	/* A helper may take it as well as an idle thread: wake all when helpers
-	 * wait. A spinning idle thread needs no wake-up at all. */
-	if (ex.helpers)
-		pthread_cond_broadcast(&ex.cond);
-	else if (ex.sleeping)
-		pthread_cond_signal(&ex.cond);
-	pthread_mutex_unlock(&ex.lock);
+		batch.head = j;
+	batch.tail = j;
+	if (++batch.n == BATCH_MAX) {
+		push(batch.head, batch.tail, batch.n);
+		batch.head = batch.tail = NULL;
+		batch.n = 0;
+	}
+}
+
+void executor_batch_begin(void)
+{
+	batch.open = true;
+}
+
+void executor_batch_end(void)
+{
+	if (batch.head)
+		push(batch.head, batch.tail, batch.n);
+	batch.head = batch.tail = NULL;
+	batch.n = 0;
+	batch.open = false;
 }
 
 static void run_callback(struct job *j)
@@ -194,9 +241,14 @@ int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void 
 
 void executor_kick(void)
 {
+	/* seq_cst fence: after the completer's store of done, before reading
+	 * helpers; pairs with the fence in executor_help_until (a helper
+	 * counted after this load sees done; one counted before is woken). */
+	atomic_thread_fence(memory_order_seq_cst);
+	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed))
+		return;
 	pthread_mutex_lock(&ex.lock);
-	if (ex.helpers)
-		pthread_cond_broadcast(&ex.cond);
+	pthread_cond_broadcast(&ex.cond);
 	pthread_mutex_unlock(&ex.lock);
 }
 
@@ -210,19 +262,22 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
 
 	pthread_mutex_lock(&ex.lock);
+	/* Counted before done is read, with a seq_cst fence between: pairs
+	 * with executor_kick (a completion either sees us or we see done). */
+	atomic_fetch_add_explicit(&ex.helpers, 1, memory_order_relaxed);
+	atomic_thread_fence(memory_order_seq_cst);
 	/* Acquire pairs with the completer's release of done. */
 	while (!atomic_load_explicit(&f->done, memory_order_acquire)) {
 		if (run_next())
 			continue;
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
 			break;
-		ex.helpers++;
 		if (deadline_ns)
 			pthread_cond_timedwait(&ex.cond, &ex.lock, &ts);
 		else
 			pthread_cond_wait(&ex.cond, &ex.lock);
-		ex.helpers--;
 	}
+	atomic_fetch_sub_explicit(&ex.helpers, 1, memory_order_relaxed);
 	pthread_mutex_unlock(&ex.lock);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }

@@ -31,6 +31,10 @@ SHMRPC_HIDDEN int executor_start(int nthreads, struct shm_worker *gauges);
 /* Runs what is queued, then joins the threads. */
 SHMRPC_HIDDEN void executor_stop(void);
 SHMRPC_HIDDEN void executor_submit(struct job *j);
+/* Between these, this thread's executor_submit calls are queued together
+ * (the loop thread brackets each poll of the rings with them). */
+SHMRPC_HIDDEN void executor_batch_begin(void);
+SHMRPC_HIDDEN void executor_batch_end(void);
 SHMRPC_HIDDEN int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *),
 					   void *arg);
 /* Wakes executor threads that wait on futures (one has completed). */
