@@ -5,14 +5,21 @@
  *
  * Each worker's records are paired by (peer, message id): sent with
  * completed makes a call, started with finished a handler run, received
- * with started a wait in the executors' queue. Each becomes a complete
- * event ("X") on a track of its own kind; since the recorder says nothing
- * of threads, overlapping events of one kind go to further tracks (lanes),
- * so that no track holds events that do not nest. A call and the handler
- * that served it (the callee's records with the caller as peer and the
- * same id) are joined by two flows: send to handler start, handler end to
- * reply. A record left without its pair (its call went on past a death,
- * or its pair was overwritten in the ring) becomes an instant event.
+ * with started a wait in the executors' queue, pinned with unpinned (of
+ * the same message: request or reply) a tensor handoff, blocked with
+ * unblocked (of the same type) a send that waited for ring space. Each
+ * becomes a complete event ("X") on a track of its own kind; since the
+ * recorder says nothing of threads, overlapping events of one kind go to
+ * further tracks (lanes), so that no track holds events that do not nest.
+ * A call and the handler that served it (the callee's records with the
+ * caller as peer and the same id) are joined by two flows: send to handler
+ * start, handler end to reply. A handoff and the receiver's span that took
+ * its tensors (the handler, for a request's; the call, for a reply's) are
+ * joined by two more: "tensors" from the pin to where the receiver took
+ * them (handler start, call end), "ack" from where it said so (its reply
+ * at handler end; its TENSOR_ACK after the call's end) to the release. A
+ * record left without its pair (its call went on past a death, or its
+ * pair was overwritten in the ring) becomes an instant event.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -25,9 +32,10 @@
 #include "worker/msg.h"
 #include "worker/trace.h"
 
-enum lane_kind { LANE_CALL, LANE_HANDLER, LANE_QUEUED, LANE_KINDS };
+enum lane_kind { LANE_CALL, LANE_HANDLER, LANE_QUEUED, LANE_TENSORS, LANE_BLOCKED, LANE_KINDS };
 
-static const char *const lane_names[LANE_KINDS] = { "calls", "handlers", "queued" };
+static const char *const lane_names[LANE_KINDS] = { "calls", "handlers", "queued", "tensors",
+						    "blocked" };
 
 /* One complete event: a is its first record, b its last. */
 struct span {
@@ -49,8 +57,9 @@ struct trace_out {
 	struct rank_recs *r;
 	struct span *spans;
 	size_t nspans;
-	const struct span **handlers; /* LANE_HANDLER spans, by rank, peer, id */
-	size_t nhandlers;
+	/* LANE_HANDLER and LANE_CALL spans, each by rank, peer, id */
+	const struct span **handlers, **calls;
+	size_t nhandlers, ncalls;
 	bool first; /* no event written yet: no comma before the next */
 };
 
@@ -90,6 +99,17 @@ static const char *type_name(uint32_t type, char *buf, size_t len)
 	if (!type)
 		return "-";
 	snprintf(buf, len, "%u", type);
+	return buf;
+}
+
+/* What e is about: its message type, or for a pin its tensors and the
+ * message they went with. */
+static const char *msg_name(const struct trace_entry *e, char *buf, size_t len)
+{
+	if (!trace_is_pin(e->kind))
+		return type_name(e->type, buf, len);
+	snprintf(buf, len, "%u tensor%s, %s", e->tensors, e->tensors == 1 ? "" : "s",
+		 e->reply ? "reply" : "request");
 	return buf;
 }
 
@@ -145,49 +165,63 @@ static void rank_meta(struct trace_out *t, uint32_t rank)
 	}
 }
 
-/* The arguments of an event made of record a (and reply, its call's end). */
+/* The arguments of an event made of record a, and b its end (NULL: none
+ * shown); reply: b is the reply of a call, shown with its type and size.
+ * The status is b's, or a's. */
 static void put_args(struct trace_out *t, const struct trace_entry *a,
-		     const struct trace_entry *reply)
+		     const struct trace_entry *b, bool reply)
 {
 	char buf[16];
 
-	fputs(",\"args\":{\"type\":", t->f);
-	put_str(t->f, type_name(a->type, buf, sizeof(buf)));
-	fprintf(t->f, ",\"peer\":%u,\"msg_id\":%llu,\"bytes\":%u", a->peer,
-		(unsigned long long)a->msg_id, a->size);
+	if (trace_is_pin(a->kind)) {
+		fprintf(t->f, ",\"args\":{\"with\":\"%s\",\"tensors\":%u",
+			a->reply ? "reply" : "request", a->tensors);
+	} else {
+		fputs(",\"args\":{\"type\":", t->f);
+		put_str(t->f, type_name(a->type, buf, sizeof(buf)));
+	}
+	fprintf(t->f, ",\"peer\":%u,\"msg_id\":%llu,\"bytes\":%llu", a->peer,
+		(unsigned long long)a->msg_id, (unsigned long long)a->size);
 	if (reply) {
 		fputs(",\"reply\":", t->f);
-		put_str(t->f, type_name(reply->type, buf, sizeof(buf)));
-		fprintf(t->f, ",\"reply_bytes\":%u", reply->size);
+		put_str(t->f, type_name(b->type, buf, sizeof(buf)));
+		fprintf(t->f, ",\"reply_bytes\":%llu", (unsigned long long)b->size);
 	}
-	fprintf(t->f, ",\"status\":\"%s\"}}", trace_status_name((reply ? reply : a)->status));
+	fprintf(t->f, ",\"status\":\"%s\"}}", trace_status_name((b ? b : a)->status));
 }
 
 static void put_span(struct trace_out *t, const struct span *s)
 {
+	static const char *const fmt[LANE_KINDS] = {
+		[LANE_CALL] = "%s to %u",
+		[LANE_HANDLER] = "%s from %u",
+		[LANE_QUEUED] = "queued %s from %u",
+		[LANE_TENSORS] = "%s to %u",
+		[LANE_BLOCKED] = "%s blocked: ring to %u full",
+	};
 	const struct trace_entry *a = s->a, *b = s->b;
-	char name[64], buf[16];
+	char name[80], buf[32];
 
-	snprintf(name, sizeof(name), s->kind == LANE_CALL ? "%s to %u"
-		 : s->kind == LANE_HANDLER ? "%s from %u" : "queued %s from %u",
-		 type_name(a->type, buf, sizeof(buf)), a->peer);
+	snprintf(name, sizeof(name), fmt[s->kind], msg_name(a, buf, sizeof(buf)), a->peer);
 	event(t, name, lane_names[s->kind], "X", s->rank, lane_tid(s->kind, s->lane));
 	put_us(t->f, "ts", a->time_ns, t->j->start_ns);
 	put_us(t->f, "dur", b->time_ns > a->time_ns ? b->time_ns : a->time_ns, a->time_ns);
-	put_args(t, a, s->kind == LANE_QUEUED ? NULL : b);
+	/* A wait in the queue ends where the handler starts: its status is the request's. */
+	put_args(t, a, s->kind == LANE_QUEUED ? NULL : b,
+		 s->kind == LANE_CALL || s->kind == LANE_HANDLER);
 }
 
 static void put_unpaired(struct trace_out *t, uint32_t rank, const struct trace_entry *e)
 {
-	char name[80], buf[16];
+	char name[96], buf[32];
 
 	snprintf(name, sizeof(name), "%s %s%s%s%s", trace_kind_name(e->kind),
-		 type_name(e->type, buf, sizeof(buf)), e->status ? " (" : "",
+		 msg_name(e, buf, sizeof(buf)), e->status ? " (" : "",
 		 e->status ? trace_status_name(e->status) : "", e->status ? ")" : "");
 	event(t, name, "unpaired", "i", rank, 0);
 	fputs(",\"s\":\"t\"", t->f);
 	put_us(t->f, "ts", e->time_ns, t->j->start_ns);
-	put_args(t, e, NULL);
+	put_args(t, e, NULL, false);
 }
 
 static void put_flow(struct trace_out *t, const char *name, const char *ph, uint64_t id,
@@ -225,29 +259,31 @@ static int by_track(const void *x, const void *y)
 					 ?: cmp_u64(a->b->time_ns, b->b->time_ns);
 }
 
-static int handler_cmp(uint32_t rank, uint32_t peer, uint64_t id, const struct span *s)
+static int span_cmp(uint32_t rank, uint32_t peer, uint64_t id, const struct span *s)
 {
 	return cmp_u64(rank, s->rank) ?: cmp_u64(peer, s->a->peer) ?: cmp_u64(id, s->a->msg_id);
 }
 
-static int by_handler(const void *x, const void *y)
+static int by_id(const void *x, const void *y)
 {
 	const struct span *a = *(const struct span *const *)x;
 
-	return handler_cmp(a->rank, a->a->peer, a->a->msg_id, *(const struct span *const *)y);
+	return span_cmp(a->rank, a->a->peer, a->a->msg_id, *(const struct span *const *)y);
 }
 
-/* The handler span that served call c; NULL when its records are gone. */
-static const struct span *handler_of(const struct trace_out *t, const struct span *c)
+/* The span of rank with peer and id among v (sorted by_id); NULL when its
+ * records are gone. */
+static const struct span *find_span(const struct span *const *v, size_t n, uint32_t rank,
+				    uint32_t peer, uint64_t id)
 {
-	size_t lo = 0, hi = t->nhandlers;
+	size_t lo = 0, hi = n;
 
 	while (lo < hi) {
 		size_t mid = lo + (hi - lo) / 2;
-		int d = handler_cmp(c->a->peer, c->rank, c->a->msg_id, t->handlers[mid]);
+		int d = span_cmp(rank, peer, id, v[mid]);
 
 		if (!d)
-			return t->handlers[mid];
+			return v[mid];
 		if (d < 0)
 			hi = mid;
 		else
@@ -267,6 +303,32 @@ static void add_span(struct trace_out *t, uint32_t rank, uint32_t kind,
 	 * handler that was running when its worker died. */
 	if (kind != LANE_QUEUED)
 		r->paired[b - r->e] = true;
+}
+
+/* Among one call's records p[0..n) (oldest first), each pinned with the
+ * next unpinned of the same message (request or reply), each blocked with
+ * the next unblocked of the same type. */
+static void pair_ends(struct trace_out *t, uint32_t rank, const struct trace_entry **p, size_t n)
+{
+	const bool *paired = t->r[rank].paired;
+	const struct trace_entry *e0 = t->r[rank].e;
+
+	for (size_t i = 0; i < n; i++) {
+		const struct trace_entry *a = p[i];
+		uint32_t end = a->kind == SHM_TRACE_PINNED ? SHM_TRACE_UNPINNED
+			       : a->kind == SHM_TRACE_BLOCKED ? SHM_TRACE_UNBLOCKED : 0;
+
+		for (size_t j = i + 1; end && j < n; j++) {
+			const struct trace_entry *b = p[j];
+
+			if (b->kind == end && !paired[b - e0] && b->reply == a->reply &&
+			    b->type == a->type) {
+				add_span(t, rank, end == SHM_TRACE_UNPINNED ? LANE_TENSORS : LANE_BLOCKED,
+					 a, b);
+				break;
+			}
+		}
+	}
 }
 
 /* Rank's records paired into spans; p is scratch for r->n pointers. */
@@ -292,6 +354,7 @@ static void pair_rank(struct trace_out *t, uint32_t rank, const struct trace_ent
 			add_span(t, rank, LANE_HANDLER, k[SHM_TRACE_STARTED], k[SHM_TRACE_FINISHED]);
 		if (k[SHM_TRACE_RECEIVED] && k[SHM_TRACE_STARTED])
 			add_span(t, rank, LANE_QUEUED, k[SHM_TRACE_RECEIVED], k[SHM_TRACE_STARTED]);
+		pair_ends(t, rank, p + g, end - g);
 	}
 }
 
@@ -318,10 +381,14 @@ static void assign_lanes(struct trace_out *t, uint64_t *end)
 			end[l] = s->b->time_ns > s->a->time_ns ? s->b->time_ns : s->a->time_ns;
 		}
 	}
-	for (size_t i = 0; i < t->nspans; i++)
+	for (size_t i = 0; i < t->nspans; i++) {
 		if (t->spans[i].kind == LANE_HANDLER)
 			t->handlers[t->nhandlers++] = &t->spans[i];
-	qsort(t->handlers, t->nhandlers, sizeof(*t->handlers), by_handler);
+		else if (t->spans[i].kind == LANE_CALL)
+			t->calls[t->ncalls++] = &t->spans[i];
+	}
+	qsort(t->handlers, t->nhandlers, sizeof(*t->handlers), by_id);
+	qsort(t->calls, t->ncalls, sizeof(*t->calls), by_id);
 }
 
 /* What the viewers do not show: what the file is, and each worker's end
@@ -382,15 +449,29 @@ static void put_file(struct trace_out *t)
 	}
 	/* After every slice: a flow at a slice's first instant finds it open. */
 	for (size_t i = 0; i < t->nspans; i++) {
-		const struct span *c = &t->spans[i], *h;
+		const struct span *s = &t->spans[i], *h, *r;
 
-		if (c->kind != LANE_CALL || !(h = handler_of(t, c)))
+		if (s->kind == LANE_CALL &&
+		    (h = find_span(t->handlers, t->nhandlers, s->a->peer, s->rank, s->a->msg_id))) {
+			put_flow(t, "request", "s", ++flow, s, s->a->time_ns);
+			put_flow(t, "request", "f", flow, h, h->a->time_ns);
+			put_flow(t, "reply", "s", ++flow, h, h->b->time_ns);
+			put_flow(t, "reply", "f", flow, s, s->b->time_ns);
+		}
+		if (s->kind != LANE_TENSORS)
 			continue;
-		flow++;
-		put_flow(t, "request", "s", 2 * flow - 1, c, c->a->time_ns);
-		put_flow(t, "request", "f", 2 * flow - 1, h, h->a->time_ns);
-		put_flow(t, "reply", "s", 2 * flow, h, h->b->time_ns);
-		put_flow(t, "reply", "f", 2 * flow, c, c->b->time_ns);
+		/* The receiver: of a request's tensors, the handler, which
+		 * takes them when it starts and lets them go with its reply;
+		 * of a reply's, the call, which takes them with the reply and
+		 * then sends its TENSOR_ACK. */
+		r = s->a->reply ? find_span(t->calls, t->ncalls, s->a->peer, s->rank, s->a->msg_id)
+				: find_span(t->handlers, t->nhandlers, s->a->peer, s->rank, s->a->msg_id);
+		if (!r)
+			continue;
+		put_flow(t, "tensors", "s", ++flow, s, s->a->time_ns);
+		put_flow(t, "tensors", "f", flow, r, s->a->reply ? r->b->time_ns : r->a->time_ns);
+		put_flow(t, "ack", "s", ++flow, r, r->b->time_ns);
+		put_flow(t, "ack", "f", flow, s, s->b->time_ns);
 	}
 	fputs("\n],", t->f);
 	put_other_data(t);
@@ -422,12 +503,14 @@ int trace_json_write(const struct job *j, const char *path)
 		r->n = trace_read(seg, rank, seg->trace_records, r->e, &r->head, &r->dropped);
 		total += r->n;
 	}
-	/* A span takes a record of its own: sent, started or received. */
+	/* A span takes a record of its own: sent, started, received, pinned
+	 * or blocked. */
 	t.spans = malloc((total ? total : 1) * sizeof(*t.spans));
 	t.handlers = malloc((total ? total : 1) * sizeof(*t.handlers));
+	t.calls = malloc((total ? total : 1) * sizeof(*t.calls));
 	scratch = malloc(seg->trace_records * sizeof(*scratch));
 	end = malloc((total ? total : 1) * sizeof(*end));
-	if (!t.spans || !t.handlers || !scratch || !end)
+	if (!t.spans || !t.handlers || !t.calls || !scratch || !end)
 		goto oom;
 	for (uint32_t rank = 0; rank < j->o->nproc; rank++)
 		pair_rank(&t, rank, scratch);
@@ -456,6 +539,7 @@ out:
 	free(t.r);
 	free(t.spans);
 	free(t.handlers);
+	free(t.calls);
 	free(scratch);
 	free(end);
 	return rc;

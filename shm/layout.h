@@ -1,5 +1,5 @@
 /*
- * The job segment's format (format 2). Everything here lives in shared
+ * The job segment's format (format 3). Everything here lives in shared
  * memory: fixed-width types, explicit padding, offsets instead of pointers,
  * and _Static_asserts so that a change of layout cannot go unnoticed.
  *
@@ -25,7 +25,9 @@
 #include "common/compiler.h"
 
 #define SHM_MAGIC 0x31434d5052484d53ull /* "SHMRPC1" read as little endian */
-#define SHM_FORMAT_VERSION 2u /* 2: the flight recorder */
+/* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
+ * and the CUDA IPC gauges of the worker slot. */
+#define SHM_FORMAT_VERSION 3u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -141,11 +143,19 @@ struct shm_worker {
 	_Atomic uint64_t timeouts;     /* calls of ours that timed out */
 	_Atomic uint64_t late_replies; /* replies that came after their timeout */
 	_Atomic uint64_t dlpack_copies; /* DLPack imports that had to copy into the pool */
-	_Atomic uint64_t agent_reserved[6];
+	/* CUDA IPC (worker/cuda.c): how many of each this process has open
+	 * now, stored whole (relaxed) by whichever of its threads changed
+	 * one, under its CUDA lock; 0 in a worker that never used CUDA. */
+	_Atomic uint32_t cuda_maps_open;       /* peers' allocations mapped here, idle cached ones too */
+	_Atomic uint32_t cuda_events_open;     /* peers' interprocess events opened here */
+	_Atomic uint32_t cuda_allocs_exported; /* own allocations whose IPC handle is kept (cached) */
+	_Atomic uint32_t cuda_events_exported; /* own interprocess events, recorded for receivers */
+	_Atomic uint64_t agent_reserved[4];
 };
 _Static_assert(offsetof(struct shm_worker, doorbell) == 64, "doorbell on its own line");
 _Static_assert(offsetof(struct shm_worker, heartbeat_ns) == 128, "counters on their own line");
 _Static_assert(offsetof(struct shm_worker, agent_state) == 192, "agent on its own lines");
+_Static_assert(offsetof(struct shm_worker, cuda_maps_open) == 272, "CUDA gauges after the agent's");
 _Static_assert(sizeof(struct shm_worker) == 320, "worker slot is five lines");
 
 /*
@@ -215,6 +225,15 @@ enum shm_trace_kind {
 	SHM_TRACE_STARTED = 3,   /* an executor thread began to run it */
 	SHM_TRACE_FINISHED = 4,  /* its reply went out (status: ok or error) */
 	SHM_TRACE_COMPLETED = 5, /* a call of ours ended: reply, timeout, death, shutdown */
+	/* The tensors of a message of ours (a request, or our reply to peer's
+	 * request msg_id) handed over: pinned until the receiver has them. */
+	SHM_TRACE_PINNED = 6,
+	/* Those pins released (status: ok when the receiver took them, by its
+	 * reply or TENSOR_ACK, or when the message never went; peer-dead;
+	 * shutdown). */
+	SHM_TRACE_UNPINNED = 7,
+	SHM_TRACE_BLOCKED = 8,   /* a send found its ring to peer full and waits for space */
+	SHM_TRACE_UNBLOCKED = 9, /* that wait ended: the frame went (ok) or peer died */
 };
 
 /* How it went (shm_trace_rec.info's status). */
@@ -238,5 +257,22 @@ enum shm_trace_status {
 #define SHM_TRACE_KIND(info) ((uint32_t)((info) >> 56) & 0xfu)
 #define SHM_TRACE_STATUS(info) ((uint32_t)((info) >> 60))
 _Static_assert(SHM_MAX_WORLD <= 0x10000u, "a rank fits a record's peer field");
+
+/*
+ * info of PINNED and UNPINNED, which have no message type but a count and
+ * more bytes: bytes in bits 0-31 (below 2^31 exact; else bit 31 set and
+ * the KiB, rounded up, below it: to 2 TiB), peer 32-41, tensors 42-54
+ * (saturated), 55 set when the tensors went with a reply (else a
+ * request); kind and status where every record has them.
+ */
+#define SHM_TRACE_PIN_BYTES_KIB (1u << 31)
+#define SHM_TRACE_PIN_MAX_TENSORS 0x1fffu
+#define SHM_TRACE_PIN_INFO(kind, status, reply, tensors, peer, bytes)                  \
+	((uint64_t)(bytes) | (uint64_t)(peer) << 32 | (uint64_t)(tensors) << 42 |        \
+	 (uint64_t)(reply) << 55 | (uint64_t)(kind) << 56 | (uint64_t)(status) << 60)
+#define SHM_TRACE_PIN_PEER(info) ((uint32_t)((info) >> 32) & 0x3ffu)
+#define SHM_TRACE_PIN_TENSORS(info) ((uint32_t)((info) >> 42) & SHM_TRACE_PIN_MAX_TENSORS)
+#define SHM_TRACE_PIN_REPLY(info) ((uint32_t)((info) >> 55) & 1u)
+_Static_assert(SHM_MAX_WORLD <= 0x400u, "a rank fits a pin record's peer field");
 
 #endif

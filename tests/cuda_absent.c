@@ -63,7 +63,8 @@ int main(void)
 		pthread_join(t[i], NULL);
 	CHECK(cuda_sym("cuInit") == NULL, "cuda_sym found a driver function");
 	cuda_stats_get(&st);
-	CHECK(st.opens == 0 && st.cache_hits == 0 && st.exports == 0 && st.handle_cache_hits == 0,
-	      "stats moved without a driver");
+	CHECK(st.opens == 0 && st.cache_hits == 0 && st.exports == 0 && st.handle_cache_hits == 0 &&
+	      st.maps_open == 0 && st.events_open == 0 && st.allocs_exported == 0 &&
+	      st.events_exported == 0, "stats moved without a driver");
 	return 0;
 }

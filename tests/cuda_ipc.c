@@ -5,14 +5,18 @@
  *    skipped) filled by the producer are read in place by the consumer,
  *    which writes a word the producer then reads: nothing was copied.
  *  - Sending the same buffer again opens nothing: the consumer's mapping
- *    and the producer's handle come from the caches (stats).
+ *    and the producer's handle come from the caches (stats). The gauges
+ *    count what is open: a mapping per buffer and at least one event on
+ *    the consumer's side, a handle per buffer and at least one event on
+ *    the producer's.
  *  - Ordering: the producer's stream is held by a host function while a
  *    write is queued behind it and exported; the consumer queues a read of
  *    that word on its own stream, sees the stream not done, lets the
  *    producer go, and reads the new value: its stream waited for the
  *    producer's write, and the host never did.
  *  - A descriptor that leaves its allocation fails; cuda_forget_peer
- *    closes the mapping (the next import opens it again); the producer
+ *    closes the mapping and the events, the gauges back to 0 (the next
+ *    import opens one of each again); the producer
  *    importing its own descriptor gets its own pointer.
  */
 #include <errno.h>
@@ -214,6 +218,7 @@ static void producer(int sock)
 	struct cuda_stats st;
 	struct msg m;
 	uint64_t sent = 0;
+	uint32_t allocated = 0;
 	sem_t gate;
 
 	setup();
@@ -228,6 +233,7 @@ static void producer(int sock)
 			continue;
 		}
 		CU(rc);
+		allocated++;
 		CU(drv.MemsetD32Async(buf[i] + OFF, fill(i), len / 4, stream));
 		for (int k = 0; k < 3; k++)
 			write_word(buf[i] + OFF + mark_spot(len, k), mark(i, k));
@@ -254,6 +260,10 @@ static void producer(int sock)
 	CHECK(st.exports == sent && st.handle_cache_hits == sent - sent / REPEATS,
 	      "exports %llu, handle cache hits %llu, for %llu sends", (unsigned long long)st.exports,
 	      (unsigned long long)st.handle_cache_hits, (unsigned long long)sent);
+	CHECK(st.allocs_exported == allocated && st.events_exported >= 1 &&
+	      st.events_exported <= sent, "%u allocations and %u events exported, for %u buffers "
+	      "sent %llu times", st.allocs_exported, st.events_exported, allocated,
+	      (unsigned long long)sent);
 
 	CHECK(buf[0], "no room on the GPU for 1 MiB");
 	CHECK(sem_init(&gate, 0, 0) == 0, "sem_init");
@@ -281,6 +291,7 @@ static void consumer(int sock, pid_t producer_pid)
 	struct cuda_ipc_desc bad;
 	struct msg m;
 	uint64_t p;
+	uint32_t mapped = 0;
 	void *q;
 
 	setup();
@@ -303,6 +314,9 @@ static void consumer(int sock, pid_t producer_pid)
 			CHECK(import(&m.d) == p, "a repeated send gave another address");
 		}
 		cuda_stats_get(&after);
+		/* Released below, each mapping stays open: the cache. */
+		CHECK(after.maps_open == ++mapped && after.events_open >= 1,
+		      "buffer %d: %u mappings and %u events open", i, after.maps_open, after.events_open);
 		CHECK(after.opens == before.opens + 1 && after.cache_hits == before.cache_hits + REPEATS - 1,
 		      "buffer %d: %llu opens, %llu cache hits for %d sends", i,
 		      (unsigned long long)(after.opens - before.opens),
@@ -334,9 +348,14 @@ static void consumer(int sock, pid_t producer_pid)
 
 	cuda_forget_peer((uint32_t)producer_pid);
 	cuda_stats_get(&before);
+	CHECK(before.maps_open == 0 && before.events_open == 0,
+	      "%u mappings and %u events open after cuda_forget_peer", before.maps_open,
+	      before.events_open);
 	p = import(&m.d);
 	cuda_stats_get(&after);
 	CHECK(after.opens == before.opens + 1, "the mapping was not closed by cuda_forget_peer");
+	CHECK(after.maps_open == 1 && after.events_open == 1, "%u mappings and %u events open "
+	      "after one import", after.maps_open, after.events_open);
 	CHECK(read_word(p) == LATE, "reopened mapping reads 0x%x", read_word(p));
 	cuda_import_release(&m.d);
 	cuda_forget_peer((uint32_t)producer_pid);

@@ -2,13 +2,17 @@
  * shmrpc-inspect on a live 2-worker job: rank 0 calls rank 1 and holds an
  * RRef made by remote(1, ...), then runs the inspector on its own launcher
  * (its parent) and checks what the text, --json and --check say, the RRef
- * table included, that the job list names the launcher, and the errors: a
+ * table included, and the CUDA IPC gauges (0: no worker used CUDA; then
+ * set in rank 1's slot through a writable mapping of the segment, shown
+ * in text and JSON), that the job list names the launcher, and the
+ * errors: a
  * pid with no process, a worker's pid instead of the launcher's (exit 1),
  * a bad option and a JOB that is no pid (exit 2). Then, through its own
  * mapping of the job's RRef table, it makes an RRef whose counts are wrong,
  * corrupt and then leaked, and checks that --check names each, and says
  * "ok" again once it is gone.
  */
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -20,6 +24,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "shm/rref_table.h"
+#include "shm/segment.h"
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
@@ -114,6 +119,7 @@ static void inspect_job(const char *job)
 	CHECK(strstr(out, "worker0") && strstr(out, "worker1"), "workers not named");
 	CHECK(strstr(out, "RUNNING"), "no RUNNING worker");
 	CHECK(strstr(out, self), "own pid %s not shown", self);
+	CHECK(strstr(out, "\ncuda ipc       no mappings, events or exports open\n"), "no CUDA line");
 
 	rc = inspect("--json", job);
 	CHECK(rc == 0, "inspect --json exited %d", rc);
@@ -129,6 +135,18 @@ static void inspect_job(const char *job)
 	      json_num(w1, "calls_served"), CALLS);
 	CHECK(json_num(out, "frames_sent") >= CALLS, "rank 0 sent %llu frames", json_num(out, "frames_sent"));
 	CHECK(json_num(out, "corrupt_frames") == 0, "corrupt frames");
+	/* The CUDA IPC gauges: each worker has them, and neither used CUDA. */
+	for (int r = 0; r < 2; r++) {
+		static const char *const gauges[] = { "cuda_maps_open", "cuda_events_open",
+						      "cuda_allocs_exported", "cuda_events_exported" };
+		const char *w;
+
+		snprintf(line, sizeof(line), "{\"rank\":%d,\"name\":\"worker%d\",", r, r);
+		CHECK((w = strstr(out, line)), "no worker %d", r);
+		for (size_t g = 0; g < sizeof(gauges) / sizeof(gauges[0]); g++)
+			CHECK(json_num(w, gauges[g]) == 0, "rank %d: %s %llu", r, gauges[g],
+			      json_num(w, gauges[g]));
+	}
 	/* The tensor pool, read-only: shmrun's default size, both ranks holding it. */
 	CHECK(strstr(out, "\"pool\":{") && json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
 	      "no tensor pool of 256 MiB in the JSON");
@@ -150,6 +168,42 @@ static void inspect_job(const char *job)
 	CHECK(inspect("--bogus", NULL) == 2 && strstr(out, "usage:"), "bad option");
 	CHECK(inspect("12ab", NULL) == 2, "a JOB that is no pid");
 	CHECK(inspect("--check", NULL) == 2, "--check without JOB");
+}
+
+/* Rank 1's CUDA IPC gauges as if it had mapped 2 allocations and opened 3
+ * events: the text lists it, with them, and the JSON has them. */
+static void inspect_cuda(const char *job)
+{
+	const char *fd = getenv(SHMRPC_ENV_JOB_FD), *w1;
+	struct shm_worker *w;
+	struct shm_seg seg;
+	int dup_fd, rc;
+
+	CHECK(fd, "no %s", SHMRPC_ENV_JOB_FD);
+	dup_fd = fcntl(atoi(fd), F_DUPFD_CLOEXEC, 0); /* the agent keeps its own */
+	CHECK(dup_fd >= 0, "dup(%s)", fd);
+	CHECK_OK(shm_seg_attach_fd(&seg, dup_fd, false));
+	w = shm_worker(&seg, 1);
+	/* Relaxed, as cuda.c stores them: the inspector runs after, in a
+	 * process started after these stores. */
+	atomic_store_explicit(&w->cuda_maps_open, 2, memory_order_relaxed);
+	atomic_store_explicit(&w->cuda_events_open, 3, memory_order_relaxed);
+
+	rc = inspect(job, NULL);
+	CHECK(rc == 0, "inspect %s exited %d", job, rc);
+	CHECK(strstr(out, "\ncuda ipc\nRANK       MAPS_OPEN     EVENTS_OPEN ALLOCS_EXPORTED "
+		      "EVENTS_EXPORTED\n   1               2               3               0 "
+		      "              0\n\n"), "rank 1's CUDA gauges not listed alone: %s", out);
+	rc = inspect("--json", job);
+	CHECK(rc == 0, "inspect --json exited %d", rc);
+	w1 = strstr(out, "{\"rank\":1,\"name\":\"worker1\",");
+	CHECK(w1 && json_num(w1, "cuda_maps_open") == 2 && json_num(w1, "cuda_events_open") == 3 &&
+	      json_num(w1, "cuda_allocs_exported") == 0, "rank 1's CUDA gauges in the JSON");
+	CHECK(json_num(out, "cuda_maps_open") == 0, "rank 0's gauge moved");
+
+	atomic_store_explicit(&w->cuda_maps_open, 0, memory_order_relaxed);
+	atomic_store_explicit(&w->cuda_events_open, 0, memory_order_relaxed);
+	shm_seg_detach(&seg);
 }
 
 static void attach_table(void)
@@ -303,6 +357,7 @@ static int worker(void)
 
 		snprintf(job, sizeof(job), "%d", (int)getppid());
 		inspect_job(job);
+		inspect_cuda(job);
 		inspect_rref(job, name);
 		inspect_faults(job);
 		shmrpc_rref_free(rr);

@@ -8,13 +8,19 @@
  * status, sizes that match across the two sides, times that never go
  * back; then shmrpc-inspect --trace in text and JSON, and its errors;
  * then 100 more calls wrap its ring, which must hold the last 64, whole
- * and in order. A second job kills rank 1 inside a call under
+ * and in order. Then tensors: a call with two (1000 and 40 bytes) whose
+ * reply returns the first, recorded pinned and unpinned on both sides
+ * with their counts and bytes; and with rank 1 stopped (SIGSTOP), three
+ * calls of 30000 bytes: the second or third finds the 64 KiB ring full
+ * and is recorded blocked, then unblocked once rank 1 goes on. The
+ * inspector shows both, text and JSON. A second job kills rank 1 inside a call under
  * --dump-on-failure: the launcher's output must show, after the death
  * line, rank 1's last records, the fatal call received and started, and
  * rank 0's ring must end with that call completed as peer-dead.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -37,6 +43,11 @@
 #define WAIT_NS 10000000000ull /* only stops a hang */
 #define PART_ENV "TRACE_BASIC_PART"
 #define OUT_MAX 65536
+#define BIG_BYTES 1000 /* the tensors of the handoff: the first comes back */
+#define SMALL_BYTES 40
+#define FILL_CALLS 3   /* of FILL_BYTES: more than a 64 KiB ring holds */
+#define FILL_BYTES 30000
+#define STOPPED_NS 50000000u
 
 static char out[OUT_MAX];
 static struct shm_seg seg; /* the job's segment, mapped read-only once more */
@@ -79,6 +90,20 @@ static int fn_release(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_
 	return 0;
 }
 
+static int fn_sink(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)r, (void)u;
+	return 0;
+}
+
+/* Returns its first tensor: the reply hands it back. */
+static int fn_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	*r = a[0];
+	return 0;
+}
+
 static int fn_die(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)c, (void)a, (void)n, (void)r, (void)u;
@@ -113,6 +138,16 @@ static bool matches(const struct trace_entry *e, const struct want *w)
 {
 	return e->kind == w->kind && e->peer == w->peer && e->type == w->type &&
 	       e->status == w->status && e->msg_id == w->id;
+}
+
+/* e is a pin record of n tensors of bytes, with a reply (or a request). */
+static void expect_pin(const struct trace_entry *e, bool reply, uint32_t n, uint64_t bytes)
+{
+	CHECK(e->reply == reply && e->tensors == n && e->size == bytes,
+	      "%s record %llu: %u tensors of %llu bytes with a %s; want %u of %llu with a %s",
+	      trace_kind_name(e->kind), (unsigned long long)e->index, e->tensors,
+	      (unsigned long long)e->size, e->reply ? "reply" : "request", n,
+	      (unsigned long long)bytes, reply ? "reply" : "request");
 }
 
 static void expect_at(const struct trace_entry *e, size_t n, size_t i, const struct want *w)
@@ -225,7 +260,8 @@ static void check_caller(const uint64_t *id, struct trace_entry *e, size_t n)
 	for (size_t i = 1; i <= 11; i++)
 		if (e[i].msg_id == e[i - 1].msg_id)
 			CHECK(e[i].time_ns >= e[i - 1].time_ns, "record %zu is older than %zu", i, i - 1);
-	CHECK(e[7].size == e[6].size, "a request of %u bytes received as %u", e[6].size, e[7].size);
+	CHECK(e[7].size == e[6].size, "a request of %llu bytes received as %llu",
+	      (unsigned long long)e[6].size, (unsigned long long)e[7].size);
 }
 
 /* Rank 1's ring: the calls it served, each received, started, finished. */
@@ -251,8 +287,9 @@ static void check_callee(const uint64_t *id, const struct trace_entry *e0, size_
 		sent = find(e0, 0, n0, &wsent);
 		done = find(e0, 0, n0, &wdone);
 		CHECK(sent->size == e[at - 3].size && done->size == e[at - 1].size,
-		      "call %d: sent %u, received %u; replied %u, completed %u", c, sent->size,
-		      e[at - 3].size, e[at - 1].size, done->size);
+		      "call %d: sent %llu, received %llu; replied %llu, completed %llu", c,
+		      (unsigned long long)sent->size, (unsigned long long)e[at - 3].size,
+		      (unsigned long long)e[at - 1].size, (unsigned long long)done->size);
 		CHECK(sent->time_ns <= e[at - 3].time_ns && e[at - 3].time_ns <= e[at - 2].time_ns &&
 		      e[at - 2].time_ns <= e[at - 1].time_ns && e[at - 1].time_ns <= done->time_ns,
 		      "call %d: times go back", c);
@@ -365,6 +402,177 @@ static void check_wrap(void)
 	      (unsigned long long)e[n - 2].msg_id, (unsigned long long)id);
 }
 
+static shmrpc_tensor *tensor(int64_t bytes)
+{
+	static const DLDataType u8 = { kDLUInt, 8, 1 };
+	shmrpc_tensor *t;
+
+	CHECK_OK(shmrpc_tensor_alloc(u8, 1, &bytes, &t));
+	return t;
+}
+
+/* The records of rank's ring from index `from` on, into e; how many. */
+static size_t read_from(uint32_t rank, uint64_t from, struct trace_entry *e)
+{
+	uint64_t head;
+	size_t n = read_ring(rank, e, &head), skip = 0;
+
+	while (skip < n && e[skip].index < from)
+		skip++;
+	memmove(e, e + skip, (n - skip) * sizeof(*e));
+	return n - skip;
+}
+
+/* Waits until rank's ring, from index `from`, holds want records. */
+static size_t wait_records(uint32_t rank, uint64_t from, size_t want, struct trace_entry *e)
+{
+	uint64_t deadline = shmrpc_now_ns() + WAIT_NS;
+	size_t n;
+
+	while ((n = read_from(rank, from, e)) < want) {
+		CHECK(shmrpc_now_ns() < deadline, "rank %u has %zu new records, want %zu", rank, n,
+		      want);
+		usleep(1000);
+	}
+	return n;
+}
+
+/* A handoff each way: rank 0's request pins both tensors until the
+ * reply, rank 1's reply pins the first until rank 0's TENSOR_ACK. */
+static void check_handoff(const char *job)
+{
+	shmrpc_tensor *big = tensor(BIG_BYTES), *small = tensor(SMALL_BYTES);
+	shmrpc_value args[2] = { shmrpc_tensor_value(big), shmrpc_tensor_value(small) };
+	struct trace_entry e0[RECORDS], e1[RECORDS];
+	uint64_t head0, head1, id;
+	shmrpc_future *f;
+	char line[192], want[160];
+	size_t n0, n1;
+
+	read_ring(0, e0, &head0);
+	read_ring(1, e1, &head1);
+	CHECK_OK(shmrpc_rpc_sync(1, "first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
+	shmrpc_tensor_free(big);
+	shmrpc_tensor_free(small);
+	id = last_sent_id();
+
+	n0 = read_from(0, head0, e0);
+	CHECK(n0 == 4, "rank 0 recorded %zu records for a call with tensors, want 4", n0);
+	expect_at(e0, n0, 0, &(struct want){ SHM_TRACE_PINNED, 1, 0, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 1, &(struct want){ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 2, &(struct want){ SHM_TRACE_UNPINNED, 1, 0, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 3, &(struct want){ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
+	expect_pin(&e0[0], false, 2, BIG_BYTES + SMALL_BYTES);
+	expect_pin(&e0[2], false, 2, BIG_BYTES + SMALL_BYTES);
+
+	/* Rank 1's reply pin goes when rank 0's ack comes, after the call. */
+	n1 = wait_records(1, head1, 5, e1);
+	CHECK(n1 == 5, "rank 1 recorded %zu records for a call with tensors, want 5", n1);
+	expect_at(e1, n1, 0, &(struct want){ SHM_TRACE_RECEIVED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id });
+	expect_at(e1, n1, 1, &(struct want){ SHM_TRACE_STARTED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id });
+	expect_at(e1, n1, 2, &(struct want){ SHM_TRACE_PINNED, 0, 0, SHM_TRACE_OK, id });
+	expect_at(e1, n1, 3, &(struct want){ SHM_TRACE_FINISHED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
+	expect_at(e1, n1, 4, &(struct want){ SHM_TRACE_UNPINNED, 0, 0, SHM_TRACE_OK, id });
+	expect_pin(&e1[2], true, 1, BIG_BYTES);
+	expect_pin(&e1[4], true, 1, BIG_BYTES);
+	CHECK(e0[0].time_ns <= e1[0].time_ns && e1[3].time_ns <= e0[2].time_ns &&
+	      e0[3].time_ns <= e1[4].time_ns, "the handoff's times go back");
+
+	CHECK(inspect("--trace", "0", job, NULL) == 0, "--trace 0 exited");
+	snprintf(want, sizeof(want), " %8u ok", BIG_BYTES + SMALL_BYTES);
+	CHECK(record_line(out, "pinned", "2 tensors, request", 1, id, line, sizeof(line)) &&
+	      strstr(line, want), "the request's pin: \"%s\"", line);
+	CHECK(record_line(out, "unpinned", "2 tensors, request", 1, id, line, sizeof(line)) &&
+	      strstr(line, " ok        held "), "the request's release: \"%s\"", line);
+	CHECK(inspect("--json", "--trace", "1", job) == 0, "--json --trace 1 exited");
+	snprintf(want, sizeof(want), "\"kind\":\"unpinned\",\"type\":null,\"type_id\":0,\"peer\":0,"
+		 "\"msg_id\":%llu,\"size\":%u,\"tensors\":1,\"with\":\"reply\",\"status\":\"ok\","
+		 "\"step\":\"held\",", (unsigned long long)id, BIG_BYTES);
+	CHECK(strstr(out, want), "no %s in %s", want, out);
+}
+
+static bool stopped(pid_t pid)
+{
+	char path[64], stat[512], *at;
+	FILE *f;
+	bool yes;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	f = fopen(path, "r");
+	CHECK(f, "cannot read %s", path);
+	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
+	fclose(f);
+	return yes;
+}
+
+static void *resume_later(void *arg)
+{
+	const struct timespec later = { 0, STOPPED_NS };
+
+	nanosleep(&later, NULL);
+	CHECK(kill(*(pid_t *)arg, SIGCONT) == 0, "SIGCONT");
+	return NULL;
+}
+
+/* Rank 1 stopped: the calls fill its ring, and one waits for space
+ * until rank 1 goes on. */
+static void check_blocked(const char *job)
+{
+	static char text[FILL_BYTES];
+	shmrpc_value arg = shmrpc_strn(text, FILL_BYTES);
+	/* Acquire: the pid rank 1 stored (release) when it attached. */
+	pid_t callee = (pid_t)atomic_load_explicit(&shm_worker(&seg, 1)->pid, memory_order_acquire);
+	shmrpc_future *f[FILL_CALLS];
+	struct trace_entry e[RECORDS];
+	const struct trace_entry *b, *u;
+	uint64_t head, id[FILL_CALLS];
+	pthread_t resumer;
+	char line[192];
+	size_t n, waits = 0;
+
+	memset(text, 'x', sizeof(text));
+	read_ring(0, e, &head);
+	CHECK(kill(callee, SIGSTOP) == 0, "SIGSTOP");
+	while (!stopped(callee))
+		usleep(1000);
+	CHECK(pthread_create(&resumer, NULL, resume_later, &callee) == 0, "pthread_create");
+	for (int i = 0; i < FILL_CALLS; i++) {
+		CHECK_OK(shmrpc_rpc_async(1, "sink", &arg, 1, SHMRPC_TIMEOUT_DEFAULT, &f[i]));
+		id[i] = last_sent_id();
+	}
+	pthread_join(resumer, NULL);
+	for (int i = 0; i < FILL_CALLS; i++) {
+		CHECK_OK(shmrpc_future_wait(f[i], -1));
+		shmrpc_future_free(f[i]);
+	}
+	/* Each call sent and completed, and the waits: the ring holds one or
+	 * two such frames (records do not wrap: where the ring stands
+	 * decides), so the second or the third waited for rank 1 to go on;
+	 * a later one may have waited again, briefly. */
+	n = read_from(0, head, e);
+	for (size_t i = 0; i < n; i++)
+		waits += e[i].kind == SHM_TRACE_BLOCKED;
+	CHECK(waits >= 1 && waits < FILL_CALLS && n == 2 * FILL_CALLS + 2 * waits,
+	      "rank 0 recorded %zu records, %zu waits", n, waits);
+	for (b = e; b->kind != SHM_TRACE_BLOCKED; b++)
+		;
+	CHECK(b > e && b[-1].kind == SHM_TRACE_SENT && b[-1].msg_id == b->msg_id &&
+	      b->size == b[-1].size && b->msg_id != id[0],
+	      "the first wait does not follow its call's send");
+	u = find(e, (size_t)(b - e), n, &(struct want){ SHM_TRACE_UNBLOCKED, 1, MSG_SCRIPT_CALL,
+							SHM_TRACE_OK, b->msg_id });
+	CHECK(u->size == b->size && u->time_ns - b->time_ns >= STOPPED_NS / 2,
+	      "the send waited %llu ns, rank 1 was stopped for %u",
+	      (unsigned long long)(u->time_ns - b->time_ns), STOPPED_NS);
+
+	CHECK(inspect("--trace", "0", job, NULL) == 0, "--trace 0 exited");
+	CHECK(record_line(out, "blocked", "SCRIPT_CALL", 1, b->msg_id, line, sizeof(line)),
+	      "no blocked line");
+	CHECK(record_line(out, "unblocked", "SCRIPT_CALL", 1, b->msg_id, line, sizeof(line)) &&
+	      strstr(line, " ok        blocked "), "the wait's end: \"%s\"", line);
+}
+
 static void calls_part(void)
 {
 	struct trace_entry e0[RECORDS], e1[RECORDS];
@@ -388,6 +596,8 @@ static void calls_part(void)
 	snprintf(job, sizeof(job), "%d", (int)getppid());
 	check_inspector(job, id);
 	check_wrap();
+	check_handoff(job);
+	check_blocked(job);
 	shm_seg_detach(&seg);
 }
 
@@ -420,6 +630,8 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("block", "", fn_block, NULL));
 	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
+	CHECK_OK(shmrpc_register("first", "tt", fn_first, NULL));
+	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0) {
 		if (part && !strcmp(part, "death"))

@@ -13,9 +13,18 @@
  * handler's end to the call's end; same message id, matching ranks; times
  * ordered send <= start <= end <= reply) and each worker's record counts.
  * A second job kills rank 1 inside a call under --on-failure=continue: the
- * file is still written and shows the death. A third writes to a
- * directory that does not exist: a job that succeeded exits 1.
+ * file is still written and shows the death. A third hands tensors over,
+ * with 4 KiB rings: rank 0 calls rank 1 3 times with two tensors (1000
+ * and 40 bytes), which returns the first; then stops rank 1 (SIGSTOP)
+ * and sends it 6 calls of 1500 bytes, which fill the ring, until a thread
+ * lets rank 1 go on 100 ms later. Its file must show each handoff as a
+ * slice with its tensors, bytes and release, joined to the receiver by a
+ * "tensors" and an "ack" flow, and as many ring-space waits as rank 0's
+ * own ring holds. A fourth writes to a directory that does not exist: a
+ * job that succeeded exits 1.
  */
+#include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -24,9 +33,12 @@
 #include <unistd.h>
 
 #include "shmrpc.h"
+#include "common/clock.h"
+#include "shm/segment.h"
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
+#include "worker/trace.h"
 
 #define PYTHON "/usr/bin/python3"
 #define PART_ENV "TRACE_JSON_PART"
@@ -36,6 +48,13 @@
 #define CALLS_12 3
 #define CALLS_20 6
 #define SELF_CALLS 20
+#define TENSOR_CALLS 3
+#define BIG_BYTES 1000 /* the two tensors of each call: the first comes back */
+#define SMALL_BYTES 40
+#define BLOCKED_CALLS 6
+#define BLOCKED_ARG 1500 /* bytes of string: two such frames fill a 4 KiB ring */
+#define STOPPED_NS 100000000u
+#define WAIT_NS 10000000000ull /* only stops a hang */
 
 static char out[OUT_MAX];
 
@@ -54,6 +73,8 @@ static const char summary_py[] =
 	"        n['X', e['cat'], e['pid'], a['peer']] += 1\n"
 	"        n['X', e['cat']] += 1\n"
 	"        n['status', e['cat'], e['pid'], a['status']] += 1\n"
+	"        if e['cat'] == 'tensors':\n"
+	"            n['handoff', e['pid'], a['peer'], a['with'], a['tensors'], a['bytes']] += 1\n"
 	"        starts[e['pid'], e['tid'], e['ts']] = e\n"
 	"        ends[e['pid'], e['tid'], e['ts'] + e['dur']] = e\n"
 	"    elif ph == 'i':\n"
@@ -61,14 +82,39 @@ static const char summary_py[] =
 	"        n['i'] += 1\n"
 	"    elif ph in ('s', 'f'):\n"
 	"        flows.setdefault((e['name'], e['id']), []).append(e)\n"
+	"def at(d, e):\n"
+	"    return d.get((e['pid'], e['tid'], e['ts']))\n"
+	"def handoff(name, s, f):\n"
+	"    # tensors: pin to where the receiver took them (handler start for a\n"
+	"    # request's, call end for a reply's); ack: from where it said so\n"
+	"    # (handler end, call end) to the release\n"
+	"    x = at(starts, s) if name == 'tensors' else at(ends, f)\n"
+	"    if not x or x['cat'] != 'tensors' or f.get('bp') != 'e':\n"
+	"        return None\n"
+	"    req = x['args']['with'] == 'request'\n"
+	"    r = f if name == 'tensors' else s\n"
+	"    y = at(starts if req and name == 'tensors' else ends, r)\n"
+	"    if (not y or y['cat'] != ('handlers' if req else 'calls') or\n"
+	"            y['args']['msg_id'] != x['args']['msg_id'] or\n"
+	"            y['pid'] != x['args']['peer'] or x['pid'] != y['args']['peer'] or\n"
+	"            not x['ts'] <= r['ts'] <= x['ts'] + x['dur']):\n"
+	"        return None\n"
+	"    return x['pid'], y['pid'], x['args']['with']\n"
 	"bad = 0\n"
 	"for (name, i), v in flows.items():\n"
 	"    s = [e for e in v if e['ph'] == 's']\n"
 	"    f = [e for e in v if e['ph'] == 'f']\n"
-	"    if len(s) != 1 or len(f) != 1 or name not in ('request', 'reply'):\n"
+	"    if len(s) != 1 or len(f) != 1 or name not in ('request', 'reply', 'tensors', 'ack'):\n"
 	"        bad += 1\n"
 	"        continue\n"
 	"    s, f = s[0], f[0]\n"
+	"    if name in ('tensors', 'ack'):\n"
+	"        k = handoff(name, s, f)\n"
+	"        if not k:\n"
+	"            bad += 1\n"
+	"        else:\n"
+	"            n[('flow', name) + k] += 1\n"
+	"        continue\n"
 	"    if name == 'request':\n"
 	"        c = starts.get((s['pid'], s['tid'], s['ts']))\n"
 	"        h = starts.get((f['pid'], f['tid'], f['ts']))\n"
@@ -133,6 +179,132 @@ static void fan(int via, int dst, int calls)
 	shmrpc_future_free(f);
 }
 
+/* Returns its first tensor: the reply hands it back. */
+static int fn_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	*r = a[0];
+	return 0;
+}
+
+static int fn_sink(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_nil();
+	return 0;
+}
+
+static shmrpc_tensor *tensor(int64_t bytes)
+{
+	static const DLDataType u8 = { kDLUInt, 8, 1 };
+	shmrpc_tensor *t;
+
+	CHECK_OK(shmrpc_tensor_alloc(u8, 1, &bytes, &t));
+	return t;
+}
+
+static void tensor_calls(void)
+{
+	for (int i = 0; i < TENSOR_CALLS; i++) {
+		shmrpc_tensor *big = tensor(BIG_BYTES), *small = tensor(SMALL_BYTES);
+		shmrpc_value args[2] = { shmrpc_tensor_value(big), shmrpc_tensor_value(small) };
+		shmrpc_future *f;
+
+		CHECK_OK(shmrpc_rpc_sync(1, "first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+		CHECK(shmrpc_future_value(f)->type == SHMRPC_TENSOR &&
+		      shmrpc_tensor_nbytes(shmrpc_future_value(f)->u.t) == BIG_BYTES,
+		      "the tensor did not come back");
+		shmrpc_future_free(f);
+		shmrpc_tensor_free(big);
+		shmrpc_tensor_free(small);
+	}
+}
+
+/* rank's records of kind in its ring now. */
+static int count_records(const struct shm_seg *seg, uint32_t rank, uint32_t kind)
+{
+	static struct trace_entry e[SHM_TRACE_MAX];
+	uint64_t head, dropped;
+	size_t n = trace_read(seg, rank, SHM_TRACE_MAX, e, &head, &dropped);
+	int found = 0;
+
+	for (size_t i = 0; i < n; i++)
+		found += e[i].kind == kind;
+	return found;
+}
+
+static bool stopped(pid_t pid)
+{
+	char path[64], stat[512], *at;
+	FILE *f;
+	bool yes;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	f = fopen(path, "r");
+	CHECK(f, "cannot read %s", path);
+	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
+	fclose(f);
+	return yes;
+}
+
+static void *resume_later(void *arg)
+{
+	const struct timespec later = { 0, STOPPED_NS };
+
+	nanosleep(&later, NULL);
+	CHECK(kill(*(pid_t *)arg, SIGCONT) == 0, "SIGCONT");
+	return NULL;
+}
+
+/* Rank 1 stopped while rank 0 sends it more than its ring holds: the
+ * sends that find no room wait until it goes on. */
+static void blocked_calls(pid_t callee)
+{
+	static char text[BLOCKED_ARG + 1];
+	shmrpc_value arg = shmrpc_strn(text, BLOCKED_ARG);
+	shmrpc_future *f[BLOCKED_CALLS];
+	pthread_t resumer;
+
+	memset(text, 'x', BLOCKED_ARG);
+	CHECK(kill(callee, SIGSTOP) == 0, "SIGSTOP");
+	while (!stopped(callee))
+		usleep(1000);
+	CHECK(pthread_create(&resumer, NULL, resume_later, &callee) == 0, "pthread_create");
+	for (int i = 0; i < BLOCKED_CALLS; i++)
+		CHECK_OK(shmrpc_rpc_async(1, "sink", &arg, 1, SHMRPC_TIMEOUT_DEFAULT, &f[i]));
+	pthread_join(resumer, NULL);
+	for (int i = 0; i < BLOCKED_CALLS; i++) {
+		CHECK_OK(shmrpc_future_wait(f[i], -1));
+		shmrpc_future_free(f[i]);
+	}
+}
+
+/* Rank 0 of the tensors job: the handoffs, the waits, and how many waits
+ * its own ring holds (BLOCKED=n on stdout), once rank 1's ring shows
+ * every reply's tensors released by rank 0's ack. */
+static void tensors_part(void)
+{
+	const char *fd = getenv(SHMRPC_ENV_JOB_FD);
+	uint64_t deadline = shmrpc_now_ns() + WAIT_NS;
+	struct shm_seg seg;
+	int dup_fd;
+
+	CHECK(fd, "no %s", SHMRPC_ENV_JOB_FD);
+	dup_fd = fcntl(atoi(fd), F_DUPFD_CLOEXEC, 0); /* the agent keeps its own */
+	CHECK(dup_fd >= 0, "dup(%s)", fd);
+	CHECK_OK(shm_seg_attach_fd(&seg, dup_fd, true));
+	tensor_calls();
+	/* Acquire: the pid rank 1 stored (release) when it attached. */
+	blocked_calls((pid_t)atomic_load_explicit(&shm_worker(&seg, 1)->pid, memory_order_acquire));
+	while (count_records(&seg, 1, SHM_TRACE_UNPINNED) < TENSOR_CALLS) {
+		CHECK(shmrpc_now_ns() < deadline, "rank 1's tensors were not released");
+		usleep(1000);
+	}
+	printf("BLOCKED=%d\n", count_records(&seg, 0, SHM_TRACE_BLOCKED));
+	fflush(stdout);
+	shm_seg_detach(&seg);
+}
+
 static int worker(void)
 {
 	const char *part = getenv(PART_ENV);
@@ -140,6 +312,8 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
 	CHECK_OK(shmrpc_register("fan", "ii", fn_fan, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
+	CHECK_OK(shmrpc_register("first", "tt", fn_first, NULL));
+	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0 && !strcmp(part, "calls")) {
 		for (int i = 0; i < CALLS_01; i++)
@@ -156,25 +330,34 @@ static int worker(void)
 		call_add(1);
 		CHECK(shmrpc_rpc_sync(1, "die", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f) ==
 		      -SHMRPC_EPEERDEAD, "the call to a worker that died: %s", shmrpc_errmsg());
+	} else if (shmrpc_rank() == 0 && !strcmp(part, "tensors")) {
+		tensors_part();
 	}
 	/* The others serve until rank 0 is done (or die in the second job). */
 	CHECK_OK(shmrpc_shutdown(1, 60000));
 	return 0;
 }
 
-/* Runs the job of part with --trace path, then the summary of the file
- * into out; returns the launcher's exit code. */
-static int traced_job(const char *part, const char *path, const char *on_failure)
+/* Runs the job of part with --trace path (and rings of ring_size bytes,
+ * if not NULL), then the summary of the file into out; returns the
+ * launcher's exit code. *blocked (if not NULL) gets the BLOCKED=n the job
+ * said. */
+static int traced_job(const char *part, const char *path, const char *on_failure,
+		      const char *ring_size, int *blocked)
 {
 	const char *argv[] = { PYTHON, "-c", summary_py, path, NULL };
+	const char *said;
 	int rc;
 
 	unlink(path);
 	setenv(PART_ENV, part, 1);
 	rc = tl_shmrun(out, sizeof(out), "-n", "3", "--trace-records", "64", "--trace", path,
-		       on_failure, NULL);
+		       on_failure, ring_size ? "--ring-size" : NULL, ring_size, NULL);
 	CHECK(!strstr(out, "left in the RRef table"), "the job leaked RRefs");
 	CHECK(!strstr(out, "cannot write the trace"), "the trace was not written");
+	if (blocked)
+		CHECK((said = strstr(out, "BLOCKED=")) && sscanf(said, "BLOCKED=%d", blocked) == 1,
+		      "rank 0 did not say its waits: %s", out);
 	CHECK(tl_run(out, sizeof(out), argv) == 0, "the trace of the %s job does not parse", part);
 	unlink(path);
 	return rc;
@@ -279,10 +462,32 @@ static void check_death(void)
 	expect("worker 2 worker2 exited 0 0 0");
 }
 
+/* The handoffs, their flows and the waits of the tensors job. */
+static void check_tensors(int blocked)
+{
+	/* Rank 0's requests pinned two tensors each, released by the reply;
+	 * rank 1's replies one, released by rank 0's ack. */
+	expectf("handoff 0 1 request 2 %d %d", BIG_BYTES + SMALL_BYTES, TENSOR_CALLS);
+	expectf("handoff 1 0 reply 1 %d %d", BIG_BYTES, TENSOR_CALLS);
+	expectf("status tensors 0 ok %d", TENSOR_CALLS);
+	expectf("status tensors 1 ok %d", TENSOR_CALLS);
+	expectf("flow tensors 0 1 request %d", TENSOR_CALLS);
+	expectf("flow ack 0 1 request %d", TENSOR_CALLS);
+	expectf("flow tensors 1 0 reply %d", TENSOR_CALLS);
+	expectf("flow ack 1 0 reply %d", TENSOR_CALLS);
+	expectf("flows %d bad 0", 2 * (TENSOR_CALLS + BLOCKED_CALLS) + 4 * TENSOR_CALLS);
+	/* The first sends fill the ring; the rest waited while rank 1 was stopped. */
+	CHECK(blocked >= 1 && blocked <= BLOCKED_CALLS, "rank 0 recorded %d waits", blocked);
+	expectf("X blocked 0 1 %d", blocked);
+	expectf("status blocked 0 ok %d", blocked);
+	expectf("X blocked %d", blocked);
+	CHECK(count_lines("i ") == 0, "a record left unpaired");
+}
+
 int main(void)
 {
 	char path[64];
-	int rc;
+	int rc, blocked;
 
 	if (tl_is_worker())
 		return worker();
@@ -290,13 +495,17 @@ int main(void)
 		return TL_SKIP;
 	snprintf(path, sizeof(path), "/tmp/shmrpc-trace-json-%d.json", (int)getpid());
 
-	rc = traced_job("calls", path, "--on-failure=abort");
+	rc = traced_job("calls", path, "--on-failure=abort", NULL, NULL);
 	CHECK(rc == 0, "the job exited %d", rc);
 	check_calls();
 
-	rc = traced_job("death", path, "--on-failure=continue");
+	rc = traced_job("death", path, "--on-failure=continue", NULL, NULL);
 	CHECK(rc == 1, "the job with a death exited %d, want 1", rc);
 	check_death();
+
+	rc = traced_job("tensors", path, "--on-failure=abort", "4096", &blocked);
+	CHECK(rc == 0, "the tensors job exited %d", rc);
+	check_tensors(blocked);
 
 	/* A trace that cannot be written fails a job that succeeded. */
 	setenv(PART_ENV, "idle", 1);

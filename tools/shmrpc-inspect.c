@@ -37,7 +37,11 @@
  * before the first), calls_served, client_active_calls,
  * server_active_calls, num_pending_futures, thread_pool_size,
  * num_idle_threads, errors, timeouts, late_replies, frames_sent,
- * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out}], pool (null
+ * frames_recv, corrupt_frames, ring_fill_in, ring_fill_out,
+ * cuda_maps_open (peers' CUDA allocations mapped by this worker, idle
+ * cached ones too), cuda_events_open (peers' interprocess events it has
+ * opened), cuda_allocs_exported (its allocations whose IPC handle it
+ * keeps), cuda_events_exported (its interprocess events)}], pool (null
  * when the job has none): {size, used, free, largest_free, blocks_live,
  * lost, refs_unrecorded, holders: [{rank, pid, state ("idle", "live",
  * "dead", "swept"), blocks, refs}]}, rrefs (null when the job has none):
@@ -51,10 +55,14 @@
  * (stable): {rank, name, capacity (records the ring holds), claimed
  * (records written in the worker's life), dropped, records: [{index,
  * time_ns (CLOCK_MONOTONIC), age_ns (before the newest), kind ("sent",
- * "received", "started", "finished", "completed"), type (message type
- * name, or null), type_id, peer, msg_id, size, status ("ok", "error",
- * "timeout", "peer-dead", "shutdown", "late"), step ("waited", "ran",
- * "took", or null), step_ns (or null)}]}.
+ * "received", "started", "finished", "completed", "pinned", "unpinned",
+ * "blocked", "unblocked"), type (message type name, or null), type_id,
+ * peer, msg_id, size (payload bytes; for pinned and unpinned the
+ * tensors'), tensors (pinned and unpinned: how many; else null), with
+ * (pinned and unpinned: "request" or "reply", the message they went
+ * with; else null), status ("ok", "error", "timeout", "peer-dead",
+ * "shutdown", "late"), step ("waited", "ran", "took", "held", "blocked",
+ * or null), step_ns (or null)}]}.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -124,9 +132,26 @@ static const struct counter counters[] = {
 #define CORRUPT_FRAMES (NCOUNTERS - 1)
 _Static_assert(NCOUNTERS == 12, "CORRUPT_FRAMES is the last counter");
 
+/* The CUDA IPC gauges of a worker slot, shown apart from the table. */
+struct gauge {
+	const char *key;  /* JSON field */
+	const char *head; /* column header */
+	size_t off;       /* of an _Atomic uint32_t */
+};
+
+#define G32(key, head) { #key, head, offsetof(struct shm_worker, key) }
+static const struct gauge cuda_gauges[] = {
+	G32(cuda_maps_open, "MAPS_OPEN"),
+	G32(cuda_events_open, "EVENTS_OPEN"),
+	G32(cuda_allocs_exported, "ALLOCS_EXPORTED"),
+	G32(cuda_events_exported, "EVENTS_EXPORTED"),
+};
+#define NGAUGES (sizeof(cuda_gauges) / sizeof(cuda_gauges[0]))
+
 /* One worker slot as read once. */
 struct wsnap {
 	uint32_t state, pid, exit_info, agent;
+	uint32_t cuda[NGAUGES];
 	uint64_t hb_age_ns; /* UINT64_MAX: no heartbeat yet */
 	uint64_t val[NCOUNTERS];
 	uint64_t ring_in, ring_out;
@@ -160,9 +185,9 @@ static void usage(FILE *f)
 	fputs("usage: " PROG " [--json | --check | --watch[=SEC]] [JOB]\n"
 	      "       " PROG " [--json] --trace RANK JOB\n"
 	      "With no JOB, lists the live shmrpc jobs of this user; with JOB (the\n"
-	      "launcher's pid), shows its header, worker table, tensor pool and RRef\n"
-	      "table (the live RRefs by state, the 20 oldest with their owner and\n"
-	      "holders), read-only.\n"
+	      "launcher's pid), shows its header, worker table, the CUDA IPC mappings\n"
+	      "and events each worker has open, tensor pool and RRef table (the live\n"
+	      "RRefs by state, the 20 oldest with their owner and holders), read-only.\n"
 	      "  --json     the job as one JSON object (up to 1000 RRefs listed)\n"
 	      "  --check    print \"ok\", or the anomalies found and exit 1: a DEAD\n"
 	      "             worker, corrupt frames, pool references of a dead holder,\n"
@@ -174,10 +199,15 @@ static void usage(FILE *f)
 	      "  --trace RANK  the flight recorder of worker RANK: its last messages\n"
 	      "             and call steps (4096 by default), oldest first, one a line:\n"
 	      "             time in seconds before the newest, kind (sent, received,\n"
-	      "             started, finished, completed), message type, peer rank,\n"
-	      "             message id, payload bytes, status (ok, error, timeout,\n"
-	      "             peer-dead, shutdown, late), and the step's time: waited\n"
-	      "             (queued), ran (started to finished), took (sent to completed)\n"
+	      "             started, finished, completed; pinned, unpinned: a message's\n"
+	      "             tensors handed over, then released; blocked, unblocked: a\n"
+	      "             send waiting for ring space), message type (for pins: the\n"
+	      "             tensors and the message they went with), peer rank,\n"
+	      "             message id, payload bytes (for pins: the tensors'), status\n"
+	      "             (ok, error, timeout, peer-dead, shutdown, late), and the\n"
+	      "             step's time: waited (queued), ran (started to finished),\n"
+	      "             took (sent to completed), held (pinned to unpinned),\n"
+	      "             blocked (blocked to unblocked)\n"
 	      "  --help     this text\n"
 	      "  --version  the shmrpc version\n",
 	      f);
@@ -285,6 +315,10 @@ static void snap_worker(const struct shm_seg *seg, uint32_t rank, uint64_t now, 
 			atomic_load_explicit((const _Atomic uint64_t *)p, memory_order_relaxed) :
 			atomic_load_explicit((const _Atomic uint32_t *)p, memory_order_relaxed);
 	}
+	for (size_t i = 0; i < NGAUGES; i++)
+		s->cuda[i] = atomic_load_explicit(
+			(const _Atomic uint32_t *)((const uint8_t *)w + cuda_gauges[i].off),
+			memory_order_relaxed);
 	s->ring_in = s->ring_out = 0;
 	for (uint32_t peer = 0; peer < seg->world; peer++) {
 		if (peer == rank)
@@ -666,6 +700,39 @@ static int check_rrefs(const struct rref_table *t, const struct wsnap *ws, uint3
 	return found;
 }
 
+static bool cuda_used(const struct wsnap *s)
+{
+	for (size_t i = 0; i < NGAUGES; i++)
+		if (s->cuda[i])
+			return true;
+	return false;
+}
+
+/* The CUDA IPC gauges of the workers that have any open. */
+static void print_cuda_text(const struct shm_seg *seg, const struct wsnap *ws)
+{
+	bool any = false;
+
+	for (uint32_t r = 0; r < seg->world && !any; r++)
+		any = cuda_used(&ws[r]);
+	if (!any) {
+		printf("\ncuda ipc       no mappings, events or exports open\n");
+		return;
+	}
+	printf("\ncuda ipc\n%4s", "RANK");
+	for (size_t i = 0; i < NGAUGES; i++)
+		printf(" %15s", cuda_gauges[i].head);
+	printf("\n");
+	for (uint32_t r = 0; r < seg->world; r++) {
+		if (!cuda_used(&ws[r]))
+			continue;
+		printf("%4u", r);
+		for (size_t i = 0; i < NGAUGES; i++)
+			printf(" %15u", ws[r].cuda[i]);
+		printf("\n");
+	}
+}
+
 static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 {
 	const struct shm_header *h = seg->hdr;
@@ -699,6 +766,7 @@ static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 	for (uint32_t r = 0; r < seg->world; r++)
 		if (ws[r].exit_text[0])
 			printf("rank %u (%s): %s\n", r, printable(ws[r].name, pbuf), ws[r].exit_text);
+	print_cuda_text(seg, ws);
 }
 
 static void json_str(const char *s)
@@ -748,8 +816,11 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 			printf("%.3f", (double)s->hb_age_ns / 1e9);
 		for (size_t i = 0; i < NCOUNTERS; i++)
 			printf(",\"%s\":%llu", counters[i].key, (unsigned long long)s->val[i]);
-		printf(",\"ring_fill_in\":%llu,\"ring_fill_out\":%llu}", (unsigned long long)s->ring_in,
+		printf(",\"ring_fill_in\":%llu,\"ring_fill_out\":%llu", (unsigned long long)s->ring_in,
 		       (unsigned long long)s->ring_out);
+		for (size_t i = 0; i < NGAUGES; i++)
+			printf(",\"%s\":%u", cuda_gauges[i].key, s->cuda[i]);
+		printf("}");
 	}
 	printf("]");
 }
@@ -942,9 +1013,14 @@ static void print_trace_json(const struct shm_seg *seg, uint32_t rank, const str
 			printf("\"%s\"", type);
 		else
 			fputs("null", stdout);
-		printf(",\"type_id\":%u,\"peer\":%u,\"msg_id\":%llu,\"size\":%u,\"status\":\"%s\","
-		       "\"step\":", r->type, r->peer, (unsigned long long)r->msg_id, r->size,
-		       trace_status_name(r->status));
+		printf(",\"type_id\":%u,\"peer\":%u,\"msg_id\":%llu,\"size\":%llu,", r->type,
+		       r->peer, (unsigned long long)r->msg_id, (unsigned long long)r->size);
+		if (trace_is_pin(r->kind))
+			printf("\"tensors\":%u,\"with\":\"%s\",", r->tensors,
+			       r->reply ? "reply" : "request");
+		else
+			fputs("\"tensors\":null,\"with\":null,", stdout);
+		printf("\"status\":\"%s\",\"step\":", trace_status_name(r->status));
 		if (step)
 			printf("\"%s\",\"step_ns\":%llu}", step, (unsigned long long)ns);
 		else

@@ -91,7 +91,7 @@ int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, c
 {
 	struct iovec iov = { (void *)payload, len };
 	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1 };
-	int rc = ipc_port_send(&ag->port, dst, &m, 0);
+	int rc = trace_send(&ag->port, dst, &m); /* ipc_port_send, its waits recorded */
 
 	if (rc == -SHMRPC_EPEERDEAD) {
 		char why[160];

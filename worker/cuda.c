@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "worker/agent.h"
 #include "worker/cuda.h"
 
 /*
@@ -244,6 +245,26 @@ void cuda_stats_get(struct cuda_stats *st)
 	pthread_mutex_unlock(&cu.lock);
 }
 
+/* The gauges of cu.stats into the slot of this process's worker, if an
+ * agent runs, after a change. Caller holds cu.lock: stores of the counts
+ * come in the order of the changes, so the slot ends with the last. */
+static void publish(void)
+{
+	struct agent *ag = worker_agent;
+
+	if (!ag)
+		return;
+	/* Relaxed: gauges, which pair with nothing; shmrpc-inspect reads them
+	 * relaxed and accepts a stale value. */
+	atomic_store_explicit(&ag->self->cuda_maps_open, cu.stats.maps_open, memory_order_relaxed);
+	atomic_store_explicit(&ag->self->cuda_events_open, cu.stats.events_open,
+			      memory_order_relaxed);
+	atomic_store_explicit(&ag->self->cuda_allocs_exported, cu.stats.allocs_exported,
+			      memory_order_relaxed);
+	atomic_store_explicit(&ag->self->cuda_events_exported, cu.stats.events_exported,
+			      memory_order_relaxed);
+}
+
 /* The primary context of a device, retained once for the process's life
  * (as the runtime API and torch do). Caller holds cu.lock. */
 static int primary_ctx(int32_t device, CUcontext *ctx)
@@ -309,6 +330,10 @@ static int export_alloc(CUdeviceptr p, uint64_t id, struct cuda_ipc_desc *d, uin
 		/* The oldest entry goes: an allocation no longer sent costs one
 		 * cuIpcGetMemHandle if it comes back. */
 		a = &cu.allocs[cu.allocs_next++ % HANDLE_CACHE];
+		if (!a->id) {
+			cu.stats.allocs_exported++;
+			publish();
+		}
 		*a = (struct export_alloc){ .id = id, .base = base, .size = sz, .handle = h };
 	}
 	memcpy(d->mem_handle, &a->handle, sizeof(d->mem_handle));
@@ -345,6 +370,8 @@ static int export_event(CUcontext ctx, CUstream s, struct cuda_ipc_desc *d)
 			return cu_fail(r, "cuIpcGetEventHandle");
 		}
 		ring->ev[slot] = ev;
+		cu.stats.events_exported++;
+		publish();
 	}
 	r = cu.cuEventRecord(ring->ev[slot], s);
 	if (r != CUDA_SUCCESS)
@@ -455,6 +482,8 @@ static void unmap(struct import_map *m)
 		pop_ctx();
 	}
 	free(m);
+	cu.stats.maps_open--;
+	publish();
 }
 
 /* fresh is a new allocation of its producer: any other mapping of that
@@ -503,6 +532,9 @@ static int import_map(const struct cuda_ipc_desc *d, struct import_map **out)
 				       d->pid, (int)d->device);
 		}
 		cu.stats.opens++;
+		/* Open from here: unmap closes it, on every path. */
+		cu.stats.maps_open++;
+		publish();
 		/* The mapping's size bounds every descriptor of it. */
 		m->device = d->device;
 		r = cu.cuMemGetAddressRange_v2(&base, &size, m->local);
@@ -553,6 +585,8 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	e->device = d->device;
 	e->next = cu.events;
 	cu.events = e;
+	cu.stats.events_open++;
+	publish();
 	*ev = e->ev;
 	return 0;
 }
@@ -638,6 +672,8 @@ void cuda_forget_peer(uint32_t pid)
 			pop_ctx();
 		}
 		free(e);
+		cu.stats.events_open--;
+		publish();
 	}
 	pthread_mutex_unlock(&cu.lock);
 }

@@ -9,7 +9,7 @@
  * driver types it needs itself, so the build needs no CUDA toolkit either.
  *
  * What is cached, and why. Each cache is in process memory, under one
- * mutex; nothing here is in shared memory.
+ * mutex; only its sizes are in shared memory (the gauges below).
  *  - Producer: the IPC handle, base and size of each allocation, keyed by
  *    the driver's buffer id (unique for the allocation's lifetime, so an
  *    address freed and reused never returns a stale handle):
@@ -65,11 +65,21 @@ struct cuda_ipc_desc {
 _Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 4 * 8 + 2 * 4,
 	       "cuda_ipc_desc is part of the wire format: no padding");
 
+/*
+ * Counters, and gauges: what is open now. The agent's worker slot shows
+ * the gauges to shmrpc-inspect (struct shm_worker's cuda_* fields), stored
+ * at each change while an agent runs in this process; each is the size of
+ * a cache above, so it stays bounded by it.
+ */
 struct cuda_stats {
 	uint64_t opens;             /* receiver: cuIpcOpenMemHandle calls */
 	uint64_t cache_hits;        /* receiver: imports that found the mapping open */
 	uint64_t exports;           /* producer: cuda_export calls that succeeded */
 	uint64_t handle_cache_hits; /* producer: exports that found the handle cached */
+	uint32_t maps_open;         /* receiver: mappings open, idle cached ones too */
+	uint32_t events_open;       /* receiver: producers' events opened */
+	uint32_t allocs_exported;   /* producer: allocations whose IPC handle is cached */
+	uint32_t events_exported;   /* producer: interprocess events made */
 };
 
 /* 0 when a driver and at least one device are present. */

@@ -9,6 +9,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/tensor.h"
+#include "worker/trace.h"
 #include "worker/value.h"
 
 /* The descriptor on the wire (little endian, as the machine). */
@@ -312,6 +313,19 @@ static struct {
 	struct pin *head;
 } pins = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
+/* The pin's handoff as the flight recorder shows it: kind PINNED or
+ * UNPINNED, with its tensors and their bytes. */
+static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
+{
+	uint64_t bytes = 0;
+
+	if (!trace_self.ctl)
+		return;
+	for (uint32_t i = 0; i < pin->held.n; i++)
+		bytes += pin->held.t[i]->nbytes;
+	trace_pins(kind, pin->peer, pin->kind == PIN_REPLY, pin->msg_id, pin->held.n, bytes, status);
+}
+
 int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct tensor_list *sent)
 {
 	struct pin *pin = calloc(1, sizeof(*pin));
@@ -332,6 +346,9 @@ int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct te
 		free(pin);
 		return rc;
 	}
+	/* Before the pin is listed: its release, and so its UNPINNED, cannot
+	 * come first. */
+	trace_pin(pin, SHM_TRACE_PINNED, SHM_TRACE_OK);
 	pthread_mutex_lock(&pins.lock);
 	pin->next = pins.head;
 	pins.head = pin;
@@ -344,6 +361,9 @@ enum pin_match { MATCH_ONE, MATCH_PEER, MATCH_ALL };
 /* Takes out the pins that match; frees them after the lock is dropped. */
 static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum pin_kind kind)
 {
+	static const uint32_t status[] = { [MATCH_ONE] = SHM_TRACE_OK,
+					   [MATCH_PEER] = SHM_TRACE_PEER_DEAD,
+					   [MATCH_ALL] = SHM_TRACE_SHUTDOWN };
 	struct pin **at, *pin, *gone = NULL;
 
 	pthread_mutex_lock(&pins.lock);
@@ -360,6 +380,7 @@ static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum 
 	pthread_mutex_unlock(&pins.lock);
 	while ((pin = gone)) {
 		gone = pin->next;
+		trace_pin(pin, SHM_TRACE_UNPINNED, status[how]);
 		tensor_list_free(&pin->held);
 		free(pin);
 	}

@@ -10,7 +10,8 @@
  *    callee's death);
  *  - a reply's tensors: until the caller's TENSOR_ACK (or the caller's death).
  * A pinned reference of a process that dies goes back with the launcher's
- * sweep of its holder table, like every other reference it held.
+ * sweep of its holder table, like every other reference it held. Each pin
+ * and its release are flight-recorder records (PINNED, UNPINNED).
  */
 #ifndef SHMRPC_WORKER_TENSOR_H
 #define SHMRPC_WORKER_TENSOR_H

@@ -9,6 +9,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "ipc/port.h"
 #include "worker/msg.h"
 #include "worker/trace.h"
 
@@ -29,8 +30,7 @@ void trace_close(void)
 	trace_self = (struct trace_self){ 0 };
 }
 
-void trace_write(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id, size_t size,
-		 uint32_t status)
+void trace_put(uint64_t msg_id, uint64_t info)
 {
 	const struct trace_self *t = &trace_self;
 	uint64_t now = shmrpc_now_ns();
@@ -53,12 +53,44 @@ void trace_write(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id, s
 	atomic_thread_fence(memory_order_release);
 	atomic_store_explicit(&r->msg_id, msg_id, memory_order_relaxed);
 	atomic_store_explicit(&r->time_ns, now, memory_order_relaxed);
-	atomic_store_explicit(&r->info,
-			      SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
-					     size > UINT32_MAX ? UINT32_MAX : size),
-			      memory_order_relaxed);
+	atomic_store_explicit(&r->info, info, memory_order_relaxed);
 	/* Release: the words are visible to whoever sees the even seq. */
 	atomic_store_explicit(&r->seq, 2 * i + 2, memory_order_release);
+}
+
+void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id, uint32_t tensors,
+		uint64_t bytes, uint32_t status)
+{
+	uint32_t field = (uint32_t)bytes;
+
+	if (!trace_self.ctl)
+		return;
+	/* From 2 GiB the KiB, rounded up (saturated): a handoff's size stays
+	 * right to the KiB up to 2 TiB. */
+	if (bytes >= SHM_TRACE_PIN_BYTES_KIB) {
+		uint64_t kib = bytes / 1024u + (bytes % 1024u != 0);
+
+		field = SHM_TRACE_PIN_BYTES_KIB |
+			(uint32_t)(kib < SHM_TRACE_PIN_BYTES_KIB ? kib : SHM_TRACE_PIN_BYTES_KIB - 1);
+	}
+	if (tensors > SHM_TRACE_PIN_MAX_TENSORS)
+		tensors = SHM_TRACE_PIN_MAX_TENSORS;
+	trace_put(msg_id, SHM_TRACE_PIN_INFO(kind, status, reply, tensors, peer, field));
+}
+
+int trace_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
+{
+	int rc = ipc_port_try_send(p, dst, m);
+	size_t len = 0;
+
+	if (rc != -EAGAIN)
+		return rc;
+	for (int i = 0; i < m->iovcnt; i++)
+		len += m->iov[i].iov_len;
+	trace_rec(SHM_TRACE_BLOCKED, dst, m->type, m->msg_id, len, SHM_TRACE_OK);
+	rc = ipc_port_send(p, dst, m, 0);
+	trace_rec(SHM_TRACE_UNBLOCKED, dst, m->type, m->msg_id, len, trace_status_of(rc));
+	return rc;
 }
 
 uint32_t trace_status_of(int err)
@@ -114,11 +146,24 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 		if (atomic_load_explicit(&r->seq, memory_order_relaxed) != want)
 			continue;
 		e->index = i;
-		e->size = SHM_TRACE_SIZE(info);
-		e->peer = SHM_TRACE_PEER(info);
-		e->type = SHM_TRACE_TYPE(info);
 		e->kind = SHM_TRACE_KIND(info);
 		e->status = SHM_TRACE_STATUS(info);
+		if (trace_is_pin(e->kind)) {
+			uint32_t b = SHM_TRACE_SIZE(info);
+
+			e->size = b & SHM_TRACE_PIN_BYTES_KIB
+					  ? (uint64_t)(b & ~SHM_TRACE_PIN_BYTES_KIB) * 1024u : b;
+			e->peer = SHM_TRACE_PIN_PEER(info);
+			e->type = 0;
+			e->tensors = SHM_TRACE_PIN_TENSORS(info);
+			e->reply = SHM_TRACE_PIN_REPLY(info);
+		} else {
+			e->size = SHM_TRACE_SIZE(info);
+			e->peer = SHM_TRACE_PEER(info);
+			e->type = SHM_TRACE_TYPE(info);
+			e->tensors = 0;
+			e->reply = false;
+		}
 		got++;
 	}
 	*head = h;
@@ -128,8 +173,9 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 
 const char *trace_kind_name(uint32_t kind)
 {
-	static const char *const names[] = { "?", "sent", "received", "started", "finished",
-					     "completed" };
+	static const char *const names[] = { "?",        "sent",     "received", "started",
+					     "finished", "completed", "pinned",  "unpinned",
+					     "blocked",  "unblocked" };
 
 	return kind < sizeof(names) / sizeof(names[0]) ? names[kind] : "?";
 }
@@ -157,11 +203,22 @@ const char *trace_step(const struct trace_entry *e, size_t i, uint64_t *ns)
 	case SHM_TRACE_COMPLETED:
 		before = SHM_TRACE_SENT, what = "took";
 		break;
+	case SHM_TRACE_UNPINNED:
+		before = SHM_TRACE_PINNED, what = "held";
+		break;
+	case SHM_TRACE_UNBLOCKED:
+		before = SHM_TRACE_BLOCKED, what = "blocked";
+		break;
 	default:
 		return NULL;
 	}
 	for (size_t j = i; j-- > 0;) {
-		if (e[j].kind == before && e[j].peer == e[i].peer && e[j].msg_id == e[i].msg_id) {
+		/* A request of ours and our reply to the peer's request of the
+		 * same id are two messages: for pins the reply flag tells them
+		 * apart, for blocked sends the message type. */
+		if (e[j].kind == before && e[j].peer == e[i].peer && e[j].msg_id == e[i].msg_id &&
+		    e[j].reply == e[i].reply &&
+		    (before != SHM_TRACE_BLOCKED || e[j].type == e[i].type)) {
 			*ns = e[i].time_ns > e[j].time_ns ? e[i].time_ns - e[j].time_ns : 0;
 			return what;
 		}
@@ -201,11 +258,16 @@ void trace_format(const struct trace_entry *e, size_t i, uint64_t newest_ns, cha
 {
 	const struct trace_entry *r = &e[i];
 	const char *name = worker_msg_name(r->type), *step;
-	char type[16], dur[32] = "";
+	char type[32], dur[32] = "";
 	uint64_t ns;
 	int n;
 
-	if (!name && r->type) {
+	/* A pin has no message type: what it holds, and what it went with. */
+	if (trace_is_pin(r->kind)) {
+		snprintf(type, sizeof(type), "%u tensor%s, %s", r->tensors, r->tensors == 1 ? "" : "s",
+			 r->reply ? "reply" : "request");
+		name = type;
+	} else if (!name && r->type) {
 		snprintf(type, sizeof(type), "%u", r->type);
 		name = type;
 	} else if (!name) {
@@ -217,10 +279,10 @@ void trace_format(const struct trace_entry *e, size_t i, uint64_t newest_ns, cha
 		fmt_ns(ns, dur + at, sizeof(dur) - at);
 	}
 	/* Signed: the newest prints as 0, not -0. */
-	n = snprintf(buf, len, "%10.6f %-9s %-23s %5u %10llu %8u %-9s %s",
+	n = snprintf(buf, len, "%10.6f %-9s %-23s %5u %10llu %8llu %-9s %s",
 		     (double)((int64_t)r->time_ns - (int64_t)newest_ns) / 1e9,
-		     trace_kind_name(r->kind), name, r->peer, (unsigned long long)r->msg_id, r->size,
-		     trace_status_name(r->status), dur);
+		     trace_kind_name(r->kind), name, r->peer, (unsigned long long)r->msg_id,
+		     (unsigned long long)r->size, trace_status_name(r->status), dur);
 	/* No padding at the end of a line without a step. */
 	for (n = n < (int)len ? n : (int)len - 1; n > 0 && buf[n - 1] == ' '; n--)
 		buf[n - 1] = '\0';

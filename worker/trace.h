@@ -15,7 +15,13 @@
  *   FINISHED   send_reply, the reply about to go (ok, or error for an EXCEPTION)
  *   COMPLETED  a call of ours ended: its reply (ok, error, late), a failed
  *              send, a timeout, the callee's death, or shutdown
- * Tensor acks are not recorded: they belong to the call they follow.
+ *   PINNED     pins_add: the tensors of our request or reply handed over
+ *              (how many, their bytes), pinned until the receiver has them
+ *   UNPINNED   release_if: those pins released by the reply or TENSOR_ACK
+ *              (ok), the receiver's death, or the agent's end
+ *   BLOCKED    trace_send: a send found its ring full and waits for space
+ *   UNBLOCKED  trace_send: that wait ended
+ * TENSOR_ACK frames themselves are not recorded: the UNPINNED they cause is.
  */
 #ifndef SHMRPC_WORKER_TRACE_H
 #define SHMRPC_WORKER_TRACE_H
@@ -40,16 +46,31 @@ SHMRPC_HIDDEN extern struct trace_self trace_self;
 SHMRPC_HIDDEN void trace_open(const struct shm_seg *seg, uint32_t rank);
 SHMRPC_HIDDEN void trace_close(void);
 
-SHMRPC_HIDDEN void trace_write(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
-			       size_t size, uint32_t status);
+/* Claims and writes one record (recording is on). */
+SHMRPC_HIDDEN void trace_put(uint64_t msg_id, uint64_t info);
 
-/* Records one step (SHM_TRACE_* kind and status). */
+/* Records one step (SHM_TRACE_* kind and status); type and size saturate. */
 static inline void trace_rec(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
 			     size_t size, uint32_t status)
 {
 	if (trace_self.ctl)
-		trace_write(kind, peer, type, msg_id, size, status);
+		trace_put(msg_id, SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
+						 size > UINT32_MAX ? UINT32_MAX : size));
 }
+
+/* Records PINNED or UNPINNED of the pins of one message to peer: our
+ * request msg_id, or (reply) our reply to its request msg_id, which
+ * carries `tensors` tensors of `bytes` in all. */
+SHMRPC_HIDDEN void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id,
+			      uint32_t tensors, uint64_t bytes, uint32_t status);
+
+/* ipc_port_send without a timeout, for a thread that may block (not the
+ * loop thread): when the ring to dst is full, the wait for space is
+ * recorded, BLOCKED before and UNBLOCKED after. A frame that fits costs
+ * what ipc_port_send costs: one try, no clock read. */
+struct ipc_port;
+struct ipc_msg;
+SHMRPC_HIDDEN int trace_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
 
 /* The status of a call that ended with error err (0: ok). */
 SHMRPC_HIDDEN uint32_t trace_status_of(int err);
@@ -63,7 +84,12 @@ struct trace_entry {
 	uint64_t index; /* the record's number in the worker's life, from 0 */
 	uint64_t msg_id;
 	uint64_t time_ns;
-	uint32_t size, peer, type, kind, status;
+	/* Payload bytes; PINNED, UNPINNED: the tensors' bytes (to the KiB
+	 * from 2 GiB). */
+	uint64_t size;
+	uint32_t peer, type, kind, status;
+	uint32_t tensors; /* PINNED, UNPINNED: how many (saturated); else 0 */
+	bool reply;       /* PINNED, UNPINNED: they went with our reply, not our request */
 };
 
 /*
@@ -79,10 +105,17 @@ SHMRPC_HIDDEN size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t
 SHMRPC_HIDDEN const char *trace_kind_name(uint32_t kind);
 /* "ok", "error", "timeout", "peer-dead", "shutdown", "late"; "?" otherwise. */
 SHMRPC_HIDDEN const char *trace_status_name(uint32_t status);
+/* True for PINNED and UNPINNED, whose type is none and size the tensors'. */
+static inline bool trace_is_pin(uint32_t kind)
+{
+	return kind == SHM_TRACE_PINNED || kind == SHM_TRACE_UNPINNED;
+}
 /* The time from the previous step of e[i]'s call (the same peer and id
  * in e[0..i)) to e[i], in *ns, and its name: "waited" (received to
- * started), "ran" (started to finished), "took" (sent to completed).
- * NULL when that step is not in e[0..i), or e[i] follows no step. */
+ * started), "ran" (started to finished), "took" (sent to completed),
+ * "held" (pinned to unpinned, the same message), "blocked" (blocked to
+ * unblocked, the same type). NULL when that step is not in e[0..i), or
+ * e[i] follows no step. */
 SHMRPC_HIDDEN const char *trace_step(const struct trace_entry *e, size_t i, uint64_t *ns);
 /* The newest time among e[0..n). */
 SHMRPC_HIDDEN uint64_t trace_newest_ns(const struct trace_entry *e, size_t n);
