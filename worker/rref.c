@@ -7,6 +7,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -871,12 +872,38 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 	return rc < 0 ? rc : 0;
 }
 
+struct look {
+	struct rref_table *t;
+	uint32_t slot;
+	uint64_t id;
+	int st;
+};
+
+/* One look at the entry: a deadline already passed never sleeps. */
+static bool looked_settled(void *arg)
+{
+	struct look *l = arg;
+
+	l->st = rref_wait(l->t, l->slot, l->id, 1);
+	return l->st != -ETIMEDOUT;
+}
+
 /* Waits for id to leave PENDING: on an executor thread it serves queued
- * jobs meanwhile (the owner's run of the value may be one of them). */
+ * jobs meanwhile (the owner's run of the value may be one of them);
+ * elsewhere it spins first as long as a hand-off does (spin mode), since
+ * the owner's store wakes a futex sleeper only with a syscall. */
 static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
-	if (!executor_on_worker_thread())
+	if (!executor_on_worker_thread()) {
+		struct look l = { &ag->rrefs, slot, id, 0 };
+		uint64_t budget = worker_handoff_spin_ns, now = shmrpc_now_ns();
+
+		if (deadline_ns && budget > (deadline_ns > now ? deadline_ns - now : 0))
+			budget = deadline_ns > now ? deadline_ns - now : 0;
+		if (budget && shmrpc_spin_until(looked_settled, &l, budget))
+			return l.st;
 		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	}
 	for (;;) {
 		uint64_t now = shmrpc_now_ns();
 		/* A look first (a deadline already passed does not sleep). */
