@@ -4,6 +4,7 @@
  *   BENCH rref_remote_to_here value=empty median_ns= p99_ns= rpc_sync_ns= vs_rpc_sync= vs_torch=
  *   BENCH rref_remote_to_here value=1MiB_tensor (the same fields)
  *   BENCH rref_proxy_rpc_sync (the same fields)
+ *   BENCH rref_remote_to_here value=empty mode=spin (the same fields)
  *   BENCH rref_remote_to_here value=empty fetch=message (the same fields)
  * remote_to_here is shmrpc_remote + shmrpc_rref_to_here + shmrpc_rref_free
  * of a function returning nil, or a 1 MiB float32 tensor made once in the
@@ -14,8 +15,10 @@
  * median); vs_rpc_sync divides by it (the target is at most 2). vs_torch
  * divides by torch.distributed.rpc doing the same (bench/torch_rref.py,
  * measured earlier in the same `make bench` run and passed in the file
- * named by SHMRPC_BENCH_PEERS; the target is at most 1/200). The last line
- * is a second job with SHMRPC_RREF_FETCH=message, where to_here() asks the
+ * named by SHMRPC_BENCH_PEERS; the target is at most 1/200). mode=spin is
+ * a second job in spin mode (shmrun --wait=spin: threads spin at their
+ * hand-offs, and a waiting caller polls the rings). The last line
+ * is a third job with SHMRPC_RREF_FETCH=message, where to_here() asks the
  * owner instead of reading the shared RRef table, so that the table's
  * saving shows. -q: fewer round trips.
  */
@@ -195,13 +198,18 @@ static void report(const char *what, const struct op *op, int n, const char *pee
 	fflush(stdout);
 }
 
-static void measure(bool by_message, bool quick)
+static void measure(bool by_message, bool spin, bool quick)
 {
 	const struct op empty_op = { REMOTE_TO_HERE, "empty", SHMRPC_NIL, NULL };
 	int n = quick ? 1000 : 10000;
 
 	if (by_message) {
 		report("rref_remote_to_here value=empty fetch=message", &empty_op, n,
+		       "torch_rref_remote_to_here", "value=empty ");
+		return;
+	}
+	if (spin) {
+		report("rref_remote_to_here value=empty mode=spin", &empty_op, n,
 		       "torch_rref_remote_to_here", "value=empty ");
 		return;
 	}
@@ -225,7 +233,7 @@ static void measure(bool by_message, bool quick)
 
 static int worker(bool quick)
 {
-	const char *fetch = getenv("SHMRPC_RREF_FETCH");
+	const char *fetch = getenv("SHMRPC_RREF_FETCH"), *mode = getenv("SHMRPC_WAIT");
 
 	if (shmrpc_register("empty", "", empty, NULL) || shmrpc_register("seven", "", seven, NULL) ||
 	    shmrpc_register("get", "i", get, NULL) || shmrpc_register("tensor", "", tensor, NULL))
@@ -233,7 +241,7 @@ static int worker(bool quick)
 	if (shmrpc_init(NULL))
 		die("init");
 	if (shmrpc_rank() == 0)
-		measure(fetch && !strcmp(fetch, "message"), quick);
+		measure(fetch && !strcmp(fetch, "message"), mode && !strcmp(mode, "spin"), quick);
 	fflush(stdout);
 	if (shmrpc_shutdown(1, 60000))
 		die("shutdown");
@@ -249,7 +257,10 @@ int main(int argc, char **argv)
 	unsetenv("SHMRPC_RREF_FETCH"); /* the first job reads the table */
 	if (bench_run_self("-n 2 --quiet", quick))
 		return 1;
-	/* The workers inherit it: to_here() by message for the second job. */
+	/* The third job spins at its hand-offs (rpc_sync there is too). */
+	if (bench_run_self("-n 2 --quiet --wait=spin", quick))
+		return 1;
+	/* The workers inherit it: to_here() by message for the last job. */
 	setenv("SHMRPC_RREF_FETCH", "message", 1);
 	return bench_run_self("-n 2 --quiet", quick);
 }

@@ -249,7 +249,8 @@ int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
 		struct ipc_ring *r = &p->in[src];
 		int got = 0;
 
-		if (src == p->rank || p->in_broken[src])
+		/* Relaxed: only the poller (poll lock) stores it. */
+		if (src == p->rank || atomic_load_explicit(&p->in_broken[src], memory_order_relaxed))
 			continue;
 		while (n < max) {
 			const uint8_t *rec;
@@ -260,7 +261,8 @@ int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
 			if (rc == 0)
 				break;
 			if (rc < 0) {
-				p->in_broken[src] = true;
+				/* Relaxed: has_input only skips the ring sooner or later. */
+				atomic_store_explicit(&p->in_broken[src], true, memory_order_relaxed);
 				shmrpc__fail(rc, "the ring from worker %u is corrupt and is no longer read",
 					     src);
 				report(p);
@@ -291,10 +293,10 @@ int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
 static bool has_input(struct ipc_port *p)
 {
 	for (uint32_t src = 0; src < p->world; src++) {
-		if (src == p->rank || p->in_broken[src])
+		/* Relaxed: set once by the poller; a late sight only delays the skip. */
+		if (src == p->rank || atomic_load_explicit(&p->in_broken[src], memory_order_relaxed))
 			continue;
-		/* Acquire pairs with the producer's release of tail. */
-		if (atomic_load_explicit(&p->in[src].ctl->tail, memory_order_acquire) != p->in[src].pos)
+		if (ipc_ring_unreleased(&p->in[src]))
 			return true;
 	}
 	return false;

@@ -2,10 +2,13 @@
  * A worker's port: its view of the job's rings (one outgoing ring towards
  * each peer, one incoming ring from each), its doorbell and its waiter.
  *
- * Threads. One thread (the loop thread) polls the incoming rings and
- * waits with ipc_port_wait; it must never block in a send, or two workers
- * whose rings towards each other are full would wait on each other for
- * ever: it uses ipc_port_try_send, or hands the send to another thread.
+ * Threads. One thread (the loop thread) waits with ipc_port_wait; it
+ * must never block in a send, or two workers whose rings towards each
+ * other are full would wait on each other for ever: it uses
+ * ipc_port_try_send, or hands the send to another thread. ipc_port_poll
+ * may be called by any thread, one at a time (the caller serialises it):
+ * the loop thread, or a thread spinning meanwhile; ipc_port_wait's checks
+ * read only the rings' shared words, so they may run beside a poll.
  * Any other thread may use ipc_port_send, which waits for ring space;
  * sends towards one peer are serialised by a lock of this process.
  */
@@ -41,7 +44,7 @@ struct ipc_port {
 	struct ipc_ring *out; /* [world], towards each peer */
 	struct ipc_ring *in;  /* [world], from each peer */
 	pthread_mutex_t *out_lock;
-	bool *in_broken; /* a ring whose shared state went bad is not read again */
+	_Atomic bool *in_broken; /* a ring whose shared state went bad is not read again */
 	uint32_t next_src;
 	/* Loop thread: the doorbell as it was before ipc_port_want_space set
 	 * a flag; the next ipc_port_wait compares with it, since the consumer
@@ -68,7 +71,7 @@ SHMRPC_HIDDEN int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const stru
 SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 				uint64_t timeout_ns);
 
-/* Loop thread: hands up to max frames to fn (their payload valid during the
+/* One thread at a time: hands up to max frames to fn (their payload valid during the
  * call only); returns how many records were taken, corrupt ones included. */
 SHMRPC_HIDDEN int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max);
 /* Loop thread: asks to be woken when a frame of len payload bytes fits

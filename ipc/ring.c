@@ -160,6 +160,14 @@ void ipc_ring_consume(struct ipc_ring *r, uint32_t len)
 	r->pos += rec_bytes(len);
 }
 
+bool ipc_ring_unreleased(const struct ipc_ring *r)
+{
+	/* Acquire pairs with the producer's release of tail; relaxed for head,
+	 * our own process's store: a stale one only says "yes" too soon. */
+	return atomic_load_explicit(&r->ctl->tail, memory_order_acquire) !=
+	       atomic_load_explicit(&r->ctl->head, memory_order_relaxed);
+}
+
 bool ipc_ring_release(struct ipc_ring *r)
 {
 	/* Release pairs with the producer's acquire of head: we are done

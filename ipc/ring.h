@@ -61,6 +61,11 @@ SHMRPC_HIDDEN void ipc_ring_wait_space_done(struct ipc_ring *r);
 SHMRPC_HIDDEN int ipc_ring_peek(struct ipc_ring *r, const uint8_t **rec, uint32_t *len);
 SHMRPC_HIDDEN void ipc_ring_consume(struct ipc_ring *r, uint32_t len);
 SHMRPC_HIDDEN bool ipc_ring_release(struct ipc_ring *r);
+/* Consumer side, from any thread of the consumer's process: whether the
+ * ring holds records not yet released (consumed by a poll in progress, or
+ * not at all). Reads only the shared words, never the consumer's cursor,
+ * which the thread polling may be moving. */
+SHMRPC_HIDDEN bool ipc_ring_unreleased(const struct ipc_ring *r);
 
 /* Bytes published and not yet consumed, as seen now (for inspectors). */
 SHMRPC_HIDDEN uint64_t ipc_ring_fill(const struct shm_ring_ctl *ctl);

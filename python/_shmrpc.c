@@ -5,11 +5,11 @@
  * It moves bytes, never Python objects: shmrpc/__init__.py pickles a call
  * (function by reference, args, kwargs) and this module sends it as a
  * PYTHON_CALL or PYTHON_REMOTE_CALL, or inside a distributed autograd
- * context as a FORWARD_AUTOGRAD_REQ; shmrpc/autograd.py's backward, cleanup
- * and RRef.backward go as their own request types (worker/python.h). On the
- * callee an executor thread takes the GIL and hands the bytes, the type and
- * the autograd metadata to the Python handler (shmrpc._run_function), whose
- * pickled result comes back as bytes.
+ * context as a FORWARD_AUTOGRAD_REQ wrapping one; shmrpc/autograd.py's
+ * backward, cleanup and RRef.backward go as their own request types
+ * (worker/python.h). On the callee an executor thread takes the GIL and
+ * hands the bytes, the type and the autograd metadata to the Python handler
+ * (shmrpc._run_function), whose pickled result comes back as bytes.
  *
  * The GIL: released around everything that waits (init's barrier, a
  * future, to_here, shutdown), taken by executor threads only to run the
@@ -703,7 +703,7 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
  * the other arguments each one carries). */
 static PyObject *mod_call(PyObject *m, PyObject *args)
 {
-	struct python_request rq = { .type = MSG_PYTHON_CALL };
+	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL };
 	shmrpc_future *f = NULL;
 	PyObject *pickled, *rrefs, *tensors;
 	const char *kind = NULL, *fn = NULL;
@@ -725,23 +725,30 @@ static PyObject *mod_call(PyObject *m, PyObject *args)
 	return rc ? fail(rc) : future_wrap(f);
 }
 
-/* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None) -> RRef */
+/* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None,
+ * type=PYTHON_REMOTE_CALL, context_id=-1, message_id=0) -> RRef; type is
+ * PYTHON_REMOTE_CALL or, inside a distributed autograd context (context_id,
+ * message_id), FORWARD_AUTOGRAD_REQ wrapping one. */
 static PyObject *mod_remote(PyObject *m, PyObject *args)
 {
+	struct python_request rq = { .type = MSG_PYTHON_REMOTE_CALL,
+				     .wrapped = MSG_PYTHON_REMOTE_CALL };
 	shmrpc_rref *r = NULL;
-	struct python_msg msg;
 	PyObject *pickled, *rrefs, *tensors;
 	const char *fn = NULL;
-	long long timeout;
+	long long timeout, context_id = -1, message_id = 0;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL|z", &dst, &pickled, &rrefs, &tensors, &timeout, &fn) ||
-	    msg_from_py(pickled, rrefs, tensors, &msg))
+	if (!PyArg_ParseTuple(args, "iSOOL|zHLL", &dst, &pickled, &rrefs, &tensors, &timeout, &fn,
+			      &rq.type, &context_id, &message_id) ||
+	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
 		return NULL;
+	rq.context_id = (int64_t)context_id;
+	rq.message_id = (int64_t)message_id;
 	profile_name_next("rpc_remote", fn);
-	rc = python_remote(dst, &msg, (int64_t)timeout, &r);
-	msg_free(&msg);
+	rc = python_remote(dst, &rq, (int64_t)timeout, &r);
+	msg_free(&rq.msg);
 	return rc ? fail(rc) : rref_wrap(r);
 }
 
@@ -902,13 +909,13 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 #undef GAUGE
 }
 
-/* The request types call() sends. */
-static const uint16_t call_types[] = { MSG_PYTHON_CALL, MSG_FORWARD_AUTOGRAD_REQ,
-				       MSG_BACKWARD_AUTOGRAD_REQ, MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ,
-				       MSG_RREF_BACKWARD_REQ };
+/* The request types call() and remote() send. */
+static const uint16_t call_types[] = { MSG_PYTHON_CALL, MSG_PYTHON_REMOTE_CALL,
+				       MSG_FORWARD_AUTOGRAD_REQ, MSG_BACKWARD_AUTOGRAD_REQ,
+				       MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ, MSG_RREF_BACKWARD_REQ };
 
-/* sent_counts() -> {type name: int}: the requests call() sent, by message
- * type (for tests: which types autograd's traffic used). */
+/* sent_counts() -> {type name: int}: the requests call() and remote() sent,
+ * by message type (for tests: which types autograd's traffic used). */
 static PyObject *mod_sent_counts(PyObject *m, PyObject *unused)
 {
 	PyObject *counts = PyDict_New();
@@ -943,7 +950,8 @@ static PyMethodDef mod_methods[] = {
 	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
 	  "message_id, retain_graph) -> Future" },
 	{ "remote", mod_remote, METH_VARARGS,
-	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms) -> RRef" },
+	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn, type, context_id, "
+	  "message_id) -> RRef" },
 	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
@@ -960,7 +968,7 @@ static int add_types(PyObject *m)
 	for (size_t i = 0; i < sizeof(call_types) / sizeof(call_types[0]); i++)
 		if (PyModule_AddIntConstant(m, worker_msg_name(call_types[i]), call_types[i]))
 			return -1;
-	return PyModule_AddIntConstant(m, "PYTHON_REMOTE_CALL", MSG_PYTHON_REMOTE_CALL);
+	return 0;
 }
 
 PyMODINIT_FUNC PyInit__shmrpc(void);

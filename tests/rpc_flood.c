@@ -44,5 +44,8 @@ static int worker(void)
 
 int main(void)
 {
-	return tl_job_test(worker, "-n", "2", NULL);
+	if (tl_is_worker())
+		return worker();
+	/* Spin mode: waiting callers and idle executors poll the rings too. */
+	return tl_job_test(worker, "-n", "2", NULL) ?: tl_job_test(worker, "-n", "2", "--wait=spin", NULL);
 }

@@ -117,6 +117,16 @@ static int raw_worker(void)
 	r = ask(&port, MSG_SCRIPT_REMOTE_CALL, 11, "\x92\x05\x03\x92\xa3one\x90", 9);
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "that is not ours in the RRef table"),
 	      "remote call for no RRef: type %u \"%s\"", r.type, r.text);
+	/* [context 1, message 2, PYTHON_REMOTE_CALL, [id 5, slot 3], [b"", [], []]] */
+	r = ask(&port, MSG_FORWARD_AUTOGRAD_REQ, 30, "\x95\x01\x02\x06\x92\x05\x03\x93\xc4\x00\x90\x90", 12);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "that is not ours in the RRef table"),
+	      "wrapped remote call for no RRef: type %u \"%s\"", r.type, r.text);
+	r = ask(&port, MSG_FORWARD_AUTOGRAD_REQ, 31, "\x94\x01\x02\x06\xc0", 5);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed FORWARD_AUTOGRAD_REQ"),
+	      "wrapped remote call without RRef: type %u \"%s\"", r.type, r.text);
+	r = ask(&port, MSG_FORWARD_AUTOGRAD_REQ, 32, "\x94\x01\x02\x07\xc0", 5);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "malformed FORWARD_AUTOGRAD_REQ"),
+	      "a request wrapping a reply: type %u \"%s\"", r.type, r.text);
 	r = ask(&port, MSG_SCRIPT_RREF_FETCH_CALL, 12, "\x92\x05\xce\xff\xff\xff\x00", 7);
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "does not own"), "fetch of no RRef: \"%s\"",
 	      r.text);

@@ -117,6 +117,19 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 		client_on_reply(ag, f);
 }
 
+int agent_poll(struct agent *ag)
+{
+	int n;
+
+	if (pthread_mutex_trylock(&ag->poll_lock))
+		return 0;
+	executor_batch_begin();
+	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
+	executor_batch_end();
+	pthread_mutex_unlock(&ag->poll_lock);
+	return n;
+}
+
 struct collect_job {
 	struct job base;
 	struct agent *ag;
@@ -206,9 +219,7 @@ static void *loop_main(void *arg)
 		uint64_t now, next, sleep_ns;
 		int n;
 
-		executor_batch_begin();
-		n = ipc_port_poll(&ag->port, on_frame, ag, 256);
-		executor_batch_end();
+		n = agent_poll(ag);
 		now = shmrpc_now_ns();
 
 		settle_deaths(ag, now);
@@ -363,6 +374,7 @@ static void agent_free(struct agent *ag)
 		shm_seg_detach(&ag->seg);
 	free(ag->dying_since);
 	free(ag->gone);
+	pthread_mutex_destroy(&ag->poll_lock);
 	free(ag);
 }
 
@@ -403,6 +415,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 				    SHM_NAME_MAX - 1);
 	if (!(ag = calloc(1, sizeof(*ag))))
 		return shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
+	pthread_mutex_init(&ag->poll_lock, NULL);
 	rc = shm_seg_attach_env(&ag->seg);
 	if (rc)
 		goto fail;
@@ -453,6 +466,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	if (rc)
 		goto fail_exec;
 	worker_agent = ag;
+	executor_poll_rings(ag);
 	rc = pthread_create(&ag->loop, NULL, loop_main, ag);
 	if (rc) {
 		worker_agent = NULL;

@@ -10,6 +10,12 @@
  *  - executor threads run requests and callbacks and send replies.
  *  - user threads call rpc_sync / rpc_async, which send from the calling
  *    thread (ipc_port_send waits for ring space).
+ * A thread that spins at a hand-off (worker_handoff_spin_ns: spin mode)
+ * polls the rings itself while it spins (agent_poll): a waiting caller
+ * then takes its own reply, an idle executor its next request, and a call
+ * crosses two threads instead of four. Whoever polls does what the loop
+ * thread would (on_frame: queue requests, complete futures); one at a
+ * time, by poll_lock, because each ring has one consumer.
  */
 #ifndef SHMRPC_WORKER_AGENT_H
 #define SHMRPC_WORKER_AGENT_H
@@ -42,6 +48,7 @@ struct agent {
 	struct shm_worker *self;
 	uint64_t default_timeout_ns; /* 0: none */
 	pthread_t loop;
+	pthread_mutex_t poll_lock; /* held by whoever consumes the incoming rings */
 	_Atomic bool stop;
 	/* Loop thread only: peers whose death was seen, and since when (ns;
 	 * 0 once their calls were failed). */
@@ -59,6 +66,10 @@ SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
 
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
+
+/* Takes what the incoming rings hold, unless another thread is at it;
+ * returns how many frames. Any thread; never sends, never runs user code. */
+SHMRPC_HIDDEN int agent_poll(struct agent *ag);
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);

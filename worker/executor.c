@@ -26,6 +26,7 @@ static struct {
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
 	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
+	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
 	struct shm_worker *gauges;
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
@@ -86,12 +87,21 @@ static bool run_next(void)
 	return true;
 }
 
+/* An idle spinning thread takes requests off the rings itself (agent.h):
+ * what it queues, it runs next (push wakes no one while it is awake). */
 static bool spin_work(void *arg)
 {
 	(void)arg;
 	/* Relaxed: only hints to stop spinning; the lock orders the queue. */
-	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
-	       atomic_load_explicit(&ex.stop, memory_order_relaxed);
+	if (atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
+	    atomic_load_explicit(&ex.stop, memory_order_relaxed))
+		return true;
+	/* Acquire pairs with the release in executor_poll_rings. */
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+
+	if (ag)
+		agent_poll(ag);
+	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
 static void *thread_main(void *arg)
@@ -161,6 +171,8 @@ void executor_stop(void)
 	free(ex.threads);
 	ex.threads = NULL;
 	ex.nthreads = 0;
+	/* Relaxed: no thread is left to read it. */
+	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_relaxed);
 	pthread_cond_destroy(&ex.cond);
 }
 
@@ -250,6 +262,12 @@ void executor_kick(void)
 	pthread_mutex_lock(&ex.lock);
 	pthread_cond_broadcast(&ex.cond);
 	pthread_mutex_unlock(&ex.lock);
+}
+
+void executor_poll_rings(struct agent *ag)
+{
+	/* Release: the agent is complete before a spinner uses it. */
+	atomic_store_explicit(&ex.poll_agent, ag, memory_order_release);
 }
 
 bool executor_on_worker_thread(void)

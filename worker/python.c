@@ -101,9 +101,18 @@ uint16_t python_reply_type(uint16_t type)
 	}
 }
 
+/* Whether a FORWARD_AUTOGRAD_REQ / _RESP (type) may wrap a message of type
+ * wrapped: the Python package's calls and their replies. */
+static bool wraps(uint16_t type, int64_t wrapped)
+{
+	if (type == MSG_FORWARD_AUTOGRAD_REQ)
+		return wrapped == MSG_PYTHON_CALL || wrapped == MSG_PYTHON_REMOTE_CALL;
+	return wrapped == MSG_PYTHON_RET || wrapped == MSG_REMOTE_RET;
+}
+
 int python_request_value(const struct python_request *r, struct arena *a, shmrpc_value *out)
 {
-	shmrpc_value *items = arena_alloc(a, 4 * sizeof(*items)), msg;
+	shmrpc_value *items = arena_alloc(a, 5 * sizeof(*items)), *rref, msg;
 	uint32_t n = 0;
 	int rc;
 
@@ -112,13 +121,27 @@ int python_request_value(const struct python_request *r, struct arena *a, shmrpc
 	switch (r->type) {
 	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_FORWARD_AUTOGRAD_RESP:
-		/* [context_id, message_id, wrapped type, wrapped payload] */
-		if ((rc = python_msg_value(&r->msg, a, &msg)))
-			return rc;
+		/* [context_id, message_id, wrapped type, the wrapped payload's
+		 * values]: PYTHON_REMOTE_CALL's are two, REMOTE_RET's nil. */
+		if (!wraps(r->type, r->wrapped))
+			return shmrpc__fail(-EINVAL, "%s cannot wrap a %s", worker_msg_name(r->type),
+					    worker_msg_name(r->wrapped) ?: "message of no known type");
 		items[n++] = shmrpc_int(r->context_id);
 		items[n++] = shmrpc_int(r->message_id);
-		items[n++] = shmrpc_int(r->type == MSG_FORWARD_AUTOGRAD_REQ ? MSG_PYTHON_CALL
-									    : MSG_PYTHON_RET);
+		items[n++] = shmrpc_int(r->wrapped);
+		if (r->wrapped == MSG_REMOTE_RET) {
+			items[n++] = shmrpc_nil();
+			break;
+		}
+		if (r->wrapped == MSG_PYTHON_REMOTE_CALL) {
+			if (!(rref = arena_alloc(a, 2 * sizeof(*rref))))
+				return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
+			rref[0] = shmrpc_int((int64_t)r->rref_id);
+			rref[1] = shmrpc_int(r->rref_slot);
+			items[n++] = shmrpc_list(rref, 2);
+		}
+		if ((rc = python_msg_value(&r->msg, a, &msg)))
+			return rc;
 		items[n++] = msg;
 		break;
 	case MSG_BACKWARD_AUTOGRAD_REQ:
@@ -164,6 +187,19 @@ static bool wire_id(const shmrpc_value *v, int64_t *id)
 	return true;
 }
 
+/* A PYTHON_REMOTE_CALL's header [rref_id, slot] into r. */
+static bool rref_header_of(const shmrpc_value *v, struct python_request *r)
+{
+	const shmrpc_value *it = v->u.items;
+
+	if (v->type != SHMRPC_LIST || v->len != 2 || it[0].type != SHMRPC_INT ||
+	    it[1].type != SHMRPC_INT || it[1].u.i < 0 || it[1].u.i > UINT32_MAX)
+		return false;
+	r->rref_id = (uint64_t)it[0].u.i;
+	r->rref_slot = (uint32_t)it[1].u.i;
+	return true;
+}
+
 int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 		      struct python_request *r)
 {
@@ -175,11 +211,18 @@ int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 	switch (type) {
 	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_FORWARD_AUTOGRAD_RESP:
-		if (v->type != SHMRPC_LIST || v->len != 4 || !wire_id(&it[0], &r->context_id) ||
+		if (v->type != SHMRPC_LIST || v->len < 4 || !wire_id(&it[0], &r->context_id) ||
 		    !wire_id(&it[1], &r->message_id) || it[2].type != SHMRPC_INT ||
-		    it[2].u.i != (type == MSG_FORWARD_AUTOGRAD_REQ ? MSG_PYTHON_CALL : MSG_PYTHON_RET))
+		    !wraps(type, it[2].u.i))
 			break;
-		return python_msg_of(&it[3], a, &r->msg);
+		r->wrapped = (uint16_t)it[2].u.i;
+		if (r->wrapped == MSG_PYTHON_REMOTE_CALL && v->len == 5 && rref_header_of(&it[3], r))
+			return python_msg_of(&it[4], a, &r->msg);
+		if (r->wrapped == MSG_REMOTE_RET && v->len == 4 && it[3].type == SHMRPC_NIL)
+			return 0;
+		if ((r->wrapped == MSG_PYTHON_CALL || r->wrapped == MSG_PYTHON_RET) && v->len == 4)
+			return python_msg_of(&it[3], a, &r->msg);
+		break;
 	case MSG_BACKWARD_AUTOGRAD_REQ:
 		if (v->type != SHMRPC_LIST || v->len != 3 || !wire_id(&it[0], &r->context_id) ||
 		    !wire_id(&it[1], &r->message_id))
@@ -233,6 +276,21 @@ uint64_t python_sent(uint16_t type)
 				   : 0;
 }
 
+void python_count_sent(uint16_t type)
+{
+	if (type < MSG_TYPE_END)
+		atomic_fetch_add_explicit(&sent_count[type], 1, memory_order_relaxed);
+}
+
+/* As the receiver would (wire_id), in torch's words. */
+static int context_check(const struct python_request *r)
+{
+	if (r->context_id < 0)
+		return shmrpc__fail(-EINVAL, "Could not find autograd context with id: %lld",
+				    (long long)r->context_id);
+	return 0;
+}
+
 int python_request_async(int dst, const struct python_request *r, int64_t timeout_ms,
 			 shmrpc_future **out)
 {
@@ -250,7 +308,13 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call init_rpc first");
 	switch (r->type) {
 	case MSG_PYTHON_CALL:
+		what = "call a Python function";
+		break;
 	case MSG_FORWARD_AUTOGRAD_REQ:
+		/* A remote call's RRef is made with its request: python_remote. */
+		if (r->wrapped != MSG_PYTHON_CALL)
+			return shmrpc__fail(-EINVAL, "python_request_async sends a FORWARD_AUTOGRAD_REQ "
+					    "wrapping a PYTHON_CALL only");
 		what = "call a Python function";
 		break;
 	case MSG_BACKWARD_AUTOGRAD_REQ:
@@ -266,10 +330,8 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 		return shmrpc__fail(-EINVAL, "the Python package sends no request of type %u",
 				    r->type);
 	}
-	/* As the receiver would (wire_id), in torch's words. */
-	if (r->type != MSG_PYTHON_CALL && r->context_id < 0)
-		return shmrpc__fail(-EINVAL, "Could not find autograd context with id: %lld",
-				    (long long)r->context_id);
+	if (r->type != MSG_PYTHON_CALL && (rc = context_check(r)))
+		return rc;
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	rc = python_request_value(r, &a, &v) ?: value_pack(&pk, &v, &sent);
@@ -278,8 +340,41 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 	else
 		rc = client_request(ag, dst, r->type, &sb, &sent, timeout_ms, what, out);
 	if (rc == 0)
-		atomic_fetch_add_explicit(&sent_count[r->type], 1, memory_order_relaxed);
+		python_count_sent(r->type);
 	msgpack_sbuffer_destroy(&sb);
+	arena_free(&a);
+	return rc;
+}
+
+int python_remote_pack(msgpack_packer *pk, const struct python_request *r, uint64_t id,
+		       uint32_t slot, struct tensor_list *sent)
+{
+	struct python_request wrapper = *r;
+	struct arena a = { 0 };
+	shmrpc_value v;
+	int rc;
+
+	switch (r->type) {
+	case MSG_PYTHON_REMOTE_CALL:
+		/* [rref_id, slot], then the call */
+		if (msgpack_pack_array(pk, 2) || msgpack_pack_uint64(pk, id) ||
+		    msgpack_pack_uint32(pk, slot))
+			return shmrpc__fail(-ENOMEM, "out of memory encoding a remote call");
+		rc = python_msg_value(&r->msg, &a, &v);
+		break;
+	case MSG_FORWARD_AUTOGRAD_REQ:
+		if (r->wrapped != MSG_PYTHON_REMOTE_CALL)
+			return shmrpc__fail(-EINVAL, "remote() sends a FORWARD_AUTOGRAD_REQ wrapping a "
+					    "PYTHON_REMOTE_CALL only");
+		wrapper.rref_id = id;
+		wrapper.rref_slot = slot;
+		rc = context_check(r) ?: python_request_value(&wrapper, &a, &v);
+		break;
+	default:
+		return shmrpc__fail(-EINVAL, "remote() sends no request of type %u", r->type);
+	}
+	if (rc == 0)
+		rc = value_pack(pk, &v, sent);
 	arena_free(&a);
 	return rc;
 }

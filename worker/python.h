@@ -13,6 +13,7 @@
 #ifndef SHMRPC_WORKER_PYTHON_H
 #define SHMRPC_WORKER_PYTHON_H
 
+#include <msgpack.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -20,6 +21,7 @@
 #include "shmrpc.h"
 #include "common/compiler.h"
 #include "worker/arena.h"
+#include "worker/tensor.h"
 
 struct python_msg {
 	const void *data; /* the pickle */
@@ -35,8 +37,10 @@ struct python_msg {
  * distributed autograd's (python/shmrpc/autograd.py), with the autograd
  * metadata torch's carry (docs/PROTOCOL.md gives each one's payload):
  *   PYTHON_CALL, PYTHON_REMOTE_CALL, PYTHON_RET: msg;
- *   FORWARD_AUTOGRAD_REQ / _RESP: a PYTHON_CALL / PYTHON_RET made inside
- *     context_id, message_id naming it in the context;
+ *   FORWARD_AUTOGRAD_REQ / _RESP: the message of type wrapped (a
+ *     PYTHON_CALL or PYTHON_REMOTE_CALL / a PYTHON_RET or REMOTE_RET, which
+ *     has no msg) made inside context_id, message_id naming it in the
+ *     context; a PYTHON_REMOTE_CALL's RRef is (rref_id, rref_slot);
  *   BACKWARD_AUTOGRAD_REQ: gradients (pickled in msg) for sends of context_id;
  *   CLEANUP_AUTOGRAD_CONTEXT_REQ: context_id only;
  *   RREF_BACKWARD_REQ: backward from msg.rrefs[0]'s value in context_id;
@@ -45,9 +49,12 @@ struct python_msg {
  */
 struct python_request {
 	uint16_t type;
+	uint16_t wrapped;
 	int64_t context_id;
 	int64_t message_id;
 	bool retain_graph;
+	uint64_t rref_id;
+	uint32_t rref_slot;
 	struct python_msg msg;
 };
 
@@ -86,10 +93,17 @@ SHMRPC_HIDDEN int python_reply_of(const shmrpc_value *v, struct arena *a, struct
  * one) to dst; the future's value is the reply (python_reply_of). */
 SHMRPC_HIDDEN int python_request_async(int dst, const struct python_request *r,
 				       int64_t timeout_ms, shmrpc_future **out);
-/* How many requests of type this process sent with python_request_async. */
+/* How many requests of type this process sent (python_request_async,
+ * python_remote); python_count_sent counts one more. */
 SHMRPC_HIDDEN uint64_t python_sent(uint16_t type);
-/* PYTHON_REMOTE_CALL to dst; the RRef's value is the pickled result. */
-SHMRPC_HIDDEN int python_remote(int dst, const struct python_msg *m, int64_t timeout_ms,
+SHMRPC_HIDDEN void python_count_sent(uint16_t type);
+/* Sends r, a PYTHON_REMOTE_CALL or a FORWARD_AUTOGRAD_REQ wrapping one, to
+ * dst (rref.c); the RRef's value is the pickled result. */
+SHMRPC_HIDDEN int python_remote(int dst, const struct python_request *r, int64_t timeout_ms,
 				shmrpc_rref **out);
+/* Packs r (as python_remote takes it) as its payload for the new RRef
+ * (id, slot); sent gets its tensors and RRefs (value_pack's). */
+SHMRPC_HIDDEN int python_remote_pack(msgpack_packer *pk, const struct python_request *r,
+				     uint64_t id, uint32_t slot, struct tensor_list *sent);
 
 #endif

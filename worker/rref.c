@@ -7,6 +7,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -871,12 +872,38 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 	return rc < 0 ? rc : 0;
 }
 
+struct look {
+	struct rref_table *t;
+	uint32_t slot;
+	uint64_t id;
+	int st;
+};
+
+/* One look at the entry: a deadline already passed never sleeps. */
+static bool looked_settled(void *arg)
+{
+	struct look *l = arg;
+
+	l->st = rref_wait(l->t, l->slot, l->id, 1);
+	return l->st != -ETIMEDOUT;
+}
+
 /* Waits for id to leave PENDING: on an executor thread it serves queued
- * jobs meanwhile (the owner's run of the value may be one of them). */
+ * jobs meanwhile (the owner's run of the value may be one of them);
+ * elsewhere it spins first as long as a hand-off does (spin mode), since
+ * the owner's store wakes a futex sleeper only with a syscall. */
 static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
-	if (!executor_on_worker_thread())
+	if (!executor_on_worker_thread()) {
+		struct look l = { &ag->rrefs, slot, id, 0 };
+		uint64_t budget = worker_handoff_spin_ns, now = shmrpc_now_ns();
+
+		if (deadline_ns && budget > (deadline_ns > now ? deadline_ns - now : 0))
+			budget = deadline_ns > now ? deadline_ns - now : 0;
+		if (budget && shmrpc_spin_until(looked_settled, &l, budget))
+			return l.st;
 		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	}
 	for (;;) {
 		uint64_t now = shmrpc_now_ns();
 		/* A look first (a deadline already passed does not sleep). */
@@ -1310,11 +1337,11 @@ static void abandon(struct agent *ag, shmrpc_rref *r)
 	free(r);
 }
 
-/* remote() of fn(args), or of a Python call (py not NULL: its message as
- * a value; fn names it for errors). */
+/* remote() of fn(args), or of a Python call (py not NULL: python_remote's
+ * request; fn names it for errors). */
 static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value *args,
-		  uint32_t nargs, uint32_t flags, const shmrpc_value *py, int64_t timeout_ms,
-		  shmrpc_rref **out)
+		  uint32_t nargs, uint32_t flags, const struct python_request *py,
+		  int64_t timeout_ms, shmrpc_rref **out)
 {
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
@@ -1342,18 +1369,19 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 	}
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	if (msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
-	    msgpack_pack_uint32(&pk, slot))
+	if (py)
+		rc = python_remote_pack(&pk, py, id, slot, &sent);
+	else if (msgpack_pack_array(&pk, 2) || msgpack_pack_uint64(&pk, id) ||
+		 msgpack_pack_uint32(&pk, slot))
 		rc = shmrpc__fail(-ENOMEM, "out of memory encoding a remote call");
 	else
-		rc = py ? value_pack(&pk, py, &sent)
-			: client_encode_call(&sb, fn, args, nargs, flags, &sent);
+		rc = client_encode_call(&sb, fn, args, nargs, flags, &sent);
 	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
 	profile_name_next("rpc_remote", py ? NULL : fn);
 	if (rc)
 		tensor_list_forget(&sent);
 	else
-		rc = client_request(ag, dst, py ? MSG_PYTHON_REMOTE_CALL : MSG_SCRIPT_REMOTE_CALL,
+		rc = client_request(ag, dst, py ? py->type : MSG_SCRIPT_REMOTE_CALL,
 				    &sb, &sent, timeout_ms, what, &r->created);
 	msgpack_sbuffer_destroy(&sb);
 	if (rc) {
@@ -1375,19 +1403,17 @@ int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t na
 	return ag ? remote(ag, dst, fn, args, nargs, 0, NULL, timeout_ms, out) : -ENOTSUP;
 }
 
-int python_remote(int dst, const struct python_msg *m, int64_t timeout_ms, shmrpc_rref **out)
+int python_remote(int dst, const struct python_request *r, int64_t timeout_ms, shmrpc_rref **out)
 {
 	struct agent *ag = agent_or_fail();
-	struct arena a = { 0 };
-	shmrpc_value v;
 	int rc;
 
 	*out = NULL;
 	if (!ag)
 		return -ENOTSUP;
-	rc = python_msg_value(m, &a, &v) ?: remote(ag, dst, "Python function", NULL, 0, 0, &v,
-						   timeout_ms, out);
-	arena_free(&a);
+	rc = remote(ag, dst, "Python function", NULL, 0, 0, r, timeout_ms, out);
+	if (rc == 0)
+		python_count_sent(r->type);
 	return rc;
 }
 

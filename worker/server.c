@@ -188,51 +188,67 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 	}
 }
 
-/* A request of the Python package (a pickled call, or one of distributed
- * autograd's) run by the binding's handler: *result is its reply's
- * payload, in the call's arena. The RRef and tensor handles the handler
- * made for it are freed once sent, as a C function's (free_result_handles). */
-static void run_python(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
-		       shmrpc_value *result)
+/* Whether this worker runs the Python package; if not, the call fails
+ * saying so (a C-only worker answers its requests "not supported yet"). */
+static bool python_here(shmrpc_call *call, uint16_t type)
 {
-	python_handler_fn h = python_handler();
-	struct python_request in, out = { .type = python_reply_type(type) };
+	char msg[256];
+
+	if (python_handler())
+		return true;
+	snprintf(msg, sizeof(msg), "request type %s is not supported yet: this worker runs no "
+		 "Python (start it from the shmrpc Python package)", worker_msg_name(type));
+	call_fail(call, "RuntimeError", msg);
+	return false;
+}
+
+/* The Python package's request of type in buf, decoded into *in in the
+ * call's arena (its RRefs and tensors are the call's); false with the call
+ * failed. */
+static bool python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
+			  struct python_request *in)
+{
 	shmrpc_value req;
-	void *copy;
 	size_t used;
 	char msg[256];
+
+	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) == 0 && used == len &&
+	    python_request_of(type, &req, &call->arena, in) == 0)
+		return true;
+	snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+	call_fail(call, "RuntimeError", msg);
+	return false;
+}
+
+/* A request of the Python package (a pickled call, or one of distributed
+ * autograd's) run by the binding's handler, which fills out's message and
+ * autograd message id; *result is out (of the type the caller set) as a
+ * payload, in the call's arena. The RRef and tensor handles the handler
+ * made for it are freed once sent, as a C function's (free_result_handles). */
+static void run_python(shmrpc_call *call, const struct python_request *in,
+		       struct python_request *out, shmrpc_value *result)
+{
+	void *copy;
 	int rc;
 
-	if (!h) {
-		snprintf(msg, sizeof(msg), "request type %s is not supported yet: this worker runs "
-			 "no Python (start it from the shmrpc Python package)", worker_msg_name(type));
-		call_fail(call, "RuntimeError", msg);
-		return;
-	}
-	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
-	    python_request_of(type, &req, &call->arena, &in)) {
-		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
-		call_fail(call, "RuntimeError", msg);
-		return;
-	}
-	if (h(call->caller, &in, &out)) {
+	if (python_handler()(call->caller, in, out)) {
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 		return;
 	}
-	out.context_id = in.context_id; /* a FORWARD_AUTOGRAD_RESP's */
-	copy = shmrpc_call_alloc(call, out.msg.len ? out.msg.len : 1);
+	out->context_id = in->context_id; /* a FORWARD_AUTOGRAD_RESP's */
+	copy = shmrpc_call_alloc(call, out->msg.len ? out->msg.len : 1);
 	if (copy)
-		memcpy(copy, out.msg.data, out.msg.len);
-	free((void *)out.msg.data);
-	out.msg.data = copy;
-	rc = copy ? python_request_value(&out, &call->arena, result)
+		memcpy(copy, out->msg.data, out->msg.len);
+	free((void *)out->msg.data);
+	out->msg.data = copy;
+	rc = copy ? python_request_value(out, &call->arena, result)
 		  : shmrpc__fail(-ENOMEM, "out of memory keeping a Python result");
-	for (uint32_t i = 0; rc && i < out.msg.nrrefs; i++)
-		shmrpc_rref_free(out.msg.rrefs[i]);
-	for (uint32_t i = 0; rc && i < out.msg.ntensors; i++)
-		shmrpc_tensor_free(out.msg.tensors[i]);
-	free(out.msg.rrefs);
-	free(out.msg.tensors);
+	for (uint32_t i = 0; rc && i < out->msg.nrrefs; i++)
+		shmrpc_rref_free(out->msg.rrefs[i]);
+	for (uint32_t i = 0; rc && i < out->msg.ntensors; i++)
+		shmrpc_tensor_free(out->msg.tensors[i]);
+	free(out->msg.rrefs);
+	free(out->msg.tensors);
 	if (rc)
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 }
@@ -291,15 +307,20 @@ static void reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 }
 
 /* Runs the call in buf: a SCRIPT_ call, or a Python package's request by
- * the binding. */
+ * the binding (in: that request if decoded already; out: the handler's
+ * reply, of the type the caller set, which *result holds). */
 static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
-		    const char **fn, shmrpc_value *result)
+		    const struct python_request *in, struct python_request *out, const char **fn,
+		    shmrpc_value *result)
 {
 	uint64_t start = call->profile ? shmrpc_now_ns() : 0;
+	struct python_request decoded;
 
 	if (python_is_request(type)) {
 		*fn = "python";
-		run_python(call, type, buf, len, result);
+		/* Asked first: a C-only worker decodes none of them. */
+		if (python_here(call, type) && (in || python_decode(call, type, buf, len, &decoded)))
+			run_python(call, in ? in : &decoded, out, result);
 	} else {
 		run_call(call, type, buf, len, fn, result);
 	}
@@ -307,17 +328,21 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 		profile_events_add(call->profile, *fn, start, shmrpc_now_ns());
 }
 
-static void run_script_call(struct request_job *rq, shmrpc_call *call)
+/* A call answered with its result (in: a Python request decoded already). */
+static void run_script_call(struct request_job *rq, shmrpc_call *call,
+			    const struct python_request *in)
 {
+	struct python_request out = { .type = python_reply_type(rq->type),
+				      .wrapped = MSG_PYTHON_RET };
 	shmrpc_value result = shmrpc_nil();
 	const char *fn;
 
-	run_any(call, rq->type, rq->payload, rq->len, &fn, &result);
+	run_any(call, rq->type, rq->payload, rq->len, in, &out, &fn, &result);
 	if (call->failed)
 		reply_exception(rq, call->errtype, call->errmsg, call->backtrace);
 	else
 		reply_value(rq, call, fn, &result,
-			    rq->type == MSG_SCRIPT_CALL ? MSG_SCRIPT_RET : python_reply_type(rq->type));
+			    rq->type == MSG_SCRIPT_CALL ? MSG_SCRIPT_RET : out.type);
 }
 
 /* [rref_id, slot] at the start of an RRef request; *used: its bytes. */
@@ -337,38 +362,91 @@ static int rref_header(struct request_job *rq, shmrpc_call *call, uint64_t *id, 
 	return 0;
 }
 
-/* SCRIPT_/PYTHON_REMOTE_CALL: run the call and store its result, or its error, in
- * the RRef; REMOTE_RET says it is stored. */
-static void run_remote_call(struct request_job *rq, shmrpc_call *call)
+/* Answers the FORWARD_AUTOGRAD_REQ in (a remote call, its result stored)
+ * with FORWARD_AUTOGRAD_RESP wrapping REMOTE_RET, under the autograd
+ * message id of the handler's reply out. */
+static void reply_forward_remote(struct request_job *rq, shmrpc_call *call,
+				 const struct python_request *in, const struct python_request *out)
+{
+	struct python_request resp = { .type = MSG_FORWARD_AUTOGRAD_RESP, .wrapped = MSG_REMOTE_RET,
+				       .context_id = in->context_id,
+				       .message_id = out->message_id };
+	shmrpc_value v;
+
+	if (python_request_value(&resp, &call->arena, &v))
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+	else
+		reply_value(rq, call, "python", &v, MSG_FORWARD_AUTOGRAD_RESP);
+}
+
+/* SCRIPT_/PYTHON_REMOTE_CALL, or the one a FORWARD_AUTOGRAD_REQ wraps (in,
+ * decoded: its RRef is inside): run the call and store its result, or its
+ * error, in the RRef; REMOTE_RET says it is stored, wrapped in
+ * FORWARD_AUTOGRAD_RESP as the request was. */
+static void run_remote_call(struct request_job *rq, shmrpc_call *call,
+			    const struct python_request *in)
 {
 	struct agent *ag = rq->ag;
+	struct python_request out = { .type = MSG_PYTHON_RET }; /* what the RRef stores */
 	shmrpc_value result = shmrpc_nil(), err[3], errv;
 	struct tensor_list sent = { 0 };
 	char text[1024];
 	const char *fn;
 	uint64_t id;
 	uint32_t slot;
-	size_t used;
+	size_t used = rq->len;
 
-	if (rref_header(rq, call, &id, &slot, &used) || rref_owner_check(ag, id, slot)) {
+	if (in) {
+		id = in->rref_id;
+		slot = in->rref_slot;
+	} else if (rref_header(rq, call, &id, &slot, &used)) {
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 		return;
 	}
-	run_any(call, rq->type, rq->payload + used, rq->len - used, &fn, &result);
+	if (rref_owner_check(ag, id, slot)) {
+		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
+		return;
+	}
+	run_any(call, rq->type, rq->payload + used, rq->len - used, in, &out, &fn, &result);
 	if (call->failed) {
 		error_text(ag, call->errmsg, text, sizeof(text));
 		err[0] = shmrpc_str(call->errtype);
 		err[1] = shmrpc_str(text);
 		err[2] = shmrpc_str(call->backtrace ? call->backtrace : "");
-		count(&ag->self->errors, 1);
 	}
 	errv = shmrpc_list(err, 3);
-	if (rref_owner_store(ag, id, slot, &result, call->failed ? &errv : NULL, &sent))
+	if (rref_owner_store(ag, id, slot, &result, call->failed ? &errv : NULL, &sent)) {
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
-	else
-		send_reply(rq, MSG_REMOTE_RET, "\xc0", 1); /* nil */
+	} else if (in && call->failed) {
+		/* Stored, and the handler made no reply to wrap (a C-only
+		 * worker's "not supported yet"): the caller hears it at once. */
+		reply_error(rq, call->errtype, text, call->backtrace);
+	} else {
+		if (call->failed)
+			count(&ag->self->errors, 1); /* stored only: no EXCEPTION counts it */
+		if (in)
+			reply_forward_remote(rq, call, in, &out);
+		else
+			send_reply(rq, MSG_REMOTE_RET, "\xc0", 1); /* nil */
+	}
 	/* Handles the function made for its result: the RRef holds its own. */
 	free_result_handles(call, &sent);
+}
+
+/* FORWARD_AUTOGRAD_REQ: the PYTHON_CALL or PYTHON_REMOTE_CALL it wraps, run
+ * as itself by the handler inside the context (which records the recv
+ * functions), its reply wrapped in FORWARD_AUTOGRAD_RESP. Decoded once
+ * here: decoding adopts the RRefs the request holds. */
+static void run_forward(struct request_job *rq, shmrpc_call *call)
+{
+	struct python_request in;
+
+	if (!python_decode(call, rq->type, rq->payload, rq->len, &in))
+		reply_exception(rq, call->errtype, call->errmsg, NULL);
+	else if (in.wrapped == MSG_PYTHON_REMOTE_CALL)
+		run_remote_call(rq, call, &in);
+	else
+		run_script_call(rq, call, &in);
 }
 
 /* SCRIPT_RREF_FETCH_CALL: the value of an RRef of ours, once it has one. */
@@ -518,15 +596,17 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 	switch (rq->type) {
 	case MSG_SCRIPT_CALL:
 	case MSG_PYTHON_CALL:
-	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_BACKWARD_AUTOGRAD_REQ:
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
 	case MSG_RREF_BACKWARD_REQ:
-		run_script_call(rq, call);
+		run_script_call(rq, call, NULL);
+		break;
+	case MSG_FORWARD_AUTOGRAD_REQ:
+		run_forward(rq, call);
 		break;
 	case MSG_SCRIPT_REMOTE_CALL:
 	case MSG_PYTHON_REMOTE_CALL:
-		run_remote_call(rq, call);
+		run_remote_call(rq, call, NULL);
 		break;
 	case MSG_SCRIPT_RREF_FETCH_CALL:
 		run_rref_fetch(rq, call);

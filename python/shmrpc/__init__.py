@@ -276,11 +276,11 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
-    FORWARD_AUTOGRAD_REQ names (a PYTHON_REMOTE_CALL's pickle names it as a
-    fourth item: remote() cannot send FORWARD_AUTOGRAD_REQ yet), its result
-    pickled inside it too; distributed autograd's other requests go to
-    shmrpc.autograd. Returns the pickled result or RemoteException, and for
-    a FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
+    FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
+    stores a remote call's result in its RRef), its result pickled inside
+    it too; distributed autograd's other requests go to shmrpc.autograd.
+    Returns the pickled result or RemoteException, and for a
+    FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
         if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
                             _shmrpc.FORWARD_AUTOGRAD_REQ):
@@ -290,10 +290,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             call = _loads((payload, rrefs, tensors), "call")
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
-        func, args, kwargs = call[:3]
-        if msg_type == _shmrpc.PYTHON_REMOTE_CALL:
-            context_id = call[3]
-        elif msg_type == _shmrpc.PYTHON_CALL:
+        func, args, kwargs = call
+        if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         with autograd._running_in(context_id, caller):
             reply = _dumps(_call(func, args, kwargs))
@@ -490,13 +488,12 @@ class functions:
         return wrapper
 
 
-def _pack_call(func, args, kwargs, dst=None, *extra):
-    """The pickled call (func, args, kwargs, *extra). dst is not used: the
-    autograd context travels in the message (_send_call); shmrpc.data
-    passes it."""
+def _pack_call(func, args, kwargs, dst=None):
+    """The pickled call (func, args, kwargs). dst is not used: the autograd
+    context travels in the message (_send_call); shmrpc.data passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    return _dumps((func, tuple(args or ()), dict(kwargs or {})) + extra)
+    return _dumps((func, tuple(args or ()), dict(kwargs or {})))
 
 
 def _func_name(func):
@@ -622,14 +619,18 @@ class _Proxy:
 
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    """A PYTHON_REMOTE_CALL, or inside a distributed autograd context a
+    FORWARD_AUTOGRAD_REQ wrapping it (as _send_call's)."""
     dst = _rank_of(to)
-    # A PYTHON_REMOTE_CALL: its pickle carries the autograd context (or
-    # None), since the C half's remote() cannot wrap it in a
-    # FORWARD_AUTOGRAD_REQ yet.
-    data, rrefs, tensors = _pack_call(func, args, kwargs, dst, autograd._calling(dst))
+    cid = autograd._calling(dst)
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
     with profiler.torch_record("remote", func, dst):
-        return RRef(_c=_shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout),
-                                      _func_name(func)))
+        if cid is None:
+            r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func))
+        else:
+            r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
+                               _shmrpc.FORWARD_AUTOGRAD_REQ, cid, autograd._message_id())
+        return RRef(_c=r)
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)

@@ -20,12 +20,14 @@ Leaving the context releases it here and on every worker it reached.
 
 The messages are torch's (docs/PROTOCOL.md): a call made inside a context
 goes as FORWARD_AUTOGRAD_REQ [context id, autograd message id, PYTHON_CALL]
-and is answered FORWARD_AUTOGRAD_RESP wrapping the PYTHON_RET likewise; the
-gradients of a worker's sends go to it as BACKWARD_AUTOGRAD_REQ, leaving a
-context as CLEANUP_AUTOGRAD_CONTEXT_REQ, RRef.backward on a user as
-RREF_BACKWARD_REQ. Each sent tensor's send id travels in the pickle beside
-it. (remote() still sends a PYTHON_REMOTE_CALL, the context id in its
-pickle: the C half's remote() cannot wrap it yet.)
+and is answered FORWARD_AUTOGRAD_RESP wrapping the PYTHON_RET likewise; a
+remote() made there as FORWARD_AUTOGRAD_REQ wrapping the PYTHON_REMOTE_CALL,
+answered FORWARD_AUTOGRAD_RESP wrapping REMOTE_RET (the owner stores the
+result, its tensors recorded as sends there, and to_here() receives them
+as it would an rpc_sync's result); the gradients of a worker's sends go to
+it as BACKWARD_AUTOGRAD_REQ, leaving a context as
+CLEANUP_AUTOGRAD_CONTEXT_REQ, RRef.backward on a user as RREF_BACKWARD_REQ.
+Each sent tensor's send id travels in the pickle beside it.
 
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).

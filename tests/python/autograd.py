@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import shmrpc as rpc
 
@@ -111,6 +112,11 @@ def close(a, b):
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b)
 
 
+def records_since(trace):
+    """This worker's flight-recorder records made after trace was read."""
+    return [r for r in flight_recorder()["records"] if r["index"] >= trace["claimed"]]
+
+
 def model_parallel_mlp():
     x = weights(4, 5, 0.5)
     w2 = weights(6, 3, 0.7)
@@ -166,6 +172,61 @@ def nested_rpc_and_retain_graph():
     check(close(g3, 2 * w3r.grad), "nested: W3's gradient on worker2 (reached through worker1)")
 
 
+def remote_layer():
+    """A layer reached through remote() inside a context: the remote goes as
+    FORWARD_AUTOGRAD_REQ wrapping PYTHON_REMOTE_CALL and is answered
+    FORWARD_AUTOGRAD_RESP; the owner stores the value, and the gradients
+    flow back through it from to_here() (as torch's)."""
+    x, w2 = weights(4, 5, 0.5), weights(6, 3, 0.7)
+    trace = flight_recorder()
+    before = sent()
+    with rpc.autograd.context() as cid:
+        rr = rpc.remote("worker1", layer1, args=(x,))
+        during = sent()
+        h = rr.to_here()
+        check(h.requires_grad and h.is_leaf, "an RRef's value that requires grad arrives as a leaf")
+        if trace is not None:
+            forward_on_wire(trace)
+        loss = ((h @ w2) ** 2).sum()
+        rpc.autograd.backward(cid, [loss])
+        got = rpc.autograd.get_gradients(cid)
+        remote = rpc.rpc_sync("worker1", my_grads, args=(cid,))
+    grew = {k: during[k] - before[k] for k in during}
+    check(grew["FORWARD_AUTOGRAD_REQ"] == 1 and grew["PYTHON_REMOTE_CALL"] == 0,
+          f"remote() in a context is a FORWARD_AUTOGRAD_REQ, not a PYTHON_REMOTE_CALL: {grew}")
+    before = sent()
+    outside = rpc.remote("worker1", double, args=(x,))
+    grew = {k: v - before[k] for k, v in sent().items()}
+    check(grew["PYTHON_REMOTE_CALL"] == 1 and grew["FORWARD_AUTOGRAD_REQ"] == 0,
+          f"remote() outside a context is a PYTHON_REMOTE_CALL: {grew}")
+    check(close(outside.to_here().detach(), 2.0 * x.detach()), "and its value is stored")
+    xr, w1r, w2r = weights(4, 5, 0.5), weights(5, 6, 0.3), weights(6, 3, 0.7)
+    ((torch.relu(xr @ w1r) @ w2r) ** 2).sum().backward()
+    check(close(got.get(x), xr.grad), f"remote: x's gradient {got.get(x)} vs {xr.grad}")
+    check(close(got.get(w2), w2r.grad), "remote: W2's gradient (local layer)")
+    check(close(remote.get("W1"), w1r.grad), f"remote: W1's gradient on its owner: {remote}")
+    del rr, outside
+
+
+def forward_on_wire(trace):
+    """Since trace, remote() in a context sent one FORWARD_AUTOGRAD_REQ to
+    worker1 and no PYTHON_REMOTE_CALL; the reply, FORWARD_AUTOGRAD_RESP, may
+    come after the value is stored: waited for."""
+    sends = [r for r in records_since(trace) if r["kind"] == "sent"
+             and r["type"] in ("FORWARD_AUTOGRAD_REQ", "PYTHON_REMOTE_CALL")]
+    check([(r["type"], r["peer"]) for r in sends] == [("FORWARD_AUTOGRAD_REQ", 1)],
+          f"remote() in a context sent {sends}")
+    if not sends:
+        return
+    for _ in range(250):
+        done = [r["type"] for r in records_since(trace)
+                if r["kind"] == "completed" and r["msg_id"] == sends[0]["msg_id"]]
+        if done:
+            break
+        time.sleep(0.02)
+    check(done == ["FORWARD_AUTOGRAD_RESP"], f"the remote's reply: {done}")
+
+
 def rref_backward():
     x = weights(4, 5, 0.5)
     with rpc.autograd.context() as cid:
@@ -219,7 +280,8 @@ def message_types():
     request is sent): a call in a context as FORWARD_AUTOGRAD_REQ, never a
     PYTHON_CALL; gradients as BACKWARD_AUTOGRAD_REQ, both ways; leaving as
     CLEANUP_AUTOGRAD_CONTEXT_REQ; RRef.backward on a user as RREF_BACKWARD_REQ.
-    Outside a context a call is a PYTHON_CALL."""
+    A remote() in a context goes as FORWARD_AUTOGRAD_REQ too. Outside a
+    context a call is a PYTHON_CALL."""
     x = weights(4, 5, 0.5)
     before1 = rpc.rpc_sync("worker1", sent)
     trace = flight_recorder()
@@ -243,19 +305,21 @@ def message_types():
                 ("sent", "CLEANUP_AUTOGRAD_CONTEXT_REQ"),
                 ("completed", "CLEANUP_AUTOGRAD_CONTEXT_RESP")}
         check(want <= seen, f"the flight recorder misses {want - seen}")
-        check(not {("sent", "PYTHON_CALL"), ("completed", "PYTHON_RET")} & seen,
-              f"no PYTHON_CALL in the context's traffic: {sorted(seen)}")
+        check(not {("sent", "PYTHON_CALL"), ("completed", "PYTHON_RET"),
+                   ("sent", "PYTHON_REMOTE_CALL"), ("completed", "REMOTE_RET")} & seen,
+              f"no PYTHON_CALL or PYTHON_REMOTE_CALL in the context's traffic: {sorted(seen)}")
     after1 = rpc.rpc_sync("worker1", sent)
     grew = {k: after[k] - before[k] for k in after}
     check(sent()["PYTHON_CALL"] == after["PYTHON_CALL"] + 1,
           "a call outside a context is a PYTHON_CALL")
     check(inside["PYTHON_CALL"] == before["PYTHON_CALL"],
           f"no PYTHON_CALL inside the context: {before} -> {inside}")
-    check(grew["FORWARD_AUTOGRAD_REQ"] == 1, f"the forward call: {grew}")
+    check(grew["FORWARD_AUTOGRAD_REQ"] == 2, f"the forward call and the remote: {grew}")
     check(grew["BACKWARD_AUTOGRAD_REQ"] == 1, f"h's gradient to worker1: {grew}")
     check(grew["RREF_BACKWARD_REQ"] == 1, f"rr.backward: {grew}")
     check(grew["CLEANUP_AUTOGRAD_CONTEXT_REQ"] == 1, f"leaving releases worker1's: {grew}")
-    check(grew["PYTHON_CALL"] == 0, f"no PYTHON_CALL for the context: {grew}")
+    check(grew["PYTHON_CALL"] == 0 and grew["PYTHON_REMOTE_CALL"] == 0,
+          f"no PYTHON_CALL or PYTHON_REMOTE_CALL for the context: {grew}")
     back = after1["BACKWARD_AUTOGRAD_REQ"] - before1["BACKWARD_AUTOGRAD_REQ"]
     check(back == 2, f"worker1 sent x's gradients back, for h and for rr: {back}")
     check(after1["FORWARD_AUTOGRAD_REQ"] == before1["FORWARD_AUTOGRAD_REQ"],
@@ -282,8 +346,8 @@ def main():
         rpc.shutdown()
         return 0
     if rank == 0:
-        for test in (model_parallel_mlp, sent_twice, nested_rpc_and_retain_graph, rref_backward,
-                     errors, message_types, outside_context):
+        for test in (model_parallel_mlp, remote_layer, sent_twice, nested_rpc_and_retain_graph,
+                     rref_backward, errors, message_types, outside_context):
             try:
                 test()
             except Exception as e:
