@@ -16,10 +16,16 @@ worker1)`, `rpc_async#...`, `rpc_remote#...`), from its send until its
 future completes, as torch.distributed.rpc records it. The callee's events
 are not added to torch's profiler (torch 1.13 has no Python API for
 that): shmrpc.profiler.profile has them.
+
+Events are timed on the CPU (CLOCK_MONOTONIC). `use_cuda=True` is
+accepted, as torch's profile accepts it; where torch's RPC profiler would
+fall back to CPU timing because CUDA events are unavailable, so does this
+one, and it says so once per process.
 """
 import contextlib
 import json
 import sys
+import warnings
 
 from . import _shmrpc
 
@@ -51,9 +57,16 @@ class FunctionEvent:
 class profile:
     """A context manager: records the RPCs this process makes inside it."""
 
-    def __init__(self, enabled=True):
+    _warned_cuda = False
+
+    def __init__(self, enabled=True, use_cuda=False):
         self.enabled = enabled
+        self.use_cuda = use_cuda
         self.function_events = []
+        if enabled and use_cuda and not profile._warned_cuda:
+            profile._warned_cuda = True
+            warnings.warn("shmrpc.profiler: CUDA event timing is not available for RPC "
+                          "events; they are timed on the CPU", RuntimeWarning, stacklevel=2)
 
     def __enter__(self):
         if self.enabled:

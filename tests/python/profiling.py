@@ -1,11 +1,13 @@
 """RPC profiling from Python (run by tests/python_rpc.c): the keys of
 rpc_sync, rpc_async and remote, the callee's events beneath them, the
-Chrome trace (valid JSON with the events and their flows), and the same
-keys in torch's own profiler."""
+Chrome trace (valid JSON with the events and their flows), use_cuda=True
+falling back to CPU timing with one warning, and the same keys in torch's
+own profiler."""
 import json
 import os
 import sys
 import tempfile
+import warnings
 
 import shmrpc as rpc
 
@@ -33,6 +35,20 @@ def torch_profiler():
         check(f"{kind}#add(worker0 -> worker1)" in names, f"torch's profiler has {kind}: {names}")
 
 
+def cuda_fallback():
+    """use_cuda=True: CPU timing, one warning for the process, events as usual."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with rpc.profiler.profile(use_cuda=True) as prof:
+                rpc.rpc_sync("worker1", add, args=(1, 2))
+            names = [e.name for e in prof.function_events]
+            check("rpc_sync#add(worker0 -> worker1)#remote_op: python" in names,
+                  f"use_cuda=True still records the remote event: {names}")
+    texts = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    check(len(texts) == 1 and "timed on the CPU" in texts[0], f"one CPU-timing warning: {texts}")
+
+
 def main():
     rank = int(os.environ["SHMRPC_RANK"])
     rpc.init_rpc(f"worker{rank}")
@@ -56,6 +72,7 @@ def main():
         os.rmdir(os.path.dirname(path))
         check(sum(e["ph"] == "X" for e in trace) == len(names), "complete events in the trace")
         check(sum(e["ph"] == "f" for e in trace) == 3, "flows in the trace")
+        cuda_fallback()
         torch_profiler()
     rpc.shutdown()
     return failed()
