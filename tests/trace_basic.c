@@ -492,29 +492,6 @@ static void check_handoff(const char *job)
 	CHECK(strstr(out, want), "no %s in %s", want, out);
 }
 
-static bool stopped(pid_t pid)
-{
-	char path[64], stat[512], *at;
-	FILE *f;
-	bool yes;
-
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	f = fopen(path, "r");
-	CHECK(f, "cannot read %s", path);
-	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
-	fclose(f);
-	return yes;
-}
-
-static void *resume_later(void *arg)
-{
-	const struct timespec later = { 0, STOPPED_NS };
-
-	nanosleep(&later, NULL);
-	CHECK(kill(*(pid_t *)arg, SIGCONT) == 0, "SIGCONT");
-	return NULL;
-}
-
 /* Rank 1 stopped: the calls fill its ring, and one waits for space
  * until rank 1 goes on. */
 static void check_blocked(const char *job)
@@ -527,21 +504,18 @@ static void check_blocked(const char *job)
 	struct trace_entry e[RECORDS];
 	const struct trace_entry *b, *u;
 	uint64_t head, id[FILL_CALLS];
-	pthread_t resumer;
+	struct tl_pause stop;
 	char line[192];
 	size_t n, waits = 0;
 
 	memset(text, 'x', sizeof(text));
 	read_ring(0, e, &head);
-	CHECK(kill(callee, SIGSTOP) == 0, "SIGSTOP");
-	while (!stopped(callee))
-		usleep(1000);
-	CHECK(pthread_create(&resumer, NULL, resume_later, &callee) == 0, "pthread_create");
+	tl_pause_begin(&stop, callee, STOPPED_NS);
 	for (int i = 0; i < FILL_CALLS; i++) {
 		CHECK_OK(shmrpc_rpc_async(1, "sink", &arg, 1, SHMRPC_TIMEOUT_DEFAULT, &f[i]));
 		id[i] = last_sent_id();
 	}
-	pthread_join(resumer, NULL);
+	tl_pause_end(&stop);
 	for (int i = 0; i < FILL_CALLS; i++) {
 		CHECK_OK(shmrpc_future_wait(f[i], -1));
 		shmrpc_future_free(f[i]);

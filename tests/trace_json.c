@@ -233,29 +233,6 @@ static int count_records(const struct shm_seg *seg, uint32_t rank, uint32_t kind
 	return found;
 }
 
-static bool stopped(pid_t pid)
-{
-	char path[64], stat[512], *at;
-	FILE *f;
-	bool yes;
-
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	f = fopen(path, "r");
-	CHECK(f, "cannot read %s", path);
-	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
-	fclose(f);
-	return yes;
-}
-
-static void *resume_later(void *arg)
-{
-	const struct timespec later = { 0, STOPPED_NS };
-
-	nanosleep(&later, NULL);
-	CHECK(kill(*(pid_t *)arg, SIGCONT) == 0, "SIGCONT");
-	return NULL;
-}
-
 /* Rank 1 stopped while rank 0 sends it more than its ring holds: the
  * sends that find no room wait until it goes on. */
 static void blocked_calls(pid_t callee)
@@ -263,16 +240,13 @@ static void blocked_calls(pid_t callee)
 	static char text[BLOCKED_ARG + 1];
 	shmrpc_value arg = shmrpc_strn(text, BLOCKED_ARG);
 	shmrpc_future *f[BLOCKED_CALLS];
-	pthread_t resumer;
+	struct tl_pause stop;
 
 	memset(text, 'x', BLOCKED_ARG);
-	CHECK(kill(callee, SIGSTOP) == 0, "SIGSTOP");
-	while (!stopped(callee))
-		usleep(1000);
-	CHECK(pthread_create(&resumer, NULL, resume_later, &callee) == 0, "pthread_create");
+	tl_pause_begin(&stop, callee, STOPPED_NS);
 	for (int i = 0; i < BLOCKED_CALLS; i++)
 		CHECK_OK(shmrpc_rpc_async(1, "sink", &arg, 1, SHMRPC_TIMEOUT_DEFAULT, &f[i]));
-	pthread_join(resumer, NULL);
+	tl_pause_end(&stop);
 	for (int i = 0; i < BLOCKED_CALLS; i++) {
 		CHECK_OK(shmrpc_future_wait(f[i], -1));
 		shmrpc_future_free(f[i]);

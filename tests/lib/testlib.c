@@ -1,8 +1,11 @@
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "tests/lib/testlib.h"
 
@@ -66,4 +69,43 @@ int tl_wait_modes(const char **names, int max)
 	for (int i = 0; i < 3 && n < max; i++)
 		names[n++] = all[i];
 	return n;
+}
+
+static bool stopped(pid_t pid)
+{
+	char path[64], stat[512], *at;
+	FILE *f;
+	bool yes;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	f = fopen(path, "r");
+	CHECK(f, "cannot read %s", path);
+	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
+	fclose(f);
+	return yes;
+}
+
+static void *continue_later(void *arg)
+{
+	const struct tl_pause *p = arg;
+	const struct timespec later = { (time_t)(p->ns / 1000000000u), (long)(p->ns % 1000000000u) };
+
+	nanosleep(&later, NULL);
+	CHECK(kill(p->pid, SIGCONT) == 0, "SIGCONT");
+	return NULL;
+}
+
+void tl_pause_begin(struct tl_pause *p, pid_t pid, uint64_t ns)
+{
+	p->pid = pid;
+	p->ns = ns;
+	CHECK(kill(pid, SIGSTOP) == 0, "SIGSTOP");
+	while (!stopped(pid))
+		usleep(1000);
+	CHECK(pthread_create(&p->thread, NULL, continue_later, p) == 0, "pthread_create");
+}
+
+void tl_pause_end(struct tl_pause *p)
+{
+	pthread_join(p->thread, NULL);
 }

@@ -6,6 +6,7 @@
 #ifndef SHMRPC_TESTLIB_H
 #define SHMRPC_TESTLIB_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -41,5 +42,16 @@ bool tl_wait_children(void);
 int tl_shm_leftovers(void);
 /* The wait modes to exercise: uring (when it works here), futex, spin. */
 int tl_wait_modes(const char **names, int max);
+
+/* A process stopped for a while: tl_pause_begin sends it SIGSTOP, waits
+ * until it is stopped, and has a thread send SIGCONT ns later;
+ * tl_pause_end joins that thread. */
+struct tl_pause {
+	pthread_t thread;
+	pid_t pid;
+	uint64_t ns;
+};
+void tl_pause_begin(struct tl_pause *p, pid_t pid, uint64_t ns);
+void tl_pause_end(struct tl_pause *p);
 
 #endif
