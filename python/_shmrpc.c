@@ -336,11 +336,30 @@ static void msg_free(struct python_msg *m)
  * counters, read by debug_info, which may see one a little ahead. */
 static _Atomic uint64_t gil_takes, gil_wait_ns;
 
+/*
+ * Whether this (executor) thread has its Python thread state. On a thread
+ * without one, PyGILState_Ensure makes one and the matching Release
+ * destroys it: about 10 µs of every call served. So an executor thread's
+ * first take makes it and keeps it for the thread's life (an Ensure never
+ * released), and later takes only take the GIL. That is some KiB per
+ * executor thread, which the interpreter frees at its end.
+ */
+static _Thread_local bool has_thread_state;
+
 /* PyGILState_Ensure, timed. */
 static PyGILState_STATE gil_take(void)
 {
 	uint64_t t0 = shmrpc_now_ns();
-	PyGILState_STATE g = PyGILState_Ensure();
+	PyGILState_STATE g;
+
+	/* Only an executor thread: never a Python thread, which may hold the
+	 * GIL here already. */
+	if (!has_thread_state && executor_on_worker_thread()) {
+		PyGILState_Ensure();
+		PyEval_SaveThread(); /* the GIL goes, the thread state stays */
+		has_thread_state = true;
+	}
+	g = PyGILState_Ensure();
 
 	atomic_fetch_add_explicit(&gil_wait_ns, shmrpc_now_ns() - t0, memory_order_relaxed);
 	atomic_fetch_add_explicit(&gil_takes, 1, memory_order_relaxed);
