@@ -13,12 +13,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/spin.h"
 #include "ipc/doorbell.h"
 #include "shm/exit_info.h"
 #include "worker/agent.h"
@@ -32,11 +30,6 @@
 #define DEFAULT_TIMEOUT_MS 60000
 #define DEATH_GRACE_NS (50u * 1000u * 1000u) /* waiting for the launcher's cause of death */
 #define LOOP_MAX_SLEEP_NS (100u * 1000u * 1000u)
-/* Spin mode: the loop thread's nap while another thread polls, and how
- * long it spins before it looks again whether one does. A frame that
- * arrives as the last spinner stops waits at most one nap. */
-#define LOOP_NAP_NS 20000u
-#define LOOP_SPIN_SLICE_NS 1000000u
 #define BARRIER_POLL_US 200
 
 struct agent *worker_agent;
@@ -137,49 +130,6 @@ int agent_poll(struct agent *ag)
 	return n;
 }
 
-struct spin_poll {
-	struct agent *ag;
-	bool (*ready)(void *);
-	void *arg;
-};
-
-static bool polled_ready(void *arg)
-{
-	struct spin_poll *sp = arg;
-
-	if (sp->ready(sp->arg))
-		return true;
-	agent_poll(sp->ag);
-	return sp->ready(sp->arg);
-}
-
-bool agent_spin_until(struct agent *ag, bool (*ready)(void *), void *arg, uint64_t budget_ns)
-{
-	struct spin_poll sp = { ag, ready, arg };
-	bool done;
-
-	if (!ag)
-		return shmrpc_spin_until(ready, arg, budget_ns);
-	if (!budget_ns)
-		return polled_ready(&sp);
-	/* Relaxed, both: a hint for the loop thread (loop_main), which at
-	 * worst naps once while nobody spins, or spins once beside a spinner. */
-	atomic_fetch_add_explicit(&ag->spinners, 1, memory_order_relaxed);
-	done = shmrpc_spin_until(polled_ready, &sp, budget_ns);
-	atomic_fetch_sub_explicit(&ag->spinners, 1, memory_order_relaxed);
-	return done;
-}
-
-/* The loop thread of a spin-mode agent while another thread spins and
- * polls for it: a timed sleep that rings no doorbell. Spinning beside the
- * poller would take a CPU from it, or from the peer it waits for. */
-static void nap(void)
-{
-	struct timespec ts = { 0, LOOP_NAP_NS };
-
-	nanosleep(&ts, NULL);
-}
-
 struct collect_job {
 	struct job base;
 	struct agent *ag;
@@ -255,7 +205,6 @@ static bool any_dying(const struct agent *ag)
 static void *loop_main(void *arg)
 {
 	struct agent *ag = arg;
-	bool spin = ag->port.waiter.mode == IPC_WAIT_SPIN;
 
 	for (uint32_t r = 0; r < ag->world; r++)
 		/* Acquire pairs with the peer's release of its pid, before its READY. */
@@ -277,16 +226,12 @@ static void *loop_main(void *arg)
 		next = client_expire(ag, now);
 		if (n)
 			continue;
-		sleep_ns = any_dying(ag) ? 2000000u : spin ? LOOP_SPIN_SLICE_NS : LOOP_MAX_SLEEP_NS;
+		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
 		if (next != UINT64_MAX && next - now < sleep_ns)
 			sleep_ns = next > now ? next - now : 1;
 		/* Relaxed: a liveness stamp for inspectors. */
 		atomic_store_explicit(&ag->self->heartbeat_ns, now, memory_order_relaxed);
-		/* Relaxed: a hint (agent_spin_until). */
-		if (spin && atomic_load_explicit(&ag->spinners, memory_order_relaxed))
-			nap();
-		else
-			ipc_port_wait(&ag->port, sleep_ns);
+		ipc_port_wait(&ag->port, sleep_ns);
 	}
 	return NULL;
 }

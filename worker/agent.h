@@ -15,10 +15,7 @@
  * then takes its own reply, an idle executor its next request, and a call
  * crosses two threads instead of four. Whoever polls does what the loop
  * thread would (on_frame: queue requests, complete futures); one at a
- * time, by poll_lock, because each ring has one consumer. While such a
- * thread spins, the loop thread of a spin-mode agent naps instead of
- * spinning beside it (agent_spin_until): on a machine with few cores, four
- * spinning threads for two polling ones halve the CPU each poller gets.
+ * time, by poll_lock, because each ring has one consumer.
  */
 #ifndef SHMRPC_WORKER_AGENT_H
 #define SHMRPC_WORKER_AGENT_H
@@ -52,7 +49,6 @@ struct agent {
 	uint64_t default_timeout_ns; /* 0: none */
 	pthread_t loop;
 	pthread_mutex_t poll_lock; /* held by whoever consumes the incoming rings */
-	_Atomic uint32_t spinners; /* threads inside agent_spin_until */
 	_Atomic bool stop;
 	/* Loop thread only: peers whose death was seen, and since when (ns;
 	 * 0 once their calls were failed). */
@@ -74,13 +70,6 @@ SHMRPC_HIDDEN extern struct agent *worker_agent;
 /* Takes what the incoming rings hold, unless another thread is at it;
  * returns how many frames. Any thread; never sends, never runs user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag);
-
-/*
- * shmrpc_spin_until(ready, arg, budget_ns), polling ag's rings between
- * looks (ag may be NULL: no polling). Budget 0: one look, after one poll.
- */
-SHMRPC_HIDDEN bool agent_spin_until(struct agent *ag, bool (*ready)(void *), void *arg,
-				    uint64_t budget_ns);
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);

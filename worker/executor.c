@@ -6,6 +6,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -86,12 +87,21 @@ static bool run_next(void)
 	return true;
 }
 
-static bool has_work(void *arg)
+/* An idle spinning thread takes requests off the rings itself (agent.h):
+ * what it queues, it runs next (push wakes no one while it is awake). */
+static bool spin_work(void *arg)
 {
 	(void)arg;
 	/* Relaxed: only hints to stop spinning; the lock orders the queue. */
-	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
-	       atomic_load_explicit(&ex.stop, memory_order_relaxed);
+	if (atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
+	    atomic_load_explicit(&ex.stop, memory_order_relaxed))
+		return true;
+	/* Acquire pairs with the release in executor_poll_rings. */
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+
+	if (ag)
+		agent_poll(ag);
+	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
 static void *thread_main(void *arg)
@@ -106,16 +116,10 @@ static void *thread_main(void *arg)
 			break;
 		set_idle(1);
 		pthread_mutex_unlock(&ex.lock);
-		/* An idle spinning thread takes requests off the rings itself
-		 * (agent.h): what it queues, it runs next (push wakes no one
-		 * while it is awake). Acquire pairs with the release in
-		 * executor_poll_rings. */
-		bool work = agent_spin_until(atomic_load_explicit(&ex.poll_agent,
-								  memory_order_acquire),
-					     has_work, NULL,
-					     worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
-						     ? worker_handoff_spin_ns
-						     : EXECUTOR_MAX_SPIN_NS);
+		bool work = shmrpc_spin_until(spin_work, NULL,
+					      worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
+						      ? worker_handoff_spin_ns
+						      : EXECUTOR_MAX_SPIN_NS);
 		pthread_mutex_lock(&ex.lock);
 		if (!work && !ex.head && !ex.stop) {
 			ex.sleeping++;

@@ -6,6 +6,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -120,8 +121,13 @@ static bool is_done(shmrpc_future *f)
 	return atomic_load_explicit(&f->done, memory_order_acquire);
 }
 
-static bool looks_done(void *f)
+/* A spinning waiter takes its reply itself (agent.h). */
+static bool spin_done(void *f)
 {
+	if (is_done(f))
+		return true;
+	if (worker_agent)
+		agent_poll(worker_agent);
 	return is_done(f);
 }
 
@@ -134,8 +140,7 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 	 * reply it waits for may depend on it. */
 	if (executor_on_worker_thread())
 		return executor_help_until(f, deadline_ns);
-	/* A spinning waiter takes its reply itself (agent.h). */
-	if (agent_spin_until(worker_agent, looks_done, f, worker_handoff_spin_ns))
+	if (shmrpc_spin_until(spin_done, f, worker_handoff_spin_ns))
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);

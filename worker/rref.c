@@ -7,6 +7,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -899,7 +900,7 @@ static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t dea
 
 		if (deadline_ns && budget > (deadline_ns > now ? deadline_ns - now : 0))
 			budget = deadline_ns > now ? deadline_ns - now : 0;
-		if (budget && agent_spin_until(ag, looked_settled, &l, budget))
+		if (budget && shmrpc_spin_until(looked_settled, &l, budget))
 			return l.st;
 		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
 	}
