@@ -92,6 +92,12 @@ SHMRPC_HIDDEN void client_fail_all(struct agent *ag, const char *why);
 #define CALL_F_PROXY 1u /* args[0] is an RRef owned by the callee: pass its value */
 SHMRPC_HIDDEN int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args,
 				     uint32_t nargs, uint32_t flags, struct tensor_list *sent);
+/* client.c: "<verb> fn()<tail>" (fn cut at 256 bytes) in what, for
+ * client_request's errors. Made on every call, so by hand: snprintf costs
+ * more than the rest of encoding a call. verb and tail are short literals. */
+#define CLIENT_WHAT_MAX 320
+SHMRPC_HIDDEN void client_what(char what[static CLIENT_WHAT_MAX], const char *verb,
+			       const char *fn, const char *tail);
 /* client.c: sends a request (payload sb) to dst and makes its future.
  * sent: the tensors (pinned until the reply) and RRefs (charged to dst)
  * the payload holds; the list is consumed. what: "call foo()", for errors. */

@@ -360,15 +360,18 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	return 0;
 }
 
-/* "call fn()" (fn cut at 256 bytes), for client_request's errors: made on
- * every call, so by hand (snprintf costs more than the rest of encoding). */
-static void call_what(char what[static 264], const char *fn)
+void client_what(char what[static CLIENT_WHAT_MAX], const char *verb, const char *fn,
+		 const char *tail)
 {
-	size_t n = strnlen(fn, 256);
+	size_t v = strnlen(verb, 24), n = strnlen(fn, 256), t = strnlen(tail, 32);
+	char *at = what;
 
-	memcpy(what, "call ", 5);
-	memcpy(what + 5, fn, n);
-	memcpy(what + 5 + n, "()", 3);
+	at = mempcpy(at, verb, v);
+	*at++ = ' ';
+	at = mempcpy(at, fn, n);
+	at = mempcpy(at, "()", 2);
+	at = mempcpy(at, tail, t);
+	*at = '\0';
 }
 
 int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
@@ -377,7 +380,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 	struct agent *ag = worker_agent;
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
-	char what[264];
+	char what[CLIENT_WHAT_MAX];
 	int rc;
 
 	if (!out || !fn || (nargs && !args))
@@ -387,7 +390,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
 	msgpack_sbuffer_init(&sb);
 	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
-	call_what(what, fn);
+	client_what(what, "call", fn, "");
 	profile_name_next("rpc_async", fn);
 	if (rc)
 		tensor_list_forget(&sent);

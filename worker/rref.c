@@ -1349,7 +1349,7 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 	shmrpc_rref *r;
 	uint64_t id;
 	uint32_t slot;
-	char what[320];
+	char what[CLIENT_WHAT_MAX];
 	int rc;
 
 	*out = NULL;
@@ -1376,7 +1376,7 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 		rc = shmrpc__fail(-ENOMEM, "out of memory encoding a remote call");
 	else
 		rc = client_encode_call(&sb, fn, args, nargs, flags, &sent);
-	snprintf(what, sizeof(what), "make a remote %.256s()", fn);
+	client_what(what, "make a remote", fn, "");
 	profile_name_next("rpc_remote", py ? NULL : fn);
 	if (rc)
 		tensor_list_forget(&sent);
@@ -1442,13 +1442,13 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 	} else {
 		struct tensor_list sent = { 0 };
 		msgpack_sbuffer sb;
-		char what[320];
+		char what[CLIENT_WHAT_MAX];
 		shmrpc_future **fut = out, *f;
 
 		*fut = NULL;
 		msgpack_sbuffer_init(&sb);
 		rc = client_encode_call(&sb, fn, all, nargs + 1, CALL_F_PROXY, &sent);
-		snprintf(what, sizeof(what), "call %.256s() through an RRef", fn);
+		client_what(what, "call", fn, " through an RRef");
 		profile_name_next(kind == PROXY_SYNC ? "rpc_sync" : "rpc_async", fn);
 		if (rc)
 			tensor_list_forget(&sent);
