@@ -8,12 +8,15 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_remote_to_here median_ns= vs_torch_rpc=
   BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_torch_rpc=
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
+  BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
+  BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc=
 
 with shmrpc's figures; vs_torch_rpc is shmrpc/torch for times and
 torch/shmrpc for the throughput, so lower is better on every line. The
 tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
 hands over the same bytes, so the echo should take as long for 1 GiB as for
-1 KiB (ratio_1GiB_vs_1KiB near 1). Without torch, shmrpc's figures alone
+1 KiB (ratio_1GiB_vs_1KiB near 1). The mode=spin lines are a second shmrpc
+job in spin mode (shmrun --wait=spin), calls alone. Without torch, shmrpc's figures alone
 (numpy arrays for the echo); torch's 1 GiB echo is skipped when the machine
 has too little memory for its copies.
 
@@ -65,12 +68,17 @@ def timed(op, n, budget_ns=0):
     return samples
 
 
-def measure(rpc, alloc, sizes, quick):
+def measure(rpc, alloc, sizes, quick, calls_only=False):
     """The figures of rank 0 calling rank 1 ("w1"), as a dict for JSON.
-    alloc(nbytes) makes the tensor to echo."""
+    alloc(nbytes) makes the tensor to echo. calls_only: empty rpc_sync and
+    remote + to_here alone."""
     fig = {}
     s = timed(lambda: rpc.rpc_sync("w1", nothing), 300 if quick else 2000)
     fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
+    if calls_only:
+        s = timed(lambda: rpc.remote("w1", nothing).to_here(), 200 if quick else 1000)
+        fig["remote"] = s[len(s) // 2]
+        return fig
 
     # Pipelined: every call in flight before the first wait.
     calls = 1000 if quick else 5000
@@ -112,7 +120,7 @@ def torch_worker(rank, port, quick, sizes, out):
     rpc.shutdown()
 
 
-def shmrpc_worker(quick, out):
+def shmrpc_worker(quick, out, calls_only):
     """Under shmrun: rank 0 measures, rank 1 serves."""
     import shmrpc as rpc
 
@@ -124,7 +132,8 @@ def shmrpc_worker(quick, out):
     rank = int(os.environ["SHMRPC_RANK"])
     rpc.init_rpc(f"w{rank}")
     if rank == 0:
-        write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick))
+        write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick,
+                                   calls_only))
     rpc.shutdown()
 
 
@@ -153,16 +162,20 @@ def run_torch(quick, out):
         return json.load(f)
 
 
-def run_shmrpc(build, quick, out, script=__file__, pool=POOL):
+def run_shmrpc(build, quick, out, script=__file__, pool=POOL, spin=False):
     """Runs script --worker out as a two-worker shmrpc job (pool: its
-    --pool-size); what its rank 0 wrote to out, as JSON."""
+    --pool-size; spin: in spin mode, the calls alone); what its rank 0
+    wrote to out, as JSON."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(build, "python") + (
         os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", pool, "--quiet",
-           "--timeout", "600", "--", sys.executable, os.path.abspath(script), "--worker", out]
+           "--timeout", "600"] + (["--wait=spin"] if spin else []) + [
+           "--", sys.executable, os.path.abspath(script), "--worker", out]
     if quick:
         cmd.append("-q")
+    if spin:
+        cmd.append("--calls-only")
     subprocess.run(cmd, env=env, check=True)
     with open(out) as f:
         return json.load(f)
@@ -180,7 +193,7 @@ def line(name, fields, num, den):
 def main():
     quick = "-q" in sys.argv
     if "--worker" in sys.argv:
-        shmrpc_worker(quick, sys.argv[sys.argv.index("--worker") + 1])
+        shmrpc_worker(quick, sys.argv[sys.argv.index("--worker") + 1], "--calls-only" in sys.argv)
         return 0
     build = os.environ.get("SHMRPC_BUILD", "build")
     if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
@@ -196,6 +209,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="shmrpc-py-bench.") as tmp:
         theirs = run_torch(quick, os.path.join(tmp, "torch.json"))
         ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
+        spin = run_shmrpc(build, quick, os.path.join(tmp, "spin.json"), spin=True)
     t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}}
 
     med, p99 = ours["sync"]
@@ -206,6 +220,10 @@ def main():
     for _, label in SIZES:
         med = ours["echo"][label]
         line("py_tensor_echo", [("size", label), ("median_ns", med)], med, t["echo"].get(label))
+    med, p99 = spin["sync"]
+    line("py_rpc_sync mode=spin", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
+    line("py_remote_to_here mode=spin", [("median_ns", spin["remote"])], spin["remote"],
+         t["remote"])
     ratio = ours["echo"]["1GiB"] / ours["echo"]["1KiB"]
     print(f"BENCH py_tensor_echo ratio_1GiB_vs_1KiB={ratio:.3g}", flush=True)
     return 0

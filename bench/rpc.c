@@ -4,6 +4,11 @@
  *   BENCH rpc_sync mode=M median_ns= p99_ns= vs_floor= vs_torch=
  *   BENCH rpc_async mode=uring calls_per_s= vs_torch=
  *   BENCH rpc_echo size=S median_ns= p99_ns= vs_torch=
+ *   BENCH flight_recorder mode=M records_per_call= ns_per_record= rpc_sync_ns= overhead_pct=
+ * The last one is the recorder's share of an empty rpc_sync (issue 9: at
+ * most 3 %): the records both workers wrote per call (their rings' heads),
+ * times what one record costs, timed on a private ring, over the call's
+ * median. A difference of two jobs' medians would drown in the noise.
  * vs_floor divides by the raw wake-up ping-pong of the same mode and
  * vs_torch compares with torch.distributed.rpc doing the same; both peers
  * are measured in the same `make bench` run (bench/run.sh passes their
@@ -18,6 +23,8 @@
 
 #include "shmrpc.h"
 #include "bench/bench.h"
+#include "worker/agent.h"
+#include "worker/trace.h"
 
 static int nothing(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -57,20 +64,57 @@ static void timed_sync(const char *fn, const shmrpc_value *arg, int n, uint64_t 
 	free(t);
 }
 
+/* Records claimed so far by both workers. Relaxed: counted after the
+ * calls returned, whose replies ordered the callee's records before. */
+static uint64_t records_written(void)
+{
+	const struct shm_seg *seg = &worker_agent->seg;
+
+	return atomic_load_explicit(&shm_trace(seg, 0)->head, memory_order_relaxed) +
+	       atomic_load_explicit(&shm_trace(seg, 1)->head, memory_order_relaxed);
+}
+
+/* What one record costs, on a ring like a worker's but this bench's own. */
+static double ns_per_record(void)
+{
+	enum { RECS = 4096, N = 1000000 };
+	struct shm_trace_ctl *ctl = aligned_alloc(64, sizeof(*ctl) + RECS * sizeof(struct shm_trace_rec));
+	struct trace_self t = { ctl, (struct shm_trace_rec *)(ctl + 1), RECS - 1 };
+	uint64_t t0;
+
+	if (!ctl)
+		die("malloc");
+	memset(ctl, 0, sizeof(*ctl) + RECS * sizeof(struct shm_trace_rec));
+	t0 = shmrpc_now_ns();
+	for (uint64_t i = 0; i < N; i++)
+		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16));
+	t0 = shmrpc_now_ns() - t0;
+	free(ctl);
+	return (double)t0 / N;
+}
+
 static void measure(const char *mode, bool quick)
 {
 	int n = quick ? 2000 : 50000;
-	uint64_t med, p99, t0;
+	uint64_t med, p99, t0, recs;
+	double per_call, per_rec;
 	char filter[32];
 
 	timed_sync("nothing", NULL, n / 10, &med, &p99); /* warm-up */
+	recs = records_written();
 	timed_sync("nothing", NULL, n, &med, &p99);
+	recs = records_written() - recs;
 	snprintf(filter, sizeof(filter), "mode=%s ", mode);
 	printf("BENCH rpc_sync mode=%s median_ns=%llu p99_ns=%llu", mode, (unsigned long long)med,
 	       (unsigned long long)p99);
 	bench_ratio("vs_floor", (double)med, bench_peer("floor", filter, "median_ns"));
 	bench_ratio("vs_torch", (double)med, bench_peer("torch_rpc_sync", NULL, "median_ns"));
 	printf("\n");
+	per_call = (double)recs / n;
+	per_rec = ns_per_record();
+	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
+	       "rpc_sync_ns=%llu overhead_pct=%.2f\n", mode, per_call, per_rec,
+	       (unsigned long long)med, 100.0 * per_call * per_rec / (double)med);
 	if (strcmp(mode, "uring"))
 		return;
 

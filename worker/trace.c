@@ -30,9 +30,8 @@ void trace_close(void)
 	trace_self = (struct trace_self){ 0 };
 }
 
-void trace_put(uint64_t msg_id, uint64_t info)
+void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info)
 {
-	const struct trace_self *t = &trace_self;
 	uint64_t now = shmrpc_now_ns();
 	/* Relaxed: the index only has to be unique; the record's seq publishes it. */
 	uint64_t i = atomic_fetch_add_explicit(&t->ctl->head, 1, memory_order_relaxed);

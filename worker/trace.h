@@ -46,8 +46,15 @@ SHMRPC_HIDDEN extern struct trace_self trace_self;
 SHMRPC_HIDDEN void trace_open(const struct shm_seg *seg, uint32_t rank);
 SHMRPC_HIDDEN void trace_close(void);
 
+/* Claims and writes one record into t's ring (bench/rpc times it on a
+ * ring of its own). */
+SHMRPC_HIDDEN void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info);
+
 /* Claims and writes one record (recording is on). */
-SHMRPC_HIDDEN void trace_put(uint64_t msg_id, uint64_t info);
+static inline void trace_put(uint64_t msg_id, uint64_t info)
+{
+	trace_put_to(&trace_self, msg_id, info);
+}
 
 /* Records one step (SHM_TRACE_* kind and status); type and size saturate. */
 static inline void trace_rec(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
