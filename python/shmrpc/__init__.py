@@ -7,12 +7,14 @@ Functions travel by reference (module and qualified name) with pickle, as
 torch's default RPC pickler does: define them on both sides. What torch
 offers that shmrpc does not do yet raises NotImplementedError saying so.
 """
+import io
 import itertools
 import os
 import pickle
 import sys
 import threading
 import traceback
+import types
 
 from . import _shmrpc
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
@@ -234,8 +236,9 @@ _OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
 
 
 def _dumps(obj):
-    """(pickle, [C RRef...], [C Tensor...]) for the agent."""
-    import io
+    """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
+    if obj is None:  # most results: no pickle to make, nor to read
+        return b"", [], []
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
@@ -247,8 +250,9 @@ def _dumps(obj):
 
 
 def _loads(msg, grad_mode="result"):
-    import io
     data, rrefs, tensors = msg
+    if not data:
+        return None
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     return _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode).load()
@@ -287,10 +291,9 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
                                           (payload, rrefs, tensors)))
         try:
-            call = _loads((payload, rrefs, tensors), "call")
+            func, args, kwargs = _unpack_call(payload, rrefs, tensors)
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
-        func, args, kwargs = call
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         with autograd._running_in(context_id, caller):
@@ -488,12 +491,72 @@ class functions:
         return wrapper
 
 
+# A call's payload is the pickle of (func, args, kwargs), or, for a plain
+# function that pickle would send by reference anyway, that reference
+# written out: _BY_NAME, module, NUL, qualified name, NUL, then the pickle
+# of (args, kwargs), or nothing when there are none (docs/PROTOCOL.md).
+# Neither side then pickles the function, and an empty call pickles
+# nothing. A reference resolves as pickle's load resolves it (_resolve).
+_BY_NAME = b"\x01"
+_finder = pickle.Unpickler(io.BytesIO(pickle.dumps(None, protocol=5)))
+_finder.load()  # now at protocol 5: its find_class takes dotted names
+
+
+def _resolve(module, name):
+    """What pickle's load finds for (module, name): a loaded module's
+    attribute, looked up here (pickle's find_class costs 0.5 µs: an
+    import and an audit event each time); anything else by find_class
+    itself, which imports the module and words the errors."""
+    obj = sys.modules.get(module)
+    if obj is not None:
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError:
+            pass
+    return _finder.find_class(module, name)
+
+
+def _by_name(func):
+    """func's reference (module, qualified name) if pickle would send it
+    by that name and the name finds func itself, else None."""
+    if type(func) is not types.FunctionType:
+        return None
+    module, name = func.__module__, func.__qualname__
+    try:
+        if _resolve(module, name) is func:
+            return module, name
+    except Exception:
+        pass
+    return None
+
+
 def _pack_call(func, args, kwargs, dst=None):
-    """The pickled call (func, args, kwargs). dst is not used: the autograd
-    context travels in the message (_send_call); shmrpc.data passes it."""
+    """The call's payload (above). dst is not used: the autograd context
+    travels in the message (_send_call); shmrpc.data passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    return _dumps((func, tuple(args or ()), dict(kwargs or {})))
+    ref = _by_name(func)
+    if ref is None:
+        return _dumps((func, tuple(args or ()), dict(kwargs or {})))
+    head = b"".join((_BY_NAME, ref[0].encode(), b"\0", ref[1].encode(), b"\0"))
+    if not args and not kwargs:
+        return head, [], []
+    data, rrefs, tensors = _dumps((tuple(args), dict(kwargs or {})))
+    return head + data, rrefs, tensors
+
+
+def _unpack_call(payload, rrefs, tensors):
+    """(func, args, kwargs) from a call's payload."""
+    if payload[:1] != _BY_NAME:
+        return _loads((payload, rrefs, tensors), "call")
+    module, name, rest = payload[1:].split(b"\0", 2)
+    func = _resolve(module.decode(), name.decode())
+    if not rest:
+        return func, (), {}
+    args, kwargs = _loads((rest, rrefs, tensors), "call")
+    return func, args, kwargs
 
 
 def _func_name(func):
