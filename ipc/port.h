@@ -51,6 +51,12 @@ struct ipc_port {
 	 * may ring for the freed space before that wait reads the doorbell. */
 	bool space_seq_set;
 	uint32_t space_seq;
+	/* Work besides frames that ipc_port_wait must not sleep through (the
+	 * agent's RRef collect list): checked after the doorbell is read, as
+	 * the rings are, so a waker that publishes then rings is never missed.
+	 * NULL: none. Set before the loop thread starts. */
+	bool (*news)(void *arg);
+	void *news_arg;
 	struct ipc_waiter waiter;
 };
 

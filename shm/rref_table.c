@@ -35,7 +35,7 @@
 
 struct shape {
 	uint32_t capacity, entry_size;
-	uint64_t slots_off, total;
+	uint64_t heads_off, slots_off, total;
 };
 
 static bool table_shape(uint32_t max_rrefs, uint32_t world, struct shape *s)
@@ -48,7 +48,8 @@ static bool table_shape(uint32_t max_rrefs, uint32_t world, struct shape *s)
 		cap <<= 1;
 	s->capacity = cap;
 	s->entry_size = (uint32_t)((sizeof(struct rref_entry) + 4u * world + 63) & ~63u);
-	s->slots_off = RREF_TABLE_PAGE;
+	s->heads_off = RREF_TABLE_PAGE;
+	s->slots_off = s->heads_off + ((4u * world + RREF_TABLE_PAGE - 1) & ~(RREF_TABLE_PAGE - 1));
 	s->total = s->slots_off + (uint64_t)cap * s->entry_size;
 	return true;
 }
@@ -70,6 +71,7 @@ static void table_fill(struct rref_table *t, const struct shape *s, uint32_t max
 	t->max_rrefs = max_rrefs;
 	t->world = world;
 	t->entry_size = s->entry_size;
+	t->heads = (_Atomic uint32_t *)(t->base + s->heads_off);
 	t->slots = t->base + s->slots_off;
 }
 
@@ -105,6 +107,7 @@ int rref_table_create(struct rref_table *t, const struct rref_table_params *para
 	h->format_version = RREF_TABLE_FORMAT_VERSION;
 	h->header_size = sizeof(*h);
 	h->total_size = s.total;
+	h->heads_off = s.heads_off;
 	h->slots_off = s.slots_off;
 	h->capacity = s.capacity;
 	h->max_rrefs = max;
@@ -142,7 +145,7 @@ int rref_table_attach_fd(struct rref_table *t, int fd, bool readonly)
 		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %zd bytes", n);
 	if (h.header_size != sizeof(h) || !table_shape(h.max_rrefs, h.world, &s) ||
 	    s.capacity != h.capacity || s.entry_size != h.entry_size ||
-	    s.slots_off != h.slots_off || s.total != h.total_size)
+	    s.heads_off != h.heads_off || s.slots_off != h.slots_off || s.total != h.total_size)
 		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table: header layout is "
 				    "inconsistent (%u RRefs, %u workers)", h.max_rrefs, h.world);
 	if ((uint64_t)st.st_size < h.total_size)
@@ -438,6 +441,49 @@ int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
 	return remove_entry(t, e, id) ? 0 : gone(slot, id);
 }
 
+bool rref_collect_push(struct rref_table *t, uint32_t slot)
+{
+	struct rref_entry *e = rref_entry_at(t, slot);
+	_Atomic uint32_t *head = &t->heads[e->owner];
+	/* Relaxed: the CAS below publishes the link. */
+	uint32_t first = atomic_load_explicit(head, memory_order_relaxed);
+
+	do
+		atomic_store_explicit(&e->collect_next, first, memory_order_relaxed);
+	/* seq_cst (release at least): the link (and our drop before it)
+	 * before the owner's exchange in rref_collect_take; seq_cst for the
+	 * agent's job flag (worker/agent.c, run_collect). */
+	while (!atomic_compare_exchange_weak_explicit(head, &first, slot + 1, memory_order_seq_cst,
+						      memory_order_relaxed));
+	return first == 0;
+}
+
+bool rref_collect_pending(const struct rref_table *t, uint32_t rank)
+{
+	/* seq_cst: a hint for what to take (the take orders the links), in
+	 * one order with the agent's job flag (worker/agent.c, run_collect). */
+	return rank < t->world && atomic_load_explicit(&t->heads[rank], memory_order_seq_cst);
+}
+
+uint32_t rref_collect_take(struct rref_table *t, uint32_t rank)
+{
+	/* seq_cst (acquire at least): pairs with the pushers' CAS: their
+	 * links; see rref_collect_pending. */
+	return rank < t->world ? atomic_exchange_explicit(&t->heads[rank], 0, memory_order_seq_cst)
+			       : 0;
+}
+
+uint32_t rref_collect_next(const struct rref_table *t, uint32_t slot)
+{
+	uint32_t next;
+
+	if (slot >= t->capacity)
+		return 0;
+	/* Relaxed: ordered by the take's acquire (the pushers' release). */
+	next = atomic_load_explicit(&rref_entry_at(t, slot)->collect_next, memory_order_relaxed);
+	return next <= t->capacity ? next : 0;
+}
+
 int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank)
 {
 	struct rref_entry *e = entry_of(t, slot, id);
@@ -522,7 +568,9 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 		 * still id's. */
 		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 		if (c) {
-			drop(t, e, id, c);
+			/* Unreferenced now: its (live) owner frees it. */
+			if (drop(t, e, id, c) == 1)
+				rref_collect_push(t, s);
 			n += (int)c;
 		}
 	}

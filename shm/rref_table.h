@@ -5,9 +5,11 @@
  * holds a reference to it. docs/RREF.md tells which steps of PyTorch's RRef
  * protocol this turns into atomic operations.
  *
- * Layout (format 1):
+ * Layout (format 2):
  *
  *   0          struct rref_table_header     one page
+ *   heads_off  _Atomic uint32_t heads[world]: each owner's collect list,
+ *              padded to a page
  *   slots_off  capacity entries of entry_size bytes: struct rref_entry,
  *              then _Atomic uint32_t counts[world], padded to 64 bytes
  *
@@ -25,6 +27,17 @@
  * holds its own), so once total is 0 it stays 0: the RRef is unreferenced
  * and its owner frees the value and removes the entry.
  *
+ * Collect lists. Whoever makes an entry UNREFERENCED (a worker's last
+ * drop, or a sweep's) pushes it on its owner's list: a lock-free stack
+ * threaded through the entries (collect_next), its head per owner. The
+ * owner takes its whole list at once (exchange with 0) and frees what is
+ * on it; it removes entries only that way, so an entry on a list is never
+ * removed under it and the walk reads each next before freeing the entry.
+ * A pusher finding the list empty tells the owner (rings its doorbell);
+ * the others know it has been told and has not taken the list yet. So no
+ * message is needed for an RRef's last drop (RREF_USER_DELETE becomes a
+ * push; docs/RREF.md), and no walk of the table after a death.
+ *
  * Crash safety, as in the tensor pool: a holder raises total before its
  * count and lowers its count before total, so sum(counts) <= total always;
  * a sweep of a dead rank exchanges its counts with 0 and lowers total by
@@ -33,7 +46,8 @@
  * ends, and shmrun reports it then):
  *  - between the two steps of a hold or a release: total above the counts;
  *  - between the drop to total 0 and the change to UNREFERENCED: a READY
- *    entry with total 0 that no one hands to its owner;
+ *    entry with total 0 that no one hands to its owner; between that
+ *    change and the push: an UNREFERENCED entry on no list;
  *  - inside an insert or a removal: a key with state FREE (skipped by
  *    sweeps and inspectors), or `live` one above the entries there are;
  *  - a fork charged to its receiver and never sent (the protocol's).
@@ -58,7 +72,7 @@
 #define SHMRPC_ENV_RREF_FD "SHMRPC_RREF_FD"
 
 #define RREF_TABLE_MAGIC 0x31464552524d4853ull /* "SHMRREF1" read as little endian */
-#define RREF_TABLE_FORMAT_VERSION 1u
+#define RREF_TABLE_FORMAT_VERSION 2u
 #define RREF_TABLE_PAGE 4096u
 #define RREF_MAX_WORLD 1024u
 #define RREF_MAX_RREFS (1u << 24)
@@ -102,9 +116,11 @@ struct rref_table_header {
 	/* line 2: live entries; fetch_add (relaxed: a bound, orders nothing). */
 	_Atomic uint32_t live;
 	uint8_t pad1[60];
-	uint8_t reserved[RREF_TABLE_PAGE - 128];
+	uint64_t heads_off;
+	uint8_t reserved[RREF_TABLE_PAGE - 136];
 };
 _Static_assert(offsetof(struct rref_table_header, live) == 64, "rref header layout");
+_Static_assert(offsetof(struct rref_table_header, heads_off) == 128, "rref header layout");
 _Static_assert(sizeof(struct rref_table_header) == RREF_TABLE_PAGE, "rref header is one page");
 
 struct rref_entry {
@@ -119,7 +135,11 @@ struct rref_entry {
 	uint64_t created_ns;        /* CLOCK_MONOTONIC, for inspectors */
 	uint32_t creator;
 	uint32_t flags;             /* RREF_F_* */
-	uint8_t pad[8];
+	/* On the owner's collect list: the next entry's slot + 1 (0: none).
+	 * Written by the pusher before its release CAS of the head; read by
+	 * the owner after its acquire exchange. */
+	_Atomic uint32_t collect_next;
+	uint8_t pad[4];
 	_Atomic uint32_t counts[];  /* per rank */
 };
 _Static_assert(sizeof(struct rref_entry) == 64, "rref entry head is one line");
@@ -143,6 +163,7 @@ struct rref_table {
 	uint32_t max_rrefs;
 	uint32_t world;
 	uint32_t entry_size;
+	_Atomic uint32_t *heads; /* [world] */
 	uint8_t *slots;
 };
 
@@ -210,9 +231,24 @@ SHMRPC_HIDDEN int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, ui
 SHMRPC_HIDDEN int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id);
 
 /*
+ * Pushes the UNREFERENCED entry at slot (made so by the caller's drop:
+ * rref_release returned 1) on its owner's collect list; true when the
+ * list was empty, and the pusher must then tell the owner.
+ */
+SHMRPC_HIDDEN bool rref_collect_push(struct rref_table *t, uint32_t slot);
+/* Whether rank's collect list holds anything. */
+SHMRPC_HIDDEN bool rref_collect_pending(const struct rref_table *t, uint32_t rank);
+/* Takes rank's whole list: its first slot + 1, 0 if empty. */
+SHMRPC_HIDDEN uint32_t rref_collect_take(struct rref_table *t, uint32_t rank);
+/* The slot + 1 after slot on a taken list (0: the end, or a bad link). */
+SHMRPC_HIDDEN uint32_t rref_collect_next(const struct rref_table *t, uint32_t slot);
+
+/*
  * rank's process is dead (or gone after a clean exit): every entry it owns
  * becomes OWNER_DEAD (waiters woken; removed if nothing references it),
- * and every reference it held is dropped. Idempotent; returns the
+ * and every reference it held is dropped (an entry of a live owner that
+ * this leaves unreferenced goes on its collect list: the owner takes it
+ * once it sees the death). Idempotent; returns the
  * references dropped. The launcher runs it twice: before the pool frees
  * the dead rank's blocks (a reader that copied a value re-checks the state
  * and sees the death), and again after marking the worker dead (for a

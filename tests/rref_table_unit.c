@@ -5,7 +5,8 @@
  * its owner, who removes it; refused calls change nothing; a full table is
  * a clear error naming --max-rrefs and frees up again; tombstones are
  * reused under churn; waiters wake on a store and on the owner's death;
- * the sweep of a dead rank marks its RRefs and drops exactly its references,
+ * unreferenced RRefs go on their owner's collect list, taken once; the
+ * sweep of a dead rank marks its RRefs and drops exactly its references,
  * once. The table is
  * empty at the end. */
 #include <errno.h>
@@ -129,7 +130,7 @@ static void test_attach(struct rref_table *good)
 	h = *good->hdr;
 	h.format_version = RREF_TABLE_FORMAT_VERSION + 1;
 	attach_refused(memfd_with(&h, sizeof(h), good->size), -SHMRPC_EVERSION,
-		       "RRef table format 2, this library reads format 1", "newer format");
+		       "RRef table format 3, this library reads format 2", "newer format");
 	h = *good->hdr;
 	attach_refused(memfd_with(&h, sizeof(h), good->size - 4096), -SHMRPC_ETRUNC,
 		       "RRef table truncated", "short file");
@@ -415,6 +416,43 @@ static void test_owner_death(struct rref_table *t)
 	CHECK(rref_sweep_rank(t, 0) == 0, "sweep of an empty table");
 }
 
+/* Collect lists: the last releases of three RRefs of rank 1 push them on
+ * its list (the first push says the list was empty); the owner takes the
+ * list once, newest first, and the links end it; a sweep that leaves an
+ * RRef of a live owner unreferenced lists it too. Rank 2 then has nothing. */
+static void test_collect(struct rref_table *t)
+{
+	uint64_t id[3] = { RREF_ID(0, 700), RREF_ID(0, 701), RREF_ID(0, 702) };
+	uint64_t swept = RREF_ID(3, 703);
+	uint32_t slot[3], ss, at;
+
+	CHECK(!rref_collect_pending(t, 1) && rref_collect_take(t, 1) == 0, "a list to start with");
+	for (int i = 0; i < 3; i++) {
+		slot[i] = insert(t, id[i], 1, 0);
+		store(t, slot[i], id[i], 0);
+		CHECK(rref_release(t, slot[i], id[i], 0, 1) == 1, "last release of %d", i);
+		CHECK(rref_collect_push(t, slot[i]) == (i == 0), "push %d: was the list empty?", i);
+		CHECK(rref_collect_pending(t, 1), "nothing pending after push %d", i);
+	}
+	CHECK(!rref_collect_pending(t, 2), "rank 2 has a list");
+	at = rref_collect_take(t, 1);
+	CHECK(!rref_collect_pending(t, 1) && rref_collect_take(t, 1) == 0, "taken twice");
+	for (int i = 2; i >= 0; i--) {
+		CHECK(at == slot[i] + 1, "list item %d: slot+1 %u, expected %u", i, at, slot[i] + 1);
+		at = rref_collect_next(t, slot[i]);
+		remove_unreferenced(t, slot[i], id[i]);
+	}
+	CHECK(at == 0, "the list goes on after its last item: %u", at);
+	CHECK(rref_collect_next(t, t->capacity) == 0, "a slot out of the table has a link");
+
+	ss = insert(t, swept, 1, 3); /* rank 3 makes it; it dies before the store */
+	store(t, ss, swept, 0);
+	CHECK(rref_sweep_rank(t, 3) == 1, "the sweep drops the creator's reference");
+	CHECK(rref_collect_take(t, 1) == ss + 1, "the swept RRef is not on its owner's list");
+	CHECK(rref_collect_next(t, ss) == 0, "a list of one goes on");
+	remove_unreferenced(t, ss, swept);
+}
+
 int main(void)
 {
 	struct rref_table_params tp = { .max_rrefs = MAX_RREFS, .world = WORLD };
@@ -422,7 +460,8 @@ int main(void)
 	struct rref_info in;
 	uint32_t used = 0;
 
-	CHECK(rref_table_bytes(&tp) == RREF_TABLE_PAGE + 128 * 128, "%llu bytes",
+	/* The header, the collect list heads, 128 entries of 128 bytes. */
+	CHECK(rref_table_bytes(&tp) == 2 * RREF_TABLE_PAGE + 128 * 128, "%llu bytes",
 	      (unsigned long long)rref_table_bytes(&tp));
 	CHECK(rref_table_bytes(&(struct rref_table_params){ .max_rrefs = 1, .world = 0 }) == 0,
 	      "world 0 accepted");
@@ -436,6 +475,7 @@ int main(void)
 	test_full(&t);
 	test_churn();
 	test_wait(&t);
+	test_collect(&t);
 	test_owner_death(&t);
 	for (uint32_t s = 0; s < t.capacity; s++)
 		used += rref_info_at(&t, s, &in);

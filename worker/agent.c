@@ -133,27 +133,52 @@ int agent_poll(struct agent *ag)
 struct collect_job {
 	struct job base;
 	struct agent *ag;
+	bool after_death;
 };
 
 static void run_collect(struct job *j)
 {
-	rref_owner_collect_all(((struct collect_job *)j)->ag);
-	free(j);
+	struct collect_job *c = (struct collect_job *)j;
+
+	if (c->after_death) {
+		rref_owner_collect_all(c->ag);
+	} else {
+		/* Cleared before the take, seq_cst: the clear, the take, a
+		 * push after it and collect_due's two loads are in one order,
+		 * so a loop thread that sees that push sees the flag clear. */
+		atomic_store_explicit(&c->ag->collect_queued, false, memory_order_seq_cst);
+		rref_owner_collect_listed(c->ag);
+	}
+	free(c);
 }
 
-/* The launcher's sweep of a dead peer may have left RRefs of ours with no
- * reference: free them (on an executor thread; the table walk is long). */
-static void collect_rrefs(struct agent *ag)
+/* Frees RRefs of ours on an executor thread (a list can be long, and
+ * freeing values may free RRefs they hold): after a peer's death, or for
+ * what users' last drops put on our collect list. */
+static void collect_rrefs(struct agent *ag, bool after_death)
 {
 	struct collect_job *c = malloc(sizeof(*c));
 
 	if (!c) {
-		fprintf(stderr, "shmrpc: worker %u: out of memory; RRefs a dead worker held are "
-			"freed when this worker ends\n", ag->rank);
+		if (!after_death)
+			atomic_store_explicit(&ag->collect_queued, false, memory_order_relaxed);
+		fprintf(stderr, "shmrpc: worker %u: out of memory; unreferenced RRefs of ours are "
+			"freed later\n", ag->rank);
 		return;
 	}
-	*c = (struct collect_job){ { NULL, run_collect }, ag };
+	*c = (struct collect_job){ { NULL, run_collect }, ag, after_death };
 	executor_submit(&c->base);
+}
+
+/* Our collect list holds RRefs and no job has been queued to take it
+ * (ipc_port.news: the loop thread must not sleep through it). */
+static bool collect_due(void *arg)
+{
+	struct agent *ag = arg;
+
+	/* seq_cst: see run_collect. */
+	return rref_collect_pending(&ag->rrefs, ag->rank) &&
+	       !atomic_load_explicit(&ag->collect_queued, memory_order_seq_cst);
 }
 
 /* A peer's pidfd fired: fail its calls once the launcher has said how it
@@ -189,7 +214,7 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 		if (!swept)
 			continue;
 		if (ag->has_rrefs)
-			collect_rrefs(ag);
+			collect_rrefs(ag, true);
 		ag->dying_since[peer] = 0;
 	}
 }
@@ -221,6 +246,10 @@ static void *loop_main(void *arg)
 
 		n = agent_poll(ag);
 		now = shmrpc_now_ns();
+		/* seq_cst: see run_collect. Only this thread sets the flag. */
+		if (ag->has_rrefs && collect_due(ag) &&
+		    !atomic_exchange_explicit(&ag->collect_queued, true, memory_order_seq_cst))
+			collect_rrefs(ag, false);
 
 		settle_deaths(ag, now);
 		next = client_expire(ag, now);
@@ -467,6 +496,10 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		goto fail_exec;
 	worker_agent = ag;
 	executor_poll_rings(ag);
+	if (ag->has_rrefs) {
+		ag->port.news = collect_due;
+		ag->port.news_arg = ag;
+	}
 	rc = pthread_create(&ag->loop, NULL, loop_main, ag);
 	if (rc) {
 		worker_agent = NULL;

@@ -50,6 +50,9 @@ struct agent {
 	pthread_t loop;
 	pthread_mutex_t poll_lock; /* held by whoever consumes the incoming rings */
 	_Atomic bool stop;
+	/* A job to take our RRef collect list is queued and has not taken it
+	 * yet (the loop thread queues one at most, agent.c). */
+	_Atomic bool collect_queued;
 	/* Loop thread only: peers whose death was seen, and since when (ns;
 	 * 0 once their calls were failed). */
 	uint64_t *dying_since;

@@ -8,6 +8,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
+#include "ipc/doorbell.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -198,12 +199,24 @@ static void run_delete(struct job *j)
 	free(d);
 }
 
+/* Our drop made id (at slot) unreferenced (rref_release returned 1): it
+ * goes on its owner's collect list (rref_table.h), and the owner is told
+ * unless it has been already: we are the owner (we collect now), or the
+ * list was not empty (its first pusher rang). In message mode the owner is
+ * told by RREF_USER_DELETE, as torch tells it. */
 static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner)
 {
+	bool first = rref_collect_push(&ag->rrefs, slot);
 	struct delete_job *d;
 
 	if (owner == ag->rank) {
-		rref_owner_collect(ag, id, slot);
+		rref_owner_collect_listed(ag);
+		return;
+	}
+	pthread_once(&fork_mode_once, read_fork_mode);
+	if (!fork_by_message) {
+		if (first)
+			ipc_doorbell_ring(shm_worker(&ag->seg, owner), ag->self);
 		return;
 	}
 	/* Shutting down: the owner leaves too, and the launcher's sweep of it
@@ -568,7 +581,7 @@ out:
 	/* The child's reference, then its state (seq_cst both), as rref_charge. */
 	if (rc == 0 && child != ag->rank && !peer_running(ag, child) &&
 	    rref_sweep_entry(&ag->rrefs, slot, id, child) == 1)
-		rref_owner_collect(ag, id, slot);
+		unreferenced(ag, id, slot, ag->rank);
 	return rc;
 }
 
@@ -859,7 +872,7 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 			tensor_list_free(&rec->held);
 		free(rec);
 		if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1)
-			rref_owner_collect(ag, id, slot);
+			unreferenced(ag, id, slot, ag->rank);
 		return shmrpc__fail(rc, "cannot store the RRef's value: %s", msg);
 	}
 	pthread_mutex_lock(&records.lock);
@@ -868,7 +881,7 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 	/* From here readers may decode the block; our run's reference goes. */
 	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, rec->value_off, len);
 	if (rc == 1)
-		rref_owner_collect(ag, id, slot);
+		unreferenced(ag, id, slot, ag->rank);
 	return rc < 0 ? rc : 0;
 }
 
@@ -949,7 +962,9 @@ int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t dead
 	return 0;
 }
 
-void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
+/* Frees what the UNREFERENCED RRef id of ours holds (taken off our
+ * collect list); ignores anything else. */
+static void owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
 {
 	struct owner_forks *of, **fat;
 	struct rref_info info;
@@ -981,6 +996,22 @@ void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
 		record_free(ag, rec);
 }
 
+void rref_owner_collect_listed(struct agent *ag)
+{
+	uint32_t at = rref_collect_take(&ag->rrefs, ag->rank);
+
+	/* A list is at most the table long; a bad link ends it. */
+	for (uint32_t n = 0; at && n < ag->rrefs.capacity; n++) {
+		uint32_t slot = at - 1;
+		struct rref_info info;
+
+		/* The link first: collecting frees the entry for reuse. */
+		at = rref_collect_next(&ag->rrefs, slot);
+		if (rref_info_at(&ag->rrefs, slot, &info))
+			owner_collect(ag, info.id, slot);
+	}
+}
+
 void rref_owner_collect_all(struct agent *ag)
 {
 	struct pending_child *gone = NULL, *c;
@@ -1006,13 +1037,8 @@ void rref_owner_collect_all(struct agent *ag)
 		gone = c->next;
 		child_drop(ag, c);
 	}
-	for (uint32_t s = 0; s < ag->rrefs.capacity; s++) {
-		struct rref_info info;
-
-		if (rref_info_at(&ag->rrefs, s, &info) && info.owner == ag->rank &&
-		    info.state == RREF_UNREFERENCED)
-			rref_owner_collect(ag, info.id, s);
-	}
+	/* What the sweep left unreferenced, it put on our list. */
+	rref_owner_collect_listed(ag);
 }
 
 void rref_owner_free_all(struct agent *ag)

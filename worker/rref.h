@@ -98,11 +98,12 @@ SHMRPC_HIDDEN int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot,
  * (malloc); *state READY or ERROR. */
 SHMRPC_HIDDEN int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns,
 				   void **buf, size_t *len, uint32_t *state);
-/* Frees what an UNREFERENCED RRef of ours holds; ignores others. */
-SHMRPC_HIDDEN void rref_owner_collect(struct agent *ag, uint64_t id, uint32_t slot);
+/* Frees what the RRefs on our collect list hold (rref_table.h), and
+ * removes them: the last drop of each put it there. Any thread. */
+SHMRPC_HIDDEN void rref_owner_collect_listed(struct agent *ag);
 /* A peer died (its references were swept): collects every RRef of ours it
- * left unreferenced, and drops our pending-child references to forks sent
- * to a child that is gone. From an executor thread. */
+ * left unreferenced (the sweep listed them), and drops our pending-child
+ * references to forks sent to a child that is gone. From an executor thread. */
 SHMRPC_HIDDEN void rref_owner_collect_all(struct agent *ag);
 /* The agent stops: every record goes, the owner's fork ids and pending
  * children too (the launcher sweeps the table). */

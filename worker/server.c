@@ -495,7 +495,8 @@ static void run_rref_delete(struct request_job *rq, shmrpc_call *call)
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 		return;
 	}
-	rref_owner_collect(rq->ag, id, slot);
+	/* The user put it on our collect list before it sent this. */
+	rref_owner_collect_listed(rq->ag);
 	send_reply(rq, MSG_RREF_ACK, "\xc0", 1); /* nil */
 }
 
