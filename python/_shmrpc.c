@@ -336,12 +336,25 @@ static void msg_free(struct python_msg *m)
  * counters, read by debug_info, which may see one a little ahead. */
 static _Atomic uint64_t gil_takes, gil_wait_ns;
 
-/* PyGILState_Ensure, timed. */
+/* Whether this thread keeps its Python thread state (gil_take). */
+static _Thread_local bool state_kept;
+
+/* PyGILState_Ensure, timed. A thread Python did not start (an executor
+ * thread) keeps the thread state its first take makes, for its life: one
+ * made and freed on every take would leave pybind11 (torch) with a freed
+ * one, as it caches the state of the thread that first imports it (a
+ * callee that did not import torch does so on an executor thread when the
+ * first tensor arrives) and reuses it there, crashing a later call. (A
+ * thread Python started has its state for its life already.) */
 static PyGILState_STATE gil_take(void)
 {
 	uint64_t t0 = shmrpc_now_ns();
 	PyGILState_STATE g = PyGILState_Ensure();
 
+	if (!state_kept) {
+		state_kept = true;
+		(void)PyGILState_Ensure(); /* never released: the state stays */
+	}
 	atomic_fetch_add_explicit(&gil_wait_ns, shmrpc_now_ns() - t0, memory_order_relaxed);
 	atomic_fetch_add_explicit(&gil_takes, 1, memory_order_relaxed);
 	return g;
