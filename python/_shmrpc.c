@@ -32,9 +32,11 @@
 #include "python/module.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
+#include "worker/future.h"
 #include "worker/msg.h"
 #include "worker/profile.h"
 #include "worker/python.h"
+#include "worker/rref.h"
 
 static PyObject *handler; /* the Python handler; owned */
 
@@ -336,31 +338,29 @@ static void msg_free(struct python_msg *m)
  * counters, read by debug_info, which may see one a little ahead. */
 static _Atomic uint64_t gil_takes, gil_wait_ns;
 
-/*
- * Whether this (executor) thread has its Python thread state. On a thread
- * without one, PyGILState_Ensure makes one and the matching Release
- * destroys it: about 10 µs of every call served. So an executor thread's
- * first take makes it and keeps it for the thread's life (an Ensure never
- * released), and later takes only take the GIL. That is some KiB per
- * executor thread, which the interpreter frees at its end.
- */
-static _Thread_local bool has_thread_state;
+/* Whether this thread keeps its Python thread state (gil_take). */
+static _Thread_local bool state_kept;
 
-/* PyGILState_Ensure, timed. */
+/*
+ * PyGILState_Ensure, timed. A thread Python did not start (an executor
+ * thread) keeps the thread state its first take makes, for its life.
+ * One made and freed on every take cost about 10 µs of every call served,
+ * and left pybind11 (torch) with a freed one: it caches the state of the
+ * thread that first imports it (a callee that did not import torch does
+ * so on an executor thread when the first tensor arrives) and reuses it
+ * there, crashing a later call. That is some KiB per executor thread,
+ * which the interpreter frees at its end. (A thread Python started has
+ * its state for its life already.)
+ */
 static PyGILState_STATE gil_take(void)
 {
 	uint64_t t0 = shmrpc_now_ns();
-	PyGILState_STATE g;
+	PyGILState_STATE g = PyGILState_Ensure();
 
-	/* Only an executor thread: never a Python thread, which may hold the
-	 * GIL here already. */
-	if (!has_thread_state && executor_on_worker_thread()) {
-		PyGILState_Ensure();
-		PyEval_SaveThread(); /* the GIL goes, the thread state stays */
-		has_thread_state = true;
+	if (!state_kept) {
+		state_kept = true;
+		(void)PyGILState_Ensure(); /* never released: the state stays */
 	}
-	g = PyGILState_Ensure();
-
 	atomic_fetch_add_explicit(&gil_wait_ns, shmrpc_now_ns() - t0, memory_order_relaxed);
 	atomic_fetch_add_explicit(&gil_takes, 1, memory_order_relaxed);
 	return g;
@@ -422,14 +422,35 @@ static int msg_copy(const struct python_msg *view, struct python_msg *out)
 	return rc;
 }
 
+/* The ops the handler appended to list, (name, start_ns, end_ns, thread,
+ * rank or -1 for this worker) each, into ops (a malformed one is left
+ * out: the handler is ours). */
+static void ops_add(PyObject *list, struct profile_events *ops)
+{
+	for (Py_ssize_t i = 0; i < PyList_Size(list); i++) {
+		unsigned long long start, end, thread;
+		const char *name;
+		int rank;
+
+		if (PyArg_ParseTuple(PyList_GetItem(list, i), "sKKKi", &name, &start, &end, &thread,
+				     &rank))
+			profile_events_add(ops, name, start, end, thread,
+					   rank < 0 ? PROFILE_HERE : (uint32_t)rank);
+		else
+			PyErr_Clear();
+	}
+}
+
 /* The Python handler's arguments: (caller, type, context_id, message_id,
- * retain_graph, pickle, [RRef...], [Tensor...]); it returns (pickle,
- * [RRef...], [Tensor...]) or, answering a FORWARD_AUTOGRAD_REQ, the same
- * and the reply's autograd message id. */
-static int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out)
+ * retain_graph, pickle, [RRef...], [Tensor...], ops), ops being a list to
+ * append the ops torch's profiler recorded to, or None (python_handler_fn);
+ * it returns (pickle, [RRef...], [Tensor...]) or, answering a
+ * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id. */
+static int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
+		       struct profile_events *ops)
 {
 	PyGILState_STATE g = gil_take();
-	PyObject *res = NULL, *rrefs, *tensors, *pickled;
+	PyObject *res = NULL, *rrefs, *tensors, *pickled, *op_list;
 	const struct python_msg *m = &in->msg;
 	struct python_msg view;
 	long long message_id = 0;
@@ -438,13 +459,18 @@ static int run_handler(uint32_t caller, const struct python_request *in, struct 
 	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
 	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
 	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
-	if (rrefs && tensors && handler)
-		res = PyObject_CallFunction(handler, "IHLLOy#OO", caller, in->type,
+	op_list = ops ? PyList_New(0) : new_ref(Py_None);
+	if (rrefs && tensors && op_list && handler)
+		res = PyObject_CallFunction(handler, "IHLLOy#OOO", caller, in->type,
 					    (long long)in->context_id, (long long)in->message_id,
 					    in->retain_graph ? Py_True : Py_False,
-					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors);
+					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors,
+					    op_list);
+	if (res && ops)
+		ops_add(op_list, ops);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
+	Py_XDECREF(op_list);
 	if (res && PyArg_ParseTuple(res, "SOO|L", &pickled, &rrefs, &tensors, &message_id) &&
 	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
 		out->message_id = (int64_t)message_id;
@@ -493,6 +519,44 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 	return PyBool_FromLong(shmrpc_future_done(HANDLE(self)));
 }
 
+/* A call made for torch's profiler (worker/profile.h), once it has
+ * completed (waited for; it ends by its reply, its timeout or its callee's
+ * death): (key, sent_ns, done_ns, [(name, start_ns, end_ns, rank, thread),
+ * ...]), the callee's events (none if it failed); None for another call. */
+static PyObject *profiled_call(shmrpc_future *f)
+{
+	const struct profile_events *pe;
+	PyObject *list;
+
+	if (!f || !(f->profile_what & PROFILE_TORCH))
+		return new_ref(Py_None);
+	Py_BEGIN_ALLOW_THREADS
+	future_wait_until(f, 0);
+	Py_END_ALLOW_THREADS
+	pe = f->callee_events;
+	list = PyList_New(pe ? pe->n : 0);
+	for (uint32_t i = 0; list && pe && i < pe->n; i++) {
+		const struct profile_event_rec *e = &pe->ev[i];
+		PyObject *t = Py_BuildValue("(sKKIK)", e->name, (unsigned long long)e->start_ns,
+					    (unsigned long long)e->end_ns, e->rank,
+					    (unsigned long long)e->thread);
+
+		if (!t)
+			Py_CLEAR(list);
+		else
+			PyList_SetItem(list, i, t);
+	}
+	return list ? Py_BuildValue("(sKKN)", f->profile_key, (unsigned long long)f->sent_ns,
+				    (unsigned long long)f->done_ns, list)
+		    : NULL;
+}
+
+static PyObject *future_profiled(PyObject *self, PyObject *unused)
+{
+	(void)unused;
+	return profiled_call(HANDLE(self));
+}
+
 /* Runs a Python callable once the future completes (an executor thread). */
 static void run_callback(shmrpc_future *f, void *arg)
 {
@@ -529,6 +593,8 @@ static PyMethodDef future_methods[] = {
 	  "calls fn() on an executor thread once the call has completed" },
 	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
 	{ "done", future_done, METH_NOARGS, "whether the call has completed" },
+	{ "profiled", future_profiled, METH_NOARGS,
+	  "a call made for torch's profiler, once completed: (key, sent_ns, done_ns, events)" },
 	{ NULL, NULL, 0, NULL },
 };
 
@@ -593,6 +659,12 @@ static PyObject *rref_confirmed(PyObject *self, PyObject *unused)
 	return PyBool_FromLong(shmrpc_rref_confirmed_by_owner(HANDLE(self)));
 }
 
+static PyObject *rref_profiled(PyObject *self, PyObject *unused)
+{
+	(void)unused;
+	return profiled_call(((shmrpc_rref *)HANDLE(self))->created);
+}
+
 static PyObject *rref_str(PyObject *self)
 {
 	char buf[256];
@@ -607,6 +679,8 @@ static PyMethodDef rref_methods[] = {
 	{ "owner_name", rref_owner_name, METH_NOARGS, "the owner's name" },
 	{ "is_owner", rref_is_owner, METH_NOARGS, "whether this worker owns it" },
 	{ "confirmed_by_owner", rref_confirmed, METH_NOARGS, "whether the owner knows of it" },
+	{ "profiled", rref_profiled, METH_NOARGS,
+	  "remote() made for torch's profiler, once completed: as Future.profiled" },
 	{ NULL, NULL, 0, NULL },
 };
 
@@ -716,57 +790,72 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 }
 
 /* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None,
- * type=PYTHON_CALL, context_id=-1, message_id=0, retain_graph=False)
- * -> Future; kind and fn name it for the profiler; type is PYTHON_CALL or
- * one of distributed autograd's requests (worker/python.h says which of
- * the other arguments each one carries). */
-static PyObject *mod_call(PyObject *m, PyObject *args)
+ * type=PYTHON_CALL, context_id=-1, message_id=0, retain_graph=False, *,
+ * torch_profile=False) -> Future; kind and fn name it for the profiler;
+ * type is PYTHON_CALL or one of distributed autograd's requests
+ * (worker/python.h says which of the other arguments each one carries);
+ * torch_profile: profiled for torch's profiler (Future.profiled). */
+static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 {
+	static char *names[] = { "dst", "pickle", "rrefs", "tensors", "timeout_ms", "kind", "fn",
+				 "type", "context_id", "message_id", "retain_graph",
+				 "torch_profile", NULL };
 	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL };
 	shmrpc_future *f = NULL;
 	PyObject *pickled, *rrefs, *tensors;
 	const char *kind = NULL, *fn = NULL;
 	long long timeout, context_id = -1, message_id = 0;
-	int dst, retain = 0, rc;
+	int dst, retain = 0, torch = 0, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL|zzHLLp", &dst, &pickled, &rrefs, &tensors, &timeout,
-			      &kind, &fn, &rq.type, &context_id, &message_id, &retain) ||
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zzHLLp$p", names, &dst, &pickled, &rrefs,
+					 &tensors, &timeout, &kind, &fn, &rq.type, &context_id,
+					 &message_id, &retain, &torch) ||
 	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
 		return NULL;
 	rq.context_id = (int64_t)context_id;
 	rq.message_id = (int64_t)message_id;
 	rq.retain_graph = retain;
 	profile_name_next(kind, fn);
+	if (torch)
+		profile_torch_next();
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_request_async(dst, &rq, (int64_t)timeout, &f);
+	profile_forget_next(); /* a request refused before it went */
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
 /* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None,
- * type=PYTHON_REMOTE_CALL, context_id=-1, message_id=0) -> RRef; type is
- * PYTHON_REMOTE_CALL or, inside a distributed autograd context (context_id,
- * message_id), FORWARD_AUTOGRAD_REQ wrapping one. */
-static PyObject *mod_remote(PyObject *m, PyObject *args)
+ * type=PYTHON_REMOTE_CALL, context_id=-1, message_id=0, *,
+ * torch_profile=False) -> RRef; type is PYTHON_REMOTE_CALL or, inside a
+ * distributed autograd context (context_id, message_id), FORWARD_AUTOGRAD_REQ
+ * wrapping one; torch_profile as call()'s (RRef.profiled). */
+static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 {
+	static char *names[] = { "dst", "pickle", "rrefs", "tensors", "timeout_ms", "fn", "type",
+				 "context_id", "message_id", "torch_profile", NULL };
 	struct python_request rq = { .type = MSG_PYTHON_REMOTE_CALL,
 				     .wrapped = MSG_PYTHON_REMOTE_CALL };
 	shmrpc_rref *r = NULL;
 	PyObject *pickled, *rrefs, *tensors;
 	const char *fn = NULL;
 	long long timeout, context_id = -1, message_id = 0;
-	int dst, rc;
+	int dst, torch = 0, rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iSOOL|zHLL", &dst, &pickled, &rrefs, &tensors, &timeout, &fn,
-			      &rq.type, &context_id, &message_id) ||
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zHLL$p", names, &dst, &pickled, &rrefs,
+					 &tensors, &timeout, &fn, &rq.type, &context_id,
+					 &message_id, &torch) ||
 	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
 		return NULL;
 	rq.context_id = (int64_t)context_id;
 	rq.message_id = (int64_t)message_id;
 	profile_name_next("rpc_remote", fn);
+	if (torch)
+		profile_torch_next();
 	rc = python_remote(dst, &rq, (int64_t)timeout, &r);
+	profile_forget_next(); /* a request refused before it went */
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : rref_wrap(r);
 }
@@ -965,12 +1054,12 @@ static PyMethodDef mod_methods[] = {
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
-	{ "call", mod_call, METH_VARARGS,
+	{ "call", (PyCFunction)(void (*)(void))mod_call, METH_VARARGS | METH_KEYWORDS,
 	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
-	  "message_id, retain_graph) -> Future" },
-	{ "remote", mod_remote, METH_VARARGS,
+	  "message_id, retain_graph, *, torch_profile=False) -> Future" },
+	{ "remote", (PyCFunction)(void (*)(void))mod_remote, METH_VARARGS | METH_KEYWORDS,
 	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn, type, context_id, "
-	  "message_id) -> RRef" },
+	  "message_id, *, torch_profile=False) -> RRef" },
 	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },

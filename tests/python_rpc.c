@@ -35,6 +35,7 @@ static const struct {
 	{ "param_server", "64M", "2" }, /* the tutorial's parameter server, one trainer */
 	{ "debug_info", "64M", "2" },
 	{ "data_ranks", "64M", "3" }, /* shmrpc.data loading on ranks 1 and 2 */
+	{ "torch_late_import", "64M", "2" }, /* torch first imported on an executor thread */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */

@@ -90,7 +90,7 @@ static shmrpc_future *pending_take_if(bool (*pred)(shmrpc_future *, const void *
 /* A call is over: the table's reference goes, and so does the active count. */
 static void settled(struct agent *ag, shmrpc_future *f)
 {
-	if (f->profile_key)
+	if (f->profile_what & PROFILE_CALLS)
 		profile_call_end();
 	count(&ag->self->client_active_calls, -1);
 	future_unref(f);
@@ -112,13 +112,19 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 	if (type == MSG_RUN_WITH_PROFILING_RESP) {
 		shmrpc_value events;
 
-		if (profile_unwrap(payload, len, &pa, &type, &payload, &len, &events)) {
+		if (profile_unwrap(payload, len, &pa, &type, &payload, &len, &events) ||
+		    events.type != SHMRPC_LIST) {
 			type = MSG_EXCEPTION; /* decoded below as malformed */
 			len = 0;
-		} else if (f->profile_key) {
-			profile_call_done(f->profile_key, ag->rank, f->sent_ns, &events);
+		} else {
+			if (f->profile_what & PROFILE_CALLS)
+				profile_call_done(f->profile_key, ag->rank, f->sent_ns, &events);
+			/* Read by the binding once the future is done (finish()
+			 * publishes it); out of memory, the events are lost. */
+			if (f->profile_what & PROFILE_TORCH)
+				f->callee_events = profile_events_of(&events);
 		}
-	} else if (f->profile_key && type == MSG_EXCEPTION) {
+	} else if ((f->profile_what & PROFILE_CALLS) && type == MSG_EXCEPTION) {
 		profile_call_done(f->profile_key, ag->rank, f->sent_ns, &(shmrpc_value){ 0 });
 	}
 	if (type == MSG_EXCEPTION) {
@@ -251,10 +257,10 @@ int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *
 	return value_pack(&pk, &list, sent);
 }
 
-/* The request in sb becomes RUN_WITH_PROFILING_REQ [type, payload], and f
- * remembers the call's key and when it went. */
+/* The request in sb becomes RUN_WITH_PROFILING_REQ [type, payload, what],
+ * and f remembers the call's key, what it asks and when it went. */
 static int profile_wrap(struct agent *ag, int dst, const char *kind, const char *fn,
-			shmrpc_future *f, uint16_t *type, msgpack_sbuffer *sb)
+			unsigned what, shmrpc_future *f, uint16_t *type, msgpack_sbuffer *sb)
 {
 	char me[SHM_NAME_MAX], peer[SHM_NAME_MAX], key[320];
 	msgpack_sbuffer wrapped;
@@ -264,7 +270,7 @@ static int profile_wrap(struct agent *ag, int dst, const char *kind, const char 
 	agent_peer_name(ag, (uint32_t)dst, peer, sizeof(peer));
 	profile_key(kind, fn, me, peer, key, sizeof(key));
 	msgpack_sbuffer_init(&wrapped);
-	rc = profile_wrap_request(*type, sb->data, sb->size, &wrapped);
+	rc = profile_wrap_request(*type, sb->data, sb->size, what, &wrapped);
 	if (rc == 0 && !(f->profile_key = strdup(key)))
 		rc = shmrpc__fail(-ENOMEM, "out of memory profiling a call");
 	if (rc) {
@@ -274,8 +280,10 @@ static int profile_wrap(struct agent *ag, int dst, const char *kind, const char 
 	msgpack_sbuffer_destroy(sb);
 	*sb = wrapped; /* the caller destroys it */
 	*type = MSG_RUN_WITH_PROFILING_REQ;
+	f->profile_what = what;
 	f->sent_ns = shmrpc_now_ns();
-	profile_call_begin(); /* ended by settled() */
+	if (what & PROFILE_CALLS)
+		profile_call_begin(); /* ended by settled() */
 	return 0;
 }
 
@@ -286,10 +294,13 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	shmrpc_future *f = NULL;
 	const char *kind, *name;
 	char why[256];
+	unsigned asks; /* of a profiled call's callee: PROFILE_ bits */
+	bool torch;
 	int rc;
 
 	*out = NULL;
-	profile_take_names(&kind, &name);
+	profile_take_names(&kind, &name, &torch);
+	asks = (profile_on() ? PROFILE_CALLS : 0u) | (torch ? PROFILE_TORCH : 0u);
 	if (dst < 0 || (uint32_t)dst >= ag->world)
 		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
 				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);
@@ -321,7 +332,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		future_unref(f);
 		return rc;
 	}
-	if (profile_on() && (rc = profile_wrap(ag, dst, kind, name, f, &type, sb))) {
+	if (asks && (rc = profile_wrap(ag, dst, kind, name, asks, f, &type, sb))) {
 		pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
 		rref_uncharge(ag, sent, (uint32_t)dst);
 		tensor_list_forget(sent);

@@ -10,6 +10,7 @@
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
+#include "worker/profile.h"
 #include "worker/value.h"
 
 shmrpc_future *future_new(void)
@@ -51,6 +52,10 @@ void future_unref(shmrpc_future *f)
 	free(f->errtype);
 	free(f->backtrace);
 	free(f->profile_key);
+	if (f->callee_events) {
+		profile_events_free(f->callee_events);
+		free(f->callee_events);
+	}
 	pthread_mutex_destroy(&f->lock);
 	pthread_cond_destroy(&f->cond);
 	free(f);
@@ -62,6 +67,8 @@ static void finish(shmrpc_future *f)
 	struct future_cb *cbs = f->cbs;
 
 	f->cbs = NULL;
+	if (f->profile_key)
+		f->done_ns = shmrpc_now_ns();
 	/* Release pairs with the acquire in shmrpc_future_done and the waits. */
 	atomic_store_explicit(&f->done, 1, memory_order_release);
 	pthread_cond_broadcast(&f->cond);

@@ -42,7 +42,10 @@ struct shmrpc_future {
 	uint64_t deadline_ns; /* 0: none */
 	int64_t timeout_ms;
 	char *profile_key;      /* profiled call: its key (malloc); NULL otherwise */
+	unsigned profile_what;  /* profiled call: PROFILE_ bits (worker/profile.h) */
 	uint64_t sent_ns;       /* profiled call: when it went */
+	uint64_t done_ns;       /* profiled call: when it completed */
+	struct profile_events *callee_events; /* PROFILE_TORCH: the reply's events */
 	struct shmrpc_future *hnext; /* pending table chain */
 };
 

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "worker/profile.h"
 #include "worker/value.h"
@@ -29,6 +30,7 @@ static _Atomic uint32_t in_flight;
 
 static _Thread_local const char *next_kind;
 static _Thread_local const char *next_fn;
+static _Thread_local bool next_torch;
 
 void profile_call_begin(void)
 {
@@ -38,6 +40,12 @@ void profile_call_begin(void)
 void profile_call_end(void)
 {
 	atomic_fetch_sub_explicit(&in_flight, 1, memory_order_relaxed);
+}
+
+void profile_forget_next(void)
+{
+	next_kind = next_fn = NULL;
+	next_torch = false;
 }
 
 bool profile_on(void)
@@ -53,11 +61,17 @@ void profile_name_next(const char *kind, const char *fn)
 		next_fn = fn;
 }
 
-void profile_take_names(const char **kind, const char **fn)
+void profile_torch_next(void)
+{
+	next_torch = true;
+}
+
+void profile_take_names(const char **kind, const char **fn, bool *torch)
 {
 	*kind = next_kind;
 	*fn = next_fn;
-	next_kind = next_fn = NULL;
+	*torch = next_torch;
+	profile_forget_next();
 }
 
 void profile_key(const char *kind, const char *fn, const char *caller, const char *callee,
@@ -102,38 +116,39 @@ int32_t profile_record(const char *name, uint32_t rank, uint64_t start_ns, uint6
 	return at;
 }
 
-int profile_wrap_request(uint16_t type, const void *buf, size_t len, msgpack_sbuffer *out)
+int profile_wrap_request(uint16_t type, const void *buf, size_t len, unsigned what,
+			 msgpack_sbuffer *out)
 {
 	msgpack_packer pk;
 
 	msgpack_packer_init(&pk, out, msgpack_sbuffer_write);
-	if (len > UINT32_MAX || msgpack_pack_array(&pk, 2) || msgpack_pack_uint16(&pk, type) ||
-	    msgpack_pack_bin_with_body(&pk, buf, len))
+	if (len > UINT32_MAX || msgpack_pack_array(&pk, 3) || msgpack_pack_uint16(&pk, type) ||
+	    msgpack_pack_bin_with_body(&pk, buf, len) || msgpack_pack_unsigned_int(&pk, what))
 		return shmrpc__fail(-ENOMEM, "out of memory wrapping a profiled request");
 	return 0;
 }
 
 int profile_unwrap(const void *buf, size_t len, struct arena *a, uint16_t *type, const void **inner,
-		   size_t *inner_len, shmrpc_value *events)
+		   size_t *inner_len, shmrpc_value *extra)
 {
 	const shmrpc_value *it;
 	shmrpc_value v;
 	size_t used;
 
 	if (value_unpack(buf, len, a, &v, &used, NULL) || used != len || v.type != SHMRPC_LIST ||
-	    (v.len != 2 && v.len != 3) || (it = v.u.items)[0].type != SHMRPC_INT ||
-	    it[0].u.i <= 0 || it[0].u.i > UINT16_MAX || it[1].type != SHMRPC_BYTES ||
-	    (v.len == 3 && it[2].type != SHMRPC_LIST))
+	    v.len != 3 || (it = v.u.items)[0].type != SHMRPC_INT || it[0].u.i <= 0 ||
+	    it[0].u.i > UINT16_MAX || it[1].type != SHMRPC_BYTES ||
+	    (it[2].type != SHMRPC_LIST && it[2].type != SHMRPC_INT))
 		return shmrpc__fail(-EBADMSG, "a malformed profiling wrapper came in");
 	*type = (uint16_t)it[0].u.i;
 	*inner = it[1].u.p;
 	*inner_len = it[1].len;
-	*events = v.len == 3 ? it[2] : shmrpc_nil();
+	*extra = it[2];
 	return 0;
 }
 
 void profile_events_add(struct profile_events *pe, const char *name, uint64_t start_ns,
-			uint64_t end_ns)
+			uint64_t end_ns, uint64_t thread, uint32_t rank)
 {
 	if (pe->n == pe->cap) {
 		uint32_t cap = pe->cap ? 2 * pe->cap : 4;
@@ -146,7 +161,9 @@ void profile_events_add(struct profile_events *pe, const char *name, uint64_t st
 	}
 	snprintf(pe->ev[pe->n].name, sizeof(pe->ev[pe->n].name), "%s", name);
 	pe->ev[pe->n].start_ns = start_ns;
-	pe->ev[pe->n++].end_ns = end_ns;
+	pe->ev[pe->n].end_ns = end_ns;
+	pe->ev[pe->n].thread = thread;
+	pe->ev[pe->n++].rank = rank;
 }
 
 void profile_events_free(struct profile_events *pe)
@@ -167,35 +184,56 @@ int profile_wrap_reply(uint16_t type, const void *buf, size_t len, const struct 
 	for (uint32_t i = 0; rc == 0 && i < pe->n; i++) {
 		size_t n = strlen(pe->ev[i].name);
 
-		rc = msgpack_pack_array(&pk, 4) || msgpack_pack_str_with_body(&pk, pe->ev[i].name, n) ||
+		rc = msgpack_pack_array(&pk, 5) || msgpack_pack_str_with_body(&pk, pe->ev[i].name, n) ||
 		     msgpack_pack_uint64(&pk, pe->ev[i].start_ns) ||
-		     msgpack_pack_uint64(&pk, pe->ev[i].end_ns) || msgpack_pack_uint32(&pk, rank);
+		     msgpack_pack_uint64(&pk, pe->ev[i].end_ns) ||
+		     msgpack_pack_uint32(&pk, pe->ev[i].rank == PROFILE_HERE ? rank : pe->ev[i].rank) ||
+		     msgpack_pack_uint64(&pk, pe->ev[i].thread);
 	}
 	return rc ? shmrpc__fail(-ENOMEM, "out of memory wrapping a profiled reply") : 0;
 }
 
+/* The i-th of a reply's events, if well formed (from the callee: checked
+ * like everything received); its fields. */
+static const shmrpc_value *event_at(const shmrpc_value *events, uint32_t i)
+{
+	const shmrpc_value *e = &events->u.items[i], *f = e->u.items;
+
+	if (e->type != SHMRPC_LIST || e->len != 5 || f[0].type != SHMRPC_STR ||
+	    f[1].type != SHMRPC_INT || f[2].type != SHMRPC_INT || f[1].u.i < 0 ||
+	    f[2].u.i < f[1].u.i || f[3].type != SHMRPC_INT || f[3].u.i < 0 ||
+	    f[3].u.i > UINT32_MAX || f[4].type != SHMRPC_INT)
+		return NULL;
+	return f;
+}
+
 void profile_call_done(const char *key, uint32_t rank, uint64_t start_ns, const shmrpc_value *events)
 {
-	struct timespec ts;
-	int32_t parent;
+	int32_t parent = profile_record(key, rank, start_ns, shmrpc_now_ns(), -1);
 
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	parent = profile_record(key, rank, start_ns,
-				(uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec, -1);
-	if (events->type != SHMRPC_LIST)
-		return;
-	for (uint32_t i = 0; i < events->len; i++) {
-		const shmrpc_value *e = &events->u.items[i], *f = e->u.items;
-		char name[256];
+	for (uint32_t i = 0; events->type == SHMRPC_LIST && i < events->len; i++) {
+		const shmrpc_value *f = event_at(events, i);
+		char name[640]; /* a key of up to 320, a callee's name of up to 256 */
 
-		/* From the callee: checked like everything received. */
-		if (e->type != SHMRPC_LIST || e->len != 4 || f[0].type != SHMRPC_STR ||
-		    f[1].type != SHMRPC_INT || f[2].type != SHMRPC_INT || f[3].type != SHMRPC_INT ||
-		    f[3].u.i < 0 || f[3].u.i > UINT32_MAX)
+		if (!f)
 			continue;
 		snprintf(name, sizeof(name), "%s#remote_op: %s", key, f[0].u.s);
 		profile_record(name, (uint32_t)f[3].u.i, (uint64_t)f[1].u.i, (uint64_t)f[2].u.i, parent);
 	}
+}
+
+struct profile_events *profile_events_of(const shmrpc_value *events)
+{
+	struct profile_events *pe = calloc(1, sizeof(*pe));
+
+	for (uint32_t i = 0; pe && events->type == SHMRPC_LIST && i < events->len; i++) {
+		const shmrpc_value *f = event_at(events, i);
+
+		if (f)
+			profile_events_add(pe, f[0].u.s, (uint64_t)f[1].u.i, (uint64_t)f[2].u.i,
+					   (uint64_t)f[4].u.i, (uint32_t)f[3].u.i);
+	}
+	return pe;
 }
 
 /* ---- public API ---- */

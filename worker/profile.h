@@ -2,13 +2,19 @@
  * RPC profiling (torch's RUN_WITH_PROFILING_REQ / _RESP).
  *
  * While a process profiles (shmrpc_profile_start), every request it sends
- * goes out wrapped in RUN_WITH_PROFILING_REQ, [type, payload]. The callee
- * runs the wrapped request as usual and times the function it ran; its
- * reply comes back wrapped in RUN_WITH_PROFILING_RESP, [type, payload,
- * events], events being [[name, start_ns, end_ns, rank], ...]. The caller
- * records one event per call under the seeds' key
+ * goes out wrapped in RUN_WITH_PROFILING_REQ, [type, payload, what], what
+ * being PROFILE_CALLS; so does a Python call made while torch's legacy
+ * autograd profiler runs in the calling thread, with PROFILE_TORCH
+ * (python/shmrpc/profiler.py). The callee runs the wrapped request as
+ * usual; for PROFILE_CALLS it times the function it ran, for PROFILE_TORCH
+ * the Python binding runs a Python function under torch's legacy profiler
+ * (where torch is loaded) and gives the ops it recorded. The reply comes
+ * back wrapped in RUN_WITH_PROFILING_RESP, [type, payload, events], events
+ * being [[name, start_ns, end_ns, rank, thread], ...]. For PROFILE_CALLS
+ * the caller records one event per call under the seeds' key
  * `rpc_sync#fn(caller -> callee)` (rpc_async, rpc_remote likewise) and the
- * callee's events beneath it, named `KEY#remote_op: fn`. Every worker runs
+ * callee's events beneath it, named `KEY#remote_op: fn`; for PROFILE_TORCH
+ * the future keeps the callee's events for the binding. Every worker runs
  * on one machine and one CLOCK_MONOTONIC, so the callee's times need no
  * translation.
  */
@@ -24,14 +30,24 @@
 #include "common/compiler.h"
 #include "worker/arena.h"
 
+/* What a profiled request asks of the callee (its wrapper's `what`). */
+enum {
+	PROFILE_CALLS = 1u, /* shmrpc's profiler: time the function */
+	PROFILE_TORCH = 2u, /* torch's legacy profiler: the ops a Python function ran */
+};
+
 /* Whether this process profiles its calls now. */
 SHMRPC_HIDDEN bool profile_on(void);
 /* Names the next request this thread sends: kind "rpc_sync", "rpc_async"
  * (the default) or "rpc_remote", and the function (NULL: keep). */
 SHMRPC_HIDDEN void profile_name_next(const char *kind, const char *fn);
-/* The names given for the request this thread sends now (NULL if none);
- * the next request starts without. */
-SHMRPC_HIDDEN void profile_take_names(const char **kind, const char **fn);
+/* The next request this thread sends is profiled for torch's profiler. */
+SHMRPC_HIDDEN void profile_torch_next(void);
+/* The names given for the request this thread sends now (NULL if none)
+ * and whether it is profiled for torch; the next request starts without. */
+SHMRPC_HIDDEN void profile_take_names(const char **kind, const char **fn, bool *torch);
+/* Forgets what was given for the next request (one refused before it went). */
+SHMRPC_HIDDEN void profile_forget_next(void);
 /* "rpc_sync#fn(caller -> callee)" in buf. */
 SHMRPC_HIDDEN void profile_key(const char *kind, const char *fn, const char *caller,
 			       const char *callee, char *buf, size_t len);
@@ -39,27 +55,40 @@ SHMRPC_HIDDEN void profile_key(const char *kind, const char *fn, const char *cal
 SHMRPC_HIDDEN int32_t profile_record(const char *name, uint32_t rank, uint64_t start_ns,
 				     uint64_t end_ns, int32_t parent);
 
-/* [type, payload] into out. */
-SHMRPC_HIDDEN int profile_wrap_request(uint16_t type, const void *buf, size_t len,
+/* [type, payload, what] into out (what: PROFILE_ bits). */
+SHMRPC_HIDDEN int profile_wrap_request(uint16_t type, const void *buf, size_t len, unsigned what,
 				       msgpack_sbuffer *out);
 /* The wrapped message of a RUN_WITH_PROFILING_REQ / _RESP, pointing into
- * buf; events (a reply's) decoded into a, NIL for a request. */
+ * buf; extra, decoded into a: a request's `what` (INT, PROFILE_ bits) or
+ * a reply's events (LIST). */
 SHMRPC_HIDDEN int profile_unwrap(const void *buf, size_t len, struct arena *a, uint16_t *type,
-				 const void **inner, size_t *inner_len, shmrpc_value *events);
+				 const void **inner, size_t *inner_len, shmrpc_value *extra);
 
-/* The callee's events for one profiled request. */
+/* A callee's events: for one profiled request (callee), or those a reply
+ * brought for torch's profiler (caller). */
 struct profile_events {
 	uint32_t n, cap;
 	struct profile_event_rec {
-		char name[96];
+		char name[256];
 		uint64_t start_ns, end_ns;
+		uint64_t thread; /* torch's id of the thread it ran on; 0 for the function's time */
+		uint32_t rank;   /* the worker it ran on; PROFILE_HERE: the callee */
 	} *ev;
 };
 
+/* An event's rank: the callee's own (set when its reply is made). Others
+ * are those of the calls the function made, which it ran under torch's
+ * profiler. */
+#define PROFILE_HERE UINT32_MAX
+
 SHMRPC_HIDDEN void profile_events_add(struct profile_events *pe, const char *name,
-				      uint64_t start_ns, uint64_t end_ns);
+				      uint64_t start_ns, uint64_t end_ns, uint64_t thread,
+				      uint32_t rank);
 SHMRPC_HIDDEN void profile_events_free(struct profile_events *pe);
-/* [type, payload, events] into out (events from rank). */
+/* A reply's events (as checked as everything received: malformed ones are
+ * left out), in a new list; NULL if out of memory. */
+SHMRPC_HIDDEN struct profile_events *profile_events_of(const shmrpc_value *events);
+/* [type, payload, events] into out (rank: the callee's, for PROFILE_HERE). */
 SHMRPC_HIDDEN int profile_wrap_reply(uint16_t type, const void *buf, size_t len,
 				     const struct profile_events *pe, uint32_t rank,
 				     msgpack_sbuffer *out);

@@ -21,6 +21,7 @@
 #include "shmrpc.h"
 #include "common/compiler.h"
 #include "worker/arena.h"
+#include "worker/profile.h"
 #include "worker/tensor.h"
 
 struct python_msg {
@@ -61,10 +62,12 @@ struct python_request {
 /* Runs the request in from caller (a request type python_is_request
  * accepts); fills out->msg with the pickled result (data, rrefs and
  * tensors malloc'd; the handles are the agent's to free once sent) and,
- * for a FORWARD_AUTOGRAD_REQ, out->message_id with the reply's. 0, or
- * -errno with the text in shmrpc_errmsg() (sent as an EXCEPTION). */
+ * for a FORWARD_AUTOGRAD_REQ, out->message_id with the reply's. ops, if
+ * set (a request profiled for torch's profiler, worker/profile.h): the
+ * function runs under torch's profiler and the ops it ran are added there.
+ * 0, or -errno with the text in shmrpc_errmsg() (sent as an EXCEPTION). */
 typedef int (*python_handler_fn)(uint32_t caller, const struct python_request *in,
-				 struct python_request *out);
+				 struct python_request *out, struct profile_events *ops);
 
 /* Installs the handler; without one, Python requests are answered
  * "request type PYTHON_CALL is not supported yet" (a C-only worker). */

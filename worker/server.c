@@ -43,7 +43,8 @@ struct shmrpc_call {
 	char errmsg[768];
 	char *backtrace;
 	bool failed;
-	struct profile_events *profile; /* time the function into it, if set */
+	struct profile_events *profile; /* a profiled request's events, if set */
+	unsigned profile_what;          /* what its caller asks (PROFILE_ bits) */
 };
 
 static void count(_Atomic uint64_t *c, int64_t delta)
@@ -231,7 +232,8 @@ static void run_python(shmrpc_call *call, const struct python_request *in,
 	void *copy;
 	int rc;
 
-	if (python_handler()(call->caller, in, out)) {
+	if (python_handler()(call->caller, in, out,
+			     call->profile_what & PROFILE_TORCH ? call->profile : NULL)) {
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 		return;
 	}
@@ -313,7 +315,8 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 		    const struct python_request *in, struct python_request *out, const char **fn,
 		    shmrpc_value *result)
 {
-	uint64_t start = call->profile ? shmrpc_now_ns() : 0;
+	bool timed = call->profile && (call->profile_what & PROFILE_CALLS);
+	uint64_t start = timed ? shmrpc_now_ns() : 0;
 	struct python_request decoded;
 
 	if (python_is_request(type)) {
@@ -324,8 +327,8 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 	} else {
 		run_call(call, type, buf, len, fn, result);
 	}
-	if (call->profile)
-		profile_events_add(call->profile, *fn, start, shmrpc_now_ns());
+	if (timed)
+		profile_events_add(call->profile, *fn, start, shmrpc_now_ns(), 0, PROFILE_HERE);
 }
 
 /* A call answered with its result (in: a Python request decoded already). */
@@ -564,7 +567,8 @@ static void run_request(struct job *j)
 }
 
 /* RUN_WITH_PROFILING_REQ: the wrapped request, run as itself with its
- * function timed; send_reply wraps its reply with the events. */
+ * function timed and/or (a Python function) under torch's profiler, as its
+ * caller asks; send_reply wraps its reply with the events. */
 static void run_profiled(struct request_job *rq, shmrpc_call *call)
 {
 	struct profile_events events = { 0 };
@@ -572,9 +576,11 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 	const void *buf;
 	size_t len;
 	uint16_t type;
-	shmrpc_value none;
+	shmrpc_value what;
 
-	if (profile_unwrap(rq->payload, rq->len, &call->arena, &type, &buf, &len, &none) ||
+	if (profile_unwrap(rq->payload, rq->len, &call->arena, &type, &buf, &len, &what) ||
+	    what.type != SHMRPC_INT || what.u.i <= 0 ||
+	    what.u.i > (PROFILE_CALLS | PROFILE_TORCH) ||
 	    type == MSG_RUN_WITH_PROFILING_REQ || !worker_msg_is_request(type)) {
 		reply_exception(rq, "RuntimeError", "a malformed RUN_WITH_PROFILING_REQ came in", NULL);
 		return;
@@ -586,8 +592,10 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len };
 	memcpy(inner->payload, buf, len);
 	call->profile = &events;
+	call->profile_what = (unsigned)what.u.i;
 	dispatch(inner, call);
 	call->profile = NULL;
+	call->profile_what = 0;
 	profile_events_free(&events);
 	free(inner);
 }

@@ -276,13 +276,16 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
              "defined on both caller and callee modules.")
 
 
-def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors):
+def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
+                  ops):
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
     FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
     stores a remote call's result in its RRef), its result pickled inside
-    it too; distributed autograd's other requests go to shmrpc.autograd.
+    it too, and for a call profiled for torch's profiler (ops, a list, not
+    None) under that profiler (profiler.torch_ops); distributed autograd's
+    other requests go to shmrpc.autograd.
     Returns the pickled result or RemoteException, and for a
     FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
@@ -297,7 +300,9 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         with autograd._running_in(context_id, caller):
-            reply = _dumps(_call(func, args, kwargs))
+            with profiler.torch_ops(ops):
+                result = _call(func, args, kwargs)
+            reply = _dumps(result)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
             return reply + (autograd._message_id(),)
         return reply
@@ -566,29 +571,32 @@ def _func_name(func):
 def _send_call(dst, func, args, kwargs, timeout, kind):
     """The C call in flight: a PYTHON_CALL, or inside a distributed autograd
     context a FORWARD_AUTOGRAD_REQ wrapping it (as torch, for every Python
-    call made in a context)."""
+    call made in a context); profiled for torch's profiler when it runs in
+    this thread (shmrpc.profiler)."""
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
+    torch_profile = profiler.torch_profiling()
     if cid is None:
-        return _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind, _func_name(func))
-    return _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind, _func_name(func),
-                        _shmrpc.FORWARD_AUTOGRAD_REQ, cid, autograd._message_id())
+        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                            _func_name(func), torch_profile=torch_profile)
+    else:
+        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                            _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
+                            autograd._message_id(), torch_profile=torch_profile)
+    if torch_profile:
+        profiler.torch_called(call)
+    return call
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    dst = _rank_of(to)
-    with profiler.torch_record("async", func, dst) as rf:
-        fut = Future(_c=_send_call(dst, func, args, kwargs, timeout, "rpc_async"))
-    profiler.end_on(rf, fut)
+    fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
     autograd._called(fut)
     return fut
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    dst = _rank_of(to)
-    with profiler.torch_record("sync", func, dst):
-        call = _send_call(dst, func, args, kwargs, timeout, "rpc_sync")
-        return _result(_c_wait(call.wait))
+    call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_sync")
+    return _result(_c_wait(call.wait))
 
 
 class RRef:
@@ -687,13 +695,17 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     dst = _rank_of(to)
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
-    with profiler.torch_record("remote", func, dst):
-        if cid is None:
-            r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func))
-        else:
-            r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
-                               _shmrpc.FORWARD_AUTOGRAD_REQ, cid, autograd._message_id())
-        return RRef(_c=r)
+    torch_profile = profiler.torch_profiling()
+    if cid is None:
+        r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
+                           torch_profile=torch_profile)
+    else:
+        r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
+                           _shmrpc.FORWARD_AUTOGRAD_REQ, cid, autograd._message_id(),
+                           torch_profile=torch_profile)
+    if torch_profile:
+        profiler.torch_called(r)
+    return RRef(_c=r)
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)
