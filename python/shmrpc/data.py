@@ -210,6 +210,13 @@ def _w_forget(key):
     _init_errors.pop(key, None)
 
 
+_leave = threading.Event()  # set in a forked worker when its trainer closes the job
+
+
+def _w_leave():
+    _leave.set()
+
+
 # ---- collate, into the pool ----
 
 _copied_batches = 0  # batches stacked outside the pool because it was full
@@ -455,6 +462,11 @@ class _LoaderJob:
         job, self.job = self.job, None
         if self.pinned:
             _torch().cuda.cudart().cudaHostUnregister(self.pinned)
+        for r in self.ranks:
+            try:
+                shmrpc.rpc_async(r, _w_leave)  # answered before this shutdown returns
+            except RuntimeError:
+                pass  # it died: the job's watcher has its cause
         try:
             shmrpc.shutdown(graceful=True, timeout=30)
         except Exception:
@@ -526,6 +538,10 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         _w_setup(key, spec, worker_id, num_workers, base_seed)
         import shmrpc
         shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
+        # Waits for the trainer's leave without a wake-up: a graceful
+        # shutdown barrier polls the other ranks every 200 us meanwhile,
+        # thousands of wake-ups a second on cores the loader shares.
+        _leave.wait()
         shmrpc.shutdown(graceful=True)
         code = 0
     except BaseException:
