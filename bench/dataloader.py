@@ -2,14 +2,16 @@
 torch.utils.data.DataLoader in the same run, batch 32, num_workers=2, for
 4 KiB, 1 MiB and 16 MiB float32 samples, and the one-write limit: writing
 a batch's bytes once with memset into a buffer of that size (warm pages).
+For reference, memcpy of a batch's bytes between two such buffers: what a
+collate, which reads every byte as it writes it, costs on one core.
 
-The first WARMUP batches are not measured. The dataset holds 33 samples in memory and returns a view of one (no
-write), so what a loader costs beyond that is its collate (each byte
+The first WARMUP batches are not measured, nor the epoch's end. The
+dataset holds 33 samples in memory and returns a view of one (no write), so what a loader costs beyond that is its collate (each byte
 written into the batch) and its hand-over. Prints per size
 
   BENCH dataloader size=4KiB samples_per_s= GBps= trainer_cpu_us_per_batch=
         torch_samples_per_s= torch_GBps= torch_trainer_cpu_us_per_batch=
-        memset_GBps= vs_torch= vs_memset=
+        memset_GBps= memcpy_GBps= vs_torch= vs_memset=
 
 vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
 shmrpc's GB/s over the one-write limit's (1 is the limit). -q: fewer batches.
@@ -57,10 +59,15 @@ def run(module, nbytes, batches, **extra):
     for _ in range(WARMUP):
         next(it)
     t0, c0, n = time.perf_counter(), time.process_time(), 0
+    t1, c1 = t0, c0
     for batch in it:
         n += 1
         del batch
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t1, c1 = time.perf_counter(), time.process_time()
+    # Up to the last batch: the epoch's end (stopping the workers; freeing
+    # shmrpc's pool, 3.5 GiB at 16 MiB) is not a batch's cost, and with -q
+    # it would be shared among a few batches.
+    dt, cpu = t1 - t0, c1 - c0
     del it
     return n * BATCH / dt, n * BATCH * nbytes / dt, cpu / max(n, 1)
 
@@ -75,6 +82,17 @@ def memset_rate(nbytes):
     return reps * len(buf) / (time.perf_counter() - t0)
 
 
+def memcpy_rate(nbytes):
+    src, dst = (ctypes.create_string_buffer(nbytes * BATCH) for _ in range(2))
+    ctypes.memset(src, 1, len(src))  # pages in
+    ctypes.memset(dst, 1, len(dst))
+    reps = max(3, (1 << 30) // len(dst))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        ctypes.memmove(dst, src, len(dst))
+    return reps * len(dst) / (time.perf_counter() - t0)
+
+
 def main():
     quick = "-q" in sys.argv[1:]
     for nbytes, name, s_batches, t_batches in SIZES:
@@ -83,12 +101,12 @@ def main():
         pool = max(256 << 20, (WORKERS * 2 + 3) * BATCH * nbytes)
         s_rate, s_bw, s_cpu = run(sd, nbytes, s_batches, pool_size=pool)
         t_rate, t_bw, t_cpu = run(tud, nbytes, t_batches)
-        m_bw = memset_rate(nbytes)
+        m_bw, c_bw = memset_rate(nbytes), memcpy_rate(nbytes)
         print(f"BENCH dataloader size={name} samples_per_s={s_rate:.0f} GBps={s_bw / 1e9:.3f} "
               f"trainer_cpu_us_per_batch={s_cpu * 1e6:.0f} torch_samples_per_s={t_rate:.0f} "
               f"torch_GBps={t_bw / 1e9:.3f} torch_trainer_cpu_us_per_batch={t_cpu * 1e6:.0f} "
-              f"memset_GBps={m_bw / 1e9:.2f} vs_torch={s_rate / t_rate:.2f} "
-              f"vs_memset={s_bw / m_bw:.2f}", flush=True)
+              f"memset_GBps={m_bw / 1e9:.2f} memcpy_GBps={c_bw / 1e9:.2f} "
+              f"vs_torch={s_rate / t_rate:.2f} vs_memset={s_bw / m_bw:.2f}", flush=True)
 
 
 if __name__ == "__main__":

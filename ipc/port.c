@@ -150,7 +150,7 @@ static void sent(struct ipc_port *p, uint32_t dst, uint32_t len)
 	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
 }
 
-int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
+static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, bool wait_lock)
 {
 	size_t len = iov_bytes(m);
 	int err = check_send(p, dst, m, len);
@@ -160,13 +160,26 @@ int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
 		return err;
 	if (!ipc_port_peer_alive(p, dst))
 		return -SHMRPC_EPEERDEAD;
-	pthread_mutex_lock(&p->out_lock[dst]);
+	if (wait_lock)
+		pthread_mutex_lock(&p->out_lock[dst]);
+	else if (pthread_mutex_trylock(&p->out_lock[dst]))
+		return -EAGAIN;
 	ok = put_frame(p, dst, m, (uint32_t)len);
 	pthread_mutex_unlock(&p->out_lock[dst]);
 	if (!ok)
 		return -EAGAIN;
 	sent(p, dst, (uint32_t)len);
 	return 0;
+}
+
+int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
+{
+	return try_send(p, dst, m, true);
+}
+
+int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
+{
+	return try_send(p, dst, m, false);
 }
 
 int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint64_t timeout_ns)

@@ -74,6 +74,10 @@ SHMRPC_HIDDEN uint32_t ipc_port_max_payload(const struct ipc_port *p);
 /* Sends a frame: 0, -EAGAIN (try_send: ring full), -EMSGSIZE, -EINVAL (bad
  * rank or self), -SHMRPC_EPEERDEAD, -ETIMEDOUT (timeout_ns, 0 = none). */
 SHMRPC_HIDDEN int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
+/* try_send that never blocks, for the thread that polls: -EAGAIN also
+ * while another thread holds dst's ring (ipc_port_send holds it as it
+ * waits for space). */
+SHMRPC_HIDDEN int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
 SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 				uint64_t timeout_ns);
 

@@ -21,11 +21,16 @@
 
 #include <errno.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "shmrpc.h"
 #include "common/clock.h"
@@ -930,6 +935,81 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
+/* Copies n bytes to dst, which nobody reads soon, with non-temporal stores
+ * where the CPU has them: they skip the read of each destination line that
+ * a cached store makes first (read for ownership) and leave the cache to
+ * the sources, so a copy larger than the cache moves a third less memory. */
+static void copy_streaming(char *dst, const char *src, size_t n)
+{
+#if defined(__SSE2__)
+	size_t head = (size_t)(-(uintptr_t)dst & 15);
+
+	if (head > n)
+		head = n;
+	memcpy(dst, src, head);
+	dst += head, src += head, n -= head;
+	for (; n >= 64; dst += 64, src += 64, n -= 64) {
+		const __m128i *s = (const __m128i *)(const void *)src;
+		__m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+		__m128i c = _mm_loadu_si128(s + 2), d = _mm_loadu_si128(s + 3);
+
+		_mm_stream_si128((__m128i *)(void *)dst, a);
+		_mm_stream_si128((__m128i *)(void *)dst + 1, b);
+		_mm_stream_si128((__m128i *)(void *)dst + 2, c);
+		_mm_stream_si128((__m128i *)(void *)dst + 3, d);
+	}
+	/* The stores are weakly ordered: fenced before whatever publishes the
+	 * bytes (the reply that hands the block over). */
+	_mm_sfence();
+#endif
+	memcpy(dst, src, n);
+}
+
+/* stack_rows(tensor, [address, ...], row_bytes): writes the rows (each
+ * row_bytes at its address, e.g. a batch's contiguous samples) one after
+ * the other into tensor's block with streaming stores, the GIL released:
+ * the data loader's collate of a batch too large to stay in the cache
+ * until the trainer reads it (shmrpc.data). */
+static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
+{
+	PyObject *obj, *addrs;
+	unsigned long long row;
+	Py_ssize_t n;
+	uintptr_t *src;
+	char *dst;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row))
+		return NULL;
+	if (!PyList_Check(addrs)) {
+		PyErr_SetString(PyExc_TypeError, "stack_rows: the rows' addresses come in a list");
+		return NULL;
+	}
+	n = PyList_Size(addrs);
+	if (row && (uint64_t)n > shmrpc_tensor_nbytes(HANDLE(obj)) / row) {
+		PyErr_Format(PyExc_ValueError, "stack_rows: %zd rows of %llu bytes overflow a "
+			     "tensor of %llu bytes", n, row,
+			     (unsigned long long)shmrpc_tensor_nbytes(HANDLE(obj)));
+		return NULL;
+	}
+	if (!(src = malloc((size_t)(n ? n : 1) * sizeof(*src))))
+		return PyErr_NoMemory();
+	for (Py_ssize_t i = 0; i < n; i++) {
+		src[i] = (uintptr_t)PyLong_AsVoidPtr(PyList_GetItem(addrs, i));
+		if (PyErr_Occurred()) {
+			free(src);
+			return NULL;
+		}
+	}
+	dst = shmrpc_tensor_data(HANDLE(obj));
+	Py_BEGIN_ALLOW_THREADS
+	for (Py_ssize_t i = 0; i < n; i++)
+		copy_streaming(dst + (size_t)i * row, (const char *)src[i], (size_t)row);
+	Py_END_ALLOW_THREADS
+	free(src);
+	return new_ref(Py_None);
+}
+
 /* help_once() -> bool: on an executor thread, runs one queued job (the
  * GIL released); a thread that waits for a Python Future calls it so that
  * what it waits for can run (worker/executor.h). */
@@ -1063,6 +1143,8 @@ static PyMethodDef mod_methods[] = {
 	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
+	{ "stack_rows", mod_stack_rows, METH_VARARGS,
+	  "stack_rows(tensor, [address...], row_bytes): the rows, streamed into tensor's block" },
 	{ NULL, NULL, 0, NULL },
 };
 

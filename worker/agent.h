@@ -3,10 +3,11 @@
  *
  * Threads:
  *  - the loop thread polls the incoming rings and sleeps on the doorbell
- *    (ipc_port_wait). It never sends (a full ring must not stop it from
- *    draining its own, or two workers could wait on each other for ever) and
- *    never runs user code: requests go to the executor pool, replies
- *    complete futures, deaths and timeouts fail them.
+ *    (ipc_port_wait). It never waits in a send (a full ring must not stop
+ *    it from draining its own, or two workers could wait on each other for
+ *    ever): it sends only what fits at once (a TENSOR_ACK), and never runs
+ *    user code: requests go to the executor pool, replies complete
+ *    futures, deaths and timeouts fail them.
  *  - executor threads run requests and callbacks and send replies.
  *  - user threads call rpc_sync / rpc_async, which send from the calling
  *    thread (ipc_port_send waits for ring space).
@@ -71,7 +72,8 @@ SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 
 /* Takes what the incoming rings hold, unless another thread is at it;
- * returns how many frames. Any thread; never sends, never runs user code. */
+ * returns how many frames. Any thread; never waits in a send (a
+ * TENSOR_ACK goes only if it fits at once), never runs user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag);
 
 /* Name of rank r as its slot says ("worker3" if none). */

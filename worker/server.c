@@ -667,12 +667,20 @@ static void run_ack(struct job *j)
 void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 {
 	struct ack_job *a;
+	int rc;
 
 	if (peer == ag->rank) {
 		pins_release(peer, msg_id, PIN_REPLY);
 		return;
 	}
-	/* Sent from an executor thread: the loop thread never sends. */
+	/* The poller never blocks in a send (port.h): it sends the ack itself
+	 * when the ring is free and has room, which spares a thread's wake-up
+	 * per reply that carried tensors, and else leaves it to an executor
+	 * thread. A peer that died has had its pins released by its sweep. */
+	rc = ipc_port_try_send_now(&ag->port, peer, &(struct ipc_msg){ .type = MSG_TENSOR_ACK,
+								       .msg_id = msg_id });
+	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
+		return;
 	if (!(a = malloc(sizeof(*a)))) {
 		fprintf(stderr, "shmrpc: worker %u: out of memory acknowledging tensors; worker %u "
 			"keeps them until it ends\n", ag->rank, peer);

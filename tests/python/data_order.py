@@ -44,6 +44,19 @@ class Shards(tud.IterableDataset):
             yield torch.tensor([i, i + 1], dtype=torch.int32), float(i)
 
 
+class Big(tud.Dataset):
+    """4 MiB samples: a batch of 4 is streamed into its block (a contiguous
+    sample), or stacked by torch (a transposed one, and the short last
+    batch)."""
+
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, i):
+        return (torch.arange(1 << 20, dtype=torch.float32) * i,
+                (torch.arange(1 << 20, dtype=torch.float32) + i).view(1024, 1024).t())
+
+
 def pairs_collate(batch):
     return [b["i"] for b in batch], torch.stack([b["x"] for b in batch])
 
@@ -108,6 +121,7 @@ def main():
                                    persistent_workers=True), n_epochs=3)
     compare("non-persistent, 2 epochs",
             lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2), n_epochs=2)
+    compare("large batches", lambda m: m.DataLoader(Big(), batch_size=4, num_workers=2))
     it = Shards(23)
     for nw in (0, 1, 2, 4):
         compare(f"iterable nw={nw}", lambda m: m.DataLoader(it, batch_size=4, num_workers=nw))
