@@ -323,7 +323,8 @@ void tensor_exports_shutdown(struct agent *ag)
 		int64_t k = 0;
 
 		for (d = exports.head; d; d = d->next) {
-			int64_t h = pool_holder_refs(&ag->pool, r, d->token);
+			/* Ours (the registry's) is not one of theirs. */
+			int64_t h = pool_holder_refs(&ag->pool, r, d->token) - (r == ag->rank);
 
 			k += h > 0 ? h : 0;
 		}
