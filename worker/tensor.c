@@ -59,6 +59,9 @@ struct tensor_dev {
 static struct {
 	pthread_mutex_t lock;
 	struct tensor_dev *head;
+	/* Those a shutdown left held by receivers: kept (never released)
+	 * until the process exits. */
+	struct tensor_dev *kept;
 	_Atomic uint32_t n;         /* entries; read without the lock by the loop thread */
 	_Atomic bool reap_queued;   /* a reap job is queued on the executors */
 	uint64_t next_tick;         /* loop thread only */
@@ -341,7 +344,11 @@ void tensor_exports_shutdown(struct agent *ag)
 			ag->rank, n, at ? held : "none found in the holder tables");
 	/* The registry's references are kept: the memory must outlive every
 	 * receiver's use, and this process's end is the last we can see. */
-	exports.head = NULL;
+	while ((d = exports.head)) {
+		exports.head = d->next;
+		d->next = exports.kept;
+		exports.kept = d;
+	}
 	/* Relaxed: the loop thread is stopped. */
 	atomic_store_explicit(&exports.n, 0, memory_order_relaxed);
 	pthread_mutex_unlock(&exports.lock);
