@@ -17,7 +17,8 @@
  *    allocation left, the tokens are gone from the pool (empty), and the
  *    receivers' mappings are closed.
  *  - The API's edges: no pool offset for a device tensor, no stream for a
- *    CPU one, shmrpc_tensor_dl says kDLCUDA.
+ *    CPU one, shmrpc_tensor_dl says kDLCUDA, a descriptor of another
+ *    device type is refused.
  */
 #include <stdatomic.h>
 #include <string.h>
@@ -190,10 +191,21 @@ static void wait_stat(int rank, int i, int64_t want, const char *what)
 static void edges(shmrpc_tensor *t)
 {
 	int64_t shape[1] = { 16 };
+	int32_t vulkan = kDLVulkan, ndim = 1;
+	uint8_t wire[40] = { 0 };
 	shmrpc_tensor *cpu;
 
 	CHECK(shmrpc_tensor_pool_offset(t) == UINT64_MAX && strstr(shmrpc_errmsg(), "not in the pool"),
 	      "pool offset of a device tensor: %s", shmrpc_errmsg());
+	/* A descriptor (docs/PROTOCOL.md) of a device this build cannot take. */
+	memcpy(wire + 8, &(uint64_t){ 16 }, 8);
+	wire[16] = kDLUInt, wire[17] = 8, wire[18] = 1;
+	memcpy(wire + 20, &ndim, 4);
+	memcpy(wire + 24, &vulkan, 4);
+	memcpy(wire + 32, &(int64_t){ 16 }, 8);
+	CHECK(tensor_unpack((const char *)wire, sizeof(wire), &cpu) == -ENOTSUP &&
+	      strstr(shmrpc_errmsg(), "device type 7 came in"), "a Vulkan descriptor: %s",
+	      shmrpc_errmsg());
 	CHECK_OK(shmrpc_tensor_alloc((DLDataType){ kDLUInt, 8, 1 }, 1, shape, &cpu));
 	CHECK(shmrpc_tensor_set_cuda_stream(cpu, 0) == -EINVAL, "a stream for a CPU tensor");
 	CHECK(shmrpc_tensor_dl(cpu)->device.device_type == kDLCPU, "CPU tensor's device");

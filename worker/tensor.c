@@ -167,8 +167,6 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 
 /* ---- device tensors ---- */
 
-static void exports_reap(bool final);
-
 /* Drops one reference of dev; the last one releases what it holds: a
  * receiver's mapping and token, a producer's DLPack tensor. */
 static void dev_put(struct tensor_dev *d)
@@ -177,14 +175,11 @@ static void dev_put(struct tensor_dev *d)
 	uint32_t was;
 
 	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
+	/* A source the export registry still holds is released by the
+	 * registry's reap, on an executor or a sending thread: never here,
+	 * where the thread may be the loop thread (a pin's release) and the
+	 * deleter is user code. */
 	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
-	/* Relaxed: a hint; the reap reads the registry under its lock. */
-	if (was == 2 && !d->imported && atomic_load_explicit(&exports.n, memory_order_relaxed)) {
-		/* Only the export registry may hold it now: release it if the
-		 * receivers are done too. */
-		exports_reap(false);
-		return;
-	}
 	if (was != 1)
 		return;
 	if (d->imported) {
@@ -238,6 +233,8 @@ static int dev_handle(struct tensor_dev *d, void *data, DLDevice device, DLDataT
 	(*out)->dl.device = device;
 	return 0;
 }
+
+static void exports_reap(bool final);
 
 /* The loop thread's check, on an executor: the deleters are user code. */
 static void run_reap(struct job *j)

@@ -28,9 +28,10 @@
  *  - The producer releases a source (token reference, then its reference
  *    to the tensor: its DLPack deleter runs when no handle of this process
  *    is left) once no handle, pin or message of this process names it and
- *    the token counts only the producer: checked when a handle goes, on
- *    each export, and every TENSOR_REAP_NS from the loop thread (which
- *    hands the work to an executor: a deleter is user code). The pins hold
+ *    the token counts only the producer: checked on each export, and
+ *    every TENSOR_REAP_NS from the loop thread while there are exports
+ *    (it hands the work to an executor: a deleter is user code, which
+ *    never runs on the loop thread). The pins hold
  *    the source until the receiver has its token reference, so a count of
  *    one cannot be a tensor still in flight.
  *  - A producer that shuts down while receivers hold tokens says on stderr
