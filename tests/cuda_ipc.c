@@ -5,7 +5,8 @@
  *    skipped) filled by the producer are read in place by the consumer,
  *    which writes a word the producer then reads: nothing was copied.
  *  - Sending the same buffer again opens nothing: the consumer's mapping
- *    and the producer's handle come from the caches (stats). The gauges
+ *    and the producer's handle come from the caches (stats); the consumer
+ *    releases with keep, so that its idle mappings stay cached. The gauges
  *    count what is open: a mapping per buffer and at least one event on
  *    the consumer's side, a handle per buffer and at least one event on
  *    the producer's.

@@ -42,9 +42,10 @@
  * has it mapped is undefined (CUDA's documentation), and so is reading a
  * mapping whose producer exited. So the producer must keep each
  * allocation alive while any receiver has it mapped, idle cached mappings
- * included (counts in the segment, kept by the agent); receivers must fail
- * the tensors of a producer that died instead of reading them, and call
- * cuda_forget_peer to close its mappings.
+ * included (device tensors: the lifetime tokens of worker/tensor.h, counts
+ * in the pool); receivers must fail the tensors of a producer that died
+ * instead of reading them, and call cuda_forget_peer to close its mappings
+ * (the agent does, when it sees a peer end).
  *
  * Passing a received tensor on. A receiver cannot export a mapping it
  * opened (IPC handles are for the allocating process's own memory), so it
