@@ -686,11 +686,12 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
 		/* The mapping stays cached; only the reference goes. */
 		if (rc && m)
 			m->refs--;
+		/* Under the lock: cuda_forget_peer may free m once it is dropped. */
+		if (!rc)
+			*dptr = (void *)(uintptr_t)((m ? m->local : d->base) + d->offset);
 		pop_ctx();
 	}
 	pthread_mutex_unlock(&cu.lock);
-	if (!rc)
-		*dptr = (void *)(uintptr_t)((m ? m->local : d->base) + d->offset);
 	return rc;
 }
 
