@@ -54,6 +54,9 @@ TOOLS    := $(TOOL_SRCS:tools/%.c=$(BUILD)/bin/%)
 LAUNCHER_SRCS := $(wildcard launcher/*.c)
 LAUNCHER := $(if $(LAUNCHER_SRCS),$(BUILD)/bin/shmrun)
 RUNNER   := $(BUILD)/bin/shmrpc-test-runner
+# A stand-in CUDA driver (host memory as device memory) for the tests of
+# device tensors on machines without a GPU; they load it by SHMRPC_LIBCUDA.
+FAKE_CUDA := $(BUILD)/tests/fake_cuda/libcuda.so.1
 # The Python package: the extension (stable ABI) beside its modules. Not
 # in sanitizer builds: a sanitized extension needs its runtime preloaded
 # into python3, and the C tests cover the same library code.
@@ -64,7 +67,7 @@ PYTHON   := $(if $(and $(wildcard $(PY_INC)/Python.h),$(if $(SAN),,yes)),$(BUILD
 		$(PY_MODS:python/%=$(BUILD)/python/%))
 
 .PHONY: all deps bench-deps check demo bench fuzz install clean help python
-all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER) $(PYTHON)
+all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER) $(FAKE_CUDA) $(PYTHON)
 python: $(PYTHON)
 
 help:
@@ -120,6 +123,10 @@ $(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUIL
 $(BUILD)/python/shmrpc/%.py: python/shmrpc/%.py
 	@mkdir -p $(dir $@)
 	cp $< $@
+
+$(FAKE_CUDA): $(BUILD)/obj/tests/fake_cuda/fake_cuda.o
+	@mkdir -p $(dir $@)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ -lpthread
 
 $(RUNNER): $(BUILD)/obj/tests/runner/runner.o
 	@mkdir -p $(dir $@)

@@ -54,7 +54,7 @@ enum shmrpc_type {
 	SHMRPC_BYTES = 5,
 	SHMRPC_LIST = 6,  /* len items */
 	SHMRPC_MAP = 7,   /* len pairs: items[2i] is a key, items[2i+1] its value */
-	SHMRPC_TENSOR = 8, /* a tensor in the shared pool: handed over, never copied */
+	SHMRPC_TENSOR = 8, /* a tensor in the shared pool or on a CUDA device: handed over, never copied */
 	SHMRPC_RREF = 9,   /* a reference to a value on some worker (shmrpc_remote) */
 };
 
@@ -99,7 +99,29 @@ SHMRPC_API const char *shmrpc_type_name(uint32_t type);
  * its block; the block is freed when the last handle of any process goes.
  * A tensor received in a call's arguments or in a future's value belongs
  * to the call or the future: shmrpc_tensor_retain() keeps it longer.
- * Contiguous CPU tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
+ * Contiguous tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
+ *
+ * CUDA device tensors (kDLCUDA, taken with shmrpc_tensor_from_dlpack) are
+ * handed over through CUDA IPC, never copied either: the receiver maps the
+ * producer's allocation (once per allocation while it holds tensors of it)
+ * and reads and writes the same device bytes. Ordering: a send records an
+ * event on the tensor's stream (shmrpc_tensor_set_cuda_stream; the legacy
+ * default stream unless set) after the work queued there, and the
+ * receiver's legacy default stream (stream 0 of the device's primary
+ * context) waits for it before the tensor is handed out: work the receiver
+ * queues there, or on a blocking stream, runs after the sender's writes;
+ * a non-blocking stream of the receiver must wait on the default stream
+ * first. The host never waits. Lifetime: the producer keeps the memory
+ * (its DLPack deleter does not run) until every receiver has let go of its
+ * handles, the dead included; a producer that shuts down while receivers
+ * hold some says so on stderr and keeps that memory until it exits. Once a
+ * tensor's producer has exited or died, the receivers' handles fail
+ * (shmrpc_tensor_data and shmrpc_tensor_dl give NULL, sending or exporting
+ * it -SHMRPC_EPEERDEAD, shmrpc_errmsg() says which worker) rather than
+ * give memory that is gone; a pointer taken before must not be used after.
+ * A received tensor may be passed on (or returned) as it is. The job
+ * needs its tensor pool for them too (each sent tensor costs a 64-byte
+ * block there while held). Not yet: strided tensors, other device types.
  */
 #define SHMRPC_TENSOR_MAX_DIMS 8
 
@@ -108,19 +130,35 @@ SHMRPC_API int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t
 /* A new handle (one more reference) to the same bytes. */
 SHMRPC_API int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out);
 SHMRPC_API void shmrpc_tensor_free(shmrpc_tensor *t);
+/* The bytes: in this process's mapping of the pool, or a CUDA device
+ * pointer (this process's mapping of the producer's allocation). NULL for
+ * a CUDA tensor whose producer is gone (shmrpc_errmsg() says so). */
 SHMRPC_API void *shmrpc_tensor_data(const shmrpc_tensor *t);
 SHMRPC_API uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t);
-/* The tensor as DLPack sees it; valid while the handle lives. */
+/* The tensor as DLPack sees it (device kDLCPU or kDLCUDA); valid while the
+ * handle lives. NULL as shmrpc_tensor_data. */
 SHMRPC_API const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t);
-/* Where the bytes are in the pool (the same number in every process). */
+/* Where the bytes are in the pool (the same number in every process).
+ * UINT64_MAX for a CUDA tensor, which is not in the pool (shmrpc_errmsg()). */
 SHMRPC_API uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t);
+/* The CUstream (as an integer; 0: the legacy default stream) on which the
+ * last writes of CUDA tensor t were queued: each later send of t, by any
+ * handle of it in this process, orders the receiver after the work queued
+ * there. -EINVAL for a CPU tensor. */
+SHMRPC_API int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream);
 /* DLPack out: *out owns t's reference (t is consumed); its deleter drops it. */
 SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
-/* DLPack in: on success m is consumed (its deleter is called). A tensor that is a
- * whole block of this job's pool is taken without a copy; other contiguous
- * host memory is copied into the pool once (counted in the worker's
- * dlpack_copies). GPU memory is not supported yet. On failure m is still
- * the caller's. */
+/* DLPack in. A tensor that is a whole block of this job's pool is taken
+ * without a copy; other contiguous host memory is copied into the pool
+ * once (counted in the worker's dlpack_copies); for both, m is consumed on
+ * success (its deleter is called). Contiguous CUDA device memory
+ * (kDLCUDA; allocated with cuMemAlloc / cudaMalloc, as torch's caching
+ * allocator does, not with cuMemCreate or a memory pool) is taken as it
+ * is, without a copy nor a call to the device: the handle owns m, whose
+ * deleter runs when the last reference of this process goes (its handles,
+ * and while receivers hold it, the sends). Needs no running agent; fails
+ * where CUDA is not available. Other devices are not supported yet. On
+ * failure m is still the caller's. */
 SHMRPC_API int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out);
 
 /* ---- The job ---------------------------------------------------------- */

@@ -160,8 +160,26 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 
 static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 {
-	(void)self, (void)unused;
-	return Py_BuildValue("(ii)", kDLCPU, 0);
+	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+
+	(void)unused;
+	if (!dl)
+		return fail(-ECONNRESET);
+	return Py_BuildValue("(ii)", (int)dl->device.device_type, (int)dl->device.device_id);
+}
+
+/* The tensor's DLTensor when its bytes are host memory; else an exception. */
+static const DLTensor *host_dl(PyObject *self)
+{
+	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+
+	if (!dl)
+		return fail(-ECONNRESET), NULL;
+	if (dl->device.device_type != kDLCPU) {
+		PyErr_SetString(PyExc_RuntimeError, "CUDA tensors in Python are not supported yet");
+		return NULL;
+	}
+	return dl;
 }
 
 /* tobytes() -> a copy of the bytes. */
@@ -170,6 +188,8 @@ static PyObject *tensor_tobytes(PyObject *self, PyObject *unused)
 	shmrpc_tensor *t = HANDLE(self);
 
 	(void)unused;
+	if (!host_dl(self))
+		return NULL;
 	return PyBytes_FromStringAndSize(shmrpc_tensor_data(t), (Py_ssize_t)shmrpc_tensor_nbytes(t));
 }
 
@@ -184,12 +204,14 @@ static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
  * gives read-only arrays.) */
 static PyObject *tensor_array_interface(PyObject *self, void *closure)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl = host_dl(self);
 	static const char kinds[] = { [kDLInt] = 'i', [kDLUInt] = 'u', [kDLFloat] = 'f' };
 	PyObject *shape, *res;
 	char typestr[16];
 
 	(void)closure;
+	if (!dl)
+		return NULL;
 	if (dl->dtype.code > kDLFloat || dl->dtype.lanes != 1) {
 		PyErr_SetString(PyExc_TypeError, "this tensor's dtype has no numpy equivalent");
 		return NULL;

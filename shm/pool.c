@@ -803,6 +803,43 @@ int64_t pool_block_size(struct shm_pool *p, uint64_t off)
 	return (int64_t)class_size(k);
 }
 
+int64_t pool_block_refs(struct shm_pool *p, uint64_t off)
+{
+	uint32_t idx, k, r;
+	int err = block_at(p, off, &idx, &k);
+
+	if (err)
+		return err;
+	/* Acquire pairs with the CAS (acq_rel) of whoever changed it last. */
+	r = atomic_load_explicit(&p->meta[idx].refs, memory_order_acquire);
+	if (r == 0)
+		return shmrpc__fail(-EINVAL, "the pool block at offset %" PRIu64 " is free", off);
+	return r;
+}
+
+int64_t pool_holder_refs(struct shm_pool *p, uint32_t rank, uint64_t off)
+{
+	uint32_t tag, idx, k;
+	uint64_t mine, n = 0;
+	_Atomic uint64_t *t;
+	int err = block_at(p, off, &idx, &k);
+
+	if (err)
+		return err;
+	if (holder_tag(p, rank, &tag))
+		return 0;
+	mine = (uint64_t)(idx + 1u) | (uint64_t)tag << ENTRY_TAG_SHIFT;
+	t = table_of(p, rank);
+	for (uint32_t s = 0; s < p->holder_cap; s++) {
+		/* Relaxed: a snapshot for a report, as pool_holder_stats. */
+		uint64_t w = atomic_load_explicit(&t[s], memory_order_relaxed);
+
+		if (w != ENTRY_TOMB && (w & 0xffffffffffffull) == mine)
+			n += entry_count(w);
+	}
+	return (int64_t)n;
+}
+
 /* ---- Statistics ----------------------------------------------------------- */
 
 int pool_holder_stats(struct shm_pool *p, uint32_t rank, struct pool_holder_stats *hs)

@@ -232,6 +232,13 @@ SHMRPC_HIDDEN int pool_ref(struct shm_pool *p, uint32_t rank, uint64_t off);
 SHMRPC_HIDDEN int pool_unref(struct shm_pool *p, uint32_t rank, uint64_t off);
 /* The usable size of the live block at off (its class size), or -errno. */
 SHMRPC_HIDDEN int64_t pool_block_size(struct shm_pool *p, uint64_t off);
+/* The reference count of the live block at off, or -errno: a snapshot
+ * (other processes change it), for owners that watch who still holds a
+ * block they made. */
+SHMRPC_HIDDEN int64_t pool_block_refs(struct shm_pool *p, uint64_t off);
+/* How many references to the block at off rank's live holder records
+ * (0 when the rank is not live), or -errno; a snapshot for diagnostics. */
+SHMRPC_HIDDEN int64_t pool_holder_refs(struct shm_pool *p, uint32_t rank, uint64_t off);
 
 /* A pointer to [off, off+len) if inside the data area, else NULL. It does
  * not check that off is a live block (pool_block_size does). */

@@ -36,7 +36,7 @@ static void *try_everything(void *arg)
 	d.pid = (uint32_t)getppid();
 	check_unavailable(cuda_import(&d, 0, &p), "cuda_import");
 	CHECK(p == NULL, "cuda_import set the pointer on failure");
-	cuda_import_release(&d);
+	cuda_import_release(&d, false);
 	cuda_forget_peer(d.pid);
 	check_unavailable(cuda_probe(), "cuda_probe");
 	return NULL;

@@ -5,7 +5,8 @@
  *    skipped) filled by the producer are read in place by the consumer,
  *    which writes a word the producer then reads: nothing was copied.
  *  - Sending the same buffer again opens nothing: the consumer's mapping
- *    and the producer's handle come from the caches (stats). The gauges
+ *    and the producer's handle come from the caches (stats); the consumer
+ *    releases with keep, so that its idle mappings stay cached. The gauges
  *    count what is open: a mapping per buffer and at least one event on
  *    the consumer's side, a handle per buffer and at least one event on
  *    the producer's.
@@ -250,7 +251,7 @@ static void producer(int sock)
 		}
 		/* Its own descriptor gives a process its own pointer back. */
 		CHECK(import(&m.d) == buf[i] + OFF, "a self-import gave another address");
-		cuda_import_release(&m.d);
+		cuda_import_release(&m.d, true);
 		m = recv_msg(sock, OP_WROTE);
 		CHECK(read_word(buf[i] + OFF + m.val) == wrote(i),
 		      "the consumer's write at %llu is not in the producer's buffer of %llu bytes",
@@ -322,7 +323,7 @@ static void consumer(int sock, pid_t producer_pid)
 		      (unsigned long long)(after.opens - before.opens),
 		      (unsigned long long)(after.cache_hits - before.cache_hits), REPEATS);
 		for (int r = 0; r < REPEATS; r++)
-			cuda_import_release(&m.d);
+			cuda_import_release(&m.d, true);
 		write_word(p + wrote_spot(len), wrote(i));
 		send_msg(sock, &(struct msg){ .op = OP_WROTE, .val = wrote_spot(len) });
 	}
@@ -338,7 +339,7 @@ static void consumer(int sock, pid_t producer_pid)
 	CHECK(pinned[0] == LATE, "read 0x%x before the producer's write of 0x%x", pinned[0], LATE);
 	cuda_stats_get(&after);
 	CHECK(after.opens == before.opens, "a warm import opened the allocation again");
-	cuda_import_release(&m.d);
+	cuda_import_release(&m.d, true);
 
 	bad = m.d;
 	bad.len = 1ull << 40;
@@ -357,7 +358,7 @@ static void consumer(int sock, pid_t producer_pid)
 	CHECK(after.maps_open == 1 && after.events_open == 1, "%u mappings and %u events open "
 	      "after one import", after.maps_open, after.events_open);
 	CHECK(read_word(p) == LATE, "reopened mapping reads 0x%x", read_word(p));
-	cuda_import_release(&m.d);
+	cuda_import_release(&m.d, true);
 	cuda_forget_peer((uint32_t)producer_pid);
 	teardown();
 	send_msg(sock, &(struct msg){ .op = OP_DONE });

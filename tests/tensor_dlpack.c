@@ -3,7 +3,8 @@
  * DLManagedTensor (its deleter drops it); importing pool memory takes it
  * without a copy; importing other host memory copies it into the pool once
  * and counts the copy; each deleter runs exactly once; what cannot be taken
- * (strided, GPU) is refused with a clear error and left to its owner.
+ * (strided, another device; CUDA where it is not available) is refused
+ * with a clear error and left to its owner.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include "shmrpc.h"
 #include "shm/pool.h"
 #include "worker/agent.h"
+#include "worker/cuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
 
@@ -57,6 +59,7 @@ static int worker(void)
 	int64_t shape[2] = { 16, 64 }, strides[1] = { 2 };
 	shmrpc_tensor *t, *back;
 	DLManagedTensor *m;
+	int probe;
 	uint64_t off;
 
 	CHECK_OK(shmrpc_init(NULL));
@@ -89,9 +92,16 @@ static int worker(void)
 	CHECK(shmrpc_tensor_from_dlpack(m, &back) == -ENOTSUP && strstr(shmrpc_errmsg(), "strided"),
 	      "strided: %s", shmrpc_errmsg());
 	m->dl_tensor.strides = NULL;
-	m->dl_tensor.device.device_type = kDLCUDA;
+	m->dl_tensor.device.device_type = kDLVulkan;
 	CHECK(shmrpc_tensor_from_dlpack(m, &back) == -ENOTSUP &&
-	      strstr(shmrpc_errmsg(), "not supported yet"), "cuda: %s", shmrpc_errmsg());
+	      strstr(shmrpc_errmsg(), "not supported yet"), "vulkan: %s", shmrpc_errmsg());
+	/* CUDA memory is taken as it is where CUDA is (tensor_cuda), and
+	 * refused with the reason where it is not. */
+	m->dl_tensor.device.device_type = kDLCUDA;
+	probe = cuda_probe();
+	if (probe)
+		CHECK(shmrpc_tensor_from_dlpack(m, &back) == probe &&
+		      strstr(shmrpc_errmsg(), "CUDA is not available"), "cuda: %s", shmrpc_errmsg());
 	CHECK(deleted == 1, "a refused import ran the deleter");
 	m->deleter(m);
 	CHECK(used() == 0, "%llu bytes left in the pool", (unsigned long long)used());

@@ -20,6 +20,7 @@
 #include "ipc/doorbell.h"
 #include "shm/exit_info.h"
 #include "worker/agent.h"
+#include "worker/cuda.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/rref.h"
@@ -206,6 +207,11 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 			agent_peer_gone_text(ag, peer, why, sizeof(why));
 			client_fail_peer(ag, peer, why);
 			pins_release_peer(peer);
+			/* Its CUDA memory went with it: close our mappings of it
+			 * (tensors of it fail from now on, tensor.c). Acquire
+			 * pairs with the peer's release of its pid. */
+			cuda_forget_peer(atomic_load_explicit(&shm_worker(&ag->seg, peer)->pid,
+							      memory_order_acquire));
 			ag->gone[peer] = true;
 		}
 		/* The launcher drops the dead peer's RRef references before it
@@ -241,7 +247,7 @@ static void *loop_main(void *arg)
 				shmrpc_errmsg());
 	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */
 	while (!atomic_load_explicit(&ag->stop, memory_order_relaxed)) {
-		uint64_t now, next, sleep_ns;
+		uint64_t now, next, next_reap, sleep_ns;
 		int n;
 
 		n = agent_poll(ag);
@@ -253,6 +259,9 @@ static void *loop_main(void *arg)
 
 		settle_deaths(ag, now);
 		next = client_expire(ag, now);
+		next_reap = tensor_exports_tick(now);
+		if (next_reap < next)
+			next = next_reap;
 		if (n)
 			continue;
 		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
@@ -594,6 +603,7 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 	client_fail_all(ag, "the RPC agent was shut down before the reply came");
 	executor_stop();
 	pins_release_all();
+	tensor_exports_shutdown(ag);
 	worker_agent = NULL;
 	agent_free(ag);
 	return rc ? shmrpc__fail(rc, "%s", err) : 0;

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -109,10 +110,10 @@ struct import_map {
 	bool stale; /* the producer reused its addresses: close once idle */
 };
 
-/* Receiver: a producer's event opened here. */
+/* Receiver: another process's event opened here. */
 struct import_event {
 	struct import_event *next;
-	uint32_t pid;
+	uint32_t pid; /* whose event */
 	int32_t device;
 	CUipcEventHandle handle;
 	CUevent ev;
@@ -120,6 +121,9 @@ struct import_event {
 
 static struct {
 	pthread_once_t once;
+	/* Set (release) once loading was tried; cuda_forget_peer reads it
+	 * (acquire) so that a process that never used CUDA never loads it. */
+	_Atomic bool tried;
 	int err;       /* 0 when the driver is usable */
 	char why[256]; /* when it is not */
 	void *lib;
@@ -158,20 +162,25 @@ static const char *cu_name(CUresult r)
 	return cu.cuGetErrorName(r, &s) == CUDA_SUCCESS && s ? s : "unknown CUDA error";
 }
 
-static void cu_load(void)
+static void cu_try(void)
 {
+	/* The stand-in driver of the tests (cuda.h); secure_getenv: never for
+	 * a set-uid program. */
+	const char *path = secure_getenv("SHMRPC_LIBCUDA");
 	CUresult r;
 	int n = 0;
 
-	cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (!path || !*path)
+		path = "libcuda.so.1";
+	cu.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	if (!cu.lib) {
-		unavailable(-ENOSYS, "libcuda.so.1 not found (%s)", dlerror());
+		unavailable(-ENOSYS, "%s not found (%s)", path, dlerror());
 		return;
 	}
 #define X(name, params)                                                            \
 	cu.name = (CUresult(*) params)dlsym(cu.lib, #name);                        \
 	if (!cu.name) {                                                            \
-		unavailable(-ENOSYS, "libcuda.so.1 has no %s (driver too old)", #name); \
+		unavailable(-ENOSYS, "%s has no %s (driver too old)", path, #name);  \
 		return;                                                            \
 	}
 	CUDA_DRIVER_FUNCS(X)
@@ -183,6 +192,13 @@ static void cu_load(void)
 		unavailable(-ENODEV, "no CUDA device");
 	else if (r != CUDA_SUCCESS)
 		unavailable(-ENODEV, "the driver does not start (%s)", cu_name(r));
+}
+
+static void cu_load(void)
+{
+	cu_try();
+	/* Release pairs with cuda_forget_peer's acquire. */
+	atomic_store_explicit(&cu.tried, true, memory_order_release);
 }
 
 static bool driver_ok(void)
@@ -430,11 +446,39 @@ int cuda_export(const void *dptr, uint64_t len, uintptr_t stream, struct cuda_ip
 	out->offset = p - out->base;
 	out->len = len;
 	out->pid = (uint32_t)getpid();
+	out->event_pid = out->pid;
 	out->device = device;
 	return 0;
 }
 
-/* A descriptor this process exported: its own pointer, after its event. */
+int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream, struct cuda_ipc_desc *out)
+{
+	uint32_t self = (uint32_t)getpid();
+	CUcontext ctx;
+	int rc = ready();
+
+	if (rc)
+		return rc;
+	/* Our own allocation (it came back to us): described afresh. */
+	if (in->pid == self)
+		return cuda_export((const void *)(uintptr_t)(in->base + in->offset), in->len, stream,
+				   out);
+	*out = *in;
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(in->device, &ctx);
+	if (!rc)
+		rc = push_ctx(ctx);
+	if (!rc) {
+		rc = export_event(ctx, (CUstream)stream, out);
+		pop_ctx();
+	}
+	pthread_mutex_unlock(&cu.lock);
+	out->event_pid = self;
+	return rc;
+}
+
+/* A descriptor this process exported, with its own event: its own pointer,
+ * after that event. */
 static int import_local(const struct cuda_ipc_desc *d, CUstream s, void **dptr)
 {
 	CUevent ev = NULL;
@@ -560,6 +604,24 @@ static int import_map(const struct cuda_ipc_desc *d, struct import_map **out)
 	return 0;
 }
 
+/* d names an allocation of this process: it must be one, and hold the
+ * range. Caller holds cu.lock, in the primary context of d->device. */
+static int check_own(const struct cuda_ipc_desc *d)
+{
+	CUdeviceptr base;
+	size_t size;
+	CUresult r = cu.cuMemGetAddressRange_v2(&base, &size, d->base);
+
+	if (r != CUDA_SUCCESS)
+		return cu_fail(r, "a CUDA descriptor names 0x%llx of this process",
+			       (unsigned long long)d->base);
+	if (base != d->base || d->offset > size || d->len > size - d->offset)
+		return shmrpc__fail(-EINVAL, "a CUDA descriptor (offset %llu, %llu bytes at 0x%llx) "
+				    "leaves this process's allocation", (unsigned long long)d->offset,
+				    (unsigned long long)d->len, (unsigned long long)d->base);
+	return 0;
+}
+
 /* d's event, opened here. Caller holds cu.lock, in the primary context of
  * d->device. */
 static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
@@ -568,7 +630,7 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	CUresult r;
 
 	for (e = cu.events; e; e = e->next)
-		if (e->pid == d->pid && !memcmp(&e->handle, d->event_handle, sizeof(e->handle))) {
+		if (e->pid == d->event_pid && !memcmp(&e->handle, d->event_handle, sizeof(e->handle))) {
 			*ev = e->ev;
 			return 0;
 		}
@@ -579,9 +641,9 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	r = cu.cuIpcOpenEventHandle(&e->ev, e->handle);
 	if (r != CUDA_SUCCESS) {
 		free(e);
-		return cu_fail(r, "cuIpcOpenEventHandle (event of pid %u)", d->pid);
+		return cu_fail(r, "cuIpcOpenEventHandle (event of pid %u)", d->event_pid);
 	}
-	e->pid = d->pid;
+	e->pid = d->event_pid;
 	e->device = d->device;
 	e->next = cu.events;
 	cu.events = e;
@@ -599,17 +661,21 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
 	CUresult r;
 	int rc;
 
+	uint32_t self = (uint32_t)getpid();
+
 	rc = ready();
 	if (rc)
 		return rc;
-	if (d->pid == (uint32_t)getpid())
+	if (d->pid == self && d->event_pid == self)
 		return import_local(d, (CUstream)stream, dptr);
 	pthread_mutex_lock(&cu.lock);
 	rc = primary_ctx(d->device, &ctx);
 	if (!rc)
 		rc = push_ctx(ctx);
 	if (!rc) {
-		rc = import_map(d, &m);
+		/* Our own allocation, passed back by a receiver with its event:
+		 * nothing to map, but the range comes from another process. */
+		rc = d->pid == self ? check_own(d) : import_map(d, &m);
 		if (!rc)
 			rc = import_event(d, &ev);
 		if (!rc) {
@@ -620,15 +686,16 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
 		/* The mapping stays cached; only the reference goes. */
 		if (rc && m)
 			m->refs--;
+		/* Under the lock: cuda_forget_peer may free m once it is dropped. */
+		if (!rc)
+			*dptr = (void *)(uintptr_t)((m ? m->local : d->base) + d->offset);
 		pop_ctx();
 	}
 	pthread_mutex_unlock(&cu.lock);
-	if (!rc)
-		*dptr = (void *)(uintptr_t)(m->local + d->offset);
 	return rc;
 }
 
-void cuda_import_release(const struct cuda_ipc_desc *d)
+void cuda_import_release(const struct cuda_ipc_desc *d, bool keep)
 {
 	struct import_map **pp, *m;
 
@@ -638,7 +705,7 @@ void cuda_import_release(const struct cuda_ipc_desc *d)
 	for (pp = &cu.maps; (m = *pp); pp = &m->next)
 		if (m->pid == d->pid && m->id == d->alloc_id)
 			break;
-	if (m && m->refs && !--m->refs && m->stale) {
+	if (m && m->refs && !--m->refs && (m->stale || !keep)) {
 		*pp = m->next;
 		unmap(m);
 	}
@@ -650,7 +717,8 @@ void cuda_forget_peer(uint32_t pid)
 	struct import_map **mp = &cu.maps, *m;
 	struct import_event **ep = &cu.events, *e;
 
-	if (!driver_ok())
+	/* Acquire pairs with cu_load's release: not tried, nothing opened. */
+	if (!atomic_load_explicit(&cu.tried, memory_order_acquire) || !driver_ok())
 		return;
 	pthread_mutex_lock(&cu.lock);
 	while ((m = *mp)) {

@@ -18,10 +18,16 @@
  *  - Receiver: the mapping of each (producer pid, allocation) and each
  *    opened event: cuIpcOpenMemHandle and cuIpcOpenEventHandle cost
  *    ~140 µs each on an H100, so a warm import pays neither. Mappings are
- *    counted by cuda_import / cuda_import_release; an idle mapping stays
- *    open (that is the cache) until cuda_forget_peer, or until the same
- *    producer sends another allocation over its addresses (then the old
- *    one was freed, and it is closed once idle).
+ *    counted by cuda_import / cuda_import_release. A release that says
+ *    keep leaves an idle mapping open (that is the cache) until
+ *    cuda_forget_peer, or until the same producer sends another allocation
+ *    over its addresses (then the old one was freed, and it is closed once
+ *    idle); for a producer that keeps its allocations for the receiver's
+ *    lifetime. Device tensors (worker/tensor.c) release without keep: their
+ *    producer frees an allocation once no receiver holds a tensor of it,
+ *    and no mapping may outlive that (CUDA: freeing memory another process
+ *    has mapped is undefined), so a mapping stays open while a tensor of
+ *    its allocation is held here, and imports meanwhile hit the cache.
  *
  * Ordering. cuda_export records an interprocess event on the producer's
  * stream after the work already queued there (its last write); cuda_import
@@ -36,15 +42,28 @@
  * has it mapped is undefined (CUDA's documentation), and so is reading a
  * mapping whose producer exited. So the producer must keep each
  * allocation alive while any receiver has it mapped, idle cached mappings
- * included (counts in the segment, kept by the agent); receivers must fail
- * the tensors of a producer that died instead of reading them, and call
- * cuda_forget_peer to close its mappings.
+ * included (device tensors: the lifetime tokens of worker/tensor.h, counts
+ * in the pool); receivers must fail the tensors of a producer that died
+ * instead of reading them, and call cuda_forget_peer to close its mappings
+ * (the agent does, when it sees a peer end).
+ *
+ * Passing a received tensor on. A receiver cannot export a mapping it
+ * opened (IPC handles are for the allocating process's own memory), so it
+ * sends the producer's descriptor again with an event of its own, recorded
+ * after its writes (cuda_export_forward); event_pid names whose event a
+ * descriptor holds.
+ *
+ * The driver library is libcuda.so.1. Tests load a stand-in instead by
+ * naming its path in the environment variable SHMRPC_LIBCUDA
+ * (tests/fake_cuda/: host memory that plays device memory); it is for
+ * tests only, never needed otherwise.
  *
  * CUDA does not survive fork(): fork before the first call here.
  */
 #ifndef SHMRPC_WORKER_CUDA_H
 #define SHMRPC_WORKER_CUDA_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/compiler.h"
@@ -59,10 +78,13 @@ struct cuda_ipc_desc {
 	uint64_t alloc_id; /* the producer driver's buffer id of the allocation */
 	uint64_t offset;   /* of the tensor, from base */
 	uint64_t len;      /* of the tensor, in bytes */
-	uint32_t pid;      /* the producer */
+	uint32_t pid;      /* the producer: whose allocation it is */
 	int32_t device;    /* ordinal of the device holding the allocation */
+	uint32_t event_pid; /* whose event: the producer's, or that of a receiver
+			     * passing the tensor on (cuda_export_forward) */
+	uint32_t reserved;  /* 0 */
 };
-_Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 4 * 8 + 2 * 4,
+_Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 4 * 8 + 4 * 4,
 	       "cuda_ipc_desc is part of the wire format: no padding");
 
 /*
@@ -95,16 +117,27 @@ SHMRPC_HIDDEN int cuda_export(const void *dptr, uint64_t len, uintptr_t stream,
 			      struct cuda_ipc_desc *out);
 
 /*
+ * in, a descriptor this process imported (or exported), described again
+ * for another receiver: the same allocation, with an event of this
+ * process recorded on stream (a CUstream of in->device's primary context;
+ * 0 its legacy default stream) after the work queued there so far.
+ */
+SHMRPC_HIDDEN int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream,
+				      struct cuda_ipc_desc *out);
+
+/*
  * The tensor of d, mapped in this process (in the primary context of
  * d->device), holding one reference; stream (a CUstream of that device)
  * waits for the producer's writes. A descriptor of this process gives its
  * own pointer back, with the same wait.
  */
 SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr);
-/* Drops the reference of one cuda_import of d; the mapping stays cached. */
-SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d);
+/* Drops the reference of one cuda_import of d. keep: an idle mapping stays
+ * cached; otherwise the last reference closes it (see above). */
+SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d, bool keep);
 /* Closes every mapping and event of producer pid (gone, or to be forgotten),
- * referenced or not: pointers still held from it must not be used again. */
+ * referenced or not: pointers still held from it must not be used again.
+ * Loads nothing: a process that never used CUDA has nothing to close. */
 SHMRPC_HIDDEN void cuda_forget_peer(uint32_t pid);
 
 SHMRPC_HIDDEN void cuda_stats_get(struct cuda_stats *st);

@@ -8,20 +8,64 @@
 #include "common/error.h"
 #include "shm/pool.h"
 #include "worker/agent.h"
+#include "worker/cuda.h"
+#include "worker/executor.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
 #include "worker/value.h"
 
-/* The descriptor on the wire (little endian, as the machine). */
+/* The descriptor on the wire (little endian, as the machine;
+ * docs/PROTOCOL.md): this, the shape, and for a CUDA tensor a struct
+ * tensor_wire_cuda. */
 struct tensor_wire {
-	uint64_t off;
+	uint64_t off; /* CPU: the pool block; CUDA: the lifetime token's block */
 	uint64_t nbytes;
 	uint8_t code;
 	uint8_t bits;
 	uint16_t lanes;
 	int32_t ndim;
+	int32_t device_type; /* DLDeviceType: kDLCPU or kDLCUDA */
+	int32_t device_id;
 	int64_t shape[];
 };
+_Static_assert(sizeof(struct tensor_wire) == 32, "tensor_wire is part of the wire format: no padding");
+
+struct tensor_wire_cuda {
+	uint32_t producer; /* rank of the worker whose allocation it is */
+	uint32_t reserved; /* 0 */
+	struct cuda_ipc_desc ipc;
+};
+_Static_assert(sizeof(struct tensor_wire_cuda) == 8 + sizeof(struct cuda_ipc_desc),
+	       "tensor_wire_cuda is part of the wire format: no padding");
+
+/* A device tensor's bytes, shared by the handles of this process (see
+ * tensor.h for the lifetime). */
+struct tensor_dev {
+	_Atomic uint32_t refs;     /* handles, pins and the export registry */
+	_Atomic uintptr_t stream;  /* the CUstream that wrote it (0: legacy default) */
+	DLManagedTensor *owner;    /* producer: what shmrpc_tensor_from_dlpack took */
+	/* Producer, under exports.lock: the token block (0: never sent, or
+	 * released) and the registry's link. */
+	uint64_t token;
+	struct tensor_dev *next;
+	/* Receiver (imported): what was mapped, and from whom. */
+	bool imported;
+	uint32_t producer;         /* its rank */
+	struct tensor_view *view;  /* the job's pool the token is in (one reference) */
+	struct cuda_ipc_desc ipc;
+};
+
+/* The producer's sources that receivers may hold (a reference each). */
+static struct {
+	pthread_mutex_t lock;
+	struct tensor_dev *head;
+	/* Those a shutdown left held by receivers: kept (never released)
+	 * until the process exits. */
+	struct tensor_dev *kept;
+	_Atomic uint32_t n;         /* entries; read without the lock by the loop thread */
+	_Atomic bool reap_queued;   /* a reap job is queued on the executors */
+	uint64_t next_tick;         /* loop thread only */
+} exports = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static struct shm_pool *pool_or_fail(void)
 {
@@ -71,9 +115,9 @@ static uint64_t dtype_bytes(DLDataType d)
 	return ((uint64_t)d.bits * d.lanes + 7) / 8;
 }
 
-/* Fills a handle for the block at off; checks shape and size. */
-static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32_t ndim,
-		       const int64_t *shape, shmrpc_tensor **out)
+/* A handle for a tensor of this dtype and shape, checked, with its size;
+ * data, device and the rest are the caller's to fill. */
+static int new_handle(DLDataType dtype, int32_t ndim, const int64_t *shape, shmrpc_tensor **out)
 {
 	uint64_t n = dtype_bytes(dtype);
 	shmrpc_tensor *t;
@@ -90,15 +134,9 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 	}
 	if (!(t = calloc(1, sizeof(*t))))
 		return shmrpc__fail(-ENOMEM, "out of memory making a tensor handle");
-	t->view = worker_agent->view;
-	/* Relaxed: the agent's own reference keeps the count above zero here. */
-	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
-	t->off = off;
 	t->nbytes = n;
 	memcpy(t->shape, shape, (size_t)ndim * sizeof(*shape));
 	t->dl = (DLTensor){
-		.data = pool_at(p, off, n),
-		.device = { kDLCPU, 0 },
 		.ndim = ndim,
 		.dtype = dtype,
 		.shape = t->shape,
@@ -106,6 +144,235 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 	};
 	*out = t;
 	return 0;
+}
+
+/* Fills a handle for the block at off; checks shape and size. */
+static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32_t ndim,
+		       const int64_t *shape, shmrpc_tensor **out)
+{
+	shmrpc_tensor *t;
+	int rc = new_handle(dtype, ndim, shape, &t);
+
+	if (rc)
+		return rc;
+	t->view = worker_agent->view;
+	/* Relaxed: the agent's own reference keeps the count above zero here. */
+	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
+	t->off = off;
+	t->dl.data = pool_at(p, off, t->nbytes);
+	t->dl.device = (DLDevice){ kDLCPU, 0 };
+	*out = t;
+	return 0;
+}
+
+/* ---- device tensors ---- */
+
+/* Drops one reference of dev; the last one releases what it holds: a
+ * receiver's mapping and token, a producer's DLPack tensor. */
+static void dev_put(struct tensor_dev *d)
+{
+	struct agent *ag = worker_agent;
+	uint32_t was;
+
+	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
+	/* A source the export registry still holds is released by the
+	 * registry's reap, on an executor or a sending thread: never here,
+	 * where the thread may be the loop thread (a pin's release) and the
+	 * deleter is user code. */
+	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
+	if (was != 1)
+		return;
+	if (d->imported) {
+		cuda_import_release(&d->ipc, false);
+		/* The token reference is of the job we received it in; after
+		 * that job, pool_leave dropped it already. */
+		if (ag && ag->has_pool && ag->view == d->view &&
+		    pool_unref(&ag->pool, ag->rank, d->token))
+			fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+		tensor_view_put(d->view);
+	} else if (d->owner && d->owner->deleter) {
+		d->owner->deleter(d->owner);
+	}
+	free(d);
+}
+
+/* 0 when dev's bytes may be used here: a received tensor whose producer
+ * exited or died (or of a job this process left) is an error. */
+static int dev_check(const struct tensor_dev *d)
+{
+	struct agent *ag = worker_agent;
+	const struct shm_worker *w;
+	char why[160];
+
+	if (!d->imported || d->ipc.pid == (uint32_t)getpid())
+		return 0;
+	if (!ag || ag->view != d->view)
+		return shmrpc__fail(-SHMRPC_EPEERDEAD, "a CUDA tensor received in a job this process "
+				    "has left: its producer may have freed it");
+	w = shm_worker(&ag->seg, d->producer);
+	/* Acquire pairs with the launcher's release of EXITED/DEAD, and with
+	 * the worker's release of its pid before RUNNING. */
+	if (atomic_load_explicit(&w->state, memory_order_acquire) == SHM_WORKER_RUNNING &&
+	    atomic_load_explicit(&w->pid, memory_order_acquire) == d->ipc.pid)
+		return 0;
+	agent_peer_gone_text(ag, d->producer, why, sizeof(why));
+	return shmrpc__fail(-SHMRPC_EPEERDEAD, "a CUDA tensor from %s: its memory went with it",
+			    why);
+}
+
+/* A handle of dev (given one reference) with the dtype and shape. */
+static int dev_handle(struct tensor_dev *d, void *data, DLDevice device, DLDataType dtype,
+		      int32_t ndim, const int64_t *shape, shmrpc_tensor **out)
+{
+	int rc = new_handle(dtype, ndim, shape, out);
+
+	if (rc)
+		return rc;
+	(*out)->dev = d;
+	(*out)->dl.data = data;
+	(*out)->dl.device = device;
+	return 0;
+}
+
+static void exports_reap(bool final);
+
+/* The loop thread's check, on an executor: the deleters are user code. */
+static void run_reap(struct job *j)
+{
+	free(j);
+	/* Release: a tick that sees false may queue another. */
+	atomic_store_explicit(&exports.reap_queued, false, memory_order_release);
+	exports_reap(false);
+}
+
+uint64_t tensor_exports_tick(uint64_t now)
+{
+	struct job *j;
+
+	/* Relaxed: a hint; the reap itself reads the registry under its lock. */
+	if (!atomic_load_explicit(&exports.n, memory_order_relaxed))
+		return UINT64_MAX;
+	if (now < exports.next_tick)
+		return exports.next_tick;
+	exports.next_tick = now + TENSOR_REAP_NS;
+	/* Acquire pairs with run_reap's release: one job queued at a time. */
+	if (!atomic_exchange_explicit(&exports.reap_queued, true, memory_order_acquire)) {
+		if ((j = calloc(1, sizeof(*j)))) {
+			j->run = run_reap;
+			executor_submit(j);
+		} else {
+			atomic_store_explicit(&exports.reap_queued, false, memory_order_relaxed);
+		}
+	}
+	return exports.next_tick;
+}
+
+/*
+ * Releases each source that no receiver holds any more: the token counts
+ * only us, and (unless final: the agent is stopping and nothing can be
+ * sent) no handle, pin or message of ours names it, so that no send of it
+ * can be in flight. Runs the deleters of those whose last reference goes.
+ */
+static void exports_reap(bool final)
+{
+	struct agent *ag = worker_agent;
+	struct tensor_dev **pp, *d, *gone = NULL;
+
+	if (!ag || !ag->has_pool)
+		return;
+	pthread_mutex_lock(&exports.lock);
+	for (pp = &exports.head; (d = *pp);) {
+		/* Acquire pairs with the release of the handle that dropped the
+		 * count to the registry's; with one left, no other thread can
+		 * raise it (a retain needs a handle). */
+		bool idle = final || atomic_load_explicit(&d->refs, memory_order_acquire) == 1;
+
+		if (idle && pool_block_refs(&ag->pool, d->token) == 1) {
+			*pp = d->next;
+			d->next = gone;
+			gone = d;
+			/* Relaxed: a hint for the loop thread (tensor_exports_tick). */
+			atomic_fetch_sub_explicit(&exports.n, 1, memory_order_relaxed);
+		} else {
+			pp = &d->next;
+		}
+	}
+	pthread_mutex_unlock(&exports.lock);
+	while ((d = gone)) {
+		gone = d->next;
+		if (pool_unref(&ag->pool, ag->rank, d->token))
+			fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+		d->token = 0; /* sent again (in a later job): a new token */
+		dev_put(d);
+	}
+}
+
+void tensor_exports_shutdown(struct agent *ag)
+{
+	struct tensor_dev *d;
+	uint32_t n = 0;
+	char held[512];
+	size_t at = 0;
+
+	exports_reap(true);
+	pthread_mutex_lock(&exports.lock);
+	for (d = exports.head; d; d = d->next)
+		n++;
+	for (uint32_t r = 0; n && r < ag->world && at < sizeof(held); r++) {
+		char name[SHM_NAME_MAX];
+		int64_t k = 0;
+
+		for (d = exports.head; d; d = d->next) {
+			/* Ours (the registry's) is not one of theirs. */
+			int64_t h = pool_holder_refs(&ag->pool, r, d->token) - (r == ag->rank);
+
+			k += h > 0 ? h : 0;
+		}
+		if (!k)
+			continue;
+		agent_peer_name(ag, r, name, sizeof(name));
+		at += (size_t)snprintf(held + at, sizeof(held) - at, "%sworker %u (%s) holds %lld",
+				       at ? ", " : "", r, name, (long long)k);
+	}
+	if (n)
+		fprintf(stderr, "shmrpc: worker %u: shutting down with %u CUDA tensor(s) still held by "
+			"other workers (%s); their memory stays allocated until this process "
+			"exits, and those workers get an error when they use them after that\n",
+			ag->rank, n, at ? held : "none found in the holder tables");
+	/* The registry's references are kept: the memory must outlive every
+	 * receiver's use, and this process's end is the last we can see. */
+	while ((d = exports.head)) {
+		exports.head = d->next;
+		d->next = exports.kept;
+		exports.kept = d;
+	}
+	/* Relaxed: the loop thread is stopped. */
+	atomic_store_explicit(&exports.n, 0, memory_order_relaxed);
+	pthread_mutex_unlock(&exports.lock);
+}
+
+/* The lifetime token of d, a source of ours, made at its first send (the
+ * registry then holds a reference to d). */
+static int dev_token(struct tensor_dev *d, uint64_t *token)
+{
+	struct agent *ag = worker_agent;
+	int rc = 0;
+
+	pthread_mutex_lock(&exports.lock);
+	if (!d->token) {
+		rc = pool_alloc(&ag->pool, ag->rank, 1, &d->token);
+		if (rc == 0) {
+			/* Relaxed: the caller's handle keeps the count above zero. */
+			atomic_fetch_add_explicit(&d->refs, 1, memory_order_relaxed);
+			d->next = exports.head;
+			exports.head = d;
+			/* Relaxed: a hint for the loop thread. */
+			atomic_fetch_add_explicit(&exports.n, 1, memory_order_relaxed);
+		}
+	}
+	*token = d->token;
+	pthread_mutex_unlock(&exports.lock);
+	return rc;
 }
 
 int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape, shmrpc_tensor **out)
@@ -135,9 +402,18 @@ int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape, sh
 
 int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 {
-	struct shm_pool *p = pool_or_fail();
+	struct shm_pool *p;
 	int rc;
 
+	if (t->dev) {
+		rc = dev_handle(t->dev, t->dl.data, t->dl.device, t->dl.dtype, t->dl.ndim, t->shape,
+				out);
+		if (rc == 0)
+			/* Relaxed: t's own reference keeps the count above zero. */
+			atomic_fetch_add_explicit(&t->dev->refs, 1, memory_order_relaxed);
+		return rc;
+	}
+	p = pool_or_fail();
 	if (!p)
 		return -ENOTSUP;
 	rc = make_handle(p, t->off, t->dl.dtype, t->dl.ndim, t->shape, out);
@@ -157,6 +433,11 @@ void shmrpc_tensor_free(shmrpc_tensor *t)
 
 	if (!t)
 		return;
+	if (t->dev) {
+		dev_put(t->dev);
+		free(t);
+		return;
+	}
 	/* A handle of a job this process has left (its agent shut down, or
 	 * another agent since) has no reference any more: pool_leave dropped
 	 * them all. Its view still keeps the bytes mapped until now. */
@@ -167,7 +448,7 @@ void shmrpc_tensor_free(shmrpc_tensor *t)
 
 void *shmrpc_tensor_data(const shmrpc_tensor *t)
 {
-	return t->dl.data;
+	return t->dev && dev_check(t->dev) ? NULL : t->dl.data;
 }
 
 uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t)
@@ -177,12 +458,25 @@ uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t)
 
 const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t)
 {
-	return &t->dl;
+	return t->dev && dev_check(t->dev) ? NULL : &t->dl;
 }
 
 uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t)
 {
+	if (t->dev)
+		return shmrpc__fail(-EINVAL, "a CUDA tensor is not in the pool: it has no pool "
+				    "offset"),
+		       UINT64_MAX;
 	return t->off;
+}
+
+int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream)
+{
+	if (!t || !t->dev)
+		return shmrpc__fail(-EINVAL, "shmrpc_tensor_set_cuda_stream: not a CUDA tensor");
+	/* Relaxed: which stream is the user's to order with its sends. */
+	atomic_store_explicit(&t->dev->stream, stream, memory_order_relaxed);
+	return 0;
 }
 
 /* ---- lists ---- */
@@ -248,17 +542,112 @@ bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t)
 
 /* ---- descriptors ---- */
 
+/* The CUDA part of d's descriptor, for a new receiver; *token: its
+ * lifetime token. */
+static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uint64_t *token)
+{
+	struct tensor_dev *d = t->dev;
+	struct agent *ag = worker_agent;
+	/* Relaxed: see shmrpc_tensor_set_cuda_stream. */
+	uintptr_t stream = atomic_load_explicit(&d->stream, memory_order_relaxed);
+	int rc;
+
+	if (!pool_or_fail())
+		return -ENOTSUP; /* the token lives in the pool */
+	memset(wc, 0, sizeof(*wc));
+	if (d->imported) {
+		/* Passed on: the producer's allocation and token, our event. */
+		rc = dev_check(d);
+		if (rc)
+			return rc;
+		if (ag->view != d->view)
+			return shmrpc__fail(-EINVAL, "a CUDA tensor of another job cannot be sent");
+		wc->producer = d->producer;
+		*token = d->token;
+		return cuda_export_forward(&d->ipc, stream, &wc->ipc);
+	}
+	exports_reap(false);
+	wc->producer = ag->rank;
+	rc = dev_token(d, token);
+	return rc ? rc : cuda_export(t->dl.data, t->nbytes, stream, &wc->ipc);
+}
+
 int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t)
 {
 	size_t len = sizeof(struct tensor_wire) + (size_t)t->dl.ndim * sizeof(int64_t);
 	struct tensor_wire w = { t->off, t->nbytes, t->dl.dtype.code, t->dl.dtype.bits,
-				 t->dl.dtype.lanes, t->dl.ndim };
+				 t->dl.dtype.lanes, t->dl.ndim, t->dl.device.device_type,
+				 t->dl.device.device_id };
+	struct tensor_wire_cuda wc;
+	int rc;
 
+	if (t->dev) {
+		rc = dev_describe(t, &wc, &w.off);
+		if (rc)
+			return rc;
+		len += sizeof(wc);
+	}
 	if (msgpack_pack_ext(pk, len, VALUE_EXT_TENSOR) ||
 	    msgpack_pack_ext_body(pk, &w, sizeof(w)) ||
-	    msgpack_pack_ext_body(pk, t->shape, (size_t)t->dl.ndim * sizeof(int64_t)))
+	    msgpack_pack_ext_body(pk, t->shape, (size_t)t->dl.ndim * sizeof(int64_t)) ||
+	    (t->dev && msgpack_pack_ext_body(pk, &wc, sizeof(wc))))
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a tensor");
 	return 0;
+}
+
+/* A CUDA descriptor received (w and its shape checked): a handle mapping
+ * the producer's bytes, holding a reference on the token. */
+static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
+		      const struct tensor_wire_cuda *wc, shmrpc_tensor **out)
+{
+	struct agent *ag = worker_agent;
+	struct tensor_dev *d;
+	void *data = NULL;
+	int rc;
+
+	if (wc->producer >= ag->world || wc->ipc.device != w->device_id || wc->ipc.len != w->nbytes)
+		return shmrpc__fail(-EBADMSG, "a CUDA tensor descriptor that does not hold together "
+				    "(producer %u of %u workers, device %d and %d, %llu and %llu bytes)",
+				    wc->producer, ag->world, (int)wc->ipc.device, (int)w->device_id,
+				    (unsigned long long)wc->ipc.len, (unsigned long long)w->nbytes);
+	if (!(d = calloc(1, sizeof(*d))))
+		return shmrpc__fail(-ENOMEM, "out of memory receiving a CUDA tensor");
+	atomic_init(&d->refs, 1);
+	d->imported = true;
+	d->producer = wc->producer;
+	d->ipc = wc->ipc;
+	d->token = w->off;
+	d->view = ag->view;
+	/* The token first: from then on the producer keeps the memory. The
+	 * producer must still be there (its memory goes with it), checked
+	 * after, so that it cannot have left in between unseen. */
+	rc = pool_ref(&ag->pool, ag->rank, d->token);
+	if (rc) {
+		free(d);
+		return rc;
+	}
+	/* Relaxed: the agent's own reference keeps the count above zero. */
+	atomic_fetch_add_explicit(&d->view->refs, 1, memory_order_relaxed);
+	rc = dev_check(d);
+	/* The legacy default stream of the receiver waits for the producer's
+	 * event (shmrpc.h): what it queues after reads the producer's writes. */
+	if (rc == 0 && (rc = cuda_import(&d->ipc, 0, &data)) == 0 &&
+	    (rc = dev_handle(d, data, (DLDevice){ kDLCUDA, w->device_id },
+			     (DLDataType){ w->code, w->bits, w->lanes }, w->ndim, shape, out)) == 0 &&
+	    (*out)->nbytes != w->nbytes) {
+		rc = shmrpc__fail(-EBADMSG, "a CUDA tensor descriptor says %llu bytes for a shape of "
+				  "%llu bytes", (unsigned long long)w->nbytes,
+				  (unsigned long long)(*out)->nbytes);
+		free(*out);
+	}
+	if (rc == 0)
+		return 0;
+	if (data)
+		cuda_import_release(&d->ipc, false);
+	pool_unref(&ag->pool, ag->rank, d->token);
+	tensor_view_put(d->view);
+	free(d);
+	return rc;
 }
 
 int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
@@ -274,11 +663,25 @@ int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
 	if (len < sizeof(w))
 		return shmrpc__fail(-EBADMSG, "a tensor descriptor of %u bytes is too short", len);
 	memcpy(&w, data, sizeof(w));
+	if (w.device_type != kDLCPU && w.device_type != kDLCUDA)
+		return shmrpc__fail(-ENOTSUP, "a tensor on DLPack device type %d came in: this build "
+				    "takes CPU (%d) and CUDA (%d) tensors only", (int)w.device_type,
+				    kDLCPU, kDLCUDA);
 	if (w.ndim < 0 || w.ndim > SHMRPC_TENSOR_MAX_DIMS ||
-	    len != sizeof(w) + (size_t)w.ndim * sizeof(int64_t))
+	    len != sizeof(w) + (size_t)w.ndim * sizeof(int64_t) +
+			   (w.device_type == kDLCUDA ? sizeof(struct tensor_wire_cuda) : 0))
 		return shmrpc__fail(-EBADMSG, "a tensor descriptor with %d dimensions in %u bytes",
 				    w.ndim, len);
 	memcpy(shape, data + sizeof(w), (size_t)w.ndim * sizeof(int64_t));
+	if (w.device_type == kDLCUDA) {
+		struct tensor_wire_cuda wc;
+
+		memcpy(&wc, data + sizeof(w) + (size_t)w.ndim * sizeof(int64_t), sizeof(wc));
+		return dev_unpack(&w, shape, &wc, out);
+	}
+	if (w.device_id != 0)
+		return shmrpc__fail(-EBADMSG, "a CPU tensor descriptor names device %d",
+				    (int)w.device_id);
 	/* Nothing from another process is trusted: the block must exist and hold the bytes. */
 	block = pool_block_size(p, w.off);
 	if (block < 0)
@@ -422,6 +825,8 @@ int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out)
 
 	if (!t || !out)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_to_dlpack: a tensor and out must be given");
+	if (t->dev && dev_check(t->dev))
+		return -SHMRPC_EPEERDEAD;
 	if (!(e = calloc(1, sizeof(*e))))
 		return shmrpc__fail(-ENOMEM, "out of memory exporting a tensor");
 	e->t = t;
@@ -463,9 +868,33 @@ static bool pool_block_at(struct shm_pool *pool, const void *p, uint64_t nbytes,
 	return size >= 0 && (uint64_t)size >= nbytes;
 }
 
+/* A CUDA tensor: taken as it is, m owned by the handle's bytes. */
+static int from_cuda(DLManagedTensor *m, shmrpc_tensor **out)
+{
+	const DLTensor *dl = &m->dl_tensor;
+	struct tensor_dev *d;
+	int rc;
+
+	if (!contiguous(dl))
+		return shmrpc__fail(-ENOTSUP, "strided DLPack tensors are not supported yet: make it "
+				    "contiguous first");
+	rc = cuda_probe();
+	if (rc)
+		return rc;
+	if (!(d = calloc(1, sizeof(*d))))
+		return shmrpc__fail(-ENOMEM, "out of memory taking a CUDA tensor");
+	atomic_init(&d->refs, 1);
+	d->owner = m;
+	rc = dev_handle(d, (uint8_t *)dl->data + dl->byte_offset, dl->device, dl->dtype, dl->ndim,
+			dl->shape, out);
+	if (rc)
+		free(d);
+	return rc;
+}
+
 int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 {
-	struct shm_pool *p = pool_or_fail();
+	struct shm_pool *p;
 	const DLTensor *d;
 	const uint8_t *src;
 	uint64_t off;
@@ -474,11 +903,14 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 	if (!m || !out)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_from_dlpack: a tensor and out must be given");
 	d = &m->dl_tensor;
+	if (d->device.device_type == kDLCUDA)
+		return from_cuda(m, out);
+	p = pool_or_fail();
 	if (!p)
 		rc = -ENOTSUP;
 	else if (d->device.device_type != kDLCPU && d->device.device_type != kDLCUDAHost)
 		rc = shmrpc__fail(-ENOTSUP, "DLPack tensors on device type %d are not supported yet "
-				  "(CPU memory only)", (int)d->device.device_type);
+				  "(CPU and CUDA memory only)", (int)d->device.device_type);
 	else if (!contiguous(d))
 		rc = shmrpc__fail(-ENOTSUP, "strided DLPack tensors are not supported yet: make it "
 				  "contiguous first");

@@ -12,6 +12,37 @@
  * A pinned reference of a process that dies goes back with the launcher's
  * sweep of its holder table, like every other reference it held. Each pin
  * and its release are flight-recorder records (PINNED, UNPINNED).
+ *
+ * CUDA device tensors (kDLCUDA) travel through CUDA IPC (worker/cuda.h),
+ * never copied; their handles share a struct tensor_dev. Lifetime, with no
+ * message beyond the call's own:
+ *  - The producer (the process whose allocation it is: a tensor taken with
+ *    shmrpc_tensor_from_dlpack) allocates, at the first send, a lifetime
+ *    token: a 64-byte pool block whose reference count counts the
+ *    producer (one) and every receiver's handle (one each). An export
+ *    registry keeps the token and a reference to the source tensor.
+ *  - A receiver takes a pool reference on the token before it maps the
+ *    tensor, and drops it when its last handle goes (after closing the
+ *    mapping). So a receiver's death drops its counts with the launcher's
+ *    sweep of its holder table, like any pool reference.
+ *  - The producer releases a source (token reference, then its reference
+ *    to the tensor: its DLPack deleter runs when no handle of this process
+ *    is left) once no handle, pin or message of this process names it and
+ *    the token counts only the producer: checked on each export, and
+ *    every TENSOR_REAP_NS from the loop thread while there are exports
+ *    (it hands the work to an executor: a deleter is user code, which
+ *    never runs on the loop thread). The pins hold
+ *    the source until the receiver has its token reference, so a count of
+ *    one cannot be a tensor still in flight.
+ *  - A producer that shuts down while receivers hold tokens says on stderr
+ *    who holds how many, and keeps those sources (their memory stays
+ *    allocated until the process exits). A receiver checks the producer's
+ *    slot (same pid, still RUNNING) before it maps a tensor and whenever it
+ *    hands out the device pointer: once the producer exited or died, the
+ *    tensor is an error, never the bytes of freed memory.
+ *  - A receiver passes a tensor on with the producer's descriptor and an
+ *    event of its own (cuda_export_forward) and the same token: the next
+ *    receiver counts on the same producer.
  */
 #ifndef SHMRPC_WORKER_TENSOR_H
 #define SHMRPC_WORKER_TENSOR_H
@@ -34,8 +65,11 @@ struct tensor_view {
 	_Atomic uint32_t refs;
 };
 
+struct tensor_dev; /* a device tensor's bytes (tensor.c) */
+
 struct shmrpc_tensor {
-	struct tensor_view *view; /* the mapping dl.data points into */
+	struct tensor_view *view; /* the mapping dl.data points into; NULL on a device */
+	struct tensor_dev *dev;   /* a device tensor's bytes, else NULL */
 	uint64_t off;
 	uint64_t nbytes;
 	DLTensor dl;
@@ -78,6 +112,17 @@ enum pin_kind {
 	PIN_REQUEST = 0, /* our request to peer: released by its reply */
 	PIN_REPLY = 1,   /* our reply to peer's request: released by its TENSOR_ACK */
 };
+
+/* How often the loop thread has a producer's exports checked while there
+ * are any. */
+#define TENSOR_REAP_NS (10u * 1000u * 1000u)
+/* Loop thread: queues a check of the exports (on an executor) when one is
+ * due; returns when the next is (UINT64_MAX: none exported). */
+SHMRPC_HIDDEN uint64_t tensor_exports_tick(uint64_t now);
+/* shmrpc_shutdown, on the caller's thread after the executors stopped:
+ * releases what receivers let go, reports the rest on stderr. */
+struct agent;
+SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag);
 
 /* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
 SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,

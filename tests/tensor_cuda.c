@@ -1,0 +1,318 @@
+/*
+ * CUDA device tensors are handed over through CUDA IPC, never copied, on
+ * the fake driver (tests/fake_cuda: host memory playing device memory,
+ * shared between the processes). Three workers:
+ *  - Rank 0 sends a device tensor to rank 1, which reads rank 0's bytes in
+ *    place, writes into them and returns the tensor: rank 0 sees the
+ *    writes in its own memory and gets its own pointer back.
+ *  - Passed on: rank 1 sends the tensor it received to rank 2, which writes
+ *    into rank 0's memory too (the producer's descriptor, rank 1's event).
+ *  - Caches: while rank 1 keeps one handle, more sends of the same tensor
+ *    open nothing there (its mapping cache) and take no new IPC handle
+ *    here (the producer's handle cache).
+ *  - Results: rank 1 makes a device tensor and returns it; rank 0 writes
+ *    into it and rank 1 sees the write.
+ *  - Lifetime: once every receiver let go, each producer releases its
+ *    sources: the DLPack deleters run exactly once, the driver has no
+ *    allocation left, the tokens are gone from the pool (empty), and the
+ *    receivers' mappings are closed.
+ *  - The API's edges: no pool offset for a device tensor, no stream for a
+ *    CPU one, shmrpc_tensor_dl says kDLCUDA, a descriptor of another
+ *    device type is refused.
+ */
+#include <stdatomic.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "shmrpc.h"
+#include "shm/pool.h"
+#include "worker/agent.h"
+#include "worker/cuda.h"
+#include "tests/lib/fakecuda.h"
+#include "tests/lib/job.h"
+#include "tests/lib/testlib.h"
+
+#define LEN 65536
+#define REPEATS 4
+
+/* Handles kept across calls; set and taken on executor threads that TSan
+ * cannot see ordered (the order comes through rank 0). */
+static shmrpc_tensor *_Atomic kept;
+static shmrpc_tensor *_Atomic made;
+
+static uint8_t *bytes(shmrpc_tensor *t)
+{
+	uint8_t *d = shmrpc_tensor_data(t);
+
+	CHECK(d, "no bytes: %s", shmrpc_errmsg());
+	return d;
+}
+
+/* Checks the argument is rank 0's tensor of a.u.i's fill, marks both ends,
+ * and returns it. */
+static int fn_touch(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	const DLTensor *dl = shmrpc_tensor_dl(a[0].u.t);
+	uint8_t *d = bytes(a[0].u.t);
+
+	(void)c, (void)n, (void)u;
+	CHECK(dl && dl->device.device_type == kDLCUDA && dl->device.device_id == 0 &&
+	      dl->ndim == 1 && dl->shape[0] == LEN && dl->data == d, "the received tensor's DLTensor");
+	CHECK(shmrpc_tensor_nbytes(a[0].u.t) == LEN, "nbytes");
+	CHECK(d[1] == (uint8_t)a[1].u.i && d[LEN / 2] == (uint8_t)a[1].u.i,
+	      "rank 0's bytes are not there: 0x%x", d[1]);
+	d[0] = 0xa5;
+	d[LEN - 1] = 0x5a;
+	*r = a[0];
+	return 0;
+}
+
+/* Rank 1: passes its argument on to rank 2 ("mark"), returns nil. */
+static int fn_pass(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_future *f;
+
+	(void)n, (void)u;
+	if (shmrpc_rpc_sync(2, "mark", a, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
+		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
+	shmrpc_future_free(f);
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* Rank 2: writes a mark into the tensor passed on. */
+static int fn_mark(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	bytes(a[0].u.t)[2] = 0x77;
+	*r = shmrpc_nil();
+	return 0;
+}
+
+static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_tensor *t;
+
+	(void)n, (void)u;
+	if (shmrpc_tensor_retain(a[0].u.t, &t))
+		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
+	atomic_store(&kept, t);
+	*r = shmrpc_nil();
+	return 0;
+}
+
+static int fn_drop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	shmrpc_tensor_free(atomic_exchange(&kept, NULL));
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* [opens, cache hits, mappings open, deleters run, allocations left] */
+static int fn_stats(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_value *v = shmrpc_call_alloc(c, 5 * sizeof(*v));
+	struct cuda_stats st;
+
+	(void)a, (void)n, (void)u;
+	cuda_stats_get(&st);
+	v[0] = shmrpc_int((int64_t)st.opens);
+	v[1] = shmrpc_int((int64_t)st.cache_hits);
+	v[2] = shmrpc_int(st.maps_open);
+	v[3] = shmrpc_int(tl_fake_cuda_deleted());
+	v[4] = shmrpc_int(tl_fake_cuda_allocs());
+	*r = shmrpc_list(v, 5);
+	return 0;
+}
+
+/* Rank 1: a device tensor of its own, returned (and kept, to look at). */
+static int fn_make(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, (uint8_t)a[0].u.i), *mine;
+
+	(void)n, (void)u;
+	if (shmrpc_tensor_retain(t, &mine))
+		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
+	atomic_store(&made, mine);
+	*r = shmrpc_tensor_value(t); /* the call frees t once the caller has it */
+	return 0;
+}
+
+/* Rank 1: the byte rank 0 wrote into the made tensor; lets it go. */
+static int fn_seen(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_tensor *t = atomic_exchange(&made, NULL);
+
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_int(bytes(t)[3]);
+	shmrpc_tensor_free(t);
+	return 0;
+}
+
+static int64_t stat_of(int rank, int i)
+{
+	shmrpc_future *f;
+	int64_t v;
+
+	CHECK_OK(shmrpc_rpc_sync(rank, "stats", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+	v = shmrpc_future_value(f)->u.items[i].u.i;
+	shmrpc_future_free(f);
+	return v;
+}
+
+static void call(int rank, const char *fn, const shmrpc_value *args, uint32_t n)
+{
+	shmrpc_future *f;
+
+	CHECK_OK(shmrpc_rpc_sync(rank, fn, args, n, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
+}
+
+static uint64_t pool_used(void)
+{
+	struct pool_stats st;
+
+	pool_stats(&worker_agent->pool, &st);
+	return st.used;
+}
+
+/* Waits (up to 5 s) until rank's stat i is want: the producers check
+ * their exports every few ms. */
+static void wait_stat(int rank, int i, int64_t want, const char *what)
+{
+	int64_t v = -1;
+
+	for (int k = 0; k < 500 && (v = stat_of(rank, i)) != want; k++)
+		usleep(10000);
+	CHECK(v == want, "rank %d: %s is %lld, want %lld", rank, what, (long long)v, (long long)want);
+}
+
+static void edges(shmrpc_tensor *t)
+{
+	int64_t shape[1] = { 16 };
+	int32_t vulkan = kDLVulkan, ndim = 1;
+	uint8_t wire[40] = { 0 };
+	shmrpc_tensor *cpu;
+
+	CHECK(shmrpc_tensor_pool_offset(t) == UINT64_MAX && strstr(shmrpc_errmsg(), "not in the pool"),
+	      "pool offset of a device tensor: %s", shmrpc_errmsg());
+	/* A descriptor (docs/PROTOCOL.md) of a device this build cannot take. */
+	memcpy(wire + 8, &(uint64_t){ 16 }, 8);
+	wire[16] = kDLUInt, wire[17] = 8, wire[18] = 1;
+	memcpy(wire + 20, &ndim, 4);
+	memcpy(wire + 24, &vulkan, 4);
+	memcpy(wire + 32, &(int64_t){ 16 }, 8);
+	CHECK(tensor_unpack((const char *)wire, sizeof(wire), &cpu) == -ENOTSUP &&
+	      strstr(shmrpc_errmsg(), "device type 7 came in"), "a Vulkan descriptor: %s",
+	      shmrpc_errmsg());
+	CHECK_OK(shmrpc_tensor_alloc((DLDataType){ kDLUInt, 8, 1 }, 1, shape, &cpu));
+	CHECK(shmrpc_tensor_set_cuda_stream(cpu, 0) == -EINVAL, "a stream for a CPU tensor");
+	CHECK(shmrpc_tensor_dl(cpu)->device.device_type == kDLCPU, "CPU tensor's device");
+	shmrpc_tensor_free(cpu);
+}
+
+static void rank0(void)
+{
+	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x11), *back;
+	uint8_t *d = bytes(t);
+	shmrpc_value args[2] = { shmrpc_tensor_value(t), shmrpc_int(0x11) };
+	struct cuda_stats before, after;
+	int64_t opens, hits;
+	shmrpc_future *f;
+
+	edges(t);
+	CHECK_OK(shmrpc_tensor_set_cuda_stream(t, tl_fake_cuda_stream()));
+
+	/* There and back: rank 1 wrote into our memory, we get our pointer. */
+	CHECK_OK(shmrpc_rpc_sync(1, "touch", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK(d[0] == 0xa5 && d[LEN - 1] == 0x5a, "rank 1's writes are not in our memory");
+	back = shmrpc_future_value(f)->u.t;
+	CHECK(shmrpc_tensor_data(back) == d && shmrpc_tensor_nbytes(back) == LEN &&
+	      shmrpc_tensor_dl(back)->device.device_type == kDLCUDA,
+	      "the result is not our own tensor");
+	shmrpc_future_free(f);
+
+	/* Passed on by rank 1 to rank 2. */
+	call(1, "pass", args, 1);
+	CHECK(d[2] == 0x77, "rank 2's write is not in our memory");
+
+	/* Caches: rank 1 keeps a handle; more sends open nothing. */
+	call(1, "keep", args, 1);
+	opens = stat_of(1, 0);
+	hits = stat_of(1, 1);
+	cuda_stats_get(&before);
+	for (int i = 0; i < REPEATS; i++)
+		call(1, "touch", args, 2);
+	cuda_stats_get(&after);
+	CHECK(stat_of(1, 0) == opens && stat_of(1, 1) == hits + REPEATS,
+	      "rank 1: %lld opens and %lld cache hits for %d sends of a mapped tensor",
+	      (long long)(stat_of(1, 0) - opens), (long long)(stat_of(1, 1) - hits), REPEATS);
+	CHECK(after.exports == before.exports + REPEATS &&
+	      after.handle_cache_hits == before.handle_cache_hits + REPEATS,
+	      "%llu exports, %llu handle cache hits for %d sends",
+	      (unsigned long long)(after.exports - before.exports),
+	      (unsigned long long)(after.handle_cache_hits - before.handle_cache_hits), REPEATS);
+	call(1, "drop", NULL, 0);
+
+	/* Our source goes once every receiver let go (and we did). */
+	CHECK(tl_fake_cuda_deleted() == 0, "the deleter ran while the tensor is ours");
+	shmrpc_tensor_free(t);
+	for (int i = 0; i < 500 && !tl_fake_cuda_deleted(); i++)
+		usleep(10000);
+	CHECK(tl_fake_cuda_deleted() == 1, "%d deleters ran here", tl_fake_cuda_deleted());
+	CHECK(tl_fake_cuda_allocs() == 0, "%d allocations left", tl_fake_cuda_allocs());
+	wait_stat(1, 2, 0, "mappings open");
+	wait_stat(2, 2, 0, "mappings open");
+
+	/* A result: rank 1's tensor, written here, seen there. */
+	args[0] = shmrpc_int(0x22);
+	CHECK_OK(shmrpc_rpc_sync(1, "make", args, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
+	back = shmrpc_future_value(f)->u.t;
+	d = bytes(back);
+	CHECK(d[0] == 0x22 && d[LEN - 1] == 0x22, "rank 1's bytes are not there");
+	d[3] = 0x33;
+	CHECK(stat_of(1, 3) == 0, "rank 1 released its tensor while we hold it");
+	shmrpc_future_free(f);
+	CHECK_OK(shmrpc_rpc_sync(1, "seen", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK(shmrpc_future_value(f)->u.i == 0x33, "rank 1 saw 0x%llx",
+	      (long long)shmrpc_future_value(f)->u.i);
+	shmrpc_future_free(f);
+	wait_stat(1, 3, 1, "deleters run");
+	CHECK(stat_of(1, 4) == 0, "rank 1 has %lld allocations left", (long long)stat_of(1, 4));
+	cuda_stats_get(&after);
+	CHECK(after.maps_open == 0, "%u mappings open here", after.maps_open);
+
+	/* The tokens went with the sources. */
+	for (int i = 0; i < 500 && pool_used(); i++)
+		usleep(10000);
+	CHECK(pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)pool_used());
+	CHECK(tl_fake_cuda_deleted() == 1, "%d deleters ran here", tl_fake_cuda_deleted());
+	fprintf(stderr, "rank 0: device tensors handed over and released\n");
+}
+
+static int worker(void)
+{
+	CHECK_OK(shmrpc_register("touch", "ti", fn_touch, NULL));
+	CHECK_OK(shmrpc_register("pass", "t", fn_pass, NULL));
+	CHECK_OK(shmrpc_register("mark", "t", fn_mark, NULL));
+	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
+	CHECK_OK(shmrpc_register("drop", "", fn_drop, NULL));
+	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
+	CHECK_OK(shmrpc_register("make", "i", fn_make, NULL));
+	CHECK_OK(shmrpc_register("seen", "", fn_seen, NULL));
+	CHECK_OK(shmrpc_init(NULL));
+	if (shmrpc_rank() == 0)
+		rank0();
+	CHECK_OK(shmrpc_shutdown(1, 60000));
+	return 0;
+}
+
+int main(void)
+{
+	static const char *const texts[] = { "rank 0: device tensors handed over and released", NULL };
+
+	if (!tl_is_worker() && !tl_fake_cuda_use())
+		return TL_SKIP;
+	return tl_job_expect(worker, 0, texts, "-n", "3", NULL);
+}
