@@ -174,11 +174,11 @@ def _to_pool(kind, obj):
 
 
 def _from_pool(kind, t):
-    import numpy as np
     if kind == "np":
+        import numpy as np
         return np.asarray(t)  # writable (numpy.from_dlpack's arrays are not)
     import torch
-    return torch.from_numpy(np.asarray(t))
+    return torch.from_dlpack(t)  # holds t's reference through the capsule
 
 
 # Objects of these exact types are never RRefs or tensors.
