@@ -106,9 +106,23 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             timeout_ms = -1 if t == 0 else int(t * 1000)
         if getattr(rpc_backend_options, "device_maps", None):
             raise _not_supported("rpc_backend_options.device_maps")
+        _warn_ignored(rpc_backend_options)
     _shmrpc.set_handler(_run_function)
     _shmrpc.init(name, threads, timeout_ms)
     _initialized = True
+
+
+def _warn_ignored(opts):
+    """One warning naming the backend options set to something shmrpc does
+    not use: the workers meet through shmrun's shared memory, not a
+    rendezvous, and the rings are the only transport."""
+    ignored = [name for name in ("init_method", "devices", "_transports", "_channels")
+               if getattr(opts, name, None) not in (None, "env://", [], ())]
+    if ignored:
+        import warnings
+        warnings.warn("shmrpc ignores rpc_backend_options " + ", ".join(ignored) + ": the "
+                      "workers of a shmrun job meet and talk through shared memory",
+                      stacklevel=3)
 
 
 def shutdown(graceful=True, timeout=0):

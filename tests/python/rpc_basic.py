@@ -5,6 +5,7 @@ Each check prints what failed and the script exits 1; 0 when all pass.
 import os
 import sys
 import time
+import warnings
 
 import shmrpc as rpc
 
@@ -53,7 +54,21 @@ def make_rref(owner, x):
 
 def main():
     rank = int(os.environ["SHMRPC_RANK"])
-    rpc.init_rpc(f"worker{rank}")
+    # torch's options: the ones shmrpc uses are taken, the others named in
+    # one warning.
+    class Opts:
+        num_worker_threads = 4
+        rpc_timeout = 30
+        init_method = "tcp://127.0.0.1:29500"
+        devices = []
+        _transports = ["uv"]
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rpc.init_rpc(f"worker{rank}", rpc_backend_options=Opts())
+    texts = [str(w.message) for w in said]
+    check(len(texts) == 1 and "init_method, _transports" in texts[0] and "devices" not in texts[0],
+          f"the warning about ignored options: {texts}")
     me = rpc.get_worker_info()
     check(me.name == f"worker{rank}" and me.id == rank, f"get_worker_info: {me!r}")
     peer = rpc.get_worker_info(f"worker{1 - rank}")
