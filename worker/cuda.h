@@ -129,12 +129,21 @@ SHMRPC_HIDDEN int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t 
  * The tensor of d, mapped in this process (in the primary context of
  * d->device), holding one reference; stream (a CUstream of that device)
  * waits for the producer's writes. A descriptor of this process gives its
- * own pointer back, with the same wait.
+ * own pointer back, with the same wait. stale (NULL: not wanted) is set
+ * when the import opened an allocation over the addresses of another of
+ * the producer's that is still referenced here: the producer freed that
+ * one, and whoever keeps references to it for the cache should drop them
+ * (cuda_import_stale says which).
  */
-SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr);
+SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr,
+			      bool *stale);
 /* Drops the reference of one cuda_import of d. keep: an idle mapping stays
  * cached; otherwise the last reference closes it (see above). */
 SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d, bool keep);
+/* True when d's mapping is closed (cuda_forget_peer) or its producer
+ * reused its addresses for another allocation: a reference kept only to
+ * cache it is to be dropped. */
+SHMRPC_HIDDEN bool cuda_import_stale(const struct cuda_ipc_desc *d);
 /* Closes every mapping and event of producer pid (gone, or to be forgotten),
  * referenced or not: pointers still held from it must not be used again.
  * Loads nothing: a process that never used CUDA has nothing to close. */
