@@ -17,6 +17,9 @@
  *  - Results: rank 1 makes a device tensor and returns it; rank 0 writes
  *    into it and rank 1 sees the write. Rank 1 keeps the tensor while our
  *    idle cache holds it, and releases it once we forget it.
+ *  - A producer that frees an allocation rank 1 caches (breaking the rule)
+ *    and allocates another over its addresses: rank 1 drops the cached
+ *    entry when the new one comes, releasing its pin.
  *  - Lifetime: once every receiver let go (cache entries forgotten), each
  *    producer releases its sources: the DLPack deleters run exactly once,
  *    the driver has no allocation left, the tokens are gone from the pool
@@ -28,6 +31,7 @@
  *    device type is refused.
  */
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -229,6 +233,86 @@ static void edges(shmrpc_tensor *t)
 	shmrpc_tensor_free(cpu);
 }
 
+/* A tensor over device memory the test frees itself: its deleter only
+ * counts. */
+struct borrowed {
+	DLManagedTensor m;
+	int64_t shape[1];
+};
+
+static atomic_int borrowed_deleted;
+
+static void borrowed_delete(DLManagedTensor *m)
+{
+	free(m);
+	atomic_fetch_add(&borrowed_deleted, 1);
+}
+
+static shmrpc_tensor *borrow(uint64_t p)
+{
+	struct borrowed *b = calloc(1, sizeof(*b));
+	shmrpc_tensor *t;
+
+	CHECK(b, "out of memory");
+	b->shape[0] = LEN;
+	b->m.dl_tensor = (DLTensor){ .data = (void *)(uintptr_t)p,
+				     .device = { kDLCUDA, 0 },
+				     .ndim = 1,
+				     .dtype = { kDLUInt, 8, 1 },
+				     .shape = b->shape };
+	b->m.deleter = borrowed_delete;
+	CHECK_OK(shmrpc_tensor_from_dlpack(&b->m, &t));
+	return t;
+}
+
+/*
+ * A producer that breaks the rule: it frees an allocation that rank 1
+ * caches and allocates another over its addresses. Rank 1 sees the
+ * overlap when the new one comes: the cached entry goes (its pin too).
+ */
+static void reused(void)
+{
+	int (*mem_alloc)(uint64_t *p, size_t n) = cuda_sym("cuMemAlloc_v2");
+	int (*mem_free)(uint64_t p) = cuda_sym("cuMemFree_v2");
+	int64_t opens = stat_of(1, 0);
+	uint64_t x, y;
+	shmrpc_tensor *t;
+	shmrpc_value v;
+
+	tl_fake_cuda_thread();
+	CHECK(mem_alloc && mem_free && mem_alloc(&x, LEN) == 0, "cuMemAlloc");
+	t = borrow(x);
+	v = shmrpc_tensor_value(t);
+	call(1, "mark", &v, 1);
+	shmrpc_tensor_free(t);
+	wait_stat(1, 2, 1, "mappings open");
+	usleep(5 * TENSOR_REAP_NS / 1000);
+	CHECK(atomic_load(&borrowed_deleted) == 0, "released while rank 1 caches it");
+	CHECK(mem_free(x) == 0 && mem_alloc(&y, LEN) == 0, "cuMemFree, cuMemAlloc");
+	CHECK(y == x, "the fake driver gave other addresses (0x%llx, then 0x%llx)",
+	      (unsigned long long)x, (unsigned long long)y);
+	t = borrow(y);
+	v = shmrpc_tensor_value(t);
+	call(1, "mark", &v, 1);
+	shmrpc_tensor_free(t);
+	CHECK(stat_of(1, 0) == opens + 2, "rank 1 opened %lld mappings, want 2",
+	      (long long)(stat_of(1, 0) - opens));
+	/* The first went when the second came: its source, then the second's
+	 * once forgotten. */
+	wait_stat(1, 2, 1, "mappings open");
+	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 1; i++)
+		usleep(10000);
+	CHECK(atomic_load(&borrowed_deleted) == 1, "%d borrowed sources released, want 1",
+	      atomic_load(&borrowed_deleted));
+	call(1, "forget", NULL, 0);
+	wait_stat(1, 2, 0, "mappings open");
+	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 2; i++)
+		usleep(10000);
+	CHECK(atomic_load(&borrowed_deleted) == 2, "%d borrowed sources released, want 2",
+	      atomic_load(&borrowed_deleted));
+	CHECK(mem_free(y) == 0, "cuMemFree");
+}
+
 static void rank0(void)
 {
 	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x11), *back;
@@ -344,6 +428,8 @@ static void rank0(void)
 	CHECK(pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)pool_used());
 	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS, "%d deleters ran here",
 	      tl_fake_cuda_deleted());
+
+	reused();
 
 	/* Left in rank 1's cache for the shutdowns. */
 	t = tl_fake_cuda_tensor(LEN, 0x44);
