@@ -19,7 +19,8 @@
  *  - The producer (the process whose allocation it is: a tensor taken with
  *    shmrpc_tensor_from_dlpack) allocates, at the first send, a lifetime
  *    token: a 64-byte pool block whose reference count counts the
- *    producer (one) and every receiver's handle (one each). An export
+ *    producer (one) and every receiver that holds the tensor (one each,
+ *    for its handles or its idle cache entry). An export
  *    registry keeps the token and a reference to the source tensor.
  *  - A receiver takes a pool reference on the token before it maps the
  *    tensor, and drops it when the tensor is released (after dropping its
@@ -35,9 +36,9 @@
  *    in a process, least recently parked released first; released too when
  *    the producer exits or dies (after cuda_forget_peer), when it reuses
  *    the allocation's addresses for another (it freed it: cuda.c sees the
- *    overlap), and when shmrpc_shutdown begins (before its barrier, so
- *    that producers shutting down see no pin of ours). A receiver's death
- *    drops the entries' tokens with its other references.
+ *    overlap), and when shmrpc_shutdown has passed its barrier (the cache
+ *    serves while the worker waits there), before the agent goes GONE. A
+ *    receiver's death drops the entries' tokens with its other references.
  *  - The producer releases a source (token reference, then its reference
  *    to the tensor: its DLPack deleter runs when no handle of this process
  *    is left) once no handle, pin or message of this process names it and
@@ -47,8 +48,11 @@
  *    never runs on the loop thread). The pins hold
  *    the source until the receiver has its token reference, so a count of
  *    one cannot be a tensor still in flight.
- *  - A producer that shuts down while receivers hold tokens says on stderr
- *    who holds how many, and keeps those sources (their memory stays
+ *  - A producer that shuts down gracefully waits (after the barrier, up to
+ *    TENSOR_SHUTDOWN_WAIT_MS) for its peers to go GONE, so that the idle
+ *    caches of those leaving with it let go first. One that shuts down
+ *    while receivers still hold tokens says on stderr who holds how many
+ *    (idle cache entries count), and keeps those sources (their memory stays
  *    allocated until the process exits). A receiver checks the producer's
  *    slot (same pid, still RUNNING) before it maps a tensor and whenever it
  *    hands out the device pointer: once the producer exited or died, the
