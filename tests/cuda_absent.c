@@ -34,7 +34,7 @@ static void *try_everything(void *arg)
 	memset(&d, 0xab, sizeof(d));
 	check_unavailable(cuda_export(host, sizeof(host), 0, &d), "cuda_export");
 	d.pid = (uint32_t)getppid();
-	check_unavailable(cuda_import(&d, 0, &p), "cuda_import");
+	check_unavailable(cuda_import(&d, 0, &p, NULL), "cuda_import");
 	CHECK(p == NULL, "cuda_import set the pointer on failure");
 	cuda_import_release(&d, false);
 	cuda_forget_peer(d.pid);

@@ -202,7 +202,7 @@ static uint64_t import(const struct cuda_ipc_desc *d)
 {
 	void *p = NULL;
 
-	CHECK_OK(cuda_import(d, (uintptr_t)stream, &p));
+	CHECK_OK(cuda_import(d, (uintptr_t)stream, &p, NULL));
 	return (uintptr_t)p;
 }
 
@@ -344,7 +344,7 @@ static void consumer(int sock, pid_t producer_pid)
 	bad = m.d;
 	bad.len = 1ull << 40;
 	q = NULL;
-	CHECK(cuda_import(&bad, (uintptr_t)stream, &q) == -EINVAL && q == NULL &&
+	CHECK(cuda_import(&bad, (uintptr_t)stream, &q, NULL) == -EINVAL && q == NULL &&
 	      strstr(shmrpc_errmsg(), "leaves"), "a descriptor past its allocation: %s", shmrpc_errmsg());
 
 	cuda_forget_peer((uint32_t)producer_pid);

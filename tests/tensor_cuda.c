@@ -9,18 +9,29 @@
  *    into rank 0's memory too (the producer's descriptor, rank 1's event).
  *  - Caches: while rank 1 keeps one handle, more sends of the same tensor
  *    open nothing there (its mapping cache) and take no new IPC handle
- *    here (the producer's handle cache).
+ *    here (the producer's handle cache). A warm echo (rank 1 returns the
+ *    tensor and keeps no handle) opens nothing either: rank 1's idle
+ *    cache keeps the mapping, and its pin keeps our tensor: its deleter
+ *    does not run while we let go, until TENSOR_IDLE_MAPS other tensors
+ *    through ranks 1 and 2 push it out of their caches; then it runs once.
  *  - Results: rank 1 makes a device tensor and returns it; rank 0 writes
- *    into it and rank 1 sees the write.
- *  - Lifetime: once every receiver let go, each producer releases its
- *    sources: the DLPack deleters run exactly once, the driver has no
- *    allocation left, the tokens are gone from the pool (empty), and the
- *    receivers' mappings are closed.
+ *    into it and rank 1 sees the write. Rank 1 keeps the tensor while our
+ *    idle cache holds it, and releases it once we forget it.
+ *  - A producer that frees an allocation rank 1 caches (breaking the rule)
+ *    and allocates another over its addresses: rank 1 drops the cached
+ *    entry when the new one comes, releasing its pin.
+ *  - Lifetime: once every receiver let go (cache entries forgotten), each
+ *    producer releases its sources: the DLPack deleters run exactly once,
+ *    the driver has no allocation left, the tokens are gone from the pool
+ *    (empty), and the receivers' mappings are closed. What the caches
+ *    hold at shutdown is released before the barrier: rank 0's last
+ *    tensor, cached by rank 1, is released by rank 0's shutdown.
  *  - The API's edges: no pool offset for a device tensor, no stream for a
  *    CPU one, shmrpc_tensor_dl says kDLCUDA, a descriptor of another
  *    device type is refused.
  */
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -28,6 +39,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/cuda.h"
+#include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
@@ -105,6 +117,15 @@ static int fn_drop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 {
 	(void)c, (void)a, (void)n, (void)u;
 	shmrpc_tensor_free(atomic_exchange(&kept, NULL));
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* Releases this process's idle cache entries. */
+static int fn_forget(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	tensor_idle_forget(0);
 	*r = shmrpc_nil();
 	return 0;
 }
@@ -212,6 +233,86 @@ static void edges(shmrpc_tensor *t)
 	shmrpc_tensor_free(cpu);
 }
 
+/* A tensor over device memory the test frees itself: its deleter only
+ * counts. */
+struct borrowed {
+	DLManagedTensor m;
+	int64_t shape[1];
+};
+
+static atomic_int borrowed_deleted;
+
+static void borrowed_delete(DLManagedTensor *m)
+{
+	free(m);
+	atomic_fetch_add(&borrowed_deleted, 1);
+}
+
+static shmrpc_tensor *borrow(uint64_t p)
+{
+	struct borrowed *b = calloc(1, sizeof(*b));
+	shmrpc_tensor *t;
+
+	CHECK(b, "out of memory");
+	b->shape[0] = LEN;
+	b->m.dl_tensor = (DLTensor){ .data = (void *)(uintptr_t)p,
+				     .device = { kDLCUDA, 0 },
+				     .ndim = 1,
+				     .dtype = { kDLUInt, 8, 1 },
+				     .shape = b->shape };
+	b->m.deleter = borrowed_delete;
+	CHECK_OK(shmrpc_tensor_from_dlpack(&b->m, &t));
+	return t;
+}
+
+/*
+ * A producer that breaks the rule: it frees an allocation that rank 1
+ * caches and allocates another over its addresses. Rank 1 sees the
+ * overlap when the new one comes: the cached entry goes (its pin too).
+ */
+static void reused(void)
+{
+	int (*mem_alloc)(uint64_t *p, size_t n) = cuda_sym("cuMemAlloc_v2");
+	int (*mem_free)(uint64_t p) = cuda_sym("cuMemFree_v2");
+	int64_t opens = stat_of(1, 0);
+	uint64_t x, y;
+	shmrpc_tensor *t;
+	shmrpc_value v;
+
+	tl_fake_cuda_thread();
+	CHECK(mem_alloc && mem_free && mem_alloc(&x, LEN) == 0, "cuMemAlloc");
+	t = borrow(x);
+	v = shmrpc_tensor_value(t);
+	call(1, "mark", &v, 1);
+	shmrpc_tensor_free(t);
+	wait_stat(1, 2, 1, "mappings open");
+	usleep(5 * TENSOR_REAP_NS / 1000);
+	CHECK(atomic_load(&borrowed_deleted) == 0, "released while rank 1 caches it");
+	CHECK(mem_free(x) == 0 && mem_alloc(&y, LEN) == 0, "cuMemFree, cuMemAlloc");
+	CHECK(y == x, "the fake driver gave other addresses (0x%llx, then 0x%llx)",
+	      (unsigned long long)x, (unsigned long long)y);
+	t = borrow(y);
+	v = shmrpc_tensor_value(t);
+	call(1, "mark", &v, 1);
+	shmrpc_tensor_free(t);
+	CHECK(stat_of(1, 0) == opens + 2, "rank 1 opened %lld mappings, want 2",
+	      (long long)(stat_of(1, 0) - opens));
+	/* The first went when the second came: its source, then the second's
+	 * once forgotten. */
+	wait_stat(1, 2, 1, "mappings open");
+	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 1; i++)
+		usleep(10000);
+	CHECK(atomic_load(&borrowed_deleted) == 1, "%d borrowed sources released, want 1",
+	      atomic_load(&borrowed_deleted));
+	call(1, "forget", NULL, 0);
+	wait_stat(1, 2, 0, "mappings open");
+	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 2; i++)
+		usleep(10000);
+	CHECK(atomic_load(&borrowed_deleted) == 2, "%d borrowed sources released, want 2",
+	      atomic_load(&borrowed_deleted));
+	CHECK(mem_free(y) == 0, "cuMemFree");
+}
+
 static void rank0(void)
 {
 	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x11), *back;
@@ -255,13 +356,46 @@ static void rank0(void)
 	      (unsigned long long)(after.handle_cache_hits - before.handle_cache_hits), REPEATS);
 	call(1, "drop", NULL, 0);
 
-	/* Our source goes once every receiver let go (and we did). */
+	/* A warm echo: rank 1 holds no handle between the calls; its idle
+	 * cache keeps the mapping. */
+	opens = stat_of(1, 0);
+	hits = stat_of(1, 1);
+	for (int i = 0; i < REPEATS; i++)
+		call(1, "touch", args, 2);
+	CHECK(stat_of(1, 0) == opens && stat_of(1, 1) == hits + REPEATS,
+	      "rank 1: %lld opens and %lld cache hits for %d echoes",
+	      (long long)(stat_of(1, 0) - opens), (long long)(stat_of(1, 1) - hits), REPEATS);
+	wait_stat(1, 2, 1, "mappings open");
+
+	/* Their caches pin our source: it stays, after we let go too, until
+	 * other tensors push it out of both. */
 	CHECK(tl_fake_cuda_deleted() == 0, "the deleter ran while the tensor is ours");
 	shmrpc_tensor_free(t);
+	usleep(5 * TENSOR_REAP_NS / 1000);
+	CHECK(tl_fake_cuda_deleted() == 0, "the deleter ran while ranks 1 and 2 cache the mapping");
+	for (int i = 0; i < TENSOR_IDLE_MAPS; i++) {
+		shmrpc_tensor *o = tl_fake_cuda_tensor(LEN, (uint8_t)i);
+		shmrpc_value v = shmrpc_tensor_value(o);
+
+		call(1, "mark", &v, 1);
+		call(2, "mark", &v, 1);
+		shmrpc_tensor_free(o);
+	}
 	for (int i = 0; i < 500 && !tl_fake_cuda_deleted(); i++)
 		usleep(10000);
+	usleep(5 * TENSOR_REAP_NS / 1000);
 	CHECK(tl_fake_cuda_deleted() == 1, "%d deleters ran here", tl_fake_cuda_deleted());
-	CHECK(tl_fake_cuda_allocs() == 0, "%d allocations left", tl_fake_cuda_allocs());
+	CHECK(tl_fake_cuda_allocs() == TENSOR_IDLE_MAPS, "%d allocations left, want %d",
+	      tl_fake_cuda_allocs(), TENSOR_IDLE_MAPS);
+	wait_stat(1, 2, TENSOR_IDLE_MAPS, "mappings open");
+	wait_stat(2, 2, TENSOR_IDLE_MAPS, "mappings open");
+	/* Forgotten: the rest go, each once. */
+	call(1, "forget", NULL, 0);
+	call(2, "forget", NULL, 0);
+	for (int i = 0; i < 500 && tl_fake_cuda_allocs(); i++)
+		usleep(10000);
+	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS && tl_fake_cuda_allocs() == 0,
+	      "%d deleters ran, %d allocations left", tl_fake_cuda_deleted(), tl_fake_cuda_allocs());
 	wait_stat(1, 2, 0, "mappings open");
 	wait_stat(2, 2, 0, "mappings open");
 
@@ -278,6 +412,11 @@ static void rank0(void)
 	CHECK(shmrpc_future_value(f)->u.i == 0x33, "rank 1 saw 0x%llx",
 	      (long long)shmrpc_future_value(f)->u.i);
 	shmrpc_future_free(f);
+	usleep(5 * TENSOR_REAP_NS / 1000);
+	CHECK(stat_of(1, 3) == 0, "rank 1 released its tensor while our cache holds it");
+	cuda_stats_get(&after);
+	CHECK(after.maps_open == 1, "%u mappings open here", after.maps_open);
+	tensor_idle_forget(0);
 	wait_stat(1, 3, 1, "deleters run");
 	CHECK(stat_of(1, 4) == 0, "rank 1 has %lld allocations left", (long long)stat_of(1, 4));
 	cuda_stats_get(&after);
@@ -287,12 +426,24 @@ static void rank0(void)
 	for (int i = 0; i < 500 && pool_used(); i++)
 		usleep(10000);
 	CHECK(pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)pool_used());
-	CHECK(tl_fake_cuda_deleted() == 1, "%d deleters ran here", tl_fake_cuda_deleted());
+	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS, "%d deleters ran here",
+	      tl_fake_cuda_deleted());
+
+	reused();
+
+	/* Left in rank 1's cache for the shutdowns. */
+	t = tl_fake_cuda_tensor(LEN, 0x44);
+	args[0] = shmrpc_tensor_value(t);
+	call(1, "mark", args, 1);
+	shmrpc_tensor_free(t);
+	wait_stat(1, 2, 1, "mappings open");
 	fprintf(stderr, "rank 0: device tensors handed over and released\n");
 }
 
 static int worker(void)
 {
+	int rank;
+
 	CHECK_OK(shmrpc_register("touch", "ti", fn_touch, NULL));
 	CHECK_OK(shmrpc_register("pass", "t", fn_pass, NULL));
 	CHECK_OK(shmrpc_register("mark", "t", fn_mark, NULL));
@@ -301,16 +452,27 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
 	CHECK_OK(shmrpc_register("make", "i", fn_make, NULL));
 	CHECK_OK(shmrpc_register("seen", "", fn_seen, NULL));
+	CHECK_OK(shmrpc_register("forget", "", fn_forget, NULL));
 	CHECK_OK(shmrpc_init(NULL));
-	if (shmrpc_rank() == 0)
+	rank = shmrpc_rank();
+	if (rank == 0)
 		rank0();
 	CHECK_OK(shmrpc_shutdown(1, 60000));
+	if (rank == 0) {
+		/* Rank 1 emptied its cache before the barrier: our last tensor
+		 * went in our shutdown, with no report of it held. */
+		CHECK(tl_fake_cuda_deleted() == 2 + TENSOR_IDLE_MAPS && tl_fake_cuda_allocs() == 0,
+		      "after shutdown: %d deleters ran, %d allocations left", tl_fake_cuda_deleted(),
+		      tl_fake_cuda_allocs());
+		fprintf(stderr, "rank 0: released at shutdown\n");
+	}
 	return 0;
 }
 
 int main(void)
 {
-	static const char *const texts[] = { "rank 0: device tensors handed over and released", NULL };
+	static const char *const texts[] = { "rank 0: device tensors handed over and released",
+					     "rank 0: released at shutdown", NULL };
 
 	if (!tl_is_worker() && !tl_fake_cuda_use())
 		return TL_SKIP;

@@ -1,12 +1,14 @@
 /*
  * Deaths around CUDA device tensors, on the fake driver (tests/fake_cuda).
- *  - A receiver is killed with SIGKILL while it holds rank 0's tensor: the
- *    launcher's sweep drops its count on the tensor's token, and rank 0,
- *    which let go too, releases the tensor (its deleter runs once).
- *  - A producer is killed while rank 0 holds its tensor: rank 0's handle
- *    fails from then on (no bytes, no DLTensor, no sending it on) with the
- *    producer's death in the message, its mapping is closed, and freeing
- *    it leaves the pool empty.
+ *  - A receiver is killed with SIGKILL while it holds rank 0's tensor and
+ *    has another of rank 0's in its idle cache (no handle, the mapping
+ *    kept): the launcher's sweep drops its counts on both tokens, and rank
+ *    0, which let go too, releases both tensors (each deleter runs once).
+ *  - A producer is killed while rank 0 holds its tensor and has another of
+ *    its tensors in the idle cache: rank 0's handle fails from then on (no
+ *    bytes, no DLTensor, no sending it on) with the producer's death in the
+ *    message, both mappings are closed, and freeing the handle leaves the
+ *    pool empty (the cache let go of its token).
  */
 #include <signal.h>
 #include <stdatomic.h>
@@ -17,6 +19,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/cuda.h"
+#include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
@@ -34,6 +37,26 @@ static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
 	atomic_store(&kept, t);
 	*r = shmrpc_nil();
+	return 0;
+}
+
+/* Reads the tensor, keeps no handle: it stays in the idle cache. */
+static int fn_look(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)u;
+	CHECK(((uint8_t *)shmrpc_tensor_data(a[0].u.t))[0] == 0x22, "rank 0's bytes");
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* This process's CUDA mappings open. */
+static int fn_maps(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	struct cuda_stats st;
+
+	(void)c, (void)a, (void)n, (void)u;
+	cuda_stats_get(&st);
+	*r = shmrpc_int(st.maps_open);
 	return 0;
 }
 
@@ -67,29 +90,57 @@ static void kill_rank(int rank)
 	      "rank %d did not die: %s", rank, shmrpc_errmsg());
 }
 
+static int64_t maps_of(int rank)
+{
+	shmrpc_future *f;
+	int64_t n;
+
+	CHECK_OK(shmrpc_rpc_sync(rank, "maps", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+	n = shmrpc_future_value(f)->u.i;
+	shmrpc_future_free(f);
+	return n;
+}
+
 static void rank0(void)
 {
-	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x11), *theirs;
+	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x11), *idle = tl_fake_cuda_tensor(LEN, 0x22);
+	shmrpc_tensor *theirs;
 	shmrpc_value v = shmrpc_tensor_value(t);
 	struct cuda_stats st;
 	shmrpc_future *f;
+	int64_t maps = 0;
 
-	/* The receiver dies holding our tensor. */
+	/* The receiver dies holding our tensor, and another in its cache. */
 	CHECK_OK(shmrpc_rpc_sync(2, "keep", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
 	shmrpc_future_free(f);
+	v = shmrpc_tensor_value(idle);
+	CHECK_OK(shmrpc_rpc_sync(2, "look", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
+	/* Its handle goes once the reply is out: then both are mapped there. */
+	for (int i = 0; i < 500 && (maps = maps_of(2)) != 2; i++)
+		usleep(10000);
+	CHECK(maps == 2, "rank 2 has %lld mappings open", (long long)maps);
+	shmrpc_tensor_free(idle);
+	usleep(5 * TENSOR_REAP_NS / 1000);
+	CHECK(tl_fake_cuda_deleted() == 0, "a deleter ran while rank 2 caches the tensor");
 	kill_rank(2);
 	shmrpc_tensor_free(t);
-	for (int i = 0; i < 500 && !tl_fake_cuda_deleted(); i++)
+	for (int i = 0; i < 500 && tl_fake_cuda_deleted() < 2; i++)
 		usleep(10000);
-	CHECK(tl_fake_cuda_deleted() == 1 && tl_fake_cuda_allocs() == 0,
+	CHECK(tl_fake_cuda_deleted() == 2 && tl_fake_cuda_allocs() == 0,
 	      "%d deleters ran, %d allocations left", tl_fake_cuda_deleted(), tl_fake_cuda_allocs());
 	CHECK(pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)pool_used());
 
-	/* The producer dies while we hold its tensor. */
+	/* The producer dies while we hold its tensor, and another in our
+	 * cache. */
+	CHECK_OK(shmrpc_rpc_sync(1, "make", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
 	CHECK_OK(shmrpc_rpc_sync(1, "make", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
 	CHECK_OK(shmrpc_tensor_retain(shmrpc_future_value(f)->u.t, &theirs));
 	shmrpc_future_free(f);
 	CHECK(((uint8_t *)shmrpc_tensor_data(theirs))[LEN - 1] == 0x42, "rank 1's bytes");
+	cuda_stats_get(&st);
+	CHECK(st.maps_open == 2, "%u mappings open before the producer dies", st.maps_open);
 	kill_rank(1);
 	CHECK(shmrpc_tensor_data(theirs) == NULL && strstr(shmrpc_errmsg(), "killed by signal 9"),
 	      "a dead producer's tensor: %s", shmrpc_errmsg());
@@ -106,6 +157,9 @@ static void rank0(void)
 	}
 	CHECK(st.maps_open == 0, "%u mappings open after the producer died", st.maps_open);
 	shmrpc_tensor_free(theirs);
+	/* The cache lets go of its token just after the mappings close. */
+	for (int i = 0; i < 500 && pool_used(); i++)
+		usleep(10000);
 	CHECK(pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)pool_used());
 	fprintf(stderr, "rank 0: both deaths handled\n");
 }
@@ -114,6 +168,8 @@ static int worker(void)
 {
 	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("make", "", fn_make, NULL));
+	CHECK_OK(shmrpc_register("look", "t", fn_look, NULL));
+	CHECK_OK(shmrpc_register("maps", "", fn_maps, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0)

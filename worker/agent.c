@@ -194,7 +194,7 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 			ag->dying_since[peer] = now;
 	for (peer = 0; peer < ag->world; peer++) {
 		char why[160];
-		uint32_t st;
+		uint32_t st, pid;
 		bool swept;
 
 		if (!ag->dying_since[peer])
@@ -208,10 +208,14 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 			client_fail_peer(ag, peer, why);
 			pins_release_peer(peer);
 			/* Its CUDA memory went with it: close our mappings of it
-			 * (tensors of it fail from now on, tensor.c). Acquire
-			 * pairs with the peer's release of its pid. */
-			cuda_forget_peer(atomic_load_explicit(&shm_worker(&ag->seg, peer)->pid,
-							      memory_order_acquire));
+			 * (tensors of it fail from now on, tensor.c), then
+			 * release its idle tensors (none is parked once its
+			 * mappings are closed). Acquire pairs with the peer's
+			 * release of its pid. */
+			pid = atomic_load_explicit(&shm_worker(&ag->seg, peer)->pid,
+						   memory_order_acquire);
+			cuda_forget_peer(pid);
+			tensor_idle_forget(pid);
 			ag->gone[peer] = true;
 		}
 		/* The launcher drops the dead peer's RRef references before it
@@ -515,6 +519,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		rc = shmrpc__fail(-rc, "cannot start the RPC agent's loop thread");
 		goto fail_exec;
 	}
+	tensor_idle_open();
 	return 0;
 
 fail_exec:
@@ -595,6 +600,10 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 							  : 0);
 		snprintf(err, sizeof(err), "%s", shmrpc_errmsg());
 	}
+	/* After the barrier (the cache served while we waited there), before
+	 * GONE: a producer shutting down with us reaps its tensors once it
+	 * sees us GONE, and must find no pin of our cache on them. */
+	tensor_idle_close();
 	set_agent_state(ag, SHM_AGENT_GONE);
 	/* Relaxed store; the doorbell (seq_cst) that follows wakes the loop to see it. */
 	atomic_store_explicit(&ag->stop, true, memory_order_relaxed);
@@ -603,7 +612,7 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 	client_fail_all(ag, "the RPC agent was shut down before the reply came");
 	executor_stop();
 	pins_release_all();
-	tensor_exports_shutdown(ag);
+	tensor_exports_shutdown(ag, graceful && !rc);
 	worker_agent = NULL;
 	agent_free(ag);
 	return rc ? shmrpc__fail(rc, "%s", err) : 0;

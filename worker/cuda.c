@@ -532,10 +532,11 @@ static void unmap(struct import_map *m)
 
 /* fresh is a new allocation of its producer: any other mapping of that
  * producer over the same addresses was freed there, so it goes (now if
- * idle, else at its last release). */
-static void drop_overlapped(const struct import_map *fresh)
+ * idle, else at its last release). True when one is still referenced. */
+static bool drop_overlapped(const struct import_map *fresh)
 {
 	struct import_map **pp = &cu.maps, *m;
+	bool held = false;
 
 	while ((m = *pp)) {
 		if (m != fresh && m->pid == fresh->pid && m->base < fresh->base + fresh->size &&
@@ -546,14 +547,16 @@ static void drop_overlapped(const struct import_map *fresh)
 				unmap(m);
 				continue;
 			}
+			held = true;
 		}
 		pp = &m->next;
 	}
+	return held;
 }
 
-/* d's allocation mapped, one reference more. Caller holds cu.lock, in the
- * primary context of d->device. */
-static int import_map(const struct cuda_ipc_desc *d, struct import_map **out)
+/* d's allocation mapped, one reference more; *stale as cuda_import's.
+ * Caller holds cu.lock, in the primary context of d->device. */
+static int import_map(const struct cuda_ipc_desc *d, struct import_map **out, bool *stale)
 {
 	struct import_map *m = find_map(d->pid, d->alloc_id);
 	CUipcMemHandle h;
@@ -593,7 +596,8 @@ static int import_map(const struct cuda_ipc_desc *d, struct import_map **out)
 		m->size = size;
 		m->next = cu.maps;
 		cu.maps = m;
-		drop_overlapped(m);
+		if (drop_overlapped(m) && stale)
+			*stale = true;
 	}
 	if (d->offset > m->size || d->len > m->size - d->offset)
 		return shmrpc__fail(-EINVAL, "CUDA descriptor (offset %llu, %llu bytes) leaves its "
@@ -653,7 +657,7 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	return 0;
 }
 
-int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
+int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bool *stale)
 {
 	struct import_map *m = NULL;
 	CUevent ev = NULL;
@@ -663,6 +667,8 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
 
 	uint32_t self = (uint32_t)getpid();
 
+	if (stale)
+		*stale = false;
 	rc = ready();
 	if (rc)
 		return rc;
@@ -675,7 +681,7 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr)
 	if (!rc) {
 		/* Our own allocation, passed back by a receiver with its event:
 		 * nothing to map, but the range comes from another process. */
-		rc = d->pid == self ? check_own(d) : import_map(d, &m);
+		rc = d->pid == self ? check_own(d) : import_map(d, &m, stale);
 		if (!rc)
 			rc = import_event(d, &ev);
 		if (!rc) {
@@ -710,6 +716,20 @@ void cuda_import_release(const struct cuda_ipc_desc *d, bool keep)
 		unmap(m);
 	}
 	pthread_mutex_unlock(&cu.lock);
+}
+
+bool cuda_import_stale(const struct cuda_ipc_desc *d)
+{
+	struct import_map *m;
+	bool stale;
+
+	if (!driver_ok() || d->pid == (uint32_t)getpid())
+		return false;
+	pthread_mutex_lock(&cu.lock);
+	m = find_map(d->pid, d->alloc_id);
+	stale = !m || m->stale;
+	pthread_mutex_unlock(&cu.lock);
+	return stale;
 }
 
 void cuda_forget_peer(uint32_t pid)

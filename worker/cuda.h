@@ -18,16 +18,22 @@
  *  - Receiver: the mapping of each (producer pid, allocation) and each
  *    opened event: cuIpcOpenMemHandle and cuIpcOpenEventHandle cost
  *    ~140 µs each on an H100, so a warm import pays neither. Mappings are
- *    counted by cuda_import / cuda_import_release. A release that says
- *    keep leaves an idle mapping open (that is the cache) until
- *    cuda_forget_peer, or until the same producer sends another allocation
- *    over its addresses (then the old one was freed, and it is closed once
- *    idle); for a producer that keeps its allocations for the receiver's
- *    lifetime. Device tensors (worker/tensor.c) release without keep: their
- *    producer frees an allocation once no receiver holds a tensor of it,
- *    and no mapping may outlive that (CUDA: freeing memory another process
- *    has mapped is undefined), so a mapping stays open while a tensor of
- *    its allocation is held here, and imports meanwhile hit the cache.
+ *    counted by cuda_import / cuda_import_release, and stay open while
+ *    referenced. A release that says keep leaves an idle mapping open
+ *    until cuda_forget_peer, for a producer that keeps its allocations for
+ *    the receiver's lifetime (tests/cuda_ipc). Device tensors
+ *    (worker/tensor.c) release without keep: their producer may free an
+ *    allocation once nothing of the receiver pins it, and no mapping may
+ *    outlive that (CUDA: freeing memory another process has mapped is
+ *    undefined). Their cache is the references themselves: tensor.c's idle
+ *    cache keeps the reference of the last tensor of an allocation, with
+ *    the token that pins that tensor in its producer, so the mapping stays
+ *    open exactly as long as the memory is kept alive for it (at most
+ *    TENSOR_IDLE_MAPS such, worker/tensor.h). When the same producer sends
+ *    another allocation over a mapping's addresses, the old one was freed:
+ *    it is closed at once if idle, else at its last release, and
+ *    cuda_import says so (stale) for the holders of idle references to
+ *    drop theirs.
  *
  * Ordering. cuda_export records an interprocess event on the producer's
  * stream after the work already queued there (its last write); cuda_import
@@ -43,9 +49,10 @@
  * mapping whose producer exited. So the producer must keep each
  * allocation alive while any receiver has it mapped, idle cached mappings
  * included (device tensors: the lifetime tokens of worker/tensor.h, counts
- * in the pool); receivers must fail the tensors of a producer that died
- * instead of reading them, and call cuda_forget_peer to close its mappings
- * (the agent does, when it sees a peer end).
+ * in the pool, which the idle cache's entries hold too); receivers must
+ * fail the tensors of a producer that died instead of reading them, and
+ * call cuda_forget_peer to close its mappings (the agent does, when it
+ * sees a peer end, then releases the idle cache's entries of it).
  *
  * Passing a received tensor on. A receiver cannot export a mapping it
  * opened (IPC handles are for the allocating process's own memory), so it
@@ -129,12 +136,21 @@ SHMRPC_HIDDEN int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t 
  * The tensor of d, mapped in this process (in the primary context of
  * d->device), holding one reference; stream (a CUstream of that device)
  * waits for the producer's writes. A descriptor of this process gives its
- * own pointer back, with the same wait.
+ * own pointer back, with the same wait. stale (NULL: not wanted) is set
+ * when the import opened an allocation over the addresses of another of
+ * the producer's that is still referenced here: the producer freed that
+ * one, and whoever keeps references to it for the cache should drop them
+ * (cuda_import_stale says which).
  */
-SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr);
+SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr,
+			      bool *stale);
 /* Drops the reference of one cuda_import of d. keep: an idle mapping stays
  * cached; otherwise the last reference closes it (see above). */
 SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d, bool keep);
+/* True when d's mapping is closed (cuda_forget_peer) or its producer
+ * reused its addresses for another allocation: a reference kept only to
+ * cache it is to be dropped. */
+SHMRPC_HIDDEN bool cuda_import_stale(const struct cuda_ipc_desc *d);
 /* Closes every mapping and event of producer pid (gone, or to be forgotten),
  * referenced or not: pointers still held from it must not be used again.
  * Loads nothing: a process that never used CUDA has nothing to close. */

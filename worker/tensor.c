@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "shm/pool.h"
@@ -48,6 +49,8 @@ struct tensor_dev {
 	 * released) and the registry's link. */
 	uint64_t token;
 	struct tensor_dev *next;
+	/* Receiver, under idle_cache.lock: the idle cache's link. */
+	struct tensor_dev *idle_next;
 	/* Receiver (imported): what was mapped, and from whom. */
 	bool imported;
 	uint32_t producer;         /* its rank */
@@ -66,6 +69,17 @@ static struct {
 	_Atomic bool reap_queued;   /* a reap job is queued on the executors */
 	uint64_t next_tick;         /* loop thread only */
 } exports = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+/*
+ * Receiver: the idle cache (tensor.h). Received tensors with no handle
+ * left, each still holding its mapping and its token reference; one per
+ * allocation, the most recently parked first.
+ */
+static struct {
+	pthread_mutex_t lock;
+	struct tensor_dev *head;
+	bool open; /* from tensor_idle_open to tensor_idle_close */
+} idle_cache = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static struct shm_pool *pool_or_fail(void)
 {
@@ -167,21 +181,13 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 
 /* ---- device tensors ---- */
 
-/* Drops one reference of dev; the last one releases what it holds: a
- * receiver's mapping and token, a producer's DLPack tensor. */
-static void dev_put(struct tensor_dev *d)
+/* What dev holds, its last reference gone: a receiver's mapping, then
+ * its token (so the producer keeps the memory until the mapping is
+ * closed), a producer's DLPack tensor. */
+static void dev_release(struct tensor_dev *d)
 {
 	struct agent *ag = worker_agent;
-	uint32_t was;
 
-	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
-	/* A source the export registry still holds is released by the
-	 * registry's reap, on an executor or a sending thread: never here,
-	 * where the thread may be the loop thread (a pin's release) and the
-	 * deleter is user code. */
-	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
-	if (was != 1)
-		return;
 	if (d->imported) {
 		cuda_import_release(&d->ipc, false);
 		/* The token reference is of the job we received it in; after
@@ -196,12 +202,138 @@ static void dev_put(struct tensor_dev *d)
 	free(d);
 }
 
+/* True while the producer of d, received in ag's job, runs. */
+static bool producer_running(const struct agent *ag, const struct tensor_dev *d)
+{
+	const struct shm_worker *w = shm_worker(&ag->seg, d->producer);
+
+	/* Acquire pairs with the launcher's release of EXITED/DEAD, and with
+	 * the worker's release of its pid before RUNNING. */
+	return atomic_load_explicit(&w->state, memory_order_acquire) == SHM_WORKER_RUNNING &&
+	       atomic_load_explicit(&w->pid, memory_order_acquire) == d->ipc.pid;
+}
+
+/* Releases a list of idle entries (linked by idle_next), taken out of the
+ * cache: their mappings close unless a handle still holds them. */
+static void idle_release(struct tensor_dev *gone)
+{
+	struct tensor_dev *d;
+
+	while ((d = gone)) {
+		gone = d->idle_next;
+		dev_release(d);
+	}
+}
+
+/*
+ * d, a received tensor whose last handle went, kept in the idle cache
+ * with its mapping and token reference; false when it is not worth
+ * keeping (the caller releases it): a tensor of our own allocation maps
+ * nothing, and one of another job, of a producer gone, or whose
+ * allocation the producer freed has nothing left to cache.
+ */
+static bool idle_park(struct tensor_dev *d)
+{
+	struct agent *ag = worker_agent;
+	struct tensor_dev **pp, *p, *gone = NULL;
+	uint32_t kept = 0;
+	bool parked = false;
+
+	if (!d->imported || d->ipc.pid == (uint32_t)getpid() || !ag || !ag->has_pool ||
+	    ag->view != d->view)
+		return false;
+	pthread_mutex_lock(&idle_cache.lock);
+	/* Checked under the lock: whoever makes it stale or forgets the
+	 * producer drops the entries after, under the lock too, so that it
+	 * sees d if d went in. */
+	if (idle_cache.open && producer_running(ag, d) && !cuda_import_stale(&d->ipc)) {
+		/* One entry per allocation: the latest replaces the one before
+		 * (whose pin goes; d's keeps the allocation). The least
+		 * recently parked beyond the cap go. */
+		for (pp = &idle_cache.head; (p = *pp);) {
+			if (kept == TENSOR_IDLE_MAPS - 1 ||
+			    (p->ipc.pid == d->ipc.pid && p->ipc.alloc_id == d->ipc.alloc_id)) {
+				*pp = p->idle_next;
+				p->idle_next = gone;
+				gone = p;
+			} else {
+				kept++;
+				pp = &p->idle_next;
+			}
+		}
+		d->idle_next = idle_cache.head;
+		idle_cache.head = d;
+		parked = true;
+	}
+	pthread_mutex_unlock(&idle_cache.lock);
+	/* After d is in: a replaced entry's release leaves the mapping to d. */
+	idle_release(gone);
+	return parked;
+}
+
+enum idle_which { IDLE_ALL, IDLE_OF_PID, IDLE_STALE_OF_PID };
+
+/* Takes the entries that match out of the cache and releases them. */
+static void idle_drop(enum idle_which which, uint32_t pid)
+{
+	struct tensor_dev **pp, *p, *gone = NULL;
+
+	pthread_mutex_lock(&idle_cache.lock);
+	for (pp = &idle_cache.head; (p = *pp);) {
+		if (which == IDLE_ALL || (p->ipc.pid == pid && (which == IDLE_OF_PID ||
+								cuda_import_stale(&p->ipc)))) {
+			*pp = p->idle_next;
+			p->idle_next = gone;
+			gone = p;
+		} else {
+			pp = &p->idle_next;
+		}
+	}
+	pthread_mutex_unlock(&idle_cache.lock);
+	idle_release(gone);
+}
+
+void tensor_idle_open(void)
+{
+	pthread_mutex_lock(&idle_cache.lock);
+	idle_cache.open = true;
+	pthread_mutex_unlock(&idle_cache.lock);
+}
+
+void tensor_idle_close(void)
+{
+	pthread_mutex_lock(&idle_cache.lock);
+	idle_cache.open = false;
+	pthread_mutex_unlock(&idle_cache.lock);
+	idle_drop(IDLE_ALL, 0);
+}
+
+void tensor_idle_forget(uint32_t pid)
+{
+	idle_drop(pid ? IDLE_OF_PID : IDLE_ALL, pid);
+}
+
+/* Drops one reference of dev; the last one parks a received tensor in
+ * the idle cache, or releases what it holds (dev_release). */
+static void dev_put(struct tensor_dev *d)
+{
+	uint32_t was;
+
+	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
+	/* A source the export registry still holds is released by the
+	 * registry's reap, on an executor or a sending thread: never here,
+	 * where the thread may be the loop thread (a pin's release) and the
+	 * deleter is user code. */
+	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
+	if (was == 1 && !idle_park(d))
+		dev_release(d);
+}
+
 /* 0 when dev's bytes may be used here: a received tensor whose producer
  * exited or died (or of a job this process left) is an error. */
 static int dev_check(const struct tensor_dev *d)
 {
 	struct agent *ag = worker_agent;
-	const struct shm_worker *w;
 	char why[160];
 
 	if (!d->imported || d->ipc.pid == (uint32_t)getpid())
@@ -209,11 +341,7 @@ static int dev_check(const struct tensor_dev *d)
 	if (!ag || ag->view != d->view)
 		return shmrpc__fail(-SHMRPC_EPEERDEAD, "a CUDA tensor received in a job this process "
 				    "has left: its producer may have freed it");
-	w = shm_worker(&ag->seg, d->producer);
-	/* Acquire pairs with the launcher's release of EXITED/DEAD, and with
-	 * the worker's release of its pid before RUNNING. */
-	if (atomic_load_explicit(&w->state, memory_order_acquire) == SHM_WORKER_RUNNING &&
-	    atomic_load_explicit(&w->pid, memory_order_acquire) == d->ipc.pid)
+	if (producer_running(ag, d))
 		return 0;
 	agent_peer_gone_text(ag, d->producer, why, sizeof(why));
 	return shmrpc__fail(-SHMRPC_EPEERDEAD, "a CUDA tensor from %s: its memory went with it",
@@ -307,7 +435,25 @@ static void exports_reap(bool final)
 	}
 }
 
-void tensor_exports_shutdown(struct agent *ag)
+/* True when no peer of ag will let go of a tensor of ours by leaving: each
+ * went GONE (its idle cache emptied before) or does not run. */
+static bool peers_gone(const struct agent *ag)
+{
+	for (uint32_t r = 0; r < ag->world; r++) {
+		const struct shm_worker *w = shm_worker(&ag->seg, r);
+
+		/* Acquire pairs with the peer's release of GONE (its cache's
+		 * unrefs before it) and the launcher's of EXITED/DEAD (after its
+		 * sweep of the peer's references). */
+		if (r != ag->rank &&
+		    atomic_load_explicit(&w->state, memory_order_acquire) == SHM_WORKER_RUNNING &&
+		    atomic_load_explicit(&w->agent_state, memory_order_acquire) != SHM_AGENT_GONE)
+			return false;
+	}
+	return true;
+}
+
+void tensor_exports_shutdown(struct agent *ag, bool wait)
 {
 	struct tensor_dev *d;
 	uint32_t n = 0;
@@ -315,6 +461,19 @@ void tensor_exports_shutdown(struct agent *ag)
 	size_t at = 0;
 
 	exports_reap(true);
+	/* The peers that passed the barrier with us empty their idle caches
+	 * before they go GONE: their pins on our tensors are about to go.
+	 * Relaxed: the loop thread and the executors are stopped, so only
+	 * this thread changes the count now. */
+	for (uint32_t i = 0; wait && i < TENSOR_SHUTDOWN_WAIT_MS &&
+			     atomic_load_explicit(&exports.n, memory_order_relaxed); i++) {
+		bool gone = peers_gone(ag);
+
+		exports_reap(true);
+		if (gone)
+			break;
+		usleep(1000);
+	}
 	pthread_mutex_lock(&exports.lock);
 	for (d = exports.head; d; d = d->next)
 		n++;
@@ -603,6 +762,7 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 	struct agent *ag = worker_agent;
 	struct tensor_dev *d;
 	void *data = NULL;
+	bool stale = false;
 	int rc;
 
 	if (wc->producer >= ag->world || wc->ipc.device != w->device_id || wc->ipc.len != w->nbytes)
@@ -631,7 +791,7 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 	rc = dev_check(d);
 	/* The legacy default stream of the receiver waits for the producer's
 	 * event (shmrpc.h): what it queues after reads the producer's writes. */
-	if (rc == 0 && (rc = cuda_import(&d->ipc, 0, &data)) == 0 &&
+	if (rc == 0 && (rc = cuda_import(&d->ipc, 0, &data, &stale)) == 0 &&
 	    (rc = dev_handle(d, data, (DLDevice){ kDLCUDA, w->device_id },
 			     (DLDataType){ w->code, w->bits, w->lanes }, w->ndim, shape, out)) == 0 &&
 	    (*out)->nbytes != w->nbytes) {
@@ -640,6 +800,10 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 				  (unsigned long long)(*out)->nbytes);
 		free(*out);
 	}
+	/* The producer reused the addresses of an allocation of its tensors
+	 * parked here, so it freed that one: their entries go. */
+	if (stale)
+		idle_drop(IDLE_STALE_OF_PID, d->ipc.pid);
 	if (rc == 0)
 		return 0;
 	if (data)

@@ -19,12 +19,26 @@
  *  - The producer (the process whose allocation it is: a tensor taken with
  *    shmrpc_tensor_from_dlpack) allocates, at the first send, a lifetime
  *    token: a 64-byte pool block whose reference count counts the
- *    producer (one) and every receiver's handle (one each). An export
+ *    producer (one) and every receiver that holds the tensor (one each,
+ *    for its handles or its idle cache entry). An export
  *    registry keeps the token and a reference to the source tensor.
  *  - A receiver takes a pool reference on the token before it maps the
- *    tensor, and drops it when its last handle goes (after closing the
+ *    tensor, and drops it when the tensor is released (after dropping its
  *    mapping). So a receiver's death drops its counts with the launcher's
  *    sweep of its holder table, like any pool reference.
+ *  - The idle cache: a received tensor whose last handle goes is kept,
+ *    not released, with its mapping and its token reference, so that the
+ *    next tensor of that allocation maps nothing (opening one costs ~140
+ *    µs on an H100) while the producer keeps the allocation alive (the
+ *    token pins one source of it, whose DLPack deleter would free it: no
+ *    mapping outlives its memory). One entry per allocation (the latest
+ *    tensor of it; the one before is released), at most TENSOR_IDLE_MAPS
+ *    in a process, least recently parked released first; released too when
+ *    the producer exits or dies (after cuda_forget_peer), when it reuses
+ *    the allocation's addresses for another (it freed it: cuda.c sees the
+ *    overlap), and when shmrpc_shutdown has passed its barrier (the cache
+ *    serves while the worker waits there), before the agent goes GONE. A
+ *    receiver's death drops the entries' tokens with its other references.
  *  - The producer releases a source (token reference, then its reference
  *    to the tensor: its DLPack deleter runs when no handle of this process
  *    is left) once no handle, pin or message of this process names it and
@@ -34,8 +48,11 @@
  *    never runs on the loop thread). The pins hold
  *    the source until the receiver has its token reference, so a count of
  *    one cannot be a tensor still in flight.
- *  - A producer that shuts down while receivers hold tokens says on stderr
- *    who holds how many, and keeps those sources (their memory stays
+ *  - A producer that shuts down gracefully waits (after the barrier, up to
+ *    TENSOR_SHUTDOWN_WAIT_MS) for its peers to go GONE, so that the idle
+ *    caches of those leaving with it let go first. One that shuts down
+ *    while receivers still hold tokens says on stderr who holds how many
+ *    (idle cache entries count), and keeps those sources (their memory stays
  *    allocated until the process exits). A receiver checks the producer's
  *    slot (same pid, still RUNNING) before it maps a tensor and whenever it
  *    hands out the device pointer: once the producer exited or died, the
@@ -116,13 +133,27 @@ enum pin_kind {
 /* How often the loop thread has a producer's exports checked while there
  * are any. */
 #define TENSOR_REAP_NS (10u * 1000u * 1000u)
+/* Received device tensors with no handle kept, with their mappings,
+ * each pinning memory in its producer. */
+#define TENSOR_IDLE_MAPS 16
+/* shmrpc_init opens the idle cache once the agent serves. */
+SHMRPC_HIDDEN void tensor_idle_open(void);
+/* shmrpc_shutdown, first: releases every entry and parks none after. */
+SHMRPC_HIDDEN void tensor_idle_close(void);
+/* Releases the entries of producer pid (0: of every producer). */
+SHMRPC_HIDDEN void tensor_idle_forget(uint32_t pid);
+
 /* Loop thread: queues a check of the exports (on an executor) when one is
  * due; returns when the next is (UINT64_MAX: none exported). */
 SHMRPC_HIDDEN uint64_t tensor_exports_tick(uint64_t now);
+/* How long a graceful shutdown waits for its peers to go GONE (their idle
+ * caches let go of our tensors then) before it reports what is held. */
+#define TENSOR_SHUTDOWN_WAIT_MS 1000
 /* shmrpc_shutdown, on the caller's thread after the executors stopped:
- * releases what receivers let go, reports the rest on stderr. */
+ * releases what receivers let go (wait: after a graceful barrier, waiting
+ * for the peers to leave), reports the rest on stderr. */
 struct agent;
-SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag);
+SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag, bool wait);
 
 /* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
 SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
