@@ -20,8 +20,10 @@
  * a walk of its slots gives the live RRefs by state and the oldest of them
  * (the text shows 20, the JSON 1000), each with its owner and who holds it.
  *
- * --check reports a dead worker, corrupt frames, a dead holder of pool
- * references, and three RRef anomalies: an RRef whose owner is DEAD but
+ * --check reports a dead worker, one still RUNNING whose process is gone
+ * (the launcher has not reaped it), corrupt frames, a dead holder of pool
+ * references (or a live one whose process is gone), and three RRef
+ * anomalies: an RRef whose owner is DEAD but
  * which is not OWNER_DEAD (the sweep missed it), one whose total is below
  * the sum of its counts (corrupt: a reference counted nowhere could free
  * the value in use), and one whose total is above that sum while no worker
@@ -180,6 +182,31 @@ static int fail(const char *fmt, ...)
 	return EXIT_ANOMALY;
 }
 
+/*
+ * Whether process pid has ended: no such process, or a zombie its parent
+ * has not reaped yet (it holds no fds any more). A pid taken again by
+ * another process reads as alive: the slot's pid is all there is to go by.
+ */
+static bool process_gone(uint32_t pid)
+{
+	char path[32], buf[512], *paren;
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "/proc/%u/stat", pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return errno == ENOENT || errno == ESRCH;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return n == 0 || errno == ESRCH;
+	buf[n] = '\0';
+	/* "PID (COMM) S ...": the name may hold spaces and parentheses. */
+	paren = strrchr(buf, ')');
+	return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
 static void usage(FILE *f)
 {
 	fputs("usage: " PROG " [--json | --check | --watch[=SEC]] [JOB]\n"
@@ -190,12 +217,13 @@ static void usage(FILE *f)
 	      "RRefs by state, the 20 oldest with their owner and holders), read-only.\n"
 	      "  --json     the job as one JSON object (up to 1000 RRefs listed)\n"
 	      "  --check    print \"ok\", or the anomalies found and exit 1: a DEAD\n"
-	      "             worker, corrupt frames, pool references of a dead holder,\n"
+	      "             worker (or one whose process is gone, not yet reaped),\n"
+	      "             corrupt frames, pool references of a dead holder,\n"
 	      "             an RRef of a DEAD owner not marked owner-dead, an RRef\n"
 	      "             counted below its holders' references (corrupt) or above\n"
 	      "             them with no holder alive (leaked by a death)\n"
-	      "  --watch[=SEC]  redraw the job every SEC seconds (default 1) until it\n"
-	      "             ends or Ctrl-C\n"
+	      "  --watch[=SEC]  redraw the job every SEC seconds (default 1) until\n"
+	      "             Ctrl-C; when the job ends, say so and exit 1\n"
 	      "  --trace RANK  the flight recorder of worker RANK: its last messages\n"
 	      "             and call steps (4096 by default), oldest first, one a line:\n"
 	      "             time in seconds before the newest, kind (sent, received,\n"
@@ -429,15 +457,34 @@ static void print_pool_json(struct shm_pool *pool)
 	printf("]}");
 }
 
-/* A dead holder that still holds references: the sweep has not run. */
+/*
+ * A dead holder that still holds references: the sweep has not run. Also
+ * one still LIVE whose process is gone: the launcher, which marks it DEAD
+ * and sweeps it as it reaps the worker, has not done so (stopped, stuck,
+ * or killed), so its blocks stay taken. The holder is read again after its
+ * process is found gone: a worker that leaves cleanly releases its
+ * references before it exits, and the launcher may have swept it since.
+ */
 static int check_pool(struct shm_pool *pool)
 {
 	struct pool_holder_stats hs;
 	int bad = 0;
 
 	for (uint32_t r = 0; r < pool->world; r++) {
-		if (pool_holder_stats(pool, r, &hs) == 0 && hs.state == POOL_HOLDER_DEAD && hs.refs) {
+		if (pool_holder_stats(pool, r, &hs) || !hs.refs)
+			continue;
+		if (hs.state == POOL_HOLDER_DEAD) {
 			printf("rank %u died holding %llu references in the tensor pool\n", r,
+			       (unsigned long long)hs.refs);
+			bad++;
+		} else if (hs.state == POOL_HOLDER_LIVE && process_gone(hs.pid)) {
+			uint32_t pid = hs.pid;
+
+			if (pool_holder_stats(pool, r, &hs) || hs.state != POOL_HOLDER_LIVE ||
+			    hs.pid != pid || !hs.refs)
+				continue;
+			printf("rank %u (pid %u) is gone holding %llu references in the tensor pool, "
+			       "not swept: its holder is still live\n", r, pid,
 			       (unsigned long long)hs.refs);
 			bad++;
 		}
@@ -837,6 +884,16 @@ static int check(const struct shm_seg *seg, const struct wsnap *ws)
 		if (s->state == SHM_WORKER_DEAD) {
 			printf("rank %u (%s) is DEAD: %s\n", r, printable(s->name, pbuf), s->exit_text);
 			bad++;
+		} else if (s->state == SHM_WORKER_RUNNING && s->pid && process_gone(s->pid) &&
+			   atomic_load_explicit(&shm_worker(seg, r)->state, memory_order_acquire) ==
+				   SHM_WORKER_RUNNING &&
+			   atomic_load_explicit(&shm_worker(seg, r)->pid, memory_order_relaxed) == s->pid) {
+			/* Read again: the launcher may have marked it since the snapshot.
+			 * Still RUNNING: it has not reaped it (stopped, stuck), so
+			 * nothing it held was swept and its peers wait on it. */
+			printf("rank %u (%s) is RUNNING, but its process %u is gone: the launcher has "
+			       "not seen it end\n", r, printable(s->name, pbuf), s->pid);
+			bad++;
 		}
 		if (s->val[CORRUPT_FRAMES]) {
 			printf("rank %u (%s) received %llu corrupt frames\n", r, printable(s->name, pbuf),
@@ -860,12 +917,21 @@ static int attach_job(pid_t pid, struct shm_seg *seg, bool quiet)
 	if (st.st_uid != getuid())
 		return quiet ? -1 : fail("process %d belongs to another user", (int)pid);
 	err = find_memfd(pid, SEG_LINK, path, sizeof(path));
+	/* A launcher that has exited but is not reaped yet holds no fds:
+	 * its job has ended, which "not a shmrpc job" would hide. */
+	if (err && process_gone((uint32_t)pid))
+		return quiet ? -1 : fail("no such job: process %d has ended", (int)pid);
 	if (err == -ENOENT)
 		return quiet ? -1 : fail("process %d is not a shmrpc job", (int)pid);
 	if (err)
 		return quiet ? -1 : fail("cannot read %s/fd: %s", proc, strerror(-err));
-	if (shm_seg_attach_path(seg, path, true))
-		return quiet ? -1 : fail("%s", shmrpc_errmsg());
+	if (shm_seg_attach_path(seg, path, true)) {
+		if (quiet)
+			return -1;
+		if (process_gone((uint32_t)pid)) /* it exited as we opened it */
+			return fail("no such job: process %d has ended", (int)pid);
+		return fail("process %d: %s", (int)pid, shmrpc_errmsg());
+	}
 	if (seg->hdr->launcher_pid != (uint32_t)pid) {
 		uint32_t launcher = seg->hdr->launcher_pid;
 
@@ -912,9 +978,10 @@ static int list_jobs(void)
 	return 0;
 }
 
-static int inspect(pid_t pid, bool json, bool want_check)
+/* Shows the job whose segment seg (attached, launcher pid) is; detaches it. */
+static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
 {
-	struct shm_seg seg;
+	struct shm_seg seg = *segp;
 	struct shm_pool pool;
 	struct rref_table rrefs;
 	struct rscan sc = { 0 };
@@ -923,8 +990,6 @@ static int inspect(pid_t pid, bool json, bool want_check)
 	bool has_pool, has_rrefs, scanned = true;
 	int rc = 0;
 
-	if (attach_job(pid, &seg, false))
-		return EXIT_ANOMALY;
 	has_pool = attach_pool(pid, &pool);
 	has_rrefs = attach_rrefs(pid, seg.world, &rrefs);
 	ws = snap_job(&seg);
@@ -972,6 +1037,15 @@ static int inspect(pid_t pid, bool json, bool want_check)
 		pool_detach(&pool);
 	shm_seg_detach(&seg);
 	return rc;
+}
+
+static int inspect(pid_t pid, bool json, bool want_check)
+{
+	struct shm_seg seg;
+
+	if (attach_job(pid, &seg, false))
+		return EXIT_ANOMALY;
+	return show(pid, &seg, json, want_check);
 }
 
 static void print_trace_text(const struct shm_seg *seg, uint32_t rank, const struct trace_entry *e,
@@ -1056,27 +1130,28 @@ static int show_trace(pid_t pid, uint32_t rank, bool json)
 	return rc;
 }
 
-/* A top-like view: the table redrawn in place until the job ends. */
+/*
+ * A top-like view: the table redrawn in place until the job ends, which is
+ * an error (exit 1, one line on stderr): a watch that ended on its own
+ * would look like one that was stopped. The job is attached before the
+ * screen is cleared, so that a failure leaves its message alone, not a
+ * cleared screen.
+ */
 static int watch(pid_t pid, double every_s)
 {
 	struct timespec pause = { (time_t)every_s, (long)((every_s - (double)(time_t)every_s) * 1e9) };
-	bool first = true;
 
-	for (;;) {
-		struct stat st;
-		char proc[32];
+	for (bool first = true;; first = false) {
+		struct shm_seg seg;
 
-		snprintf(proc, sizeof(proc), "/proc/%d", (int)pid);
-		if (!first && stat(proc, &st) < 0) {
-			printf("the job has ended\n");
-			return 0;
-		}
+		/* Later, a failure is the launcher gone, a zombie, or its pid
+		 * taken by a process that is no job. */
+		if (attach_job(pid, &seg, !first))
+			return first ? EXIT_ANOMALY : fail("job %d has ended", (int)pid);
 		/* Home and clear: the new table replaces the old one. */
 		fputs("\033[H\033[2J", stdout);
-		if (inspect(pid, false, false))
-			return first ? EXIT_ANOMALY : 0;
+		show(pid, &seg, false, false);
 		fflush(stdout);
-		first = false;
 		nanosleep(&pause, NULL);
 	}
 }
