@@ -371,6 +371,16 @@ def _tensors_of(obj):
 
 # ---- the trainer's side ----
 
+def _alive(pid):
+    """pid runs (not a zombie, not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The state follows the command's closing parenthesis.
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 class _LoaderJob:
     """The workers of one loader: a job this process launched by fork, or
     ranks of the job this process is in (workers=[...])."""
@@ -440,14 +450,22 @@ class _LoaderJob:
             call.wait(-1)
 
     def death_text(self, worker_id):
-        """The torch-like message for a worker that ended, or None."""
+        """The torch-like message for a worker that ended, or None. A call
+        fails as soon as the worker's process is gone, which can be before
+        the job's watcher thread has reaped it and recorded how it ended
+        (on a loaded machine): while the process is dead but not yet
+        recorded, wait for the record (2 s at most)."""
         if self.job is None:
             return None
-        for rank, pid, info, text in self.job.ended():
-            if rank == self.ranks[worker_id] and info:
-                return (f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: "
-                        f"{text}")
-        return None
+        deadline = time.monotonic() + 2.0
+        while True:
+            for rank, pid, info, text in self.job.ended():
+                if rank == self.ranks[worker_id] and info:
+                    return (f"DataLoader worker {worker_id} (pid {pid}) exited unexpectedly: "
+                            f"{text}")
+            if _alive(self.pids[worker_id]) or time.monotonic() > deadline:
+                return None
+            time.sleep(0.002)
 
     def close(self):
         import shmrpc
