@@ -33,7 +33,7 @@
  * owner takes its whole list at once (exchange with 0) and frees what is
  * on it; it removes entries only that way, so an entry on a list is never
  * removed under it and the walk reads each next before freeing the entry.
- * A pusher finding the list empty tells the owner (rings its doorbell);
+ * A pusher finding the list empty tells the owner (its doorbell);
  * the others know it has been told and has not taken the list yet. So no
  * message is needed for an RRef's last drop (RREF_USER_DELETE becomes a
  * push; docs/RREF.md), and no walk of the table after a death.

@@ -202,8 +202,8 @@ static void run_delete(struct job *j)
 /* Our drop made id (at slot) unreferenced (rref_release returned 1): it
  * goes on its owner's collect list (rref_table.h), and the owner is told
  * unless it has been already: we are the owner (we collect now), or the
- * list was not empty (its first pusher rang). In message mode the owner is
- * told by RREF_USER_DELETE, as torch tells it. */
+ * list was not empty (its first pusher told it). In message mode the owner
+ * is told by RREF_USER_DELETE, as torch tells it. */
 static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner)
 {
 	bool first = rref_collect_push(&ag->rrefs, slot);
@@ -215,8 +215,10 @@ static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t 
 	}
 	pthread_once(&fork_mode_once, read_fork_mode);
 	if (!fork_by_message) {
+		/* Wakes the owner only if it sleeps: awake, its loop thread
+		 * looks at the list before it sleeps (ipc_port.news). */
 		if (first)
-			ipc_doorbell_ring(shm_worker(&ag->seg, owner), ag->self);
+			ipc_doorbell_notify(shm_worker(&ag->seg, owner), ag->self);
 		return;
 	}
 	/* Shutting down: the owner leaves too, and the launcher's sweep of it
