@@ -42,14 +42,14 @@
 #include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/testlib.h"
 
 #define LEN 65536
 #define REPEATS 4
 
-/* Handles kept across calls; set and taken on executor threads that TSan
+/* A handle kept across calls; set and taken on executor threads that TSan
  * cannot see ordered (the order comes through rank 0). */
-static shmrpc_tensor *_Atomic kept;
 static shmrpc_tensor *_Atomic made;
 
 static uint8_t *bytes(shmrpc_tensor *t)
@@ -97,26 +97,6 @@ static int fn_mark(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 {
 	(void)c, (void)n, (void)u;
 	bytes(a[0].u.t)[2] = 0x77;
-	*r = shmrpc_nil();
-	return 0;
-}
-
-static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	shmrpc_tensor *t;
-
-	(void)n, (void)u;
-	if (shmrpc_tensor_retain(a[0].u.t, &t))
-		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
-	atomic_store(&kept, t);
-	*r = shmrpc_nil();
-	return 0;
-}
-
-static int fn_drop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)a, (void)n, (void)u;
-	shmrpc_tensor_free(atomic_exchange(&kept, NULL));
 	*r = shmrpc_nil();
 	return 0;
 }
@@ -447,8 +427,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("touch", "ti", fn_touch, NULL));
 	CHECK_OK(shmrpc_register("pass", "t", fn_pass, NULL));
 	CHECK_OK(shmrpc_register("mark", "t", fn_mark, NULL));
-	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
-	CHECK_OK(shmrpc_register("drop", "", fn_drop, NULL));
+	tl_keep_register();
 	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
 	CHECK_OK(shmrpc_register("make", "i", fn_make, NULL));
 	CHECK_OK(shmrpc_register("seen", "", fn_seen, NULL));

@@ -22,23 +22,10 @@
 #include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/testlib.h"
 
 #define LEN 4096
-
-static shmrpc_tensor *_Atomic kept;
-
-static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	shmrpc_tensor *t;
-
-	(void)n, (void)u;
-	if (shmrpc_tensor_retain(a[0].u.t, &t))
-		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
-	atomic_store(&kept, t);
-	*r = shmrpc_nil();
-	return 0;
-}
 
 /* Reads the tensor, keeps no handle: it stays in the idle cache. */
 static int fn_look(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
@@ -166,7 +153,7 @@ static void rank0(void)
 
 static int worker(void)
 {
-	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
+	tl_keep_register();
 	CHECK_OK(shmrpc_register("make", "", fn_make, NULL));
 	CHECK_OK(shmrpc_register("look", "t", fn_look, NULL));
 	CHECK_OK(shmrpc_register("maps", "", fn_maps, NULL));

@@ -14,13 +14,10 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/testlib.h"
 
 static const DLDataType u8 = { kDLUInt, 8, 1 };
-/* Set by "keep" and taken by "drop", on executor threads that TSan cannot
- * see ordered: the order comes through rank 0, another process. */
-static shmrpc_tensor *_Atomic kept;
-
 /* Writes a mark at both ends of the tensor and sends it back. */
 static int fn_touch(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -45,26 +42,6 @@ static int fn_make(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
 	memset(shmrpc_tensor_data(t), (int)(a[0].u.i + 1), 4096);
 	*r = shmrpc_tensor_value(t);
-	return 0;
-}
-
-static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)n, (void)u;
-	shmrpc_tensor *t;
-
-	if (shmrpc_tensor_retain(a[0].u.t, &t))
-		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
-	atomic_store(&kept, t);
-	*r = shmrpc_int((int64_t)shmrpc_tensor_pool_offset(t));
-	return 0;
-}
-
-static int fn_drop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)a, (void)n, (void)u;
-	shmrpc_tensor_free(atomic_exchange(&kept, NULL));
-	*r = shmrpc_nil();
 	return 0;
 }
 
@@ -106,8 +83,7 @@ static int worker(void)
 
 	CHECK_OK(shmrpc_register("touch", "t", fn_touch, NULL));
 	CHECK_OK(shmrpc_register("make", "i", fn_make, NULL));
-	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
-	CHECK_OK(shmrpc_register("drop", "", fn_drop, NULL));
+	tl_keep_register();
 	CHECK_OK(shmrpc_init(NULL));
 	me = shmrpc_rank();
 	world = shmrpc_world_size();
