@@ -43,18 +43,9 @@
 
 static char out[OUT_MAX];
 
-static const char *inspect_path(void)
-{
-	static char path[PATH_MAX];
-	const char *build = getenv("SHMRPC_BUILD");
-
-	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
-	return path;
-}
-
 static int inspect(const char *a1, const char *a2, const char *a3)
 {
-	const char *argv[5] = { inspect_path(), a1, a2, a3, NULL };
+	const char *argv[5] = { tl_inspect_path(), a1, a2, a3, NULL };
 
 	return tl_run(out, sizeof(out), argv);
 }
@@ -242,8 +233,9 @@ static void start_job(struct job *j)
 /* As uid and gid 65534, the inspector on the job, and the job list. */
 static void test_other_user(struct job *j)
 {
-	const char *argv[3][4] = { { inspect_path(), j->pid, NULL }, { inspect_path(), "--check", j->pid, NULL },
-				   { inspect_path(), NULL } };
+	const char *argv[3][4] = { { tl_inspect_path(), j->pid, NULL },
+				   { tl_inspect_path(), "--check", j->pid, NULL },
+				   { tl_inspect_path(), NULL } };
 	char line[32], text[96];
 
 	if (geteuid() != 0) {
@@ -288,7 +280,7 @@ static void test_other_user(struct job *j)
 /* --watch on the job, until it has drawn one table. */
 static void start_watch(struct job *j)
 {
-	const char *argv[] = { inspect_path(), "--watch=0.1", j->pid, NULL };
+	const char *argv[] = { tl_inspect_path(), "--watch=0.1", j->pid, NULL };
 	uint64_t deadline = shmrpc_now_ns() + WAIT_NS;
 	size_t len = 0;
 
@@ -405,7 +397,7 @@ int main(void)
 
 	if (tl_is_worker())
 		return worker();
-	if (access(tl_shmrun_path(), X_OK) || access(inspect_path(), X_OK))
+	if (access(tl_shmrun_path(), X_OK) || access(tl_inspect_path(), X_OK))
 		return TL_SKIP;
 	test_garbage();
 	start_job(&j);

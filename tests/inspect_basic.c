@@ -46,18 +46,9 @@ static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 }
 
 /* Runs the inspector with up to two arguments (NULL: fewer); its exit code. */
-static const char *inspect_path(void)
-{
-	static char path[4096];
-	const char *build = getenv("SHMRPC_BUILD");
-
-	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
-	return path;
-}
-
 static int inspect(const char *a1, const char *a2)
 {
-	const char *argv[4] = { inspect_path(), a1, a2, NULL };
+	const char *argv[4] = { tl_inspect_path(), a1, a2, NULL };
 
 	return tl_run(out, sizeof(out), argv);
 }
@@ -66,7 +57,7 @@ static int inspect(const char *a1, const char *a2)
  * bound against a hang: a sanitized build on a loaded machine is slow). */
 static void watch_twice(const char *job)
 {
-	const char *argv[] = { inspect_path(), "--watch=0.1", job, NULL };
+	const char *argv[] = { tl_inspect_path(), "--watch=0.1", job, NULL };
 	size_t len = 0;
 	int fd, tables = 0;
 	pid_t pid = tl_spawn(argv, &fd);

@@ -116,18 +116,9 @@ static int fn_hold(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
-static const char *inspect_path(void)
-{
-	static char path[4096];
-	const char *build = getenv("SHMRPC_BUILD");
-
-	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
-	return path;
-}
-
 static int inspect(const char *a1, const char *a2)
 {
-	const char *argv[4] = { inspect_path(), a1, a2, NULL };
+	const char *argv[4] = { tl_inspect_path(), a1, a2, NULL };
 
 	return tl_run(out, sizeof(out), argv);
 }

@@ -302,18 +302,9 @@ static void check_callee(const uint64_t *id, const struct trace_entry *e0, size_
 	CHECK(n == at + 6, "rank 1 has %zu records, want %zu", n, at + 6);
 }
 
-static const char *inspect_path(void)
-{
-	static char path[4096];
-	const char *build = getenv("SHMRPC_BUILD");
-
-	snprintf(path, sizeof(path), "%s/bin/shmrpc-inspect", build && *build ? build : "build");
-	return path;
-}
-
 static int inspect(const char *a1, const char *a2, const char *a3, const char *a4)
 {
-	const char *argv[6] = { inspect_path(), a1, a2, a3, a4, NULL };
+	const char *argv[6] = { tl_inspect_path(), a1, a2, a3, a4, NULL };
 
 	return tl_run(out, sizeof(out), argv);
 }

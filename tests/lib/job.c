@@ -15,13 +15,27 @@ bool tl_is_worker(void)
 	return getenv("SHMRPC_RANK") != NULL;
 }
 
+/* build/bin/name, or under $SHMRPC_BUILD. */
+static const char *bin_path(char path[static PATH_MAX], const char *name)
+{
+	const char *build = getenv("SHMRPC_BUILD");
+
+	snprintf(path, PATH_MAX, "%s/bin/%s", build && *build ? build : "build", name);
+	return path;
+}
+
 const char *tl_shmrun_path(void)
 {
 	static char path[PATH_MAX];
-	const char *build = getenv("SHMRPC_BUILD");
 
-	snprintf(path, sizeof(path), "%s/bin/shmrun", build && *build ? build : "build");
-	return path;
+	return bin_path(path, "shmrun");
+}
+
+const char *tl_inspect_path(void)
+{
+	static char path[PATH_MAX];
+
+	return bin_path(path, "shmrpc-inspect");
 }
 
 static int vshmrun(char *out, size_t len, const char *opt, va_list ap)

@@ -12,6 +12,8 @@
 bool tl_is_worker(void);
 /* Path of shmrun in the build being tested ($SHMRPC_BUILD/bin/shmrun). */
 const char *tl_shmrun_path(void);
+/* $SHMRPC_BUILD/bin/shmrpc-inspect (default build/). */
+const char *tl_inspect_path(void);
 /* Runs shmrun with the NULL-terminated options, then `-- /proc/self/exe`;
  * stdout+stderr of the whole job go to out (NUL-terminated, truncated to
  * len). Returns the launcher's exit code, 128+signal if it was killed, -1
