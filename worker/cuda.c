@@ -13,48 +13,11 @@
 #include "common/error.h"
 #include "worker/agent.h"
 #include "worker/cuda.h"
+#include "worker/cuda_driver.h"
 
-/*
- * The driver types and constants used here, declared by hand rather than
- * taken from <cuda.h>: the Makefile does not put the toolkit's include
- * directory on the path, and the library must build where CUDA is not
- * installed. Values and layouts are those of cuda.h (CUDA 13), unchanged
- * since the functions appeared; handles are opaque pointers, IPC handles
- * 64-byte structs passed by value, like the originals.
- */
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUstream_st *CUstream;
-typedef struct CUevent_st *CUevent;
-typedef struct {
-	char reserved[CUDA_IPC_HANDLE_SIZE];
-} CUipcMemHandle;
-typedef struct {
-	char reserved[CUDA_IPC_HANDLE_SIZE];
-} CUipcEventHandle;
-
-enum {
-	CUDA_SUCCESS = 0,
-	CUDA_ERROR_INVALID_VALUE = 1,
-	CUDA_ERROR_OUT_OF_MEMORY = 2,
-	CUDA_ERROR_NO_DEVICE = 100,
-	CUDA_ERROR_NOT_PERMITTED = 800,
-	CUDA_ERROR_NOT_SUPPORTED = 801,
-};
-
-enum { /* CUpointer_attribute */
-	CU_POINTER_ATTRIBUTE_CONTEXT = 1,
-	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
-	CU_POINTER_ATTRIBUTE_BUFFER_ID = 7,
-	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
-};
-
-#define CU_MEMORYTYPE_DEVICE 2u
-#define CU_EVENT_DISABLE_TIMING 0x2u
-#define CU_EVENT_INTERPROCESS 0x4u
-#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1u
+_Static_assert(sizeof(CUipcMemHandle) == CUDA_IPC_HANDLE_SIZE &&
+		       sizeof(CUipcEventHandle) == CUDA_IPC_HANDLE_SIZE,
+	       "an IPC handle travels whole in cuda_ipc_desc");
 
 /* Each driver function used, by the name the headers map it to. */
 #define CUDA_DRIVER_FUNCS(X)                                                       \

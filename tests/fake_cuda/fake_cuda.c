@@ -24,8 +24,8 @@
  * - fakeCuAllocCount(): allocations of this process not yet freed
  *   (mappings not counted), for tests that check memory went back.
  *
- * Values and layouts are the real driver's (cuda.h), as worker/cuda.c
- * declares them.
+ * Values and layouts are the real driver's (cuda.h), as
+ * worker/cuda_driver.h declares them for worker/cuda.c.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -40,46 +40,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "worker/cuda_driver.h"
+
 #define EXPORT __attribute__((visibility("default")))
 
 /* The entry points are the driver's, whose prototypes are in the toolkit's
  * cuda.h, which is not on the include path (worker/cuda.c). */
 #pragma GCC diagnostic ignored "-Wmissing-prototypes"
-
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUstream_st *CUstream;
-typedef struct CUevent_st *CUevent;
-typedef struct {
-	char reserved[64];
-} CUipcMemHandle;
-typedef struct {
-	char reserved[64];
-} CUipcEventHandle;
-
-enum {
-	CUDA_SUCCESS = 0,
-	CUDA_ERROR_INVALID_VALUE = 1,
-	CUDA_ERROR_OUT_OF_MEMORY = 2,
-	CUDA_ERROR_INVALID_DEVICE = 101,
-	CUDA_ERROR_INVALID_CONTEXT = 201,
-	CUDA_ERROR_MAP_FAILED = 205,
-	CUDA_ERROR_INVALID_HANDLE = 400,
-	CUDA_ERROR_NOT_FOUND = 500,
-};
-
-enum {
-	CU_POINTER_ATTRIBUTE_CONTEXT = 1,
-	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
-	CU_POINTER_ATTRIBUTE_BUFFER_ID = 7,
-	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
-};
-
-#define CU_MEMORYTYPE_DEVICE 2u
-#define CU_EVENT_DISABLE_TIMING 0x2u
-#define CU_EVENT_INTERPROCESS 0x4u
 
 #define MEM_MAGIC 0x4d454d4b414b4146ull /* "FAKAKMEM" */
 #define EVENT_MAGIC 0x5645454b414b4146ull
