@@ -82,18 +82,6 @@ static void watch_twice(const char *job)
 	CHECK(tables >= 2, "--watch drew %d tables", tables);
 }
 
-/* The unsigned number after "key": in the JSON object that starts at from. */
-static unsigned long long json_num(const char *from, const char *key)
-{
-	char pat[64];
-	const char *p;
-
-	snprintf(pat, sizeof(pat), "\"%s\":", key);
-	p = strstr(from, pat);
-	CHECK(p, "no %s in %s", pat, from);
-	return strtoull(p + strlen(pat), NULL, 10);
-}
-
 static void inspect_job(const char *job)
 {
 	char self[16], line[64];
@@ -115,17 +103,17 @@ static void inspect_job(const char *job)
 	rc = inspect("--json", job);
 	CHECK(rc == 0, "inspect --json exited %d", rc);
 	CHECK(out[0] == '{' && strstr(out, "]}}\n"), "not one JSON object");
-	CHECK(json_num(out, "launcher_pid") == (unsigned long long)getppid(), "launcher_pid");
-	CHECK(json_num(out, "world_size") == 2, "world_size");
+	CHECK(tl_json_num(out, "launcher_pid") == (unsigned long long)getppid(), "launcher_pid");
+	CHECK(tl_json_num(out, "world_size") == 2, "world_size");
 	CHECK(strstr(out, "\"job_name\":\""), "no job_name");
 	CHECK(strstr(out, "{\"rank\":0,\"name\":\"worker0\",") &&
 	      strstr(out, "{\"rank\":1,\"name\":\"worker1\","), "workers not named");
 	CHECK(strstr(out, "\"state\":\"RUNNING\""), "no RUNNING worker");
 	w1 = strstr(out, "{\"rank\":1,");
-	CHECK(json_num(w1, "calls_served") >= CALLS, "rank 1 served %llu calls, %d made",
-	      json_num(w1, "calls_served"), CALLS);
-	CHECK(json_num(out, "frames_sent") >= CALLS, "rank 0 sent %llu frames", json_num(out, "frames_sent"));
-	CHECK(json_num(out, "corrupt_frames") == 0, "corrupt frames");
+	CHECK(tl_json_num(w1, "calls_served") >= CALLS, "rank 1 served %llu calls, %d made",
+	      tl_json_num(w1, "calls_served"), CALLS);
+	CHECK(tl_json_num(out, "frames_sent") >= CALLS, "rank 0 sent %llu frames", tl_json_num(out, "frames_sent"));
+	CHECK(tl_json_num(out, "corrupt_frames") == 0, "corrupt frames");
 	/* The CUDA IPC gauges: each worker has them, and neither used CUDA. */
 	for (int r = 0; r < 2; r++) {
 		static const char *const gauges[] = { "cuda_maps_open", "cuda_events_open",
@@ -135,11 +123,11 @@ static void inspect_job(const char *job)
 		snprintf(line, sizeof(line), "{\"rank\":%d,\"name\":\"worker%d\",", r, r);
 		CHECK((w = strstr(out, line)), "no worker %d", r);
 		for (size_t g = 0; g < sizeof(gauges) / sizeof(gauges[0]); g++)
-			CHECK(json_num(w, gauges[g]) == 0, "rank %d: %s %llu", r, gauges[g],
-			      json_num(w, gauges[g]));
+			CHECK(tl_json_num(w, gauges[g]) == 0, "rank %d: %s %llu", r, gauges[g],
+			      tl_json_num(w, gauges[g]));
 	}
 	/* The tensor pool, read-only: shmrun's default size, both ranks holding it. */
-	CHECK(strstr(out, "\"pool\":{") && json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
+	CHECK(strstr(out, "\"pool\":{") && tl_json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
 	      "no tensor pool of 256 MiB in the JSON");
 	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
 	      "the pool's holders are not listed");
@@ -188,9 +176,9 @@ static void inspect_cuda(const char *job)
 	rc = inspect("--json", job);
 	CHECK(rc == 0, "inspect --json exited %d", rc);
 	w1 = strstr(out, "{\"rank\":1,\"name\":\"worker1\",");
-	CHECK(w1 && json_num(w1, "cuda_maps_open") == 2 && json_num(w1, "cuda_events_open") == 3 &&
-	      json_num(w1, "cuda_allocs_exported") == 0, "rank 1's CUDA gauges in the JSON");
-	CHECK(json_num(out, "cuda_maps_open") == 0, "rank 0's gauge moved");
+	CHECK(w1 && tl_json_num(w1, "cuda_maps_open") == 2 && tl_json_num(w1, "cuda_events_open") == 3 &&
+	      tl_json_num(w1, "cuda_allocs_exported") == 0, "rank 1's CUDA gauges in the JSON");
+	CHECK(tl_json_num(out, "cuda_maps_open") == 0, "rank 0's gauge moved");
 
 	atomic_store_explicit(&w->cuda_maps_open, 0, memory_order_relaxed);
 	atomic_store_explicit(&w->cuda_events_open, 0, memory_order_relaxed);

@@ -123,18 +123,6 @@ static int inspect(const char *a1, const char *a2)
 	return tl_run(out, sizeof(out), argv);
 }
 
-/* The unsigned number after "key": in the JSON that starts at from. */
-static unsigned long long json_num(const char *from, const char *key)
-{
-	char pat[64];
-	const char *p;
-
-	snprintf(pat, sizeof(pat), "\"%s\":", key);
-	p = strstr(from, pat);
-	CHECK(p, "no %s in %s", pat, from);
-	return strtoull(p + strlen(pat), NULL, 10);
-}
-
 static struct shm_worker *slot(int r)
 {
 	return shm_worker(&worker_agent->seg, (uint32_t)r);
@@ -307,7 +295,7 @@ static void check_json(const char *job)
 
 	CHECK(rc == 0, "inspect --json exited %d", rc);
 	CHECK(out[0] == '{' && strstr(out, "}\n"), "not one JSON object");
-	CHECK(json_num(out, "world_size") == WORLD, "world_size");
+	CHECK(tl_json_num(out, "world_size") == WORLD, "world_size");
 	for (int r = 0; r < WORLD; r++) {
 		struct want w = wanted(r);
 		const char *o;
@@ -315,25 +303,25 @@ static void check_json(const char *job)
 		snprintf(key, sizeof(key), "{\"rank\":%d,\"name\":\"worker%d\",", r, r);
 		CHECK((o = strstr(out, key)), "no worker %d", r);
 		CHECK(strstr(o, "\"state\":\"RUNNING\"") < strstr(o, "}"), "rank %d not RUNNING", r);
-		CHECK(json_num(o, "calls_served") == w.served && json_num(o, "client_active_calls") == w.cli &&
-		      json_num(o, "server_active_calls") == w.srv &&
-		      json_num(o, "num_pending_futures") == w.pend &&
-		      json_num(o, "thread_pool_size") == w.thr && json_num(o, "num_idle_threads") == w.idle &&
-		      json_num(o, "errors") == w.err && json_num(o, "timeouts") == 0 &&
-		      json_num(o, "corrupt_frames") == 0 && json_num(o, "ring_fill_in") == 0 &&
-		      json_num(o, "ring_fill_out") == 0,
+		CHECK(tl_json_num(o, "calls_served") == w.served && tl_json_num(o, "client_active_calls") == w.cli &&
+		      tl_json_num(o, "server_active_calls") == w.srv &&
+		      tl_json_num(o, "num_pending_futures") == w.pend &&
+		      tl_json_num(o, "thread_pool_size") == w.thr && tl_json_num(o, "num_idle_threads") == w.idle &&
+		      tl_json_num(o, "errors") == w.err && tl_json_num(o, "timeouts") == 0 &&
+		      tl_json_num(o, "corrupt_frames") == 0 && tl_json_num(o, "ring_fill_in") == 0 &&
+		      tl_json_num(o, "ring_fill_out") == 0,
 		      "rank %d in the JSON: %.400s", r, o);
-		sent += json_num(o, "frames_sent");
-		recv += json_num(o, "frames_recv");
+		sent += tl_json_num(o, "frames_sent");
+		recv += tl_json_num(o, "frames_recv");
 	}
 	/* Rings empty: every frame sent in the job has been received. */
 	CHECK(sent == recv && sent > 0, "%llu frames sent, %llu received", sent, recv);
 
 	CHECK((pool = strstr(out, ",\"pool\":{")), "no pool");
-	CHECK(json_num(pool, "size") == 256ull << 20 &&
-	      json_num(pool, "used") == POOL_USED &&
-	      json_num(pool, "blocks_live") == POOL_BLOCKS && json_num(pool, "lost") == 0 &&
-	      json_num(pool, "refs_unrecorded") == 0, "the pool in the JSON: %.300s", pool);
+	CHECK(tl_json_num(pool, "size") == 256ull << 20 &&
+	      tl_json_num(pool, "used") == POOL_USED &&
+	      tl_json_num(pool, "blocks_live") == POOL_BLOCKS && tl_json_num(pool, "lost") == 0 &&
+	      tl_json_num(pool, "refs_unrecorded") == 0, "the pool in the JSON: %.300s", pool);
 	for (int r = 0; r < WORLD; r++) {
 		unsigned blocks = blocks_of(r);
 
@@ -343,7 +331,7 @@ static void check_json(const char *job)
 	}
 
 	CHECK((rrefs = strstr(out, ",\"rrefs\":{")), "no rrefs");
-	CHECK(json_num(rrefs, "live") == 2, "RRefs live");
+	CHECK(tl_json_num(rrefs, "live") == 2, "RRefs live");
 	/* One per owner: rank 1's made by rank 0, rank 0's made by rank 3. */
 	CHECK((at = strstr(rrefs, "\"owner\":1,\"creator\":0,\"state\":\"ready\",\"total\":1,")) &&
 	      strstr(at, "\"counts\":{\"0\":1}}"), "rank 1's RRef: %s", rrefs);

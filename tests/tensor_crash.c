@@ -13,6 +13,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "tests/lib/job.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define BLOCK (1 << 20)
@@ -48,14 +49,6 @@ static int fn_die(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 	return 0;
 }
 
-static uint64_t pool_used(void)
-{
-	struct pool_stats st;
-
-	pool_stats(&worker_agent->pool, &st);
-	return st.used;
-}
-
 static int worker(void)
 {
 	CHECK_OK(shmrpc_register("hoard", "t", fn_hoard, NULL));
@@ -77,12 +70,12 @@ static int worker(void)
 		/* The launcher swept rank 2 before it marked it dead: what is left is ours. */
 		expect = (uint64_t)pool_block_size(&worker_agent->pool, shmrpc_tensor_pool_offset(mine)) +
 			 (uint64_t)pool_block_size(&worker_agent->pool, shmrpc_tensor_pool_offset(theirs));
-		CHECK(pool_used() == expect, "pool holds %llu bytes, we hold %llu",
-		      (unsigned long long)pool_used(), (unsigned long long)expect);
+		CHECK(tl_pool_used() == expect, "pool holds %llu bytes, we hold %llu",
+		      (unsigned long long)tl_pool_used(), (unsigned long long)expect);
 		CHECK(((uint8_t *)shmrpc_tensor_data(theirs))[0] == 1, "a block we share was freed");
 		shmrpc_tensor_free(mine);
 		shmrpc_tensor_free(theirs);
-		CHECK(pool_used() == 0, "pool holds %llu bytes", (unsigned long long)pool_used());
+		CHECK(tl_pool_used() == 0, "pool holds %llu bytes", (unsigned long long)tl_pool_used());
 		fprintf(stderr, "rank 0: the pool is empty\n");
 	}
 	CHECK_OK(shmrpc_shutdown(1, 30000));

@@ -36,13 +36,12 @@
 #include <unistd.h>
 
 #include "shmrpc.h"
-#include "shm/pool.h"
-#include "worker/agent.h"
 #include "worker/cuda.h"
 #include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/keep.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define LEN 65536
@@ -168,14 +167,6 @@ static void call(int rank, const char *fn, const shmrpc_value *args, uint32_t n)
 
 	CHECK_OK(shmrpc_rpc_sync(rank, fn, args, n, SHMRPC_TIMEOUT_DEFAULT, &f));
 	shmrpc_future_free(f);
-}
-
-static uint64_t pool_used(void)
-{
-	struct pool_stats st;
-
-	pool_stats(&worker_agent->pool, &st);
-	return st.used;
 }
 
 /* Waits (up to 5 s) until rank's stat i is want: the producers check
@@ -403,9 +394,9 @@ static void rank0(void)
 	CHECK(after.maps_open == 0, "%u mappings open here", after.maps_open);
 
 	/* The tokens went with the sources. */
-	for (int i = 0; i < 500 && pool_used(); i++)
+	for (int i = 0; i < 500 && tl_pool_used(); i++)
 		usleep(10000);
-	CHECK(pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)pool_used());
+	CHECK(tl_pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)tl_pool_used());
 	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS, "%d deleters ran here",
 	      tl_fake_cuda_deleted());
 

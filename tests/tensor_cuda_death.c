@@ -16,13 +16,12 @@
 #include <unistd.h>
 
 #include "shmrpc.h"
-#include "shm/pool.h"
-#include "worker/agent.h"
 #include "worker/cuda.h"
 #include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/keep.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define LEN 4096
@@ -59,14 +58,6 @@ static int fn_die(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 	(void)c, (void)a, (void)n, (void)r, (void)u;
 	raise(SIGKILL);
 	return 0;
-}
-
-static uint64_t pool_used(void)
-{
-	struct pool_stats st;
-
-	pool_stats(&worker_agent->pool, &st);
-	return st.used;
 }
 
 static void kill_rank(int rank)
@@ -116,7 +107,7 @@ static void rank0(void)
 		usleep(10000);
 	CHECK(tl_fake_cuda_deleted() == 2 && tl_fake_cuda_allocs() == 0,
 	      "%d deleters ran, %d allocations left", tl_fake_cuda_deleted(), tl_fake_cuda_allocs());
-	CHECK(pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)pool_used());
+	CHECK(tl_pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)tl_pool_used());
 
 	/* The producer dies while we hold its tensor, and another in our
 	 * cache. */
@@ -145,9 +136,9 @@ static void rank0(void)
 	CHECK(st.maps_open == 0, "%u mappings open after the producer died", st.maps_open);
 	shmrpc_tensor_free(theirs);
 	/* The cache lets go of its token just after the mappings close. */
-	for (int i = 0; i < 500 && pool_used(); i++)
+	for (int i = 0; i < 500 && tl_pool_used(); i++)
 		usleep(10000);
-	CHECK(pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)pool_used());
+	CHECK(tl_pool_used() == 0, "the pool holds %llu bytes", (unsigned long long)tl_pool_used());
 	fprintf(stderr, "rank 0: both deaths handled\n");
 }
 

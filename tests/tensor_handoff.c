@@ -15,6 +15,7 @@
 #include "worker/agent.h"
 #include "tests/lib/job.h"
 #include "tests/lib/keep.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 static const DLDataType u8 = { kDLUInt, 8, 1 };
@@ -43,14 +44,6 @@ static int fn_make(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	memset(shmrpc_tensor_data(t), (int)(a[0].u.i + 1), 4096);
 	*r = shmrpc_tensor_value(t);
 	return 0;
-}
-
-static uint64_t pool_used(void)
-{
-	struct pool_stats st;
-
-	pool_stats(&worker_agent->pool, &st);
-	return st.used;
 }
 
 static void round_trip(uint64_t bytes)
@@ -119,9 +112,9 @@ static int worker(void)
 			shmrpc_future_free(f);
 		}
 		/* Pins go with the acknowledgements, which follow the replies. */
-		for (int i = 0; i < 2000 && pool_used(); i++)
+		for (int i = 0; i < 2000 && tl_pool_used(); i++)
 			usleep(1000);
-		CHECK(pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)pool_used());
+		CHECK(tl_pool_used() == 0, "the pool still holds %llu bytes", (unsigned long long)tl_pool_used());
 	}
 	CHECK_OK(shmrpc_shutdown(1, 60000));
 	return 0;

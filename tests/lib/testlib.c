@@ -1,6 +1,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -108,4 +109,15 @@ void tl_pause_begin(struct tl_pause *p, pid_t pid, uint64_t ns)
 void tl_pause_end(struct tl_pause *p)
 {
 	pthread_join(p->thread, NULL);
+}
+
+unsigned long long tl_json_num(const char *from, const char *key)
+{
+	char pat[64];
+	const char *p;
+
+	snprintf(pat, sizeof(pat), "\"%s\":", key);
+	p = strstr(from, pat);
+	CHECK(p, "no %s in %s", pat, from);
+	return strtoull(p + strlen(pat), NULL, 10);
 }

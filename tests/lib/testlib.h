@@ -54,4 +54,8 @@ struct tl_pause {
 void tl_pause_begin(struct tl_pause *p, pid_t pid, uint64_t ns);
 void tl_pause_end(struct tl_pause *p);
 
+/* The unsigned number after "key": in the JSON text that starts at from
+ * (a failed CHECK if there is none). */
+unsigned long long tl_json_num(const char *from, const char *key);
+
 #endif
