@@ -23,6 +23,7 @@ static struct {
 	int nthreads;
 	int idle;
 	int sleeping; /* idle threads inside pthread_cond_wait */
+	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
 	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
@@ -115,12 +116,21 @@ static void *thread_main(void *arg)
 		if (ex.stop)
 			break;
 		set_idle(1);
+		/* One idle thread spins at a time; the others look once and sleep:
+		 * a second spinner finds nothing the first would not, and on a
+		 * busy machine takes the CPU the first, or the work, needs. */
+		bool spin = !ex.spinning, work;
+
+		ex.spinning |= spin;
 		pthread_mutex_unlock(&ex.lock);
-		bool work = shmrpc_spin_until(spin_work, NULL,
-					      worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
-						      ? worker_handoff_spin_ns
-						      : EXECUTOR_MAX_SPIN_NS);
+		work = spin ? shmrpc_spin_until(spin_work, NULL,
+						worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
+							? worker_handoff_spin_ns
+							: EXECUTOR_MAX_SPIN_NS)
+			    : spin_work(NULL);
 		pthread_mutex_lock(&ex.lock);
+		if (spin)
+			ex.spinning = false;
 		if (!work && !ex.head && !ex.stop) {
 			ex.sleeping++;
 			pthread_cond_wait(&ex.cond, &ex.lock);

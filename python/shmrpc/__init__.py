@@ -313,10 +313,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
-        with autograd._running_in(context_id, caller):
-            with profiler.torch_ops(ops):
-                result = _call(func, args, kwargs)
-            reply = _dumps(result)
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
             return reply + (autograd._message_id(),)
         return reply
@@ -325,6 +322,19 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         return _dumps(RemoteException(text, type(e)))
+
+
+def _serve_call(func, args, kwargs, caller, context_id, ops):
+    """The pickled result of a call served here: run inside the caller's
+    autograd context, under torch's profiler when ops is a list."""
+    if context_id is None and ops is None and autograd._current() is None:
+        # Most calls: no context to enter or leave, no profiler; the two
+        # context managers would cost more than the rest of the handler.
+        return _dumps(_call(func, args, kwargs))
+    with autograd._running_in(context_id, caller):
+        with profiler.torch_ops(ops):
+            result = _call(func, args, kwargs)
+        return _dumps(result)
 
 
 def _call(func, args, kwargs):
