@@ -11,7 +11,11 @@
  *   --check names it, still RUNNING with its process gone, and its pool
  *   references unswept; once the launcher runs again, DEAD and swept;
  * - a job that ends under --watch, a finished launcher not yet reaped, and
- *   one that is gone.
+ *   one that is gone;
+ * - a job whose tensor pool cannot be read (a child holding a copy of a
+ *   live job's segment, as its "launcher", beside a pool memfd of
+ *   garbage): the text and JSON say why where the pool would be, and
+ *   --check calls it an anomaly.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -24,7 +28,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stddef.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -230,6 +236,66 @@ static void start_job(struct job *j)
 		CHECK(until(deadline), "rank 1 never held its 2 blocks");
 }
 
+/* A child, the "launcher" of a copy of j's segment beside a pool of
+ * garbage, and nothing else open: it says ready on ready_fd and waits. */
+static void unreadable_launcher(struct job *j, int ready_fd)
+{
+	static const char garbage[] = "not a tensor pool";
+	uint32_t me = (uint32_t)getpid();
+	int seg_fd, copy, pool_fd;
+	struct stat st;
+	void *bytes;
+
+	/* This process's own pool and segment fds would be found first. */
+	close_range(3, (unsigned)ready_fd - 1, 0);
+	close_range((unsigned)ready_fd + 1, ~0u, 0);
+	seg_fd = open_memfd(j->launcher, "/memfd:shmrpc-job (deleted)");
+	copy = memfd_create("shmrpc-job", 0);
+	pool_fd = memfd_create("shmrpc-pool", 0);
+	if (seg_fd < 0 || copy < 0 || pool_fd < 0 || fstat(seg_fd, &st) ||
+	    (bytes = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, seg_fd, 0)) == MAP_FAILED ||
+	    ftruncate(copy, st.st_size) || pwrite(copy, bytes, (size_t)st.st_size, 0) != st.st_size ||
+	    pwrite(copy, &me, sizeof(me), offsetof(struct shm_header, launcher_pid)) != sizeof(me) ||
+	    ftruncate(pool_fd, 1 << 16) || pwrite(pool_fd, garbage, sizeof(garbage), 0) != sizeof(garbage))
+		_exit(1);
+	if (write(ready_fd, "r", 1) != 1)
+		_exit(1);
+	for (;;)
+		pause();
+}
+
+/* A job whose pool cannot be read: said where the pool would be; an
+ * anomaly for --check. */
+static void test_unreadable_pool(struct job *j)
+{
+	int p[2], status, rc;
+	char self[16], c;
+	pid_t child;
+
+	CHECK(pipe(p) == 0, "pipe: %m");
+	child = fork();
+	CHECK(child >= 0, "fork: %m");
+	if (child == 0)
+		unreadable_launcher(j, p[1]);
+	close(p[1]);
+	CHECK(read(p[0], &c, 1) == 1, "the child could not copy the job");
+	close(p[0]);
+
+	snprintf(self, sizeof(self), "%d", (int)child);
+	rc = inspect(self, NULL, NULL);
+	CHECK(rc == 0 && strstr(out, "\ntensor pool    cannot be read: "), "the text exited %d: %s",
+	      rc, out);
+	rc = inspect("--json", self, NULL);
+	CHECK(rc == 0 && strstr(out, ",\"pool\":{\"error\":\"") && strstr(out, ",\"rrefs\":null"),
+	      "the JSON exited %d: %s", rc, out);
+	rc = inspect("--check", self, NULL);
+	CHECK(rc == 1 && !strncmp(out, "the tensor pool cannot be read: ", 32) &&
+		      strchr(out, '\n')[1] == '\0',
+	      "--check exited %d: %s", rc, out);
+	kill(child, SIGKILL);
+	CHECK(waitpid(child, &status, 0) == child, "waitpid: %m");
+}
+
 /* As uid and gid 65534, the inspector on the job, and the job list. */
 static void test_other_user(struct job *j)
 {
@@ -401,6 +467,7 @@ int main(void)
 		return TL_SKIP;
 	test_garbage();
 	start_job(&j);
+	test_unreadable_pool(&j);
 	test_other_user(&j);
 	start_watch(&j);
 	test_killed_worker(&j);

@@ -22,7 +22,9 @@
  *
  * --check reports a dead worker, one still RUNNING whose process is gone
  * (the launcher has not reaped it), corrupt frames, a dead holder of pool
- * references (or a live one whose process is gone), and three RRef
+ * references (or a live one whose process is gone), a pool or RRef table
+ * the job has but this tool cannot read (it would hide anything wrong in
+ * it; the text and JSON say why where the part would be), and three RRef
  * anomalies: an RRef whose owner is DEAD but
  * which is not OWNER_DEAD (the sweep missed it), one whose total is below
  * the sum of its counts (corrupt: a reference counted nowhere could free
@@ -44,9 +46,9 @@
  * cached ones too), cuda_events_open (peers' interprocess events it has
  * opened), cuda_allocs_exported (its allocations whose IPC handle it
  * keeps), cuda_events_exported (its interprocess events)}], pool (null
- * when the job has none): {size, used, free, largest_free, blocks_live,
+ * when the job has none, {error: text} when it cannot be read): {size, used, free, largest_free, blocks_live,
  * lost, refs_unrecorded, holders: [{rank, pid, state ("idle", "live",
- * "dead", "swept"), blocks, refs}]}, rrefs (null when the job has none):
+ * "dead", "swept"), blocks, refs}]}, rrefs (null or {error} as pool):
  * {live, max, capacity, by_state: {pending, ready, error, unreferenced,
  * owner-dead}, entries (the oldest first): [{id ("CREATED_ON:LOCAL_ID"),
  * owner, creator, state (as by_state, or "invalid"), total, age_s, counts:
@@ -380,33 +382,43 @@ static int open_memfd(pid_t pid, const char *target)
 	return find_memfd(pid, target, path, sizeof(path)) ? -1 : open(path, O_RDONLY);
 }
 
-/* The job's tensor pool, read-only; false when the job has none. */
-static bool attach_pool(pid_t pid, struct shm_pool *pool)
+/* Why a job's pool or RRef table that exists could not be read; shown
+ * where the part would be, and an anomaly for --check. */
+struct unread {
+	char pool[256], rrefs[256];
+};
+
+/* The job's tensor pool, read-only: true when attached; false when the job
+ * has none, or (why[0] set) one that cannot be read. */
+static bool attach_pool(pid_t pid, struct shm_pool *pool, char *why, size_t len)
 {
 	int fd = open_memfd(pid, POOL_LINK);
 
 	if (fd < 0)
 		return false;
 	if (pool_attach_fd(pool, fd, true)) {
+		snprintf(why, len, "%s", shmrpc_errmsg());
 		close(fd);
 		return false;
 	}
 	return true;
 }
 
-/* The job's RRef table, read-only; false when the job has none (or one
- * that is not for its world: its ranks would not be the job's). */
-static bool attach_rrefs(pid_t pid, uint32_t world, struct rref_table *t)
+/* The job's RRef table, read-only, as attach_pool; one that is not for
+ * the job's world cannot be read: its ranks would not be the job's. */
+static bool attach_rrefs(pid_t pid, uint32_t world, struct rref_table *t, char *why, size_t len)
 {
 	int fd = open_memfd(pid, RREF_LINK);
 
 	if (fd < 0)
 		return false;
 	if (rref_table_attach_fd(t, fd, true)) {
+		snprintf(why, len, "%s", shmrpc_errmsg());
 		close(fd);
 		return false;
 	}
 	if (t->world != world) {
+		snprintf(why, len, "it is for %u workers, the job has %u", t->world, world);
 		rref_table_detach(t);
 		return false;
 	}
@@ -978,6 +990,31 @@ static int list_jobs(void)
 	return 0;
 }
 
+/* A part the job has but this tool cannot read: {"error": why}; null when
+ * the job has none. */
+static void print_unread_json(const char *key, const char *why)
+{
+	printf(",\"%s\":", key);
+	if (!why[0]) {
+		printf("null");
+		return;
+	}
+	printf("{\"error\":");
+	json_str(why);
+	printf("}");
+}
+
+/* --check: a pool or RRef table that exists and cannot be read hides
+ * whatever is wrong in it, so it is an anomaly itself. */
+static int check_unread(const struct unread *un)
+{
+	if (un->pool[0])
+		printf("the tensor pool cannot be read: %s\n", un->pool);
+	if (un->rrefs[0])
+		printf("the RRef table cannot be read: %s\n", un->rrefs);
+	return !!un->pool[0] + !!un->rrefs[0];
+}
+
 /* Shows the job whose segment seg (attached, launcher pid) is; detaches it. */
 static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
 {
@@ -986,12 +1023,13 @@ static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
 	struct rref_table rrefs;
 	struct rscan sc = { 0 };
 	uint32_t *counts = NULL;
+	struct unread un = { { 0 }, { 0 } };
 	struct wsnap *ws;
 	bool has_pool, has_rrefs, scanned = true;
 	int rc = 0;
 
-	has_pool = attach_pool(pid, &pool);
-	has_rrefs = attach_rrefs(pid, seg.world, &rrefs);
+	has_pool = attach_pool(pid, &pool, un.pool, sizeof(un.pool));
+	has_rrefs = attach_rrefs(pid, seg.world, &rrefs, un.rrefs, sizeof(un.rrefs));
 	ws = snap_job(&seg);
 	if (has_rrefs) {
 		counts = calloc(rrefs.world, sizeof(*counts));
@@ -1001,7 +1039,7 @@ static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
 	if (!ws || !scanned) {
 		rc = fail("out of memory");
 	} else if (want_check) {
-		int bad = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0);
+		int bad = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0) + check_unread(&un);
 		int bad_rrefs = has_rrefs ? check_rrefs(&rrefs, ws, counts) : 0;
 
 		if (bad_rrefs < 0)
@@ -1015,18 +1053,22 @@ static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
 		if (has_pool)
 			print_pool_json(&pool);
 		else
-			printf(",\"pool\":null");
+			print_unread_json("pool", un.pool);
 		if (has_rrefs)
 			print_rrefs_json(&rrefs, &sc, counts);
 		else
-			printf(",\"rrefs\":null");
+			print_unread_json("rrefs", un.rrefs);
 		printf("}\n");
 	} else {
 		print_text(&seg, ws);
 		if (has_pool)
 			print_pool_text(&pool);
+		else if (un.pool[0])
+			printf("\ntensor pool    cannot be read: %s\n", un.pool);
 		if (has_rrefs)
 			print_rrefs_text(&rrefs, &sc, counts);
+		else if (un.rrefs[0])
+			printf("\nrref table     cannot be read: %s\n", un.rrefs);
 	}
 	free(sc.pick);
 	free(counts);
