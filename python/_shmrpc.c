@@ -1088,13 +1088,15 @@ static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 }
 
 /* debug_info() -> {key: int}: this worker's agent gauges from its slot
- * (torch's names where torch has them) and the executor threads' GIL waits. */
+ * (torch's names where torch has them), the executor threads' GIL waits
+ * and torch's RRef counts. */
 static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 {
 	struct agent *ag = worker_agent;
 	const struct shm_worker *w;
 	uint64_t takes = atomic_load_explicit(&gil_takes, memory_order_relaxed);
 	uint64_t wait_ns = atomic_load_explicit(&gil_wait_ns, memory_order_relaxed);
+	struct rref_debug_counts rc;
 
 	(void)m, (void)unused;
 	if (!ag) {
@@ -1103,9 +1105,10 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 		return NULL;
 	}
 	w = ag->self;
+	rref_debug_counts(ag, &rc);
 	/* Relaxed: gauges the owner updates as it goes; a snapshot. */
 #define GAUGE(f) (unsigned long long)atomic_load_explicit(&w->f, memory_order_relaxed)
-	return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+	return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
 			     "agent.thread_pool_size", GAUGE(thread_pool_size),
 			     "agent.num_idle_threads", GAUGE(num_idle_threads),
 			     "agent.client_active_calls", GAUGE(client_active_calls),
@@ -1115,7 +1118,11 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 			     "agent.gil_average_wait_time_us",
 			     (unsigned long long)(takes ? wait_ns / takes / 1000 : 0),
 			     "agent.gil_acquisitions", (unsigned long long)takes,
-			     "agent.gil_wait_time_ns", (unsigned long long)wait_ns);
+			     "agent.gil_wait_time_ns", (unsigned long long)wait_ns,
+			     "num_owner_rrefs", (unsigned long long)rc.owners,
+			     "num_pending_futures", (unsigned long long)rc.pending_owners,
+			     "num_forks", (unsigned long long)rc.forks,
+			     "num_pending_users", (unsigned long long)rc.pending_users);
 #undef GAUGE
 }
 

@@ -103,6 +103,10 @@ static struct {
 	struct owner_forks *owned[FORK_BUCKETS];
 } forks = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
+/* Pending users made and not yet answered (rref_debug_counts). Relaxed:
+ * a gauge, ordered with nothing. */
+static _Atomic uint64_t pending_users_open;
+
 static uint32_t fork_bucket(uint64_t key)
 {
 	return (uint32_t)((key * 0x9e3779b97f4a7c15ull) >> 54);
@@ -457,6 +461,8 @@ static void fork_answered(struct agent *ag, struct pending_user *p, int err, con
 	if (err && err != -SHMRPC_EPEERDEAD && err != -ESHUTDOWN)
 		fprintf(stderr, "shmrpc: worker %u: the owner did not confirm a fork of RRef %#"
 			PRIx64 "; its handles here hold no reference: %s\n", ag->rank, id, why);
+	/* Relaxed: a gauge (pending_users_open). */
+	atomic_fetch_sub_explicit(&pending_users_open, 1, memory_order_relaxed);
 	pthread_mutex_lock(&forks.lock);
 	p->done = true;
 	p->failed = err != 0;
@@ -699,6 +705,8 @@ int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out)
 	}
 	r->forked = true;
 	r->pending = p;
+	if (p) /* Relaxed: a gauge (pending_users_open). */
+		atomic_fetch_add_explicit(&pending_users_open, 1, memory_order_relaxed);
 	if (fj) { /* from an executor thread: this may be the loop thread */
 		*fj = (struct fork_job){ { NULL, run_fork_job }, ag, p, w.parent, w.fork_id };
 		executor_submit(&fj->base);
@@ -1509,4 +1517,24 @@ int shmrpc_rref_remote(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
 		       int64_t timeout_ms, shmrpc_rref **out)
 {
 	return proxy(r, PROXY_REMOTE, fn, args, nargs, timeout_ms, out);
+}
+
+void rref_debug_counts(struct agent *ag, struct rref_debug_counts *out)
+{
+	struct rref_info info;
+
+	*out = (struct rref_debug_counts){ 0 };
+	/* Relaxed: a gauge (pending_users_open). */
+	out->pending_users = atomic_load_explicit(&pending_users_open, memory_order_relaxed);
+	if (!ag->has_rrefs)
+		return;
+	for (uint32_t slot = 0; slot < ag->rrefs.capacity; slot++) {
+		if (!rref_info_at(&ag->rrefs, slot, &info) || info.owner != ag->rank ||
+		    (info.state != RREF_PENDING && info.state != RREF_READY && info.state != RREF_ERROR))
+			continue;
+		out->owners++;
+		out->pending_owners += info.state == RREF_PENDING;
+		for (uint32_t r = 0; r < ag->world; r++)
+			out->forks += r != ag->rank && rref_count_of(&ag->rrefs, slot, r);
+	}
 }

@@ -109,6 +109,16 @@ SHMRPC_HIDDEN void rref_owner_collect_all(struct agent *ag);
  * children too (the launcher sweeps the table). */
 SHMRPC_HIDDEN void rref_owner_free_all(struct agent *ag);
 
+/* torch's RRef debug counts (RRefContext::getDebugInfo) for this worker:
+ * live RRefs it owns, those still waiting for their value, the other
+ * workers' references to them (its users' forks, one per worker holding
+ * any), and forks it received by message that the owner has not
+ * confirmed yet. A walk of the table: for debugging, not the hot path. */
+struct rref_debug_counts {
+	uint64_t owners, pending_owners, forks, pending_users;
+};
+SHMRPC_HIDDEN void rref_debug_counts(struct agent *ag, struct rref_debug_counts *out);
+
 /* The local value of an RRef we own, decoded once (for proxies on the owner). */
 SHMRPC_HIDDEN int rref_local_value(shmrpc_rref *r, const shmrpc_value **out);
 

@@ -133,15 +133,25 @@ def shutdown(graceful=True, timeout=0):
 
 
 def _get_debug_info():
-    """torch's rpc._get_debug_info() for this worker, its values strings as
-    torch's: agent.thread_pool_size, agent.num_idle_threads,
-    agent.client_active_calls, agent.server_active_calls and
-    agent.gil_average_wait_time_us (how long executor threads waited for
-    the GIL before running Python, on average, in whole microseconds), and shmrpc's own agent.server_pending_calls
-    (received, not started), agent.calls_served, agent.gil_acquisitions and
-    agent.gil_wait_time_ns (their total wait). torch's RRef and autograd
-    counts are not kept."""
-    return {k: str(v) for k, v in _shmrpc.debug_info().items()}
+    """torch's rpc._get_debug_info() for this worker, with torch's keys and
+    value types: the agent's as strings (agent.thread_pool_size,
+    agent.num_idle_threads, agent.client_active_calls,
+    agent.server_active_calls, agent.server_active_async_calls,
+    agent.gil_average_wait_time_us: how long executor threads waited for
+    the GIL before running Python, on average, in whole microseconds), the
+    RRef counts as strings (num_owner_rrefs, num_pending_futures: owned
+    RRefs still waiting for their value, num_forks: other workers holding
+    an owned RRef, one per worker and RRef, num_pending_users: forks
+    received and not yet confirmed by their owner), and distributed
+    autograd's as ints (num_autograd_contexts,
+    num_current_backward_passes). shmrpc's own, as strings:
+    agent.server_pending_calls (received, not started),
+    agent.calls_served, agent.gil_acquisitions and agent.gil_wait_time_ns
+    (their total wait)."""
+    info = {k: str(v) for k, v in _shmrpc.debug_info().items()}
+    info["agent.server_active_async_calls"] = str(_async_serving)
+    info.update(autograd._debug_info())
+    return info
 
 
 def get_worker_info(worker_name=None):
@@ -324,6 +334,12 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         return _dumps(RemoteException(text, type(e)))
 
 
+# async_execution functions whose Future this worker is waiting for
+# (torch's agent.server_active_async_calls), under _async_lock.
+_async_serving = 0
+_async_lock = threading.Lock()
+
+
 def _serve_call(func, args, kwargs, caller, context_id, ops):
     """The pickled result of a call served here: run inside the caller's
     autograd context, under torch's profiler when ops is a list."""
@@ -339,6 +355,7 @@ def _serve_call(func, args, kwargs, caller, context_id, ops):
 
 def _call(func, args, kwargs):
     """func's result; an async_execution function's Future waited for."""
+    global _async_serving
     result = func(*args, **(kwargs or {}))
     if not getattr(func, "_shmrpc_async_execution", False):
         return result
@@ -349,7 +366,13 @@ def _call(func, args, kwargs):
             "Functions decorated with @rpc.functions.async_execution must return a "
             "torch.futures.Future or shmrpc.Future object, but got "
             f"{type(result).__module__}.{type(result).__qualname__}")
-    return result.wait()
+    with _async_lock:
+        _async_serving += 1
+    try:
+        return result.wait()
+    finally:
+        with _async_lock:
+            _async_serving -= 1
 
 
 def _result(msg, grad_mode="result"):

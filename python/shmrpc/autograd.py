@@ -67,6 +67,7 @@ __all__ = ["context", "backward", "get_gradients"]
 _tls = threading.local()  # .ctx: the current context (a _Context) of this thread
 _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
+_backward_passes = 0  # _run_backward calls running here (under _lock)
 _counter = itertools.count()
 _send_ids = itertools.count()
 _message_ids = itertools.count()
@@ -130,6 +131,14 @@ def _num_contexts():
     """How many contexts this worker holds (torch: num_autograd_contexts)."""
     with _lock:
         return len(_contexts)
+
+
+def _debug_info():
+    """torch's dist_autograd._get_debug_info(): the contexts this worker
+    holds and the backward passes running on it."""
+    with _lock:
+        return {"num_autograd_contexts": len(_contexts),
+                "num_current_backward_passes": _backward_passes}
 
 
 def _current():
@@ -329,10 +338,22 @@ def _leaves(roots):
 def _run_backward(ctx, tensors, grad_outputs, retain_graph):
     """Backward from tensors (with grad_outputs) over this worker's graph;
     then the gradients of recv leaves go back to their senders."""
+    global _backward_passes
     torch = _torch()
     leaves = _leaves(tensors)
     if not leaves:
         return
+    with _lock:
+        _backward_passes += 1
+    try:
+        _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph)
+    finally:
+        with _lock:
+            _backward_passes -= 1
+
+
+def _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph):
+    torch = _torch()
     grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
                                 allow_unused=True)
     back = {}

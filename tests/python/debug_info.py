@@ -12,7 +12,10 @@ import shmrpc as rpc
 from checks import check, failed
 
 TORCH_KEYS = {"agent.thread_pool_size", "agent.num_idle_threads", "agent.client_active_calls",
-              "agent.server_active_calls", "agent.gil_average_wait_time_us"}
+              "agent.server_active_calls", "agent.server_active_async_calls",
+              "agent.gil_average_wait_time_us", "num_owner_rrefs", "num_pending_futures",
+              "num_forks", "num_pending_users"}
+AUTOGRAD_KEYS = {"num_autograd_contexts", "num_current_backward_passes"}  # ints, as torch's
 SHMRPC_KEYS = {"agent.server_pending_calls", "agent.calls_served", "agent.gil_acquisitions",
                "agent.gil_wait_time_ns"}
 CALLS = 20
@@ -37,8 +40,9 @@ def main():
     peer = f"worker{1 - rank}"
 
     info = rpc._get_debug_info()
-    check(set(info) == TORCH_KEYS | SHMRPC_KEYS, f"the keys: {sorted(info)}")
-    check(all(isinstance(v, str) for v in info.values()), "values are strings, as torch's")
+    check(set(info) == TORCH_KEYS | SHMRPC_KEYS | AUTOGRAD_KEYS, f"the keys: {sorted(info)}")
+    check(all(isinstance(v, int if k in AUTOGRAD_KEYS else str) for k, v in info.items()),
+          f"values are strings, autograd's ints, as torch's: {info}")
     mine = numbers(info)
     check(all(v >= 0 for v in mine.values()), f"values are counts: {info}")
     check(mine["agent.thread_pool_size"] >= 1, "the executor pool has threads")
@@ -64,6 +68,20 @@ def main():
     check(ran.wait(30), "the done callback ran")
     check(numbers(rpc._get_debug_info())["agent.gil_acquisitions"] > takes,
           "the callback's GIL acquisition is counted")
+
+    # An RRef the peer owns and we hold: counted there as an owner RRef
+    # and a fork (ours); a context of ours is counted here.
+    r = rpc.remote(peer, add, args=(1, 2))
+    check(r.to_here() == 3, "remote add")
+    held = numbers(rpc.rpc_sync(peer, rpc._get_debug_info))
+    check(held["num_owner_rrefs"] >= 1 and held["num_forks"] >= 1,
+          f"the peer counts the RRef it owns and our fork: {held}")
+    check(held["num_pending_futures"] == 0 and held["num_pending_users"] == 0,
+          f"nothing pending on the peer: {held}")
+    with rpc.autograd.context():
+        check(rpc._get_debug_info()["num_autograd_contexts"] == 1, "our context is counted")
+    check(rpc._get_debug_info()["num_current_backward_passes"] == 0, "no backward running")
+    del r
     print(f"rank {rank}: peer's debug info: {after}", file=sys.stderr)
     rpc.shutdown()
     return failed()
