@@ -15,6 +15,7 @@ import sys
 import threading
 import traceback
 import types
+import weakref
 
 from . import _shmrpc
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
@@ -163,8 +164,18 @@ _POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", 
                                                "float16", "float32", "float64")}
 
 
+_KDLCUDA = 2  # DLPack's device type of CUDA memory
+
+# Per type: whether its objects may be CUDA arrays speaking DLPack (CuPy's,
+# ...), so that the pickler asks each type once, not each object.
+_DLPACK_TYPES = {}
+
+
 def _tensor_kind(obj):
-    """'np' or 'torch' for an array the pickler hands over, else None."""
+    """'np', 'torch' or 'cuda' for an array the pickler hands over, else
+    None. On the pickler's path for every object that is not of a plain
+    type: numpy and torch are recognised by their type's names (importing
+    neither), others by a lookup per type."""
     t = type(obj)
     # Only number types go through the pool (DLPack has no bool in numpy
     # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
@@ -172,25 +183,97 @@ def _tensor_kind(obj):
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
         return "np" if obj.dtype.kind in "iuf" and obj.size else None
     if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
-        if obj.device.type != "cpu":
-            raise _not_supported("sending a CUDA tensor from Python")
-        return "torch" if str(obj.dtype) in _POOL_TORCH_DTYPES and obj.numel() else None
+        if not obj.numel():
+            return None
+        if obj.device.type == "cpu":
+            return "torch" if str(obj.dtype) in _POOL_TORCH_DTYPES else None
+        if obj.device.type == "cuda":
+            return "cuda"  # any dtype torch's DLPack takes: never copied to the host
+        raise _not_supported(f"sending a torch tensor on device {obj.device.type} "
+                             "(CPU and CUDA tensors are)")
+    dlpack = _DLPACK_TYPES.get(t)
+    if dlpack is None:
+        dlpack = _DLPACK_TYPES[t] = hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__")
+    if dlpack and obj.__dlpack_device__()[0] == _KDLCUDA:
+        return "cuda"
     return None
 
 
 def _to_pool(kind, obj):
-    """obj's bytes as a pool tensor: without a copy when obj already views a
-    whole pool block (it came from shmrpc), copied once otherwise."""
+    """obj's bytes as a tensor handle: a pool block (without a copy when obj
+    already views a whole pool block, as what came from shmrpc does, else
+    copied once), or CUDA device memory as it is (CUDA IPC, no copy)."""
     if kind == "np":
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
-    return _shmrpc.from_dlpack(obj.detach().contiguous())
+    if kind == "torch":
+        return _shmrpc.from_dlpack(obj.detach().contiguous())
+    if type(obj) is _shmrpc.Tensor:
+        return obj  # received: passed on as it is (the producer's memory)
+    if type(obj).__module__.startswith("torch"):
+        import torch
+        received = _received_cuda.get(obj.data_ptr())
+        if received is not None and _whole(obj, received[0]()):
+            # Passed on: another worker's memory, which only its handle can
+            # describe (a mapping has no IPC handle of its own).
+            t = received[1]
+        else:
+            t = _shmrpc.from_dlpack(obj.detach().contiguous())
+        # Its receivers wait for the work queued so far on torch's current
+        # stream of the device: the kernels that wrote it.
+        t.set_cuda_stream(torch.cuda.current_stream(obj.device).cuda_stream)
+        return t
+    # Another producer (CuPy...): stream 1 asks it to order its writes
+    # before the legacy default stream, where the send records its event.
+    return _shmrpc.from_dlpack(obj.__dlpack__(stream=1))
+
+
+# The torch CUDA tensors received, by device address: (a weak reference to
+# the tensor, its handle), for the handle to be sent again when the tensor
+# is passed on. Dropped with the tensor.
+_received_cuda = {}
+
+
+def _whole(obj, received):
+    """True when torch tensor obj is all of received's bytes, as received's dtype."""
+    return (received is not None and obj.dtype == received.dtype
+            and obj.numel() == received.numel() and obj.is_contiguous())
+
+
+def _remember_received(tensor, handle):
+    ptr = tensor.data_ptr()
+
+    def forget(ref):
+        if _received_cuda.get(ptr, (None,))[0] is ref:  # not a later tensor at ptr
+            del _received_cuda[ptr]
+    _received_cuda[ptr] = (weakref.ref(tensor, forget), handle)
+    return tensor
+
+
+_torch_cuda = None  # torch, once known to have CUDA; False where it has not
+
+
+def _receiving_torch():
+    """torch when the process can take CUDA tensors as torch tensors."""
+    global _torch_cuda
+    if _torch_cuda is None:
+        try:
+            import torch
+            _torch_cuda = torch if torch.cuda.is_available() else False
+        except ImportError:
+            _torch_cuda = False
+    return _torch_cuda
 
 
 def _from_pool(kind, t):
     if kind == "np":
         import numpy as np
         return np.asarray(t)  # writable (numpy.from_dlpack's arrays are not)
+    if kind == "cuda":
+        # Without torch's CUDA the handle itself: it speaks DLPack, for
+        # cupy.from_dlpack or a later torch. Never copied to the host.
+        torch = _receiving_torch()
+        return _remember_received(torch.from_dlpack(t), t) if torch else t
     import torch
     return torch.from_dlpack(t)  # holds t's reference through the capsule
 
@@ -221,9 +304,12 @@ class _Pickler(pickle.Pickler):
         kind = _tensor_kind(obj)
         if kind:
             self.tensors.append(_to_pool(kind, obj))
-            if kind == "torch" and obj.requires_grad:
-                return (kind, len(self.tensors) - 1, tuple(obj.shape), autograd._sending(obj))
-            return (kind, len(self.tensors) - 1, tuple(obj.shape))
+            # Any DLPack producer may be sent: it may have no .shape.
+            shape = getattr(obj, "shape", None)
+            shape = None if shape is None else tuple(shape)
+            if kind != "np" and getattr(obj, "requires_grad", False):
+                return (kind, len(self.tensors) - 1, shape, autograd._sending(obj))
+            return (kind, len(self.tensors) - 1, shape)
         return None
 
 
@@ -237,8 +323,13 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == "rref":
             return RRef(_c=self.rrefs[pid[1]])
-        t = _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
+        t = _from_pool(pid[0], self.tensors[pid[1]])
+        if pid[2] is not None and type(t) is not _shmrpc.Tensor:  # a handle keeps its shape
+            t = t.reshape(pid[2])
         if len(pid) > 3:
+            if type(t) is _shmrpc.Tensor:
+                raise _not_supported("receiving a CUDA tensor that requires grad where torch "
+                                     "has no CUDA")
             t = autograd._received(t, pid[3], self.grad_mode)
         return t
 
