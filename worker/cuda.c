@@ -679,6 +679,8 @@ int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream)
 
 	if (rc)
 		return rc;
+	/* Our own event (a descriptor this process made): one of our rings';
+	 * the pointer import_local gives is not wanted here. */
 	if (d->event_pid == (uint32_t)getpid())
 		return import_local(d, (CUstream)stream, &own);
 	pthread_mutex_lock(&cu.lock);

@@ -649,8 +649,9 @@ int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_cuda_wait: not a CUDA tensor");
 	if (d->imported)
 		return dev_check(d) ?: cuda_wait(&d->ipc, stream);
-	/* Our own: its writes were queued on its stream, here. Relaxed: see
-	 * shmrpc_tensor_set_cuda_stream. */
+	/* Of this process: its writes were queued on the stream set for it,
+	 * where cuda_export records an event for the consumer's stream to wait
+	 * on (as a send would). Relaxed: see shmrpc_tensor_set_cuda_stream. */
 	wrote = atomic_load_explicit(&d->stream, memory_order_relaxed);
 	if (wrote == stream)
 		return 0;

@@ -218,7 +218,12 @@ def _to_pool(kind, obj):
             # describe (a mapping has no IPC handle of its own).
             t = received[1]
         else:
-            t = _shmrpc.from_dlpack(obj.detach().contiguous())
+            obj = obj.detach().contiguous()
+            if _received_cuda and _in_received(obj):
+                raise _not_supported("sending a part, or another dtype's view, of a CUDA "
+                                     "tensor received from another worker (send it whole, "
+                                     "or a .clone())")
+            t = _shmrpc.from_dlpack(obj)
         # Its receivers wait for the work queued so far on torch's current
         # stream of the device: the kernels that wrote it.
         t.set_cuda_stream(torch.cuda.current_stream(obj.device).cuda_stream)
@@ -238,6 +243,16 @@ def _whole(obj, received):
     """True when torch tensor obj is all of received's bytes, as received's dtype."""
     return (received is not None and obj.dtype == received.dtype
             and obj.numel() == received.numel() and obj.is_contiguous())
+
+
+def _in_received(obj):
+    """True when torch tensor obj's bytes are in a CUDA tensor received."""
+    p = obj.data_ptr()
+    for ref, _ in list(_received_cuda.values()):
+        r = ref()
+        if r is not None and r.data_ptr() <= p < r.data_ptr() + r.numel() * r.element_size():
+            return True
+    return False
 
 
 def _remember_received(tensor, handle):
@@ -273,7 +288,7 @@ def _from_pool(kind, t):
         # Without torch's CUDA the handle itself: it speaks DLPack, for
         # cupy.from_dlpack or a later torch. Never copied to the host.
         torch = _receiving_torch()
-        return _remember_received(torch.from_dlpack(t), t) if torch else t
+        return torch.from_dlpack(t) if torch else t
     import torch
     return torch.from_dlpack(t)  # holds t's reference through the capsule
 
@@ -323,14 +338,19 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == "rref":
             return RRef(_c=self.rrefs[pid[1]])
-        t = _from_pool(pid[0], self.tensors[pid[1]])
-        if pid[2] is not None and type(t) is not _shmrpc.Tensor:  # a handle keeps its shape
-            t = t.reshape(pid[2])
-        if len(pid) > 3:
-            if type(t) is _shmrpc.Tensor:
+        handle = self.tensors[pid[1]]
+        t = _from_pool(pid[0], handle)
+        if type(t) is _shmrpc.Tensor:  # a handle keeps its shape
+            if len(pid) > 3:
                 raise _not_supported("receiving a CUDA tensor that requires grad where torch "
                                      "has no CUDA")
+            return t
+        if pid[2] is not None:
+            t = t.reshape(pid[2])
+        if len(pid) > 3:
             t = autograd._received(t, pid[3], self.grad_mode)
+        if pid[0] == "cuda":
+            _remember_received(t, handle)  # the tensor as the program gets it
         return t
 
 
