@@ -166,37 +166,53 @@ _POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", 
 
 _KDLCUDA = 2  # DLPack's device type of CUDA memory
 
-# Per type: whether its objects may be CUDA arrays speaking DLPack (CuPy's,
-# ...), so that the pickler asks each type once, not each object.
-_DLPACK_TYPES = {}
+# How the objects of a type are sent, asked once per type (_type_kind).
+_NOT_ARRAY, _NUMPY, _TORCH, _DLPACK = range(4)
+_TYPE_KINDS = {}
+# Per torch dtype: whether a CPU tensor of it goes through the pool.
+_TORCH_DTYPE_OK = {}
+
+
+def _type_kind(t):
+    """numpy and torch are recognised by their type's module and name
+    (importing neither); another type by whether it speaks DLPack (CuPy's
+    arrays...)."""
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        return _NUMPY
+    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+        return _TORCH
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _DLPACK
+    return _NOT_ARRAY
 
 
 def _tensor_kind(obj):
     """'np', 'torch' or 'cuda' for an array the pickler hands over, else
     None. On the pickler's path for every object that is not of a plain
-    type: numpy and torch are recognised by their type's names (importing
-    neither), others by a lookup per type."""
+    type: one dictionary lookup for most."""
     t = type(obj)
+    how = _TYPE_KINDS.get(t)
+    if how is None:
+        how = _TYPE_KINDS[t] = _type_kind(t)
+    if how == _NOT_ARRAY:
+        return None
     # Only number types go through the pool (DLPack has no bool in numpy
     # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
     # pool's DLPack import takes them for strided), are pickled.
-    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+    if how == _NUMPY:
         return "np" if obj.dtype.kind in "iuf" and obj.size else None
-    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
-        if not obj.numel():
-            return None
-        if obj.device.type == "cpu":
-            return "torch" if str(obj.dtype) in _POOL_TORCH_DTYPES else None
-        if obj.device.type == "cuda":
-            return "cuda"  # any dtype torch's DLPack takes: never copied to the host
+    if how == _TORCH:
+        if obj.is_cpu:
+            ok = _TORCH_DTYPE_OK.get(obj.dtype)
+            if ok is None:
+                ok = _TORCH_DTYPE_OK[obj.dtype] = str(obj.dtype) in _POOL_TORCH_DTYPES
+            return "torch" if ok and obj.numel() else None
+        if obj.is_cuda:
+            # Any dtype torch's DLPack takes: never copied to the host.
+            return "cuda" if obj.numel() else None
         raise _not_supported(f"sending a torch tensor on device {obj.device.type} "
                              "(CPU and CUDA tensors are)")
-    dlpack = _DLPACK_TYPES.get(t)
-    if dlpack is None:
-        dlpack = _DLPACK_TYPES[t] = hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__")
-    if dlpack and obj.__dlpack_device__()[0] == _KDLCUDA:
-        return "cuda"
-    return None
+    return "cuda" if obj.__dlpack_device__()[0] == _KDLCUDA else None
 
 
 def _to_pool(kind, obj):
