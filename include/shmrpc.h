@@ -146,6 +146,14 @@ SHMRPC_API uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t);
  * handle of it in this process, orders the receiver after the work queued
  * there. -EINVAL for a CPU tensor. */
 SHMRPC_API int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream);
+/* Makes stream (a CUstream of the tensor's device, as an integer: 0 the
+ * legacy default stream) wait, on the GPU, for the writes that CUDA tensor
+ * t was sent after (or, for a tensor of this process, for the work queued
+ * on the stream set with shmrpc_tensor_set_cuda_stream): for a consumer
+ * that reads t on another stream than the receiver's legacy default,
+ * which waited already when t came in. The host never waits. -EINVAL for
+ * a CPU tensor, -SHMRPC_EPEERDEAD once t's producer is gone. */
+SHMRPC_API int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream);
 /* DLPack out: *out owns t's reference (t is consumed); its deleter drops it. */
 SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
 /* DLPack in. A tensor that is a whole block of this job's pool is taken

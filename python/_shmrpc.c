@@ -137,16 +137,52 @@ static void capsule_free(PyObject *cap)
 		m->deleter(m);
 }
 
-/* __dlpack__(stream=None): a new reference to the same bytes. */
+/* A CUDA tensor's consumer, which will queue its work on stream (the
+ * DLPack protocol's stream argument: None or 1, the legacy default stream;
+ * 2, the per-thread default stream; -1, no ordering wanted; else a
+ * CUstream of the device), waits for the writes the tensor was sent after.
+ * 0 or -1 with an exception set. */
+static int consumer_waits(shmrpc_tensor *t, PyObject *stream)
+{
+	long long s = 0; /* the CUstream: 0 is the legacy default stream */
+	int rc;
+
+	if (stream && stream != Py_None) {
+		s = PyLong_AsLongLong(stream);
+		if (s == -1 && PyErr_Occurred())
+			return -1;
+		if (s == -1)
+			return 0;
+		if (s == 0 || s < -1) {
+			PyErr_Format(PyExc_ValueError, "__dlpack__: stream %lld is not a CUDA stream "
+				     "for DLPack: pass None or 1 for the legacy default stream, 2 for "
+				     "the per-thread default stream, -1 for no ordering, or a CUstream",
+				     s);
+			return -1;
+		}
+		if (s == 1)
+			s = 0;
+	}
+	rc = shmrpc_tensor_cuda_wait(t, (uintptr_t)s);
+	return rc ? (fail(rc), -1) : 0;
+}
+
+/* __dlpack__(stream=None): a new reference to the same bytes; for a CUDA
+ * tensor, ordered on the consumer's stream (consumer_waits). */
 static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "stream", NULL };
 	PyObject *stream = NULL, *cap;
+	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
 	DLManagedTensor *m;
 	shmrpc_tensor *t;
 	int rc;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream))
+		return NULL;
+	if (!dl)
+		return fail(-ECONNRESET);
+	if (dl->device.device_type == kDLCUDA && consumer_waits(HANDLE(self), stream))
 		return NULL;
 	rc = shmrpc_tensor_retain(HANDLE(self), &t);
 	if (rc == 0 && (rc = shmrpc_tensor_to_dlpack(t, &m)))
@@ -168,15 +204,19 @@ static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 	return Py_BuildValue("(ii)", (int)dl->device.device_type, (int)dl->device.device_id);
 }
 
-/* The tensor's DLTensor when its bytes are host memory; else an exception. */
-static const DLTensor *host_dl(PyObject *self)
+/* The tensor's DLTensor when its bytes are host memory; else an exception
+ * saying that what (a host-only method) cannot read device memory. */
+static const DLTensor *host_dl(PyObject *self, const char *what)
 {
 	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
 
 	if (!dl)
 		return fail(-ECONNRESET), NULL;
 	if (dl->device.device_type != kDLCPU) {
-		PyErr_SetString(PyExc_RuntimeError, "CUDA tensors in Python are not supported yet");
+		PyErr_Format(PyExc_TypeError, "Tensor.%s reads host memory, and this tensor is in "
+			     "CUDA device %d's memory: take it with torch.from_dlpack or "
+			     "cupy.from_dlpack (no copy), and copy it to the host there if needed",
+			     what, (int)dl->device.device_id);
 		return NULL;
 	}
 	return dl;
@@ -188,9 +228,33 @@ static PyObject *tensor_tobytes(PyObject *self, PyObject *unused)
 	shmrpc_tensor *t = HANDLE(self);
 
 	(void)unused;
-	if (!host_dl(self))
+	if (!host_dl(self, "tobytes"))
 		return NULL;
 	return PyBytes_FromStringAndSize(shmrpc_tensor_data(t), (Py_ssize_t)shmrpc_tensor_nbytes(t));
+}
+
+/* data_ptr() -> the address of the bytes: in this process's mapping of the
+ * pool, or a CUDA device pointer (torch.Tensor.data_ptr's meaning). */
+static PyObject *tensor_data_ptr(PyObject *self, PyObject *unused)
+{
+	void *p = shmrpc_tensor_data(HANDLE(self));
+
+	(void)unused;
+	return p ? PyLong_FromVoidPtr(p) : fail(-ECONNRESET);
+}
+
+/* set_cuda_stream(stream): the CUstream (an int, 0: the legacy default
+ * stream) on which the tensor's last writes were queued; its sends order
+ * their receivers after them. */
+static PyObject *tensor_set_cuda_stream(PyObject *self, PyObject *stream)
+{
+	unsigned long long s = PyLong_AsUnsignedLongLong(stream);
+	int rc;
+
+	if (s == (unsigned long long)-1 && PyErr_Occurred())
+		return NULL;
+	rc = shmrpc_tensor_set_cuda_stream(HANDLE(self), (uintptr_t)s);
+	return rc ? fail(rc) : new_ref(Py_None);
 }
 
 static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
@@ -204,7 +268,7 @@ static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
  * gives read-only arrays.) */
 static PyObject *tensor_array_interface(PyObject *self, void *closure)
 {
-	const DLTensor *dl = host_dl(self);
+	const DLTensor *dl = host_dl(self, "__array_interface__");
 	static const char kinds[] = { [kDLInt] = 'i', [kDLUInt] = 'u', [kDLFloat] = 'f' };
 	PyObject *shape, *res;
 	char typestr[16];
@@ -235,7 +299,11 @@ static PyGetSetDef tensor_getset[] = {
 static PyMethodDef tensor_methods[] = {
 	{ "__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
 	  "a DLPack capsule of the same bytes" },
-	{ "__dlpack_device__", tensor_dlpack_device, METH_NOARGS, "(kDLCPU, 0)" },
+	{ "__dlpack_device__", tensor_dlpack_device, METH_NOARGS,
+	  "(kDLCPU=1, 0) or (kDLCUDA=2, device)" },
+	{ "data_ptr", tensor_data_ptr, METH_NOARGS, "the address of the bytes (host or device)" },
+	{ "set_cuda_stream", tensor_set_cuda_stream, METH_O,
+	  "set_cuda_stream(CUstream as an int): the stream that wrote a CUDA tensor" },
 	{ "pool_offset", tensor_pool_offset, METH_NOARGS, "where the bytes are in the pool" },
 	{ "tobytes", tensor_tobytes, METH_NOARGS, "a copy of the bytes" },
 	{ NULL, NULL, 0, NULL },
@@ -245,8 +313,9 @@ static PyType_Slot tensor_slots[] = {
 	{ Py_tp_dealloc, tensor_dealloc },
 	{ Py_tp_methods, tensor_methods },
 	{ Py_tp_getset, tensor_getset },
-	{ Py_tp_doc, "A tensor in the job's pool (shmrpc_tensor); numpy.asarray and "
-		     "torch.from_dlpack view it without a copy." },
+	{ Py_tp_doc, "A tensor in the job's pool or in CUDA device memory (shmrpc_tensor); "
+		     "numpy.asarray (host only), torch.from_dlpack and cupy.from_dlpack view "
+		     "it without a copy." },
 	{ 0, NULL },
 };
 
@@ -888,10 +957,13 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 /* from_dlpack(obj) -> Tensor: obj's bytes in the pool (taken without a copy
- * when they are a whole pool block already, copied once otherwise). */
+ * when they are a whole pool block already, copied once otherwise), or
+ * CUDA device memory as it is. obj speaks DLPack, or is the capsule its
+ * __dlpack__ gave (for a caller that passes the stream argument). */
 static PyObject *mod_from_dlpack(PyObject *m, PyObject *obj)
 {
-	PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+	PyObject *cap = PyCapsule_CheckExact(obj) ? new_ref(obj)
+						   : PyObject_CallMethod(obj, "__dlpack__", NULL);
 	DLManagedTensor *dm;
 	shmrpc_tensor *t;
 	int rc;
@@ -1169,7 +1241,8 @@ static PyMethodDef mod_methods[] = {
 	{ "remote", (PyCFunction)(void (*)(void))mod_remote, METH_VARARGS | METH_KEYWORDS,
 	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn, type, context_id, "
 	  "message_id, *, torch_profile=False) -> RRef" },
-	{ "from_dlpack", mod_from_dlpack, METH_O, "from_dlpack(obj) -> Tensor in the pool" },
+	{ "from_dlpack", mod_from_dlpack, METH_O,
+	  "from_dlpack(obj or capsule) -> Tensor in the pool or on a CUDA device" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
 	{ "stack_rows", mod_stack_rows, METH_VARARGS,

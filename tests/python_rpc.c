@@ -2,7 +2,9 @@
  * The Python package's tests: each tests/python/NAME.py runs as a job of
  * the workers its entry says, `shmrun -n N -- /usr/bin/python3
  * tests/python/NAME.py`, with the built package on PYTHONPATH. A script
- * exits 0 when all its checks pass.
+ * exits 0 when all its checks pass. An entry marked fake_cuda runs with
+ * SHMRPC_LIBCUDA naming the stand-in driver (tests/fake_cuda), which only
+ * that job may load: on a GPU machine the others use the real one.
  * Then the compatibility suite (tests/python/compat.py, issue 7): its cases
  * run on shmrpc, and where Debian's torch has torch.distributed.rpc also on
  * torch; the two outputs must be the same but for the known differences
@@ -10,11 +12,13 @@
  * Python headers, or a sanitizer build) or Debian's python3 is missing.
  */
 #include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "tests/lib/fakecuda.h"
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
@@ -25,17 +29,20 @@ static const struct {
 	const char *name;
 	const char *pool_size; /* shmrun --pool-size */
 	const char *workers;   /* shmrun -n */
+	bool fake_cuda;        /* on the stand-in CUDA driver */
 } scripts[] = {
-	{ "rpc_basic", "64M", "2" },
-	{ "tensors", "1G", "2" }, /* two 256 MiB arrays */
-	{ "futures", "64M", "2" },
-	{ "profiling", "64M", "2" },
-	{ "autograd", "64M", "3" }, /* model parallel over 3 workers */
-	{ "optim", "64M", "3" }, /* a model over 2 and 3 workers; runs its dead-worker job */
-	{ "param_server", "64M", "2" }, /* the tutorial's parameter server, one trainer */
-	{ "debug_info", "64M", "2" },
-	{ "data_ranks", "64M", "3" }, /* shmrpc.data loading on ranks 1 and 2 */
-	{ "torch_late_import", "64M", "2" }, /* torch first imported on an executor thread */
+	{ "rpc_basic", "64M", "2", false },
+	{ "tensors", "1G", "2", false }, /* two 256 MiB arrays */
+	{ "futures", "64M", "2", false },
+	{ "profiling", "64M", "2", false },
+	{ "autograd", "64M", "3", false }, /* model parallel over 3 workers */
+	{ "optim", "64M", "3", false }, /* a model over 2 and 3 workers; runs its dead-worker job */
+	{ "param_server", "64M", "2", false }, /* the tutorial's parameter server, one trainer */
+	{ "debug_info", "64M", "2", false },
+	{ "data_ranks", "64M", "3", false }, /* shmrpc.data loading on ranks 1 and 2 */
+	{ "torch_late_import", "64M", "2", false }, /* torch first imported on an executor thread */
+	{ "cuda_tensors", "64M", "2", true }, /* device arrays over the stand-in driver */
+	{ "cuda_tensors", "64M", "2", false }, /* torch's CUDA tensors, where torch has CUDA */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */
@@ -100,8 +107,13 @@ int main(void)
 		int rc;
 
 		snprintf(script, sizeof(script), "tests/python/%s.py", scripts[i].name);
+		if (scripts[i].fake_cuda)
+			CHECK(tl_fake_cuda_use(), "%s: the stand-in CUDA driver is not built",
+			      scripts[i].name);
 		rc = tl_run(out, sizeof(out), argv);
-		CHECK(rc == 0, "%s: shmrun exited %d", scripts[i].name, rc);
+		unsetenv("SHMRPC_LIBCUDA");
+		CHECK(rc == 0, "%s%s: shmrun exited %d", scripts[i].name,
+		      scripts[i].fake_cuda ? " (stand-in CUDA driver)" : "", rc);
 		CHECK(!strstr(out, "left in the RRef table"), "%s leaked RRefs", scripts[i].name);
 	}
 	compat(out, sizeof(out));

@@ -26,8 +26,8 @@
  *    (empty), and the receivers' mappings are closed. What the caches
  *    hold at shutdown is released before the barrier: rank 0's last
  *    tensor, cached by rank 1, is released by rank 0's shutdown.
- *  - The API's edges: no pool offset for a device tensor, no stream for a
- *    CPU one, shmrpc_tensor_dl says kDLCUDA, a descriptor of another
+ *  - The API's edges: no pool offset for a device tensor, no stream (set
+ *    or waited on) for a CPU one, shmrpc_tensor_dl says kDLCUDA, a descriptor of another
  *    device type is refused.
  */
 #include <stdatomic.h>
@@ -200,6 +200,7 @@ static void edges(shmrpc_tensor *t)
 	      shmrpc_errmsg());
 	CHECK_OK(shmrpc_tensor_alloc((DLDataType){ kDLUInt, 8, 1 }, 1, shape, &cpu));
 	CHECK(shmrpc_tensor_set_cuda_stream(cpu, 0) == -EINVAL, "a stream for a CPU tensor");
+	CHECK(shmrpc_tensor_cuda_wait(cpu, 0) == -EINVAL, "a CPU tensor has nothing to wait for");
 	CHECK(shmrpc_tensor_dl(cpu)->device.device_type == kDLCPU, "CPU tensor's device");
 	shmrpc_tensor_free(cpu);
 }

@@ -620,12 +620,24 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	return 0;
 }
 
+/* s waits for d's event (of another process). Caller holds cu.lock, in
+ * the primary context of d->device. */
+static int wait_event(const struct cuda_ipc_desc *d, CUstream s)
+{
+	CUevent ev = NULL;
+	CUresult r;
+	int rc = import_event(d, &ev);
+
+	if (rc)
+		return rc;
+	r = cu.cuStreamWaitEvent(s, ev, 0);
+	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamWaitEvent");
+}
+
 int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bool *stale)
 {
 	struct import_map *m = NULL;
-	CUevent ev = NULL;
 	CUcontext ctx;
-	CUresult r;
 	int rc;
 
 	uint32_t self = (uint32_t)getpid();
@@ -646,18 +658,37 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 		 * nothing to map, but the range comes from another process. */
 		rc = d->pid == self ? check_own(d) : import_map(d, &m, stale);
 		if (!rc)
-			rc = import_event(d, &ev);
-		if (!rc) {
-			r = cu.cuStreamWaitEvent((CUstream)stream, ev, 0);
-			if (r != CUDA_SUCCESS)
-				rc = cu_fail(r, "cuStreamWaitEvent");
-		}
+			rc = wait_event(d, (CUstream)stream);
 		/* The mapping stays cached; only the reference goes. */
 		if (rc && m)
 			m->refs--;
 		/* Under the lock: cuda_forget_peer may free m once it is dropped. */
 		if (!rc)
 			*dptr = (void *)(uintptr_t)((m ? m->local : d->base) + d->offset);
+		pop_ctx();
+	}
+	pthread_mutex_unlock(&cu.lock);
+	return rc;
+}
+
+int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream)
+{
+	void *own;
+	CUcontext ctx;
+	int rc = ready();
+
+	if (rc)
+		return rc;
+	/* Our own event (a descriptor this process made): one of our rings';
+	 * the pointer import_local gives is not wanted here. */
+	if (d->event_pid == (uint32_t)getpid())
+		return import_local(d, (CUstream)stream, &own);
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(d->device, &ctx);
+	if (!rc)
+		rc = push_ctx(ctx);
+	if (!rc) {
+		rc = wait_event(d, (CUstream)stream);
 		pop_ctx();
 	}
 	pthread_mutex_unlock(&cu.lock);

@@ -144,6 +144,10 @@ SHMRPC_HIDDEN int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t 
  */
 SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr,
 			      bool *stale);
+/* stream (a CUstream of d->device's primary context) waits for d's event
+ * again, as cuda_import's did: for a consumer of the tensor that queues
+ * its work on another stream than the one the import ordered. */
+SHMRPC_HIDDEN int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream);
 /* Drops the reference of one cuda_import of d. keep: an idle mapping stays
  * cached; otherwise the last reference closes it (see above). */
 SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d, bool keep);

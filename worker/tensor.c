@@ -638,6 +638,27 @@ int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream)
 	return 0;
 }
 
+int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream)
+{
+	struct tensor_dev *d = t ? t->dev : NULL;
+	struct cuda_ipc_desc own;
+	uintptr_t wrote;
+	int rc;
+
+	if (!d)
+		return shmrpc__fail(-EINVAL, "shmrpc_tensor_cuda_wait: not a CUDA tensor");
+	if (d->imported)
+		return dev_check(d) ?: cuda_wait(&d->ipc, stream);
+	/* Of this process: its writes were queued on the stream set for it,
+	 * where cuda_export records an event for the consumer's stream to wait
+	 * on (as a send would). Relaxed: see shmrpc_tensor_set_cuda_stream. */
+	wrote = atomic_load_explicit(&d->stream, memory_order_relaxed);
+	if (wrote == stream)
+		return 0;
+	rc = cuda_export(t->dl.data, t->nbytes, wrote, &own);
+	return rc ? rc : cuda_wait(&own, stream);
+}
+
 /* ---- lists ---- */
 
 int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t)

@@ -15,6 +15,7 @@ import sys
 import threading
 import traceback
 import types
+import weakref
 
 from . import _shmrpc
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
@@ -173,34 +174,147 @@ _POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", 
                                                "float16", "float32", "float64")}
 
 
+_KDLCUDA = 2  # DLPack's device type of CUDA memory
+
+# How the objects of a type are sent, asked once per type (_type_kind).
+_NOT_ARRAY, _NUMPY, _TORCH, _DLPACK = range(4)
+_TYPE_KINDS = {}
+# Per torch dtype: whether a CPU tensor of it goes through the pool.
+_TORCH_DTYPE_OK = {}
+
+
+def _type_kind(t):
+    """numpy and torch are recognised by their type's module and name
+    (importing neither); another type by whether it speaks DLPack (CuPy's
+    arrays...)."""
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        return _NUMPY
+    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+        return _TORCH
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _DLPACK
+    return _NOT_ARRAY
+
+
 def _tensor_kind(obj):
-    """'np' or 'torch' for an array the pickler hands over, else None."""
+    """'np', 'torch' or 'cuda' for an array the pickler hands over, else
+    None. On the pickler's path for every object that is not of a plain
+    type: one dictionary lookup for most."""
     t = type(obj)
+    how = _TYPE_KINDS.get(t)
+    if how is None:
+        how = _TYPE_KINDS[t] = _type_kind(t)
+    if how == _NOT_ARRAY:
+        return None
     # Only number types go through the pool (DLPack has no bool in numpy
     # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
     # pool's DLPack import takes them for strided), are pickled.
-    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+    if how == _NUMPY:
         return "np" if obj.dtype.kind in "iuf" and obj.size else None
-    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
-        if obj.device.type != "cpu":
-            raise _not_supported("sending a CUDA tensor from Python")
-        return "torch" if str(obj.dtype) in _POOL_TORCH_DTYPES and obj.numel() else None
-    return None
+    if how == _TORCH:
+        if obj.is_cpu:
+            ok = _TORCH_DTYPE_OK.get(obj.dtype)
+            if ok is None:
+                ok = _TORCH_DTYPE_OK[obj.dtype] = str(obj.dtype) in _POOL_TORCH_DTYPES
+            return "torch" if ok and obj.numel() else None
+        if obj.is_cuda:
+            # Any dtype torch's DLPack takes: never copied to the host.
+            return "cuda" if obj.numel() else None
+        raise _not_supported(f"sending a torch tensor on device {obj.device.type} "
+                             "(CPU and CUDA tensors are)")
+    return "cuda" if obj.__dlpack_device__()[0] == _KDLCUDA else None
 
 
 def _to_pool(kind, obj):
-    """obj's bytes as a pool tensor: without a copy when obj already views a
-    whole pool block (it came from shmrpc), copied once otherwise."""
+    """obj's bytes as a tensor handle: a pool block (without a copy when obj
+    already views a whole pool block, as what came from shmrpc does, else
+    copied once), or CUDA device memory as it is (CUDA IPC, no copy)."""
     if kind == "np":
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
-    return _shmrpc.from_dlpack(obj.detach().contiguous())
+    if kind == "torch":
+        return _shmrpc.from_dlpack(obj.detach().contiguous())
+    if type(obj) is _shmrpc.Tensor:
+        return obj  # received: passed on as it is (the producer's memory)
+    if type(obj).__module__.startswith("torch"):
+        import torch
+        received = _received_cuda.get(obj.data_ptr())
+        if received is not None and _whole(obj, received[0]()):
+            # Passed on: another worker's memory, which only its handle can
+            # describe (a mapping has no IPC handle of its own).
+            t = received[1]
+        else:
+            obj = obj.detach().contiguous()
+            if _received_cuda and _in_received(obj):
+                raise _not_supported("sending a part, or another dtype's view, of a CUDA "
+                                     "tensor received from another worker (send it whole, "
+                                     "or a .clone())")
+            t = _shmrpc.from_dlpack(obj)
+        # Its receivers wait for the work queued so far on torch's current
+        # stream of the device: the kernels that wrote it.
+        t.set_cuda_stream(torch.cuda.current_stream(obj.device).cuda_stream)
+        return t
+    # Another producer (CuPy...): stream 1 asks it to order its writes
+    # before the legacy default stream, where the send records its event.
+    return _shmrpc.from_dlpack(obj.__dlpack__(stream=1))
+
+
+# The torch CUDA tensors received, by device address: (a weak reference to
+# the tensor, its handle), for the handle to be sent again when the tensor
+# is passed on. Dropped with the tensor.
+_received_cuda = {}
+
+
+def _whole(obj, received):
+    """True when torch tensor obj is all of received's bytes, as received's dtype."""
+    return (received is not None and obj.dtype == received.dtype
+            and obj.numel() == received.numel() and obj.is_contiguous())
+
+
+def _in_received(obj):
+    """True when torch tensor obj's bytes are in a CUDA tensor received."""
+    p = obj.data_ptr()
+    for ref, _ in list(_received_cuda.values()):
+        r = ref()
+        if r is not None and r.data_ptr() <= p < r.data_ptr() + r.numel() * r.element_size():
+            return True
+    return False
+
+
+def _remember_received(tensor, handle):
+    ptr = tensor.data_ptr()
+
+    def forget(ref):
+        if _received_cuda.get(ptr, (None,))[0] is ref:  # not a later tensor at ptr
+            del _received_cuda[ptr]
+    _received_cuda[ptr] = (weakref.ref(tensor, forget), handle)
+    return tensor
+
+
+_torch_cuda = None  # torch, once known to have CUDA; False where it has not
+
+
+def _receiving_torch():
+    """torch when the process can take CUDA tensors as torch tensors."""
+    global _torch_cuda
+    if _torch_cuda is None:
+        try:
+            import torch
+            _torch_cuda = torch if torch.cuda.is_available() else False
+        except ImportError:
+            _torch_cuda = False
+    return _torch_cuda
 
 
 def _from_pool(kind, t):
     if kind == "np":
         import numpy as np
         return np.asarray(t)  # writable (numpy.from_dlpack's arrays are not)
+    if kind == "cuda":
+        # Without torch's CUDA the handle itself: it speaks DLPack, for
+        # cupy.from_dlpack or a later torch. Never copied to the host.
+        torch = _receiving_torch()
+        return torch.from_dlpack(t) if torch else t
     import torch
     return torch.from_dlpack(t)  # holds t's reference through the capsule
 
@@ -231,9 +345,12 @@ class _Pickler(pickle.Pickler):
         kind = _tensor_kind(obj)
         if kind:
             self.tensors.append(_to_pool(kind, obj))
-            if kind == "torch" and obj.requires_grad:
-                return (kind, len(self.tensors) - 1, tuple(obj.shape), autograd._sending(obj))
-            return (kind, len(self.tensors) - 1, tuple(obj.shape))
+            # Any DLPack producer may be sent: it may have no .shape.
+            shape = getattr(obj, "shape", None)
+            shape = None if shape is None else tuple(shape)
+            if kind != "np" and getattr(obj, "requires_grad", False):
+                return (kind, len(self.tensors) - 1, shape, autograd._sending(obj))
+            return (kind, len(self.tensors) - 1, shape)
         return None
 
 
@@ -247,9 +364,19 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == "rref":
             return RRef(_c=self.rrefs[pid[1]])
-        t = _from_pool(pid[0], self.tensors[pid[1]]).reshape(pid[2])
+        handle = self.tensors[pid[1]]
+        t = _from_pool(pid[0], handle)
+        if type(t) is _shmrpc.Tensor:  # a handle keeps its shape
+            if len(pid) > 3:
+                raise _not_supported("receiving a CUDA tensor that requires grad where torch "
+                                     "has no CUDA")
+            return t
+        if pid[2] is not None:
+            t = t.reshape(pid[2])
         if len(pid) > 3:
             t = autograd._received(t, pid[3], self.grad_mode)
+        if pid[0] == "cuda":
+            _remember_received(t, handle)  # the tensor as the program gets it
         return t
 
 

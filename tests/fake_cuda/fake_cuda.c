@@ -23,6 +23,9 @@
  *   CU_EVENT_DISABLE_TIMING has one.
  * - fakeCuAllocCount(): allocations of this process not yet freed
  *   (mappings not counted), for tests that check memory went back.
+ * - fakeCuStreamWaits(s): how many cuStreamWaitEvent calls stream s had
+ *   (0, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD each count as their
+ *   own), for tests that check a consumer's stream was ordered.
  *
  * Values and layouts are the real driver's (cuda.h), as
  * worker/cuda_driver.h declares them for worker/cuda.c.
@@ -66,7 +69,14 @@ struct alloc {
 
 struct CUstream_st {
 	struct CUstream_st *next;
+	int waits; /* cuStreamWaitEvent calls on it */
 };
+
+/* The handles the driver gives the default streams: 0, and cuda.h's
+ * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, which DLPack consumers pass
+ * (as 1 and 2). */
+#define SPECIAL_STREAMS 3
+static int special_waits[SPECIAL_STREAMS];
 
 struct CUevent_st {
 	struct CUevent_st *next;
@@ -417,8 +427,8 @@ EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p)
 /* Caller holds lock. */
 static bool stream_ok(CUstream s)
 {
-	if (!s)
-		return true; /* the legacy default stream */
+	if ((uintptr_t)s < SPECIAL_STREAMS)
+		return true; /* a default stream */
 	for (struct CUstream_st *x = streams; x; x = x->next)
 		if (x == s)
 			return true;
@@ -563,6 +573,12 @@ EXPORT CUresult cuIpcOpenEventHandle(CUevent *ev, CUipcEventHandle h)
 	return new_event(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, true, eh.id, ev);
 }
 
+/* Where s's waits are counted; s is a live stream. Caller holds lock. */
+static int *stream_waits(CUstream s)
+{
+	return (uintptr_t)s < SPECIAL_STREAMS ? &special_waits[(uintptr_t)s] : &s->waits;
+}
+
 EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent ev, unsigned flags)
 {
 	bool ok;
@@ -571,6 +587,8 @@ EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent ev, unsigned flags)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	pthread_mutex_lock(&lock);
 	ok = !flags && event_ok(ev) && stream_ok(s);
+	if (ok)
+		(*stream_waits(s))++;
 	pthread_mutex_unlock(&lock);
 	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -581,6 +599,17 @@ EXPORT int fakeCuAllocCount(void)
 
 	pthread_mutex_lock(&lock);
 	n = owned;
+	pthread_mutex_unlock(&lock);
+	return n;
+}
+
+EXPORT int fakeCuStreamWaits(CUstream s)
+{
+	int n = -1;
+
+	pthread_mutex_lock(&lock);
+	if (stream_ok(s))
+		n = *stream_waits(s);
 	pthread_mutex_unlock(&lock);
 	return n;
 }
