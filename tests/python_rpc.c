@@ -36,6 +36,7 @@ static const struct {
 	{ "debug_info", "64M", "2" },
 	{ "data_ranks", "64M", "3" }, /* shmrpc.data loading on ranks 1 and 2 */
 	{ "torch_late_import", "64M", "2" }, /* torch first imported on an executor thread */
+	{ "device_maps", "64M", "2" }, /* on the fake CUDA driver; a job per bad map */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */
