@@ -102,9 +102,11 @@ SHMRPC_API const char *shmrpc_type_name(uint32_t type);
  * Contiguous tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
  *
  * CUDA device tensors (kDLCUDA, taken with shmrpc_tensor_from_dlpack) are
- * handed over through CUDA IPC, never copied either: the receiver maps the
+ * handed over through CUDA IPC, not copied either: the receiver maps the
  * producer's allocation (once per allocation while it holds tensors of it)
- * and reads and writes the same device bytes. Ordering: a send records an
+ * and reads and writes the same device bytes; unless a device map
+ * (shmrpc_options.device_maps) lands the tensor on another device, where
+ * the receiver gets a copy of its own, made on the GPU. Ordering: a send records an
  * event on the tensor's stream (shmrpc_tensor_set_cuda_stream; the legacy
  * default stream unless set) after the work queued there, and the
  * receiver's legacy default stream (stream 0 of the device's primary

@@ -319,8 +319,9 @@ int agent_wait_all(struct agent *ag, uint64_t deadline, bool (*arrived)(const st
 
 			agent_peer_name(ag, first, name, sizeof(name));
 			return shmrpc__fail(-ETIMEDOUT, "shmrpc_init on worker %u: %u worker(s), "
-					    "worker %u (%s) first, did not %s in time (did they call "
-					    "shmrpc_init?)", ag->rank, missing, first, name, what);
+					    "worker %u (%s) first, did not %s within the startup "
+					    "timeout (did they call shmrpc_init?)", ag->rank, missing,
+					    first, name, what);
 		}
 		usleep(BARRIER_POLL_US);
 	}
