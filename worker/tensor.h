@@ -60,6 +60,10 @@
  *  - A receiver passes a tensor on with the producer's descriptor and an
  *    event of its own (cuda_export_forward) and the same token: the next
  *    receiver counts on the same producer.
+ *  - A tensor that a device map (worker/devmap.h) lands on another device
+ *    than its own is copied there on arrival: the receiver's handle is of
+ *    a copy of its own (a source like a DLPack one, passed on as such),
+ *    which holds the received tensor above until the copy goes.
  */
 #ifndef SHMRPC_WORKER_TENSOR_H
 #define SHMRPC_WORKER_TENSOR_H
