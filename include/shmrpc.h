@@ -102,9 +102,11 @@ SHMRPC_API const char *shmrpc_type_name(uint32_t type);
  * Contiguous tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
  *
  * CUDA device tensors (kDLCUDA, taken with shmrpc_tensor_from_dlpack) are
- * handed over through CUDA IPC, never copied either: the receiver maps the
+ * handed over through CUDA IPC, not copied either: the receiver maps the
  * producer's allocation (once per allocation while it holds tensors of it)
- * and reads and writes the same device bytes. Ordering: a send records an
+ * and reads and writes the same device bytes; unless a device map
+ * (shmrpc_options.device_maps) lands the tensor on another device, where
+ * the receiver gets a copy of its own, made on the GPU. Ordering: a send records an
  * event on the tensor's stream (shmrpc_tensor_set_cuda_stream; the legacy
  * default stream unless set) after the work queued there, and the
  * receiver's legacy default stream (stream 0 of the device's primary
@@ -171,11 +173,39 @@ SHMRPC_API int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out
 
 /* ---- The job ---------------------------------------------------------- */
 
+/*
+ * One entry of this worker's CUDA device maps (torch's set_device_map):
+ * this worker's cuda:from tensors in its requests to worker `worker` land
+ * on that worker's cuda:to, and that worker's cuda:to tensors in its
+ * replies land here on cuda:from. A tensor on a device that the map for
+ * its destination does not name fails its call ("Request device mapping
+ * is not available for destination ...", torch's words), and so does a
+ * reply tensor on a device that the caller's map for the callee does not
+ * name as a target. Without a map for a destination, a CUDA tensor lands
+ * on the same ordinal (where torch refuses CUDA tensors). A tensor that
+ * lands on another device is copied there once, device to device, on the
+ * receiver's legacy default stream (after the sender's writes, the host
+ * never waits); on the same device it is shared, not copied. Devices 0 to
+ * 15. Every worker checks every worker's maps at shmrpc_init (torch's
+ * checks and texts: unknown worker names, duplicated targets, device
+ * indices beyond a worker's device count), so a bad map fails
+ * shmrpc_init on every worker with the same sentence.
+ */
+struct shmrpc_device_map_entry {
+	const char *worker; /* the destination's name */
+	int32_t from;       /* device ordinal here */
+	int32_t to;         /* device ordinal there */
+};
+
 struct shmrpc_options {
 	const char *name;    /* this worker's name; NULL: from shmrun (SHMRPC_NAME) */
 	int num_threads;     /* executor threads; 0: 4 */
 	int64_t timeout_ms;  /* default call timeout; 0: 60000; <0: none */
 	int64_t startup_timeout_ms; /* waiting for every worker to join; 0: 60000 */
+	/* This worker's device maps (above), num_device_maps entries; read
+	 * during shmrpc_init only. */
+	const struct shmrpc_device_map_entry *device_maps;
+	uint32_t num_device_maps;
 };
 
 struct shmrpc_worker_info {

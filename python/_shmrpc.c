@@ -793,25 +793,55 @@ static PyType_Spec rref_spec = { "shmrpc._shmrpc.RRef", sizeof(HandleObject), 0,
 
 /* ---- module functions ---- */
 
-/* init(name or None, num_threads, timeout_ms) */
+/* The (name, from, to) triples of maps as entries (PyMem_Free them); the
+ * names stay valid while maps lives. NULL with an exception set. */
+static struct shmrpc_device_map_entry *device_maps(PyObject *maps, uint32_t *n)
+{
+	struct shmrpc_device_map_entry *e;
+	Py_ssize_t len = PyList_Size(maps);
+
+	e = PyMem_Calloc((size_t)len + 1, sizeof(*e));
+	if (!e)
+		return (void *)PyErr_NoMemory();
+	for (Py_ssize_t i = 0; i < len; i++)
+		if (!PyArg_ParseTuple(PyList_GetItem(maps, i), "sii;init: a device map entry is "
+				      "(worker name, from, to)", &e[i].worker, &e[i].from, &e[i].to)) {
+			PyMem_Free(e);
+			return NULL;
+		}
+	*n = (uint32_t)len;
+	return e;
+}
+
+/* init(name or None, num_threads, timeout_ms, device maps: [(name, from, to)]) */
 static PyObject *mod_init(PyObject *m, PyObject *args)
 {
 	struct shmrpc_options o = { 0 };
+	struct shmrpc_device_map_entry *maps;
 	const char *name = NULL;
+	PyObject *list = NULL;
 	int threads = 0;
 	long long timeout = 0;
 	int rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "|ziL", &name, &threads, &timeout))
+	if (!PyArg_ParseTuple(args, "|ziLO!", &name, &threads, &timeout, &PyList_Type, &list))
 		return NULL;
 	o.name = name;
 	o.num_threads = threads;
 	o.timeout_ms = (int64_t)timeout;
+	maps = list ? device_maps(list, &o.num_device_maps) : NULL;
+	if (list && !maps)
+		return NULL;
+	o.device_maps = maps;
 	python_set_handler(run_handler);
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_init(&o);
 	Py_END_ALLOW_THREADS
+	PyMem_Free(maps);
+	/* A bad device map is torch's ValueError (_validate_device_maps). */
+	if (rc == -EINVAL)
+		return PyErr_SetString(PyExc_ValueError, shmrpc_errmsg()), NULL;
 	return rc ? fail(rc) : new_ref(Py_None);
 }
 
@@ -1229,7 +1259,7 @@ static PyMethodDef mod_methods[] = {
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
 	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
-	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms): shmrpc_init" },
+	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms, device_maps): shmrpc_init" },
 	{ "shutdown", mod_shutdown, METH_VARARGS, "shutdown(graceful, timeout_ms)" },
 	{ "set_handler", mod_set_handler, METH_O, "the function that runs pickled calls" },
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },

@@ -1,5 +1,5 @@
 /*
- * The job segment's format (format 3). Everything here lives in shared
+ * The job segment's format (format 4). Everything here lives in shared
  * memory: fixed-width types, explicit padding, offsets instead of pointers,
  * and _Static_asserts so that a change of layout cannot go unnoticed.
  *
@@ -9,6 +9,9 @@
  *   ring_data_off       ring data, ring_size bytes each, page aligned
  *   trace_off           per worker: struct shm_trace_ctl, then
  *                       struct shm_trace_rec[trace_records], page aligned
+ *   devmap_off          struct shm_devmap_head[world] (256 B each), then
+ *                       struct shm_devmap_row[world * world] (16 B each),
+ *                       page aligned: the CUDA device maps
  *
  * nrings = world * (world - 1): one single-producer single-consumer ring
  * per ordered pair of workers (docs/ARCHITECTURE.md argues the choice).
@@ -26,8 +29,8 @@
 
 #define SHM_MAGIC 0x31434d5052484d53ull /* "SHMRPC1" read as little endian */
 /* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
- * and the CUDA IPC gauges of the worker slot. */
-#define SHM_FORMAT_VERSION 3u
+ * and the CUDA IPC gauges of the worker slot; 4: the device maps. */
+#define SHM_FORMAT_VERSION 4u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -65,11 +68,13 @@ struct shm_header {
 	uint64_t trace_off;
 	uint32_t trace_records; /* per worker, power of two */
 	uint32_t trace_rec_size;
-	uint8_t reserved[SHM_PAGE - 152];
+	uint64_t devmap_off;
+	uint8_t reserved[SHM_PAGE - 160];
 };
 _Static_assert(offsetof(struct shm_header, generation) == 80, "header layout");
 _Static_assert(offsetof(struct shm_header, job_name) == 88, "header layout");
 _Static_assert(offsetof(struct shm_header, trace_off) == 136, "header layout");
+_Static_assert(offsetof(struct shm_header, devmap_off) == 152, "header layout");
 _Static_assert(sizeof(struct shm_header) == SHM_PAGE, "header is one page");
 
 /* Worker states (shm_worker.state). */
@@ -274,5 +279,48 @@ _Static_assert(SHM_MAX_WORLD <= 0x10000u, "a rank fits a record's peer field");
 #define SHM_TRACE_PIN_TENSORS(info) ((uint32_t)((info) >> 42) & SHM_TRACE_PIN_MAX_TENSORS)
 #define SHM_TRACE_PIN_REPLY(info) ((uint32_t)((info) >> 55) & 1u)
 _Static_assert(SHM_MAX_WORLD <= 0x400u, "a rank fits a pin record's peer field");
+
+/*
+ * CUDA device maps (worker/devmap.h, torch's set_device_map): what each
+ * worker gave at shmrpc_init, published for every other to check and use.
+ * Written by its worker only, in two steps of shmrpc_init, each before a
+ * release store that peers read with acquire before they read it:
+ *  - before READY (agent_state): `entries`, so that after the startup
+ *    barrier every worker knows whether the job has maps at all (without
+ *    any, no worker loads CUDA to count its devices);
+ *  - after the startup barrier: `device_count`, its rows and `error`, then
+ *    `state` (release) = SHM_DEVMAP_DONE; peers wait for it (acquire).
+ * Row (src, dst) is src's map for dst: to[i] is the device of dst on
+ * which src's cuda:i tensors of src's requests land (-1: not mapped).
+ * Devices 0 to SHM_DEVMAP_DEVICES - 1 only; 16 bytes per ordered pair of
+ * workers (16 KiB for 32 workers, 16 MiB for 1024), a sixteenth of the
+ * pair's ring control block.
+ */
+#define SHM_DEVMAP_DEVICES 16
+#define SHM_DEVMAP_ERROR_MAX 232u
+
+enum shm_devmap_state {
+	SHM_DEVMAP_NONE = 0, /* not published yet */
+	SHM_DEVMAP_DONE = 1, /* rows, device count and error are there */
+};
+
+struct shm_devmap_head {
+	_Atomic uint32_t state; /* SHM_DEVMAP_*; release after the rest */
+	uint32_t entries;       /* map entries given; written before READY */
+	int32_t device_count;   /* CUDA devices; -1: not counted (no maps in the job, or no CUDA) */
+	uint32_t reserved;
+	uint8_t pad[8];
+	/* NUL-terminated; empty unless its own maps are invalid in a way only
+	 * it can tell (an unknown worker name, no CUDA): the sentence every
+	 * worker's shmrpc_init then fails with. */
+	char error[SHM_DEVMAP_ERROR_MAX];
+};
+_Static_assert(offsetof(struct shm_devmap_head, error) == 24, "devmap head layout");
+_Static_assert(sizeof(struct shm_devmap_head) == 256, "devmap head is four lines");
+
+struct shm_devmap_row {
+	int8_t to[SHM_DEVMAP_DEVICES];
+};
+_Static_assert(sizeof(struct shm_devmap_row) == SHM_DEVMAP_DEVICES, "devmap row: no padding");
 
 #endif

@@ -24,7 +24,7 @@
 #include "shm/segment.h"
 
 struct shm_shape {
-	uint64_t worker_off, ring_ctl_off, ring_data_off, trace_off, total;
+	uint64_t worker_off, ring_ctl_off, ring_data_off, trace_off, devmap_off, total;
 };
 
 static uint64_t align_up(uint64_t v, uint64_t a)
@@ -53,9 +53,12 @@ static bool shm_shape(uint32_t world, uint32_t ring_size, uint32_t trace_records
 				   SHMRPC_CACHELINE);
 	s->ring_data_off = align_up(s->ring_ctl_off + nrings * sizeof(struct shm_ring_ctl), SHM_PAGE);
 	s->trace_off = align_up(s->ring_data_off + nrings * ring_size, SHM_PAGE);
-	s->total = align_up(s->trace_off + world * (sizeof(struct shm_trace_ctl) +
-						    (uint64_t)trace_records *
-							    sizeof(struct shm_trace_rec)),
+	s->devmap_off = align_up(s->trace_off + world * (sizeof(struct shm_trace_ctl) +
+							 (uint64_t)trace_records *
+								 sizeof(struct shm_trace_rec)),
+				 SHM_PAGE);
+	s->total = align_up(s->devmap_off + world * (sizeof(struct shm_devmap_head) +
+						     world * (uint64_t)sizeof(struct shm_devmap_row)),
 			    SHM_PAGE);
 	return true;
 }
@@ -103,6 +106,7 @@ static void seg_fill(struct shm_seg *seg, const struct shm_shape *s, uint32_t wo
 	seg->ring_data_off = s->ring_data_off;
 	seg->trace_off = s->trace_off;
 	seg->trace_records = trace_records;
+	seg->devmap_off = s->devmap_off;
 }
 
 int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
@@ -155,6 +159,7 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	h->trace_off = s.trace_off;
 	h->trace_records = trace_records;
 	h->trace_rec_size = sizeof(struct shm_trace_rec);
+	h->devmap_off = s.devmap_off;
 
 	for (uint32_t src = 0; src < p->world_size; src++) {
 		for (uint32_t dst = 0; dst < p->world_size; dst++) {
@@ -202,7 +207,8 @@ int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 	    h.trace_rec_size != sizeof(struct shm_trace_rec) ||
 	    !shm_shape(h.world_size, h.ring_size, h.trace_records, &s) || s.total != h.total_size ||
 	    s.worker_off != h.worker_off || s.ring_ctl_off != h.ring_ctl_off ||
-	    s.ring_data_off != h.ring_data_off || s.trace_off != h.trace_off)
+	    s.ring_data_off != h.ring_data_off || s.trace_off != h.trace_off ||
+	    s.devmap_off != h.devmap_off)
 		return shmrpc__fail(-SHMRPC_EBADSEG,
 				    "not a shmrpc segment: header layout is inconsistent "
 				    "(world %u, ring size %u, total %llu)",

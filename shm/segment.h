@@ -31,6 +31,7 @@ struct shm_seg {
 	uint64_t ring_data_off;
 	uint64_t trace_off;
 	uint32_t trace_records;
+	uint64_t devmap_off;
 };
 
 struct shm_seg_params {
@@ -65,6 +66,20 @@ static inline struct shm_worker *shm_worker(const struct shm_seg *seg, uint32_t 
 static inline uint32_t shm_ring_index(uint32_t world, uint32_t src, uint32_t dst)
 {
 	return src * (world - 1) + (dst < src ? dst : dst - 1);
+}
+
+static inline struct shm_devmap_head *shm_devmap_head(const struct shm_seg *seg, uint32_t rank)
+{
+	return (struct shm_devmap_head *)(seg->base + seg->devmap_off) + rank;
+}
+
+/* src's device map for dst. */
+static inline struct shm_devmap_row *shm_devmap_row(const struct shm_seg *seg, uint32_t src,
+						    uint32_t dst)
+{
+	return (struct shm_devmap_row *)(seg->base + seg->devmap_off +
+					 seg->world * (uint64_t)sizeof(struct shm_devmap_head)) +
+	       (uint64_t)src * seg->world + dst;
 }
 
 static inline struct shm_ring_ctl *shm_ring(const struct shm_seg *seg, uint32_t src, uint32_t dst)

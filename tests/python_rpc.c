@@ -43,6 +43,7 @@ static const struct {
 	{ "torch_late_import", "64M", "2", false }, /* torch first imported on an executor thread */
 	{ "cuda_tensors", "64M", "2", true }, /* device arrays over the stand-in driver */
 	{ "cuda_tensors", "64M", "2", false }, /* torch's CUDA tensors, where torch has CUDA */
+	{ "device_maps", "64M", "2", false }, /* sets the stand-in driver itself; a job per bad map */
 };
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */

@@ -21,6 +21,7 @@
 #include "shm/exit_info.h"
 #include "worker/agent.h"
 #include "worker/cuda.h"
+#include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/rref.h"
@@ -292,17 +293,20 @@ static long env_long(const char *name, long dflt)
 	return *end ? -1 : v;
 }
 
-/* Waits until every worker is READY (or beyond); fails naming who is missing. */
-static int startup_barrier(struct agent *ag, uint64_t timeout_ns)
+int agent_wait_all(struct agent *ag, uint64_t deadline, bool (*arrived)(const struct agent *, uint32_t),
+		   const char *what)
 {
-	uint64_t deadline = shmrpc_now_ns() + timeout_ns;
-
 	for (;;) {
 		uint32_t missing = 0, first = 0;
 
 		for (uint32_t r = 0; r < ag->world; r++) {
 			uint32_t st = worker_state(ag, r);
 
+			/* One that arrived and left since (a worker whose init
+			 * failed on what all of them check, such as a bad device
+			 * map) does not hide that failure from the others. */
+			if (arrived(ag, r))
+				continue;
 			if (st == SHM_WORKER_DEAD || st == SHM_WORKER_EXITED) {
 				char why[160];
 
@@ -310,7 +314,7 @@ static int startup_barrier(struct agent *ag, uint64_t timeout_ns)
 				return shmrpc__fail(-SHMRPC_EPEERDEAD, "shmrpc_init on worker %u: %s "
 						    "before the job started", ag->rank, why);
 			}
-			if (agent_state(ag, r) < SHM_AGENT_READY && !missing++)
+			if (!missing++)
 				first = r;
 		}
 		if (!missing)
@@ -320,12 +324,17 @@ static int startup_barrier(struct agent *ag, uint64_t timeout_ns)
 
 			agent_peer_name(ag, first, name, sizeof(name));
 			return shmrpc__fail(-ETIMEDOUT, "shmrpc_init on worker %u: %u worker(s), "
-					    "worker %u (%s) first, did not join within %llu ms "
-					    "(did they call shmrpc_init?)", ag->rank, missing, first,
-					    name, (unsigned long long)(timeout_ns / 1000000u));
+					    "worker %u (%s) first, did not %s within the startup "
+					    "timeout (did they call shmrpc_init?)", ag->rank, missing,
+					    first, name, what);
 		}
 		usleep(BARRIER_POLL_US);
 	}
+}
+
+static bool joined(const struct agent *ag, uint32_t r)
+{
+	return agent_state(ag, r) >= SHM_AGENT_READY;
 }
 
 static int check_names(struct agent *ag)
@@ -414,6 +423,7 @@ static void agent_free(struct agent *ag)
 	trace_close();
 	if (ag->seg.base)
 		shm_seg_detach(&ag->seg);
+	devmap_free(ag);
 	free(ag->dying_since);
 	free(ag->gone);
 	pthread_mutex_destroy(&ag->poll_lock);
@@ -440,6 +450,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	long rank = env_long("SHMRPC_RANK", -1), world = env_long("SHMRPC_WORLD_SIZE", -1);
 	const char *name = o.name ? o.name : getenv("SHMRPC_NAME");
 	struct agent *ag;
+	uint64_t deadline;
 	int rc;
 
 	if (worker_agent)
@@ -497,14 +508,15 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		worker_handoff_spin_ns = 0;
 	/* Release: the pid is visible to whoever sees RUNNING. */
 	atomic_store_explicit(&ag->self->state, SHM_WORKER_RUNNING, memory_order_release);
-	rc = executor_start(o.num_threads ? o.num_threads : DEFAULT_THREADS, ag->self);
+	rc = devmap_join_begin(ag, &o) ?:
+	     executor_start(o.num_threads ? o.num_threads : DEFAULT_THREADS, ag->self);
 	if (rc)
 		goto fail;
 	set_agent_state(ag, SHM_AGENT_READY);
-	rc = startup_barrier(ag, (uint64_t)(o.startup_timeout_ms > 0 ? o.startup_timeout_ms
-							       : DEFAULT_TIMEOUT_MS) * 1000000u);
-	if (!rc)
-		rc = check_names(ag);
+	deadline = shmrpc_now_ns() + (uint64_t)(o.startup_timeout_ms > 0 ? o.startup_timeout_ms
+									: DEFAULT_TIMEOUT_MS) * 1000000u;
+	rc = agent_wait_all(ag, deadline, joined, "join") ?: check_names(ag) ?:
+	     devmap_join(ag, &o, deadline);
 	if (rc)
 		goto fail_exec;
 	worker_agent = ag;

@@ -58,6 +58,11 @@ struct agent {
 	 * 0 once their calls were failed). */
 	uint64_t *dying_since;
 	bool *gone;
+	/* The device maps that concern us (worker/devmap.h), by peer, its
+	 * requests then its replies; NULL when no worker of the job has one.
+	 * Set in shmrpc_init, read-only after. */
+	struct devmap_landing *devmap;
+	bool *devmap_mapped; /* the same places: a map applies */
 };
 
 /*
@@ -75,6 +80,12 @@ SHMRPC_HIDDEN extern struct agent *worker_agent;
  * returns how many frames. Any thread; never waits in a send (a
  * TENSOR_ACK goes only if it fits at once), never runs user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag);
+
+/* shmrpc_init: waits until arrived(ag, r) holds for every rank r, or
+ * deadline (CLOCK_MONOTONIC ns) has passed ("did not <what> in time"), or
+ * a worker ended. */
+SHMRPC_HIDDEN int agent_wait_all(struct agent *ag, uint64_t deadline,
+				 bool (*arrived)(const struct agent *ag, uint32_t r), const char *what);
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);

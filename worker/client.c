@@ -11,6 +11,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "worker/agent.h"
+#include "worker/devmap.h"
 #include "worker/future.h"
 #include "worker/msg.h"
 #include "worker/profile.h"
@@ -313,7 +314,8 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	else if (!(f = future_new()))
 		rc = shmrpc__fail(-ENOMEM, "out of memory making a future");
 	else
-		rc = sent->nr ? rref_charge(ag, sent, (uint32_t)dst) : 0;
+		rc = devmap_check_send(ag, (uint32_t)dst, false, sent) ?:
+		     (sent->nr ? rref_charge(ag, sent, (uint32_t)dst) : 0);
 	if (rc) {
 		tensor_list_forget(sent);
 		if (f)
@@ -340,6 +342,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		return rc;
 	}
 	f->dst = (uint32_t)dst;
+	f->tensors.land = devmap_landing(ag, (uint32_t)dst, true);
 	f->timeout_ms = timeout_ms;
 	f->deadline_ns = timeout_ms ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
 	future_ref(f); /* the table's reference */

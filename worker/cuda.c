@@ -39,7 +39,11 @@ _Static_assert(sizeof(CUipcMemHandle) == CUDA_IPC_HANDLE_SIZE &&
 	X(cuEventDestroy_v2, (CUevent ev))                                         \
 	X(cuIpcGetEventHandle, (CUipcEventHandle *h, CUevent ev))                  \
 	X(cuIpcOpenEventHandle, (CUevent *ev, CUipcEventHandle h))                 \
-	X(cuStreamWaitEvent, (CUstream s, CUevent ev, unsigned flags))
+	X(cuStreamWaitEvent, (CUstream s, CUevent ev, unsigned flags))            \
+	X(cuMemAlloc_v2, (CUdeviceptr *p, size_t n))                               \
+	X(cuMemFree_v2, (CUdeviceptr p))                                           \
+	X(cuMemcpyPeerAsync, (CUdeviceptr dst, CUcontext dctx, CUdeviceptr src,    \
+			      CUcontext sctx, size_t n, CUstream s))
 
 #define MAX_DEVICES 64
 #define HANDLE_CACHE 64 /* allocations whose IPC handle the producer keeps */
@@ -89,6 +93,7 @@ static struct {
 	_Atomic bool tried;
 	int err;       /* 0 when the driver is usable */
 	char why[256]; /* when it is not */
+	int devices;   /* when it is: cuDeviceGetCount's */
 	void *lib;
 #define X(name, params) CUresult (*name) params;
 	CUDA_DRIVER_FUNCS(X)
@@ -151,6 +156,7 @@ static void cu_try(void)
 	r = cu.cuInit(0);
 	if (r == CUDA_SUCCESS)
 		r = cu.cuDeviceGetCount(&n);
+	cu.devices = n;
 	if (r == CUDA_ERROR_NO_DEVICE || (r == CUDA_SUCCESS && n < 1))
 		unavailable(-ENODEV, "no CUDA device");
 	else if (r != CUDA_SUCCESS)
@@ -215,6 +221,14 @@ void *cuda_sym(const char *name)
 int cuda_probe(void)
 {
 	return ready();
+}
+
+int cuda_device_count(int *n)
+{
+	int rc = ready();
+
+	*n = rc ? 0 : cu.devices;
+	return rc;
 }
 
 void cuda_stats_get(struct cuda_stats *st)
@@ -440,6 +454,21 @@ int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream, struct
 	return rc;
 }
 
+/* The event of ours that d names, and its context. Caller holds cu.lock. */
+static int own_event(const struct cuda_ipc_desc *d, CUevent *ev, CUcontext *ctx)
+{
+	for (unsigned i = 0; i < MAX_CONTEXTS; i++)
+		for (unsigned j = 0; j < EVENT_RING; j++)
+			if (cu.rings[i].ev[j] &&
+			    !memcmp(&cu.rings[i].handle[j], d->event_handle, sizeof(d->event_handle))) {
+				*ev = cu.rings[i].ev[j];
+				*ctx = cu.rings[i].ctx;
+				return 0;
+			}
+	return shmrpc__fail(-EINVAL, "a CUDA descriptor of this process names an event it never "
+			    "recorded");
+}
+
 /* A descriptor this process exported, with its own event: its own pointer,
  * after that event. */
 static int import_local(const struct cuda_ipc_desc *d, CUstream s, void **dptr)
@@ -450,17 +479,10 @@ static int import_local(const struct cuda_ipc_desc *d, CUstream s, void **dptr)
 	int rc;
 
 	pthread_mutex_lock(&cu.lock);
-	for (unsigned i = 0; i < MAX_CONTEXTS && !ev; i++)
-		for (unsigned j = 0; j < EVENT_RING && !ev; j++)
-			if (cu.rings[i].ev[j] &&
-			    !memcmp(&cu.rings[i].handle[j], d->event_handle, sizeof(d->event_handle))) {
-				ev = cu.rings[i].ev[j];
-				ctx = cu.rings[i].ctx;
-			}
+	rc = own_event(d, &ev, &ctx);
 	pthread_mutex_unlock(&cu.lock);
-	if (!ev)
-		return shmrpc__fail(-EINVAL, "a CUDA descriptor of this process names an event it "
-				    "never recorded");
+	if (rc)
+		return rc;
 	rc = push_ctx(ctx);
 	if (rc)
 		return rc;
@@ -634,9 +656,36 @@ static int wait_event(const struct cuda_ipc_desc *d, CUstream s)
 	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamWaitEvent");
 }
 
+/* d's bytes here (*src) and the event to wait for, with one reference on
+ * d's mapping (*m; NULL for our own allocation). Caller holds cu.lock, in
+ * the primary context of d->device. */
+static int import_source(const struct cuda_ipc_desc *d, struct import_map **m, CUevent *ev,
+			 CUdeviceptr *src, bool *stale)
+{
+	uint32_t self = (uint32_t)getpid();
+	CUcontext ctx;
+	int rc;
+
+	*m = NULL;
+	if (d->pid == self && d->event_pid == self)
+		rc = own_event(d, ev, &ctx);
+	else
+		/* Our own allocation, passed back by a receiver with its event:
+		 * nothing to map, but the range comes from another process. */
+		rc = (d->pid == self ? check_own(d) : import_map(d, m, stale)) ?: import_event(d, ev);
+	if (rc && *m)
+		(*m)->refs--; /* the mapping stays cached; only the reference goes */
+	if (!rc)
+		*src = (*m ? (*m)->local : d->base) + d->offset;
+	return rc;
+}
+
 int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bool *stale)
 {
 	struct import_map *m = NULL;
+	CUevent ev = NULL;
+	CUdeviceptr src;
+	CUresult r;
 	CUcontext ctx;
 	int rc;
 
@@ -654,17 +703,17 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 	if (!rc)
 		rc = push_ctx(ctx);
 	if (!rc) {
-		/* Our own allocation, passed back by a receiver with its event:
-		 * nothing to map, but the range comes from another process. */
-		rc = d->pid == self ? check_own(d) : import_map(d, &m, stale);
-		if (!rc)
-			rc = wait_event(d, (CUstream)stream);
-		/* The mapping stays cached; only the reference goes. */
-		if (rc && m)
-			m->refs--;
+		rc = import_source(d, &m, &ev, &src, stale);
+		if (!rc) {
+			r = cu.cuStreamWaitEvent((CUstream)stream, ev, 0);
+			if (r != CUDA_SUCCESS)
+				rc = cu_fail(r, "cuStreamWaitEvent");
+			if (rc && m)
+				m->refs--;
+		}
 		/* Under the lock: cuda_forget_peer may free m once it is dropped. */
 		if (!rc)
-			*dptr = (void *)(uintptr_t)((m ? m->local : d->base) + d->offset);
+			*dptr = (void *)(uintptr_t)src;
 		pop_ctx();
 	}
 	pthread_mutex_unlock(&cu.lock);
@@ -693,6 +742,66 @@ int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream)
 	}
 	pthread_mutex_unlock(&cu.lock);
 	return rc;
+}
+
+int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy, bool *stale)
+{
+	struct import_map *m = NULL;
+	CUdeviceptr src = 0, dst = 0;
+	CUcontext sctx, dctx;
+	CUevent ev = NULL;
+	CUresult r;
+	int rc;
+
+	*stale = false;
+	rc = ready();
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(d->device, &sctx) ?: primary_ctx(device, &dctx) ?: push_ctx(sctx);
+	if (!rc) {
+		rc = import_source(d, &m, &ev, &src, stale);
+		pop_ctx();
+	}
+	if (!rc && (rc = push_ctx(dctx)) && m)
+		m->refs--;
+	if (!rc) {
+		/* The GPU waits for the sender's writes before the copy; the
+		 * host never does. Stream 0: the legacy default stream of the
+		 * landing device, where the receiver's own work goes. */
+		r = cu.cuStreamWaitEvent(NULL, ev, 0);
+		if (r != CUDA_SUCCESS)
+			rc = cu_fail(r, "cuStreamWaitEvent");
+		if (!rc && (r = cu.cuMemAlloc_v2(&dst, d->len ? d->len : 1)) != CUDA_SUCCESS)
+			rc = cu_fail(r, "allocating %llu bytes on CUDA device %d for a tensor landing "
+				     "there", (unsigned long long)d->len, (int)device);
+		if (!rc && (r = cu.cuMemcpyPeerAsync(dst, dctx, src, sctx, d->len, NULL)) !=
+				   CUDA_SUCCESS) {
+			rc = cu_fail(r, "copying %llu bytes from CUDA device %d to device %d",
+				     (unsigned long long)d->len, (int)d->device, (int)device);
+			cu.cuMemFree_v2(dst);
+		}
+		if (rc && m)
+			m->refs--;
+		pop_ctx();
+	}
+	pthread_mutex_unlock(&cu.lock);
+	if (!rc)
+		*copy = (void *)(uintptr_t)dst;
+	return rc;
+}
+
+void cuda_free(int32_t device, void *p)
+{
+	CUcontext ctx;
+
+	pthread_mutex_lock(&cu.lock);
+	/* A failure leaves nothing to do: the memory is lost either way. */
+	if (!primary_ctx(device, &ctx) && !push_ctx(ctx)) {
+		cu.cuMemFree_v2((CUdeviceptr)(uintptr_t)p);
+		pop_ctx();
+	}
+	pthread_mutex_unlock(&cu.lock);
 }
 
 void cuda_import_release(const struct cuda_ipc_desc *d, bool keep)

@@ -113,6 +113,8 @@ struct cuda_stats {
 
 /* 0 when a driver and at least one device are present. */
 SHMRPC_HIDDEN int cuda_probe(void);
+/* cuda_probe, and the devices it found in *n (0 when it fails). */
+SHMRPC_HIDDEN int cuda_device_count(int *n);
 
 /*
  * Describes len bytes at device pointer dptr, after the work queued so far
@@ -148,6 +150,20 @@ SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, v
  * again, as cuda_import's did: for a consumer of the tensor that queues
  * its work on another stream than the one the import ordered. */
 SHMRPC_HIDDEN int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream);
+/*
+ * The tensor of d copied onto device (not d->device: a device map lands
+ * it there): d mapped as cuda_import does (one reference, dropped with
+ * cuda_import_release once the copy is no longer needed), device's
+ * legacy default stream made to wait for the producer's writes, len
+ * bytes allocated on device and a device-to-device copy queued on that
+ * stream (cuMemcpyPeerAsync): what the receiver queues there after runs
+ * after the copy; the host waits for nothing. *copy: the new memory,
+ * freed with cuda_free. *stale as cuda_import's.
+ */
+SHMRPC_HIDDEN int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy,
+				   bool *stale);
+/* Frees memory of cuda_import_copy. */
+SHMRPC_HIDDEN void cuda_free(int32_t device, void *p);
 /* Drops the reference of one cuda_import of d. keep: an idle mapping stays
  * cached; otherwise the last reference closes it (see above). */
 SHMRPC_HIDDEN void cuda_import_release(const struct cuda_ipc_desc *d, bool keep);

@@ -10,6 +10,7 @@
 #include "common/spin.h"
 #include "ipc/doorbell.h"
 #include "worker/agent.h"
+#include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/msg.h"
@@ -1121,6 +1122,8 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 		return -SHMRPC_EPEERDEAD;
 	}
 	f->tensors.take = true;
+	/* The owner's value, as its reply to a fetch would bring it. */
+	f->tensors.land = devmap_landing(ag, r->owner, true);
 	rc = value_unpack(copy, len, &f->arena, &f->value, &used, &f->tensors);
 	free(copy);
 	if (rc)

@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "worker/agent.h"
+#include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/profile.h"
@@ -142,6 +143,7 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 	int rc;
 
 	*fn = "?";
+	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
 	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
 	    req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
 	    (items = req.u.items)[0].type != SHMRPC_STR ||
@@ -213,6 +215,7 @@ static bool python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, 
 	size_t used;
 	char msg[256];
 
+	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
 	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) == 0 && used == len &&
 	    python_request_of(type, &req, &call->arena, in) == 0)
 		return true;
@@ -296,7 +299,8 @@ static void reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 			 "most %u bytes (raise shmrun --ring-size)", fn, sb.size,
 			 ipc_port_max_payload(&ag->port));
 		reply_exception(rq, "RuntimeError", msg, NULL);
-	} else if (sent.nr && rref_charge(ag, &sent, rq->src)) {
+	} else if (devmap_check_send(ag, rq->src, true, &sent) ||
+		   (sent.nr && rref_charge(ag, &sent, rq->src))) {
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 	} else if (sent.n && pins_add(rq->src, rq->msg_id, PIN_REPLY, &sent)) {
 		rref_uncharge(ag, &sent, rq->src);

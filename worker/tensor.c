@@ -10,6 +10,7 @@
 #include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/cuda.h"
+#include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
@@ -56,6 +57,13 @@ struct tensor_dev {
 	uint32_t producer;         /* its rank */
 	struct tensor_view *view;  /* the job's pool the token is in (one reference) */
 	struct cuda_ipc_desc ipc;
+	/* A copy that a device map landed here (tensor_unpack): our memory
+	 * (cuda_import_copy's) on copy_device, freed at release, and the
+	 * received tensor it was copied from, held until then (the copy was
+	 * queued on the GPU, which may still read the source). Else NULL. */
+	struct tensor_dev *source;
+	void *copy;
+	int32_t copy_device;
 };
 
 /* The producer's sources that receivers may hold (a reference each). */
@@ -181,9 +189,11 @@ static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32
 
 /* ---- device tensors ---- */
 
+static void dev_put(struct tensor_dev *d);
+
 /* What dev holds, its last reference gone: a receiver's mapping, then
  * its token (so the producer keeps the memory until the mapping is
- * closed), a producer's DLPack tensor. */
+ * closed), a landed copy and its source, a producer's DLPack tensor. */
 static void dev_release(struct tensor_dev *d)
 {
 	struct agent *ag = worker_agent;
@@ -196,6 +206,9 @@ static void dev_release(struct tensor_dev *d)
 		    pool_unref(&ag->pool, ag->rank, d->token))
 			fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
 		tensor_view_put(d->view);
+	} else if (d->source) {
+		cuda_free(d->copy_device, d->copy);
+		dev_put(d->source);
 	} else if (d->owner && d->owner->deleter) {
 		d->owner->deleter(d->owner);
 	}
@@ -776,12 +789,16 @@ int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t)
 }
 
 /* A CUDA descriptor received (w and its shape checked): a handle mapping
- * the producer's bytes, holding a reference on the token. */
+ * the producer's bytes, holding a reference on the token; or, when land
+ * puts it on another device, a handle of a copy there that holds the
+ * mapped tensor. */
 static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
-		      const struct tensor_wire_cuda *wc, shmrpc_tensor **out)
+		      const struct tensor_wire_cuda *wc, const struct devmap_landing *land,
+		      shmrpc_tensor **out)
 {
 	struct agent *ag = worker_agent;
-	struct tensor_dev *d;
+	struct tensor_dev *d, *held;
+	int32_t at = w->device_id;
 	void *data = NULL;
 	bool stale = false;
 	int rc;
@@ -791,6 +808,8 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 				    "(producer %u of %u workers, device %d and %d, %llu and %llu bytes)",
 				    wc->producer, ag->world, (int)wc->ipc.device, (int)w->device_id,
 				    (unsigned long long)wc->ipc.len, (unsigned long long)w->nbytes);
+	if (land && (rc = devmap_land(ag, land, w->device_id, &at)))
+		return rc;
 	if (!(d = calloc(1, sizeof(*d))))
 		return shmrpc__fail(-ENOMEM, "out of memory receiving a CUDA tensor");
 	atomic_init(&d->refs, 1);
@@ -810,10 +829,23 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 	/* Relaxed: the agent's own reference keeps the count above zero. */
 	atomic_fetch_add_explicit(&d->view->refs, 1, memory_order_relaxed);
 	rc = dev_check(d);
-	/* The legacy default stream of the receiver waits for the producer's
-	 * event (shmrpc.h): what it queues after reads the producer's writes. */
-	if (rc == 0 && (rc = cuda_import(&d->ipc, 0, &data, &stale)) == 0 &&
-	    (rc = dev_handle(d, data, (DLDevice){ kDLCUDA, w->device_id },
+	held = d;
+	if (rc == 0 && at != d->ipc.device) {
+		/* Mapped to another device: copied there once (torch copies
+		 * too), on the landing device's legacy default stream. */
+		if (!(held = calloc(1, sizeof(*held))))
+			rc = shmrpc__fail(-ENOMEM, "out of memory receiving a CUDA tensor");
+		else if ((rc = cuda_import_copy(&d->ipc, at, &data, &stale)) == 0)
+			*held = (struct tensor_dev){ .refs = 1, .source = d, .copy = data,
+						     .copy_device = at };
+	} else if (rc == 0) {
+		/* The legacy default stream of the receiver waits for the
+		 * producer's event (shmrpc.h): what it queues after reads the
+		 * producer's writes. */
+		rc = cuda_import(&d->ipc, 0, &data, &stale);
+	}
+	if (rc == 0 &&
+	    (rc = dev_handle(held, data, (DLDevice){ kDLCUDA, at },
 			     (DLDataType){ w->code, w->bits, w->lanes }, w->ndim, shape, out)) == 0 &&
 	    (*out)->nbytes != w->nbytes) {
 		rc = shmrpc__fail(-EBADMSG, "a CUDA tensor descriptor says %llu bytes for a shape of "
@@ -829,13 +861,19 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 		return 0;
 	if (data)
 		cuda_import_release(&d->ipc, false);
+	if (held != d) {
+		if (held && data)
+			cuda_free(at, data);
+		free(held);
+	}
 	pool_unref(&ag->pool, ag->rank, d->token);
 	tensor_view_put(d->view);
 	free(d);
 	return rc;
 }
 
-int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
+int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
+		  shmrpc_tensor **out)
 {
 	struct shm_pool *p = pool_or_fail();
 	struct tensor_wire w;
@@ -862,7 +900,7 @@ int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out)
 		struct tensor_wire_cuda wc;
 
 		memcpy(&wc, data + sizeof(w) + (size_t)w.ndim * sizeof(int64_t), sizeof(wc));
-		return dev_unpack(&w, shape, &wc, out);
+		return dev_unpack(&w, shape, &wc, land, out);
 	}
 	if (w.device_id != 0)
 		return shmrpc__fail(-EBADMSG, "a CPU tensor descriptor names device %d",

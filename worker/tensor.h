@@ -60,6 +60,10 @@
  *  - A receiver passes a tensor on with the producer's descriptor and an
  *    event of its own (cuda_export_forward) and the same token: the next
  *    receiver counts on the same producer.
+ *  - A tensor that a device map (worker/devmap.h) lands on another device
+ *    than its own is copied there on arrival: the receiver's handle is of
+ *    a copy of its own (a source like a DLPack one, passed on as such),
+ *    which holds the received tensor above until the copy goes.
  */
 #ifndef SHMRPC_WORKER_TENSOR_H
 #define SHMRPC_WORKER_TENSOR_H
@@ -96,12 +100,16 @@ struct shmrpc_tensor {
 /* The handles a message or a value holds: tensors and RRefs. take: when
  * decoding into the list, make a reference of our own to each RRef (a
  * value read from the RRef table) instead of adopting the sender's. */
+struct devmap_landing;
 struct tensor_list {
 	shmrpc_tensor **t;
 	uint32_t n, cap;
 	shmrpc_rref **r;
 	uint32_t nr, rcap;
 	bool take;
+	/* When decoding: where received CUDA tensors land (devmap_landing();
+	 * NULL: on the sender's ordinal). */
+	const struct devmap_landing *land;
 };
 
 /* The agent's view of its pool: made when it attaches (one reference, the
@@ -122,8 +130,12 @@ SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t 
 
 /* Appends t's descriptor to a message being packed. */
 SHMRPC_HIDDEN int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t);
-/* A descriptor received: a new handle holding its own reference. */
-SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, shmrpc_tensor **out);
+/* A descriptor received: a new handle holding its own reference. A CUDA
+ * tensor lands by land (NULL: on its own device): on another device it is
+ * copied there (cuda_import_copy), the copy owned by the handle's bytes,
+ * which hold the received tensor until the copy goes. */
+SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
+				shmrpc_tensor **out);
 
 enum pin_kind {
 	PIN_REQUEST = 0, /* our request to peer: released by its reply */

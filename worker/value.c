@@ -209,7 +209,7 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 	case MSGPACK_OBJECT_EXT:
 		if (o->via.ext.type == VALUE_EXT_TENSOR && got) {
 			shmrpc_tensor *t;
-			int rc = tensor_unpack(o->via.ext.ptr, o->via.ext.size, &t);
+			int rc = tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t);
 
 			if (rc == 0 && (rc = tensor_list_add(got, t)))
 				shmrpc_tensor_free(t);

@@ -99,24 +99,54 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
     if world_size is not None and world_size != env_world:
         raise ValueError(f"init_rpc: world_size {world_size} given, but the job has {env_world} workers")
-    threads, timeout_ms = 0, 0
+    threads, timeout_ms, maps = 0, 0, []
     if rpc_backend_options is not None:
         threads = int(getattr(rpc_backend_options, "num_worker_threads", 0) or 0)
         t = getattr(rpc_backend_options, "rpc_timeout", None)
         if t is not None:
             timeout_ms = -1 if t == 0 else int(t * 1000)
-        if getattr(rpc_backend_options, "device_maps", None):
-            raise _not_supported("rpc_backend_options.device_maps")
+        maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
         _warn_ignored(rpc_backend_options)
     _shmrpc.set_handler(_run_function)
-    _shmrpc.init(name, threads, timeout_ms)
+    _shmrpc.init(name, threads, timeout_ms, maps)
     _initialized = True
+
+
+def _device_index(d):
+    """The index of a CUDA device of a device map, given as torch takes
+    one: an int, a string "cuda:N" or a torch.device."""
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d
+    if isinstance(d, str):
+        kind, _, index = d.partition(":")
+        index = int(index) if index.isdigit() else None
+    else:
+        kind, index = getattr(d, "type", None), getattr(d, "index", None)
+        if kind is None:
+            raise TypeError(f"a device map takes ints, 'cuda:N' strings and torch.device "
+                            f"objects, not {type(d).__name__}")
+    if kind != "cuda":
+        raise ValueError(f"`set_devices` expect a list of CUDA devices, but got device type {kind}.")
+    if index is None:
+        raise ValueError(f"a device map needs device indices: {d!r} names none (give cuda:N)")
+    return index
+
+
+def _device_map_entries(device_maps):
+    """torch's device_maps (a dict: worker name -> {device: device}, as
+    TensorPipeRpcBackendOptions and its set_device_map keep them) as
+    (name, from, to) triples for the library, which checks them with every
+    worker's at init (worker/devmap.h)."""
+    return [(str(to), _device_index(k), _device_index(v))
+            for to, m in device_maps.items() for k, v in m.items()]
 
 
 def _warn_ignored(opts):
     """One warning naming the backend options set to something shmrpc does
     not use: the workers meet through shmrun's shared memory, not a
-    rendezvous, and the rings are the only transport."""
+    rendezvous, and the rings are the only transport. torch's `devices`
+    (the devices the agent may use) is not needed either: every device of
+    the machine is reachable through CUDA IPC."""
     ignored = [name for name in ("init_method", "devices", "_transports", "_channels")
                if getattr(opts, name, None) not in (None, "env://", [], ())]
     if ignored:

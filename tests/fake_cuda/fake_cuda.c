@@ -4,10 +4,12 @@
  * "GPU" with), with host memory playing device memory. Loaded by naming it
  * in SHMRPC_LIBCUDA (worker/cuda.h); never on a real GPU.
  *
- * - One device, ordinal 0, with one primary context. Contexts are a
- *   per-thread stack (push, pop, set); the calls that need a current
- *   context fail without one, as the driver's do, so a caller that forgets
- *   to push one is caught.
+ * - FAKE_CUDA_DEVICES devices (1 to 16; 1 when unset), ordinals from 0,
+ *   each with one primary context. Contexts are a per-thread stack (push,
+ *   pop, set); the calls that need a current context fail without one,
+ *   as the driver's do, so a caller that forgets to push one is caught.
+ *   An allocation, and a mapping, belongs to the device of the context
+ *   current when it was made (cuPointerGetAttributes says which).
  * - Device memory: each cuMemAlloc is a memfd of its own, mapped
  *   MAP_SHARED, named "fake-cuda:PID:ID" with a buffer id unique in the
  *   process (never reused, as the driver's). An IPC memory handle holds
@@ -18,7 +20,8 @@
  *   cuIpcCloseMemHandle releases, and whose IPC handle cannot be taken.
  * - Streams and events are objects that every call checks against the
  *   live ones (a destroyed or made-up handle fails); work is synchronous,
- *   so recording and waiting do nothing else. An IPC event handle holds
+ *   so recording and waiting do nothing else, and cuMemcpyPeerAsync copies
+ *   at once (between two known ranges of the contexts it names). An IPC event handle holds
  *   (pid, event id); only an event made with CU_EVENT_INTERPROCESS and
  *   CU_EVENT_DISABLE_TIMING has one.
  * - fakeCuAllocCount(): allocations of this process not yet freed
@@ -63,6 +66,7 @@ struct alloc {
 	CUdeviceptr base;
 	size_t size;
 	unsigned long long id;
+	int device;
 	int fd;        /* own allocations: the memfd; mappings: -1 */
 	bool imported; /* a mapping of another process's allocation */
 };
@@ -103,7 +107,8 @@ struct event_handle {
 _Static_assert(sizeof(struct mem_handle) <= sizeof(CUipcMemHandle), "handle fits");
 _Static_assert(sizeof(struct event_handle) <= sizeof(CUipcEventHandle), "handle fits");
 
-static struct CUctx_st primary = { 0 };
+#define MAX_DEVICES 16
+static struct CUctx_st primary[MAX_DEVICES];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc *allocs;
 static struct CUstream_st *streams;
@@ -120,6 +125,32 @@ static CUcontext current(void)
 	return depth ? stack[depth - 1] : NULL;
 }
 
+/* FAKE_CUDA_DEVICES, read once. */
+static int ndevices;
+
+static void count_devices(void)
+{
+	const char *s = getenv("FAKE_CUDA_DEVICES");
+	int n = s && *s ? atoi(s) : 1;
+
+	ndevices = n < 1 ? 1 : n > MAX_DEVICES ? MAX_DEVICES : n;
+	for (int i = 0; i < MAX_DEVICES; i++)
+		primary[i].device = i;
+}
+
+static int devices(void)
+{
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+	pthread_once(&once, count_devices);
+	return ndevices;
+}
+
+static bool is_ctx(CUcontext ctx)
+{
+	return ctx >= primary && ctx < primary + devices();
+}
+
 EXPORT CUresult cuInit(unsigned flags)
 {
 	return flags ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
@@ -127,15 +158,15 @@ EXPORT CUresult cuInit(unsigned flags)
 
 EXPORT CUresult cuDeviceGetCount(int *n)
 {
-	*n = 1;
+	*n = devices();
 	return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 {
-	if (ordinal != 0)
+	if (ordinal < 0 || ordinal >= devices())
 		return CUDA_ERROR_INVALID_DEVICE;
-	*dev = 0;
+	*dev = ordinal;
 	return CUDA_SUCCESS;
 }
 
@@ -175,15 +206,15 @@ EXPORT CUresult cuGetErrorString(CUresult r, const char **s)
 
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
 {
-	if (dev != 0)
+	if (dev < 0 || dev >= devices())
 		return CUDA_ERROR_INVALID_DEVICE;
-	*ctx = &primary;
+	*ctx = &primary[dev];
 	return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
-	if (ctx != &primary)
+	if (!is_ctx(ctx))
 		return CUDA_ERROR_INVALID_CONTEXT;
 	if (depth == CTX_DEPTH)
 		return CUDA_ERROR_INVALID_VALUE;
@@ -201,7 +232,7 @@ EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
 {
-	if (ctx && ctx != &primary)
+	if (ctx && !is_ctx(ctx))
 		return CUDA_ERROR_INVALID_CONTEXT;
 	if (!ctx) {
 		if (depth)
@@ -223,12 +254,14 @@ static struct alloc *find(CUdeviceptr p)
 	return NULL;
 }
 
+/* In the current context (the caller checked there is one). */
 static CUresult add_alloc(void *at, size_t size, int fd, bool imported, CUdeviceptr *p)
 {
 	struct alloc *a = calloc(1, sizeof(*a));
 
 	if (!a)
 		return CUDA_ERROR_OUT_OF_MEMORY;
+	a->device = current()->device;
 	a->base = (CUdeviceptr)(uintptr_t)at;
 	a->size = size;
 	a->fd = fd;
@@ -305,17 +338,20 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
 {
 	struct alloc *a;
 	unsigned long long id = 0;
+	int device = -2;
 
 	pthread_mutex_lock(&lock);
 	a = find(p);
-	if (a)
+	if (a) {
 		id = a->id;
+		device = a->device;
+	}
 	pthread_mutex_unlock(&lock);
 	/* As the driver: memory it does not know is memory type 0, no error. */
 	for (unsigned i = 0; i < n; i++) {
 		switch (attrs[i]) {
 		case CU_POINTER_ATTRIBUTE_CONTEXT:
-			*(CUcontext *)data[i] = a ? &primary : NULL;
+			*(CUcontext *)data[i] = a ? &primary[device] : NULL;
 			break;
 		case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
 			*(unsigned *)data[i] = a ? CU_MEMORYTYPE_DEVICE : 0;
@@ -324,7 +360,7 @@ EXPORT CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUde
 			*(unsigned long long *)data[i] = id;
 			break;
 		case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
-			*(int *)data[i] = a ? 0 : -2;
+			*(int *)data[i] = device;
 			break;
 		default:
 			return CUDA_ERROR_INVALID_VALUE;
@@ -591,6 +627,29 @@ EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent ev, unsigned flags)
 		(*stream_waits(s))++;
 	pthread_mutex_unlock(&lock);
 	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* Both ranges must be known memory of the contexts named. */
+EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx,
+				  size_t n, CUstream s)
+{
+	struct alloc *d, *f;
+	bool ok;
+
+	if (!current())
+		return CUDA_ERROR_INVALID_CONTEXT;
+	if (!is_ctx(dctx) || !is_ctx(sctx))
+		return CUDA_ERROR_INVALID_CONTEXT;
+	pthread_mutex_lock(&lock);
+	d = find(dst);
+	f = find(src);
+	ok = stream_ok(s) && d && f && d->device == dctx->device && f->device == sctx->device &&
+	     n <= d->size - (dst - d->base) && n <= f->size - (src - f->base);
+	pthread_mutex_unlock(&lock);
+	if (!ok)
+		return CUDA_ERROR_INVALID_VALUE;
+	memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	return CUDA_SUCCESS;
 }
 
 EXPORT int fakeCuAllocCount(void)

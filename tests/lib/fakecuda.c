@@ -36,13 +36,18 @@ static void *sym(const char *name)
 	return f;
 }
 
-void tl_fake_cuda_thread(void)
+void tl_fake_cuda_device(int device)
 {
 	int (*retain)(void **ctx, int dev) = sym("cuDevicePrimaryCtxRetain");
 	int (*set)(void *ctx) = sym("cuCtxSetCurrent");
 	void *ctx;
 
-	CHECK(retain(&ctx, 0) == 0 && set(ctx) == 0, "no CUDA context");
+	CHECK(retain(&ctx, device) == 0 && set(ctx) == 0, "no CUDA context on device %d", device);
+}
+
+void tl_fake_cuda_thread(void)
+{
+	tl_fake_cuda_device(0);
 }
 
 static void fake_delete(DLManagedTensor *m)
@@ -57,18 +62,23 @@ static void fake_delete(DLManagedTensor *m)
 
 shmrpc_tensor *tl_fake_cuda_tensor(uint64_t n, uint8_t fill)
 {
+	return tl_fake_cuda_tensor_on(0, n, fill);
+}
+
+shmrpc_tensor *tl_fake_cuda_tensor_on(int device, uint64_t n, uint8_t fill)
+{
 	int (*mem_alloc)(uint64_t *p, size_t n) = sym("cuMemAlloc_v2");
 	struct fake_tensor *f = calloc(1, sizeof(*f));
 	shmrpc_tensor *t;
 	uint64_t p;
 
 	CHECK(f, "out of memory");
-	tl_fake_cuda_thread();
+	tl_fake_cuda_device(device);
 	CHECK(mem_alloc(&p, n) == 0, "cuMemAlloc of %llu bytes", (unsigned long long)n);
 	memset((void *)(uintptr_t)p, fill, n);
 	f->shape[0] = (int64_t)n;
 	f->m.dl_tensor = (DLTensor){ .data = (void *)(uintptr_t)p,
-				     .device = { kDLCUDA, 0 },
+				     .device = { kDLCUDA, device },
 				     .ndim = 1,
 				     .dtype = { kDLUInt, 8, 1 },
 				     .shape = f->shape };

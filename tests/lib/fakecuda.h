@@ -15,12 +15,16 @@
  * at $SHMRPC_BUILD/tests/fake_cuda/libcuda.so.1 for the workers. False
  * (the test skips) when it is not built. */
 bool tl_fake_cuda_use(void);
-/* In a worker: makes the device's primary context current on this thread
- * (allocating needs one). */
+/* In a worker: makes device 0's primary context current on this thread
+ * (allocating needs one); tl_fake_cuda_device: device's (the fake driver
+ * has FAKE_CUDA_DEVICES devices). */
 void tl_fake_cuda_thread(void);
-/* A CUDA tensor of n bytes (uint8) filled with fill, through DLPack: its
- * deleter frees the memory and counts in tl_fake_cuda_deleted. */
+void tl_fake_cuda_device(int device);
+/* A CUDA tensor of n bytes (uint8) filled with fill, on device 0 (_on:
+ * on device), through DLPack: its deleter frees the memory and counts in
+ * tl_fake_cuda_deleted. */
 shmrpc_tensor *tl_fake_cuda_tensor(uint64_t n, uint8_t fill);
+shmrpc_tensor *tl_fake_cuda_tensor_on(int device, uint64_t n, uint8_t fill);
 /* Deleters run so far in this process. */
 int tl_fake_cuda_deleted(void);
 /* Allocations of this process not yet freed (the fake driver's count). */
