@@ -153,8 +153,12 @@ SHMRPC_API int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream)
  * t was sent after (or, for a tensor of this process, for the work queued
  * on the stream set with shmrpc_tensor_set_cuda_stream): for a consumer
  * that reads t on another stream than the receiver's legacy default,
- * which waited already when t came in. The host never waits. -EINVAL for
- * a CPU tensor, -SHMRPC_EPEERDEAD once t's producer is gone. */
+ * which waited already when t came in. The host never waits here; when
+ * the last handle of a received t goes, the host waits for the work queued
+ * on that stream and on the legacy default one (as torch's receiver does),
+ * so that the producer never frees or reuses memory a kernel still reads:
+ * the stream must still exist then. -EINVAL for a CPU tensor,
+ * -SHMRPC_EPEERDEAD once t's producer is gone. */
 SHMRPC_API int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream);
 /* DLPack out: *out owns t's reference (t is consumed); its deleter drops it. */
 SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);

@@ -17,6 +17,10 @@
  *  - Results: rank 1 makes a device tensor and returns it; rank 0 writes
  *    into it and rank 1 sees the write. Rank 1 keeps the tensor while our
  *    idle cache holds it, and releases it once we forget it.
+ *  - Drained: rank 1 reads a tensor on a stream of its own (waiting on the
+ *    producer's event there); when it lets the tensor go, it first waits
+ *    for that stream and its legacy default one (kernels still reading
+ *    must finish before the producer may reuse the memory).
  *  - A producer that frees an allocation rank 1 caches (breaking the rule)
  *    and allocates another over its addresses: rank 1 drops the cached
  *    entry when the new one comes, releasing its pin.
@@ -91,38 +95,37 @@ static int fn_pass(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
+/* The stream "consume" read its tensor on, for "consumer_syncs". */
+static _Atomic uintptr_t consumer;
+
+/* Rank 1: its work on the argument goes on a stream of its own. */
+static int fn_consume(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	uintptr_t s = tl_fake_cuda_stream();
+
+	(void)n, (void)u;
+	if (shmrpc_tensor_cuda_wait(a[0].u.t, s))
+		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
+	atomic_store(&consumer, s);
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* Rank 1: how often that stream was synchronized. */
+static int fn_consumer_syncs(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			     void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_int(tl_fake_cuda_syncs(atomic_load(&consumer)));
+	return 0;
+}
+
 /* Rank 2: writes a mark into the tensor passed on. */
 static int fn_mark(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)c, (void)n, (void)u;
 	bytes(a[0].u.t)[2] = 0x77;
 	*r = shmrpc_nil();
-	return 0;
-}
-
-/* Releases this process's idle cache entries. */
-static int fn_forget(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)a, (void)n, (void)u;
-	tensor_idle_forget(0);
-	*r = shmrpc_nil();
-	return 0;
-}
-
-/* [opens, cache hits, mappings open, deleters run, allocations left] */
-static int fn_stats(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	shmrpc_value *v = shmrpc_call_alloc(c, 5 * sizeof(*v));
-	struct cuda_stats st;
-
-	(void)a, (void)n, (void)u;
-	cuda_stats_get(&st);
-	v[0] = shmrpc_int((int64_t)st.opens);
-	v[1] = shmrpc_int((int64_t)st.cache_hits);
-	v[2] = shmrpc_int(st.maps_open);
-	v[3] = shmrpc_int(tl_fake_cuda_deleted());
-	v[4] = shmrpc_int(tl_fake_cuda_allocs());
-	*r = shmrpc_list(v, 5);
 	return 0;
 }
 
@@ -148,36 +151,6 @@ static int fn_seen(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	*r = shmrpc_int(bytes(t)[3]);
 	shmrpc_tensor_free(t);
 	return 0;
-}
-
-static int64_t stat_of(int rank, int i)
-{
-	shmrpc_future *f;
-	int64_t v;
-
-	CHECK_OK(shmrpc_rpc_sync(rank, "stats", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
-	v = shmrpc_future_value(f)->u.items[i].u.i;
-	shmrpc_future_free(f);
-	return v;
-}
-
-static void call(int rank, const char *fn, const shmrpc_value *args, uint32_t n)
-{
-	shmrpc_future *f;
-
-	CHECK_OK(shmrpc_rpc_sync(rank, fn, args, n, SHMRPC_TIMEOUT_DEFAULT, &f));
-	shmrpc_future_free(f);
-}
-
-/* Waits (up to 5 s) until rank's stat i is want: the producers check
- * their exports every few ms. */
-static void wait_stat(int rank, int i, int64_t want, const char *what)
-{
-	int64_t v = -1;
-
-	for (int k = 0; k < 500 && (v = stat_of(rank, i)) != want; k++)
-		usleep(10000);
-	CHECK(v == want, "rank %d: %s is %lld, want %lld", rank, what, (long long)v, (long long)want);
 }
 
 static void edges(shmrpc_tensor *t)
@@ -246,7 +219,7 @@ static void reused(void)
 {
 	int (*mem_alloc)(uint64_t *p, size_t n) = cuda_sym("cuMemAlloc_v2");
 	int (*mem_free)(uint64_t p) = cuda_sym("cuMemFree_v2");
-	int64_t opens = stat_of(1, 0);
+	int64_t opens = tl_fake_cuda_stat(1, TL_CUDA_OPENS);
 	uint64_t x, y;
 	shmrpc_tensor *t;
 	shmrpc_value v;
@@ -255,9 +228,9 @@ static void reused(void)
 	CHECK(mem_alloc && mem_free && mem_alloc(&x, LEN) == 0, "cuMemAlloc");
 	t = borrow(x);
 	v = shmrpc_tensor_value(t);
-	call(1, "mark", &v, 1);
+	tl_call(1, "mark", &v, 1);
 	shmrpc_tensor_free(t);
-	wait_stat(1, 2, 1, "mappings open");
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 1, "mappings open");
 	usleep(5 * TENSOR_REAP_NS / 1000);
 	CHECK(atomic_load(&borrowed_deleted) == 0, "released while rank 1 caches it");
 	CHECK(mem_free(x) == 0 && mem_alloc(&y, LEN) == 0, "cuMemFree, cuMemAlloc");
@@ -265,24 +238,54 @@ static void reused(void)
 	      (unsigned long long)x, (unsigned long long)y);
 	t = borrow(y);
 	v = shmrpc_tensor_value(t);
-	call(1, "mark", &v, 1);
+	tl_call(1, "mark", &v, 1);
 	shmrpc_tensor_free(t);
-	CHECK(stat_of(1, 0) == opens + 2, "rank 1 opened %lld mappings, want 2",
-	      (long long)(stat_of(1, 0) - opens));
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_OPENS) == opens + 2, "rank 1 opened %lld mappings, want 2",
+	      (long long)(tl_fake_cuda_stat(1, TL_CUDA_OPENS) - opens));
 	/* The first went when the second came: its source, then the second's
 	 * once forgotten. */
-	wait_stat(1, 2, 1, "mappings open");
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 1, "mappings open");
 	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 1; i++)
 		usleep(10000);
 	CHECK(atomic_load(&borrowed_deleted) == 1, "%d borrowed sources released, want 1",
 	      atomic_load(&borrowed_deleted));
-	call(1, "forget", NULL, 0);
-	wait_stat(1, 2, 0, "mappings open");
+	tl_call(1, "forget", NULL, 0);
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 0, "mappings open");
 	for (int i = 0; i < 500 && atomic_load(&borrowed_deleted) != 2; i++)
 		usleep(10000);
 	CHECK(atomic_load(&borrowed_deleted) == 2, "%d borrowed sources released, want 2",
 	      atomic_load(&borrowed_deleted));
 	CHECK(mem_free(y) == 0, "cuMemFree");
+}
+
+/* Rank 1 drains the streams it used a tensor on before letting it go (its
+ * argument goes after the reply: polled). */
+static void drained(void)
+{
+	shmrpc_tensor *t = tl_fake_cuda_tensor(LEN, 0x33);
+	shmrpc_value v = shmrpc_tensor_value(t);
+	int64_t legacy = tl_fake_cuda_stat(1, TL_CUDA_SYNCS), syncs = 0;
+	int deleted = tl_fake_cuda_deleted();
+	shmrpc_future *f;
+
+	tl_call(1, "consume", &v, 1);
+	for (int i = 0; i < 500 && syncs < 1; i++) {
+		CHECK_OK(shmrpc_rpc_sync(1, "consumer_syncs", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+		syncs = shmrpc_future_value(f)->u.i;
+		shmrpc_future_free(f);
+		if (syncs < 1)
+			usleep(10000);
+	}
+	CHECK(syncs == 1, "rank 1 synchronized its consumer stream %lld times, want 1",
+	      (long long)syncs);
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_SYNCS) > legacy,
+	      "rank 1 did not synchronize its legacy default stream");
+	shmrpc_tensor_free(t);
+	tl_call(1, "forget", NULL, 0);
+	/* Gone before reused() counts on the driver's addresses. */
+	for (int i = 0; i < 500 && tl_fake_cuda_deleted() != deleted + 1; i++)
+		usleep(10000);
+	CHECK(tl_fake_cuda_deleted() == deleted + 1, "the consumed tensor was not released");
 }
 
 static void rank0(void)
@@ -307,37 +310,37 @@ static void rank0(void)
 	shmrpc_future_free(f);
 
 	/* Passed on by rank 1 to rank 2. */
-	call(1, "pass", args, 1);
+	tl_call(1, "pass", args, 1);
 	CHECK(d[2] == 0x77, "rank 2's write is not in our memory");
 
 	/* Caches: rank 1 keeps a handle; more sends open nothing. */
-	call(1, "keep", args, 1);
-	opens = stat_of(1, 0);
-	hits = stat_of(1, 1);
+	tl_call(1, "keep", args, 1);
+	opens = tl_fake_cuda_stat(1, TL_CUDA_OPENS);
+	hits = tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS);
 	cuda_stats_get(&before);
 	for (int i = 0; i < REPEATS; i++)
-		call(1, "touch", args, 2);
+		tl_call(1, "touch", args, 2);
 	cuda_stats_get(&after);
-	CHECK(stat_of(1, 0) == opens && stat_of(1, 1) == hits + REPEATS,
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_OPENS) == opens && tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS) == hits + REPEATS,
 	      "rank 1: %lld opens and %lld cache hits for %d sends of a mapped tensor",
-	      (long long)(stat_of(1, 0) - opens), (long long)(stat_of(1, 1) - hits), REPEATS);
+	      (long long)(tl_fake_cuda_stat(1, TL_CUDA_OPENS) - opens), (long long)(tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS) - hits), REPEATS);
 	CHECK(after.exports == before.exports + REPEATS &&
 	      after.handle_cache_hits == before.handle_cache_hits + REPEATS,
 	      "%llu exports, %llu handle cache hits for %d sends",
 	      (unsigned long long)(after.exports - before.exports),
 	      (unsigned long long)(after.handle_cache_hits - before.handle_cache_hits), REPEATS);
-	call(1, "drop", NULL, 0);
+	tl_call(1, "drop", NULL, 0);
 
 	/* A warm echo: rank 1 holds no handle between the calls; its idle
 	 * cache keeps the mapping. */
-	opens = stat_of(1, 0);
-	hits = stat_of(1, 1);
+	opens = tl_fake_cuda_stat(1, TL_CUDA_OPENS);
+	hits = tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS);
 	for (int i = 0; i < REPEATS; i++)
-		call(1, "touch", args, 2);
-	CHECK(stat_of(1, 0) == opens && stat_of(1, 1) == hits + REPEATS,
+		tl_call(1, "touch", args, 2);
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_OPENS) == opens && tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS) == hits + REPEATS,
 	      "rank 1: %lld opens and %lld cache hits for %d echoes",
-	      (long long)(stat_of(1, 0) - opens), (long long)(stat_of(1, 1) - hits), REPEATS);
-	wait_stat(1, 2, 1, "mappings open");
+	      (long long)(tl_fake_cuda_stat(1, TL_CUDA_OPENS) - opens), (long long)(tl_fake_cuda_stat(1, TL_CUDA_CACHE_HITS) - hits), REPEATS);
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 1, "mappings open");
 
 	/* Their caches pin our source: it stays, after we let go too, until
 	 * other tensors push it out of both. */
@@ -349,8 +352,8 @@ static void rank0(void)
 		shmrpc_tensor *o = tl_fake_cuda_tensor(LEN, (uint8_t)i);
 		shmrpc_value v = shmrpc_tensor_value(o);
 
-		call(1, "mark", &v, 1);
-		call(2, "mark", &v, 1);
+		tl_call(1, "mark", &v, 1);
+		tl_call(2, "mark", &v, 1);
 		shmrpc_tensor_free(o);
 	}
 	for (int i = 0; i < 500 && !tl_fake_cuda_deleted(); i++)
@@ -359,17 +362,17 @@ static void rank0(void)
 	CHECK(tl_fake_cuda_deleted() == 1, "%d deleters ran here", tl_fake_cuda_deleted());
 	CHECK(tl_fake_cuda_allocs() == TENSOR_IDLE_MAPS, "%d allocations left, want %d",
 	      tl_fake_cuda_allocs(), TENSOR_IDLE_MAPS);
-	wait_stat(1, 2, TENSOR_IDLE_MAPS, "mappings open");
-	wait_stat(2, 2, TENSOR_IDLE_MAPS, "mappings open");
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, TENSOR_IDLE_MAPS, "mappings open");
+	tl_fake_cuda_wait_stat(2, TL_CUDA_MAPS_OPEN, TENSOR_IDLE_MAPS, "mappings open");
 	/* Forgotten: the rest go, each once. */
-	call(1, "forget", NULL, 0);
-	call(2, "forget", NULL, 0);
+	tl_call(1, "forget", NULL, 0);
+	tl_call(2, "forget", NULL, 0);
 	for (int i = 0; i < 500 && tl_fake_cuda_allocs(); i++)
 		usleep(10000);
 	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS && tl_fake_cuda_allocs() == 0,
 	      "%d deleters ran, %d allocations left", tl_fake_cuda_deleted(), tl_fake_cuda_allocs());
-	wait_stat(1, 2, 0, "mappings open");
-	wait_stat(2, 2, 0, "mappings open");
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 0, "mappings open");
+	tl_fake_cuda_wait_stat(2, TL_CUDA_MAPS_OPEN, 0, "mappings open");
 
 	/* A result: rank 1's tensor, written here, seen there. */
 	args[0] = shmrpc_int(0x22);
@@ -378,19 +381,19 @@ static void rank0(void)
 	d = bytes(back);
 	CHECK(d[0] == 0x22 && d[LEN - 1] == 0x22, "rank 1's bytes are not there");
 	d[3] = 0x33;
-	CHECK(stat_of(1, 3) == 0, "rank 1 released its tensor while we hold it");
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_DELETED) == 0, "rank 1 released its tensor while we hold it");
 	shmrpc_future_free(f);
 	CHECK_OK(shmrpc_rpc_sync(1, "seen", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
 	CHECK(shmrpc_future_value(f)->u.i == 0x33, "rank 1 saw 0x%llx",
 	      (long long)shmrpc_future_value(f)->u.i);
 	shmrpc_future_free(f);
 	usleep(5 * TENSOR_REAP_NS / 1000);
-	CHECK(stat_of(1, 3) == 0, "rank 1 released its tensor while our cache holds it");
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_DELETED) == 0, "rank 1 released its tensor while our cache holds it");
 	cuda_stats_get(&after);
 	CHECK(after.maps_open == 1, "%u mappings open here", after.maps_open);
 	tensor_idle_forget(0);
-	wait_stat(1, 3, 1, "deleters run");
-	CHECK(stat_of(1, 4) == 0, "rank 1 has %lld allocations left", (long long)stat_of(1, 4));
+	tl_fake_cuda_wait_stat(1, TL_CUDA_DELETED, 1, "deleters run");
+	CHECK(tl_fake_cuda_stat(1, TL_CUDA_ALLOCS) == 0, "rank 1 has %lld allocations left", (long long)tl_fake_cuda_stat(1, TL_CUDA_ALLOCS));
 	cuda_stats_get(&after);
 	CHECK(after.maps_open == 0, "%u mappings open here", after.maps_open);
 
@@ -401,14 +404,15 @@ static void rank0(void)
 	CHECK(tl_fake_cuda_deleted() == 1 + TENSOR_IDLE_MAPS, "%d deleters ran here",
 	      tl_fake_cuda_deleted());
 
+	drained();
 	reused();
 
 	/* Left in rank 1's cache for the shutdowns. */
 	t = tl_fake_cuda_tensor(LEN, 0x44);
 	args[0] = shmrpc_tensor_value(t);
-	call(1, "mark", args, 1);
+	tl_call(1, "mark", args, 1);
 	shmrpc_tensor_free(t);
-	wait_stat(1, 2, 1, "mappings open");
+	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 1, "mappings open");
 	fprintf(stderr, "rank 0: device tensors handed over and released\n");
 }
 
@@ -420,10 +424,11 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("pass", "t", fn_pass, NULL));
 	CHECK_OK(shmrpc_register("mark", "t", fn_mark, NULL));
 	tl_keep_register();
-	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
+	tl_fake_cuda_register();
 	CHECK_OK(shmrpc_register("make", "i", fn_make, NULL));
 	CHECK_OK(shmrpc_register("seen", "", fn_seen, NULL));
-	CHECK_OK(shmrpc_register("forget", "", fn_forget, NULL));
+	CHECK_OK(shmrpc_register("consume", "t", fn_consume, NULL));
+	CHECK_OK(shmrpc_register("consumer_syncs", "", fn_consumer_syncs, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	rank = shmrpc_rank();
 	if (rank == 0)
@@ -431,8 +436,9 @@ static int worker(void)
 	CHECK_OK(shmrpc_shutdown(1, 60000));
 	if (rank == 0) {
 		/* Rank 1 emptied its cache before the barrier: our last tensor
-		 * went in our shutdown, with no report of it held. */
-		CHECK(tl_fake_cuda_deleted() == 2 + TENSOR_IDLE_MAPS && tl_fake_cuda_allocs() == 0,
+		 * went in our shutdown, with no report of it held. The first,
+		 * the cache's TENSOR_IDLE_MAPS, drained()'s and the last. */
+		CHECK(tl_fake_cuda_deleted() == 3 + TENSOR_IDLE_MAPS && tl_fake_cuda_allocs() == 0,
 		      "after shutdown: %d deleters ran, %d allocations left", tl_fake_cuda_deleted(),
 		      tl_fake_cuda_allocs());
 		fprintf(stderr, "rank 0: released at shutdown\n");

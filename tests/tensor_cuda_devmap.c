@@ -64,27 +64,6 @@ static int fn_make(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
-/* [allocations left, deleters run] of this process's fake driver. */
-static int fn_stats(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	shmrpc_value *v = shmrpc_call_alloc(c, 2 * sizeof(*v));
-
-	(void)a, (void)n, (void)u;
-	v[0] = shmrpc_int(tl_fake_cuda_allocs());
-	v[1] = shmrpc_int(tl_fake_cuda_deleted());
-	*r = shmrpc_list(v, 2);
-	return 0;
-}
-
-/* Releases this process's idle cache. */
-static int fn_forget(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	(void)c, (void)a, (void)n, (void)u;
-	tensor_idle_forget(0);
-	*r = shmrpc_nil();
-	return 0;
-}
-
 /* Worker1: a tensor on its cuda:1 sent to worker0, which writes 0xee
  * into it: zero-copy (no map), so the write is here. */
 static int fn_shared(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
@@ -106,42 +85,12 @@ static int fn_shared(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_v
 	return 0;
 }
 
-static int64_t stat_of(int rank, int i)
-{
-	shmrpc_future *f;
-	int64_t v;
-
-	CHECK_OK(shmrpc_rpc_sync(rank, "stats", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
-	v = shmrpc_future_value(f)->u.items[i].u.i;
-	shmrpc_future_free(f);
-	return v;
-}
-
-/* Stat i of rank once it is want, or after 5 s what it is: a reply comes
- * before the callee frees the call's arguments (a copy landed there). */
-static int64_t stat_settled(int rank, int i, int64_t want)
-{
-	int64_t v;
-
-	for (int tries = 0; (v = stat_of(rank, i)) != want && tries < 500; tries++)
-		usleep(10000);
-	return v;
-}
-
-static void call(int rank, const char *fn, const shmrpc_value *args, uint32_t n)
-{
-	shmrpc_future *f;
-
-	CHECK_OK(shmrpc_rpc_sync(rank, fn, args, n, SHMRPC_TIMEOUT_DEFAULT, &f));
-	shmrpc_future_free(f);
-}
-
 static void worker0(void)
 {
 	shmrpc_tensor *t = tl_fake_cuda_tensor_on(0, LEN, 0x11), *back;
 	shmrpc_value args[2] = { shmrpc_tensor_value(t) };
 	const shmrpc_value *v;
-	int64_t allocs1 = stat_of(1, 0), got;
+	int64_t allocs1 = tl_fake_cuda_stat(1, TL_CUDA_ALLOCS), got;
 	shmrpc_future *f;
 	const DLTensor *dl;
 
@@ -156,16 +105,12 @@ static void worker0(void)
 
 	/* The copy is worker1's memory while it holds it, freed when dropped;
 	 * then our tensor goes too, once worker1's cache lets it go. */
-	call(1, "keep", args, 1);
-	got = stat_settled(1, 0, allocs1 + 1);
-	CHECK(got == allocs1 + 1, "worker1 has %lld allocations, want %lld", (long long)got,
-	      (long long)allocs1 + 1);
-	call(1, "drop", NULL, 0);
-	got = stat_settled(1, 0, allocs1);
-	CHECK(got == allocs1, "worker1 has %lld allocations after the drop, want %lld",
-	      (long long)got, (long long)allocs1);
+	tl_call(1, "keep", args, 1);
+	tl_fake_cuda_wait_stat(1, TL_CUDA_ALLOCS, allocs1 + 1, "worker1's allocations (the copy kept)");
+	tl_call(1, "drop", NULL, 0);
+	tl_fake_cuda_wait_stat(1, TL_CUDA_ALLOCS, allocs1, "worker1's allocations after the drop");
 	shmrpc_tensor_free(t);
-	call(1, "forget", NULL, 0);
+	tl_call(1, "forget", NULL, 0);
 	for (int i = 0; i < 500 && tl_fake_cuda_deleted() != 1; i++)
 		usleep(10000);
 	CHECK(tl_fake_cuda_deleted() == 1 && tl_fake_cuda_allocs() == 0,
@@ -208,10 +153,10 @@ static void worker0(void)
 	CHECK(shmrpc_future_value(f)->u.i == 0xee, "worker1 sees 0x%llx: the tensor was copied",
 	      (long long)shmrpc_future_value(f)->u.i);
 	shmrpc_future_free(f);
-	call(1, "forget", NULL, 0);
+	tl_call(1, "forget", NULL, 0);
 	/* The argument of worker1's call here is freed (and parked in our
 	 * cache) after its reply went: maybe after a first forget. */
-	for (int tries = 0; (got = stat_of(1, 0)) != 0 && tries < 500; tries++) {
+	for (int tries = 0; (got = tl_fake_cuda_stat(1, TL_CUDA_ALLOCS)) != 0 && tries < 500; tries++) {
 		tensor_idle_forget(0);
 		usleep(10000);
 	}
@@ -260,8 +205,7 @@ static int worker(void)
 	maps_of(kase, rank, m, &o.num_device_maps);
 	CHECK_OK(shmrpc_register("where", "t", fn_where, NULL));
 	CHECK_OK(shmrpc_register("make", "ii", fn_make, NULL));
-	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
-	CHECK_OK(shmrpc_register("forget", "", fn_forget, NULL));
+	tl_fake_cuda_register();
 	CHECK_OK(shmrpc_register("shared", "", fn_shared, NULL));
 	tl_keep_register();
 	rc = shmrpc_init(&o);

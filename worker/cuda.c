@@ -42,6 +42,7 @@ _Static_assert(sizeof(CUipcMemHandle) == CUDA_IPC_HANDLE_SIZE &&
 	X(cuStreamWaitEvent, (CUstream s, CUevent ev, unsigned flags))            \
 	X(cuMemAlloc_v2, (CUdeviceptr *p, size_t n))                               \
 	X(cuMemFree_v2, (CUdeviceptr p))                                           \
+	X(cuStreamSynchronize, (CUstream s))                                       \
 	X(cuMemcpyPeerAsync, (CUdeviceptr dst, CUcontext dctx, CUdeviceptr src,    \
 			      CUcontext sctx, size_t n, CUstream s))
 
@@ -802,6 +803,25 @@ void cuda_free(int32_t device, void *p)
 		pop_ctx();
 	}
 	pthread_mutex_unlock(&cu.lock);
+}
+
+int cuda_stream_sync(int32_t device, uintptr_t stream)
+{
+	CUcontext ctx;
+	CUresult r;
+	int rc = ready();
+
+	if (rc)
+		return rc;
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(device, &ctx) ?: push_ctx(ctx);
+	pthread_mutex_unlock(&cu.lock);
+	if (rc)
+		return rc;
+	/* Outside cu.lock: the GPU may take a while, and others need the lock. */
+	r = cu.cuStreamSynchronize((CUstream)stream);
+	pop_ctx();
+	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamSynchronize");
 }
 
 void cuda_import_release(const struct cuda_ipc_desc *d, bool keep)

@@ -162,6 +162,10 @@ SHMRPC_HIDDEN int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream);
  */
 SHMRPC_HIDDEN int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy,
 				   bool *stale);
+/* Waits until the work queued on stream (of device's primary context; 0:
+ * its legacy default stream) is done: a receiver releasing a tensor it
+ * consumed there, before the producer may reuse the memory. */
+SHMRPC_HIDDEN int cuda_stream_sync(int32_t device, uintptr_t stream);
 /* Frees memory of cuda_import_copy. */
 SHMRPC_HIDDEN void cuda_free(int32_t device, void *p);
 /* Drops the reference of one cuda_import of d. keep: an idle mapping stays

@@ -45,6 +45,9 @@ _Static_assert(sizeof(struct tensor_wire_cuda) == 8 + sizeof(struct cuda_ipc_des
 struct tensor_dev {
 	_Atomic uint32_t refs;     /* handles, pins and the export registry */
 	_Atomic uintptr_t stream;  /* the CUstream that wrote it (0: legacy default) */
+	/* Receiver: the stream a consumer ordered last (shmrpc_tensor_cuda_wait)
+	 * besides the legacy default one the import ordered; 0: none. */
+	_Atomic uintptr_t consumer;
 	DLManagedTensor *owner;    /* producer: what shmrpc_tensor_from_dlpack took */
 	/* Producer, under exports.lock: the token block (0: never sent, or
 	 * released) and the registry's link. */
@@ -326,6 +329,27 @@ void tensor_idle_forget(uint32_t pid)
 	idle_drop(pid ? IDLE_OF_PID : IDLE_ALL, pid);
 }
 
+/*
+ * The last handle of a received tensor goes: the work its consumers queued
+ * on the streams they read it on must finish before the producer may free
+ * or reuse the memory (torch's receiver synchronizes its stream there too),
+ * as a stream's order says nothing to another process's allocator. Blocks
+ * the thread until that work is done; a failure (a consumer's stream
+ * destroyed meanwhile) is said, and the release goes on.
+ */
+static void dev_drain(struct tensor_dev *d)
+{
+	/* Relaxed: the acq_rel drops of the handles order the consumer's
+	 * store (shmrpc_tensor_cuda_wait) before this last one. */
+	uintptr_t consumer = atomic_load_explicit(&d->consumer, memory_order_relaxed);
+	int rc = cuda_stream_sync(d->ipc.device, 0);
+
+	if (rc == 0 && consumer)
+		rc = cuda_stream_sync(d->ipc.device, consumer);
+	if (rc)
+		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
+}
+
 /* Drops one reference of dev; the last one parks a received tensor in
  * the idle cache, or releases what it holds (dev_release). */
 static void dev_put(struct tensor_dev *d)
@@ -338,7 +362,11 @@ static void dev_put(struct tensor_dev *d)
 	 * where the thread may be the loop thread (a pin's release) and the
 	 * deleter is user code. */
 	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
-	if (was == 1 && !idle_park(d))
+	if (was != 1)
+		return;
+	if (d->imported)
+		dev_drain(d);
+	if (!idle_park(d))
 		dev_release(d);
 }
 
@@ -660,8 +688,13 @@ int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream)
 
 	if (!d)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_cuda_wait: not a CUDA tensor");
-	if (d->imported)
+	if (d->imported) {
+		/* Relaxed: read by the release of the last handle (dev_drain),
+		 * after the acq_rel drop of this handle. */
+		if (stream)
+			atomic_store_explicit(&d->consumer, stream, memory_order_relaxed);
 		return dev_check(d) ?: cuda_wait(&d->ipc, stream);
+	}
 	/* Of this process: its writes were queued on the stream set for it,
 	 * where cuda_export records an event for the consumer's stream to wait
 	 * on (as a send would). Relaxed: see shmrpc_tensor_set_cuda_stream. */

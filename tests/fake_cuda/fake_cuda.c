@@ -26,9 +26,11 @@
  *   CU_EVENT_DISABLE_TIMING has one.
  * - fakeCuAllocCount(): allocations of this process not yet freed
  *   (mappings not counted), for tests that check memory went back.
- * - fakeCuStreamWaits(s): how many cuStreamWaitEvent calls stream s had
- *   (0, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD each count as their
- *   own), for tests that check a consumer's stream was ordered.
+ * - fakeCuStreamWaits(s) / fakeCuStreamSyncs(s): how many
+ *   cuStreamWaitEvent / cuStreamSynchronize calls stream s had (0,
+ *   CU_STREAM_LEGACY and CU_STREAM_PER_THREAD each count as their own),
+ *   for tests that check a consumer's stream was ordered, or drained
+ *   before a release.
  *
  * Values and layouts are the real driver's (cuda.h), as
  * worker/cuda_driver.h declares them for worker/cuda.c.
@@ -74,13 +76,14 @@ struct alloc {
 struct CUstream_st {
 	struct CUstream_st *next;
 	int waits; /* cuStreamWaitEvent calls on it */
+	int syncs; /* cuStreamSynchronize calls on it */
 };
 
 /* The handles the driver gives the default streams: 0, and cuda.h's
  * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, which DLPack consumers pass
  * (as 1 and 2). */
 #define SPECIAL_STREAMS 3
-static int special_waits[SPECIAL_STREAMS];
+static int special_waits[SPECIAL_STREAMS], special_syncs[SPECIAL_STREAMS];
 
 struct CUevent_st {
 	struct CUevent_st *next;
@@ -513,12 +516,25 @@ EXPORT CUresult cuStreamDestroy_v2(CUstream s)
 	return CUDA_SUCCESS;
 }
 
+/* Where s's waits (syncs: its synchronizations) are counted; s is a live
+ * stream. Caller holds lock. */
+static int *stream_count(CUstream s, bool syncs)
+{
+	if ((uintptr_t)s < SPECIAL_STREAMS)
+		return syncs ? &special_syncs[(uintptr_t)s] : &special_waits[(uintptr_t)s];
+	return syncs ? &s->syncs : &s->waits;
+}
+
 EXPORT CUresult cuStreamSynchronize(CUstream s)
 {
 	bool ok;
 
+	if (!current())
+		return CUDA_ERROR_INVALID_CONTEXT;
 	pthread_mutex_lock(&lock);
 	ok = stream_ok(s);
+	if (ok)
+		(*stream_count(s, true))++;
 	pthread_mutex_unlock(&lock);
 	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -609,11 +625,7 @@ EXPORT CUresult cuIpcOpenEventHandle(CUevent *ev, CUipcEventHandle h)
 	return new_event(CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, true, eh.id, ev);
 }
 
-/* Where s's waits are counted; s is a live stream. Caller holds lock. */
-static int *stream_waits(CUstream s)
-{
-	return (uintptr_t)s < SPECIAL_STREAMS ? &special_waits[(uintptr_t)s] : &s->waits;
-}
+
 
 EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent ev, unsigned flags)
 {
@@ -624,7 +636,7 @@ EXPORT CUresult cuStreamWaitEvent(CUstream s, CUevent ev, unsigned flags)
 	pthread_mutex_lock(&lock);
 	ok = !flags && event_ok(ev) && stream_ok(s);
 	if (ok)
-		(*stream_waits(s))++;
+		(*stream_count(s, false))++;
 	pthread_mutex_unlock(&lock);
 	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -662,13 +674,24 @@ EXPORT int fakeCuAllocCount(void)
 	return n;
 }
 
-EXPORT int fakeCuStreamWaits(CUstream s)
+/* The count of s (a live stream), or -1. */
+static int stream_counted(CUstream s, bool syncs)
 {
 	int n = -1;
 
 	pthread_mutex_lock(&lock);
 	if (stream_ok(s))
-		n = *stream_waits(s);
+		n = *stream_count(s, syncs);
 	pthread_mutex_unlock(&lock);
 	return n;
+}
+
+EXPORT int fakeCuStreamSyncs(CUstream s)
+{
+	return stream_counted(s, true);
+}
+
+EXPORT int fakeCuStreamWaits(CUstream s)
+{
+	return stream_counted(s, false);
 }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "worker/cuda.h"
+#include "worker/tensor.h"
 #include "tests/lib/fakecuda.h"
 #include "tests/lib/testlib.h"
 
@@ -107,4 +108,70 @@ uintptr_t tl_fake_cuda_stream(void)
 	tl_fake_cuda_thread();
 	CHECK(create(&s, 0) == 0, "cuStreamCreate");
 	return (uintptr_t)s;
+}
+
+int tl_fake_cuda_syncs(uintptr_t s)
+{
+	int (*syncs)(void *s) = sym("fakeCuStreamSyncs");
+
+	return syncs((void *)s);
+}
+
+static int fn_stats(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	shmrpc_value *v = shmrpc_call_alloc(c, TL_CUDA_NSTATS * sizeof(*v));
+	struct cuda_stats st;
+
+	(void)a, (void)n, (void)u;
+	cuda_stats_get(&st);
+	v[TL_CUDA_OPENS] = shmrpc_int((int64_t)st.opens);
+	v[TL_CUDA_CACHE_HITS] = shmrpc_int((int64_t)st.cache_hits);
+	v[TL_CUDA_MAPS_OPEN] = shmrpc_int(st.maps_open);
+	v[TL_CUDA_DELETED] = shmrpc_int(tl_fake_cuda_deleted());
+	v[TL_CUDA_ALLOCS] = shmrpc_int(tl_fake_cuda_allocs());
+	v[TL_CUDA_SYNCS] = shmrpc_int(tl_fake_cuda_syncs(0));
+	*r = shmrpc_list(v, TL_CUDA_NSTATS);
+	return 0;
+}
+
+static int fn_forget(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	tensor_idle_forget(0);
+	*r = shmrpc_nil();
+	return 0;
+}
+
+void tl_fake_cuda_register(void)
+{
+	CHECK_OK(shmrpc_register("stats", "", fn_stats, NULL));
+	CHECK_OK(shmrpc_register("forget", "", fn_forget, NULL));
+}
+
+int64_t tl_fake_cuda_stat(int rank, enum tl_cuda_stat i)
+{
+	shmrpc_future *f;
+	int64_t v;
+
+	CHECK_OK(shmrpc_rpc_sync(rank, "stats", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
+	v = shmrpc_future_value(f)->u.items[i].u.i;
+	shmrpc_future_free(f);
+	return v;
+}
+
+void tl_fake_cuda_wait_stat(int rank, enum tl_cuda_stat i, int64_t want, const char *what)
+{
+	int64_t v = -1;
+
+	for (int k = 0; k < 500 && (v = tl_fake_cuda_stat(rank, i)) != want; k++)
+		usleep(10000);
+	CHECK(v == want, "rank %d: %s is %lld, want %lld", rank, what, (long long)v, (long long)want);
+}
+
+void tl_call(int rank, const char *fn, const shmrpc_value *args, uint32_t n)
+{
+	shmrpc_future *f;
+
+	CHECK_OK(shmrpc_rpc_sync(rank, fn, args, n, SHMRPC_TIMEOUT_DEFAULT, &f));
+	shmrpc_future_free(f);
 }

@@ -31,5 +31,30 @@ int tl_fake_cuda_deleted(void);
 int tl_fake_cuda_allocs(void);
 /* A new stream, as an integer for shmrpc_tensor_set_cuda_stream. */
 uintptr_t tl_fake_cuda_stream(void);
+/* cuStreamSynchronize calls on stream s in this process (0: the legacy
+ * default stream). */
+int tl_fake_cuda_syncs(uintptr_t s);
+
+/* What a worker of a CUDA test tells about itself ("stats"). */
+enum tl_cuda_stat {
+	TL_CUDA_OPENS,      /* mappings opened (cuda_stats) */
+	TL_CUDA_CACHE_HITS, /* imports of an allocation already mapped */
+	TL_CUDA_MAPS_OPEN,  /* mappings open now, idle cached ones too */
+	TL_CUDA_DELETED,    /* tl_fake_cuda_deleted */
+	TL_CUDA_ALLOCS,     /* tl_fake_cuda_allocs */
+	TL_CUDA_SYNCS,      /* tl_fake_cuda_syncs(0) */
+	TL_CUDA_NSTATS
+};
+/* In a worker, before shmrpc_init: registers "stats" (the list above) and
+ * "forget" (drops the worker's idle CUDA mappings). */
+void tl_fake_cuda_register(void);
+/* rank's stat i, by a call. */
+int64_t tl_fake_cuda_stat(int rank, enum tl_cuda_stat i);
+/* Waits (5 s at most) until rank's stat i is want: a callee frees a call's
+ * arguments after its reply, and producers reap their exports every few
+ * ms. Fails the test with what otherwise. */
+void tl_fake_cuda_wait_stat(int rank, enum tl_cuda_stat i, int64_t want, const char *what);
+/* rank's fn(args), its result dropped; fails the test on an error. */
+void tl_call(int rank, const char *fn, const shmrpc_value *args, uint32_t n);
 
 #endif
