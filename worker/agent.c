@@ -324,9 +324,9 @@ int agent_wait_all(struct agent *ag, uint64_t deadline, bool (*arrived)(const st
 
 			agent_peer_name(ag, first, name, sizeof(name));
 			return shmrpc__fail(-ETIMEDOUT, "shmrpc_init on worker %u: %u worker(s), "
-					    "worker %u (%s) first, did not %s within the startup "
-					    "timeout (did they call shmrpc_init?)", ag->rank, missing,
-					    first, name, what);
+					    "worker %u (%s) first, did not %s within %llu ms (did "
+					    "they call shmrpc_init?)", ag->rank, missing, first, name,
+					    what, (unsigned long long)ag->startup_timeout_ms);
 		}
 		usleep(BARRIER_POLL_US);
 	}
@@ -513,8 +513,9 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	if (rc)
 		goto fail;
 	set_agent_state(ag, SHM_AGENT_READY);
-	deadline = shmrpc_now_ns() + (uint64_t)(o.startup_timeout_ms > 0 ? o.startup_timeout_ms
-									: DEFAULT_TIMEOUT_MS) * 1000000u;
+	ag->startup_timeout_ms = (uint64_t)(o.startup_timeout_ms > 0 ? o.startup_timeout_ms
+								   : DEFAULT_TIMEOUT_MS);
+	deadline = shmrpc_now_ns() + ag->startup_timeout_ms * 1000000u;
 	rc = agent_wait_all(ag, deadline, joined, "join") ?: check_names(ag) ?:
 	     devmap_join(ag, &o, deadline);
 	if (rc)

@@ -43,6 +43,7 @@ struct agent {
 	struct tensor_view *view; /* the pool's mapping, shared with the tensor handles */
 	struct rref_table rrefs;
 	bool has_rrefs; /* the job has an RRef table (shmrun makes one) */
+	uint64_t startup_timeout_ms; /* shmrpc_init's waits for the others (messages) */
 	bool rref_fetch_by_message; /* SHMRPC_RREF_FETCH=message: to_here() asks the owner */
 	uint32_t rank;
 	uint32_t world;
@@ -81,9 +82,10 @@ SHMRPC_HIDDEN extern struct agent *worker_agent;
  * TENSOR_ACK goes only if it fits at once), never runs user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag);
 
-/* shmrpc_init: waits until arrived(ag, r) holds for every rank r, or
- * deadline (CLOCK_MONOTONIC ns) has passed ("did not <what> in time"), or
- * a worker ended. */
+/* shmrpc_init: waits until arrived(ag, r) holds for every rank r (one that
+ * arrived and ended since counts), or deadline (CLOCK_MONOTONIC ns) has
+ * passed ("did not <what> within ag->startup_timeout_ms"), or a worker
+ * ended before it arrived. */
 SHMRPC_HIDDEN int agent_wait_all(struct agent *ag, uint64_t deadline,
 				 bool (*arrived)(const struct agent *ag, uint32_t r), const char *what);
 
