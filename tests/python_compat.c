@@ -1,13 +1,11 @@
 /*
- * The Python package's tests: each tests/python/NAME.py runs as a job of
- * the workers its entry says, `shmrun -n N -- /usr/bin/python3
- * tests/python/NAME.py`, with the built package on PYTHONPATH. A script
- * exits 0 when all its checks pass.
- * Then the compatibility suite (tests/python/compat.py, issue 7): its cases
- * run on shmrpc, and where Debian's torch has torch.distributed.rpc also on
+ * The compatibility suite (tests/python/compat.py, issue 7): its cases run
+ * on shmrpc, and where Debian's torch has torch.distributed.rpc also on
  * torch; the two outputs must be the same but for the known differences
- * that the cases file lists. Skips (77) when the package is not built (no
- * Python headers, or a sanitizer build) or Debian's python3 is missing.
+ * that the cases file lists. It compares printed results, so it is no
+ * pytest module (those are tests/python_test.c's). Skips (77) when the
+ * package is not built (no Python headers, or a sanitizer build) or
+ * Debian's python3 is missing.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -20,23 +18,6 @@
 #include "tests/lib/testlib.h"
 
 #define PYTHON "/usr/bin/python3"
-
-static const struct {
-	const char *name;
-	const char *pool_size; /* shmrun --pool-size */
-	const char *workers;   /* shmrun -n */
-} scripts[] = {
-	{ "rpc_basic", "64M", "2" },
-	{ "tensors", "1G", "2" }, /* two 256 MiB arrays */
-	{ "futures", "64M", "2" },
-	{ "profiling", "64M", "2" },
-	{ "autograd", "64M", "3" }, /* model parallel over 3 workers */
-	{ "optim", "64M", "3" }, /* a model over 2 and 3 workers; runs its dead-worker job */
-	{ "param_server", "64M", "2" }, /* the tutorial's parameter server, one trainer */
-	{ "debug_info", "64M", "2" },
-	{ "data_ranks", "64M", "3" }, /* shmrpc.data loading on ranks 1 and 2 */
-	{ "torch_late_import", "64M", "2" }, /* torch first imported on an executor thread */
-};
 
 /* Runs argv with $COMPAT_OUT set to out_path; its exit code. */
 static int run_to(const char *out_path, const char *const *argv, char *out, size_t len)
@@ -83,7 +64,7 @@ static void compat(char *out, size_t len)
 int main(void)
 {
 	const char *build = getenv("SHMRPC_BUILD");
-	char pkg[PATH_MAX], so[PATH_MAX + 32], script[PATH_MAX];
+	char pkg[PATH_MAX], so[PATH_MAX + 32];
 	static char out[1 << 16];
 
 	snprintf(pkg, sizeof(pkg), "%s/python", build && *build ? build : "build");
@@ -94,16 +75,6 @@ int main(void)
 	}
 	setenv("PYTHONPATH", pkg, 1);
 	setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
-	for (size_t i = 0; i < sizeof(scripts) / sizeof(scripts[0]); i++) {
-		const char *argv[] = { tl_shmrun_path(), "-n", scripts[i].workers, "--pool-size",
-				       scripts[i].pool_size, "--", PYTHON, script, NULL };
-		int rc;
-
-		snprintf(script, sizeof(script), "tests/python/%s.py", scripts[i].name);
-		rc = tl_run(out, sizeof(out), argv);
-		CHECK(rc == 0, "%s: shmrun exited %d", scripts[i].name, rc);
-		CHECK(!strstr(out, "left in the RRef table"), "%s leaked RRefs", scripts[i].name);
-	}
 	compat(out, sizeof(out));
 	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");
 	return 0;
