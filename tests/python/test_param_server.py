@@ -1,7 +1,8 @@
-"""The torch.distributed.rpc tutorial's parameter server (issue 10), run by
-tests/python_rpc.c as a 2-worker job: rank 0 is the parameter server, the
-other ranks train its model through RPC with distributed autograd and
-DistributedOptimizer. The tutorial's code, written for
+# shmrun: -n 2 --pool-size 64M
+# needs: import torch
+"""The torch.distributed.rpc tutorial's parameter server (issue 10), a
+2-worker job: rank 0 is the parameter server, the other ranks train its
+model through RPC with distributed autograd and DistributedOptimizer. The tutorial's code, written for
 torch.distributed.rpc, with only the imports changed (marked), the model
 made smaller and MNIST replaced by synthetic data (no downloads): each
 trainer's loss must fall over its 20 steps. shmrun starts the workers, so
@@ -11,63 +12,57 @@ One trainer only: with two, one's optimizer step can land between the
 other's forward and backward on the server, whose backward then fails
 ("modified by an inplace operation"), with torch.distributed.rpc as here
 (torch's DistributedOptimizer does not order clients' steps).
-Needs shmrpc.RRef(value) (get_param_rrefs). Prints "skip" and exits 0
-without torch.
+Needs shmrpc.RRef(value) (get_param_rrefs). The tutorial's functions start
+and shut down RPC under their own worker names: rpc_init = None
+(conftest.py), and each rank's role is a test marked for that rank.
 """
 import os
 import sys
-import warnings
 from threading import Lock
 
-try:
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch import optim
-except ImportError:
-    torch = None
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import optim
 
 import shmrpc as rpc                                  # torch.distributed.rpc as rpc
-if torch is not None:
-    import shmrpc.autograd as dist_autograd          # torch.distributed.autograd
-    from shmrpc.optim import DistributedOptimizer    # torch.distributed.optim
-
-from checks import check, failed, failures
+import shmrpc.autograd as dist_autograd              # torch.distributed.autograd
+from shmrpc.optim import DistributedOptimizer        # torch.distributed.optim
 
 # The tutorial's Dropout2d on a flat layer: torch 1.13 warns.
-warnings.filterwarnings("ignore", message="dropout2d")
+pytestmark = pytest.mark.filterwarnings("ignore:dropout2d")
 STEPS = 20
 BATCH = 32
 
 
 # --------- The tutorial's code (CPU only, a smaller image) ---------
 
-if torch is not None:
-    class Net(nn.Module):
-        def __init__(self, num_gpus=0):
-            super(Net, self).__init__()
-            self.num_gpus = num_gpus
-            device = torch.device("cpu")
-            self.conv1 = nn.Conv2d(1, 8, 3, 1).to(device)
-            self.conv2 = nn.Conv2d(8, 16, 3, 1).to(device)
-            self.dropout1 = nn.Dropout2d(0.25)
-            self.dropout2 = nn.Dropout2d(0.5)
-            self.fc1 = nn.Linear(144, 64).to(device)
-            self.fc2 = nn.Linear(64, 10).to(device)
+class Net(nn.Module):
+    def __init__(self, num_gpus=0):
+        super(Net, self).__init__()
+        self.num_gpus = num_gpus
+        device = torch.device("cpu")
+        self.conv1 = nn.Conv2d(1, 8, 3, 1).to(device)
+        self.conv2 = nn.Conv2d(8, 16, 3, 1).to(device)
+        self.dropout1 = nn.Dropout2d(0.25)
+        self.dropout2 = nn.Dropout2d(0.5)
+        self.fc1 = nn.Linear(144, 64).to(device)
+        self.fc2 = nn.Linear(64, 10).to(device)
 
-        def forward(self, x):
-            x = self.conv1(x)
-            x = F.relu(x)
-            x = self.conv2(x)
-            x = F.max_pool2d(x, 2)
-            x = self.dropout1(x)
-            x = torch.flatten(x, 1)
-            x = self.fc1(x)
-            x = F.relu(x)
-            x = self.dropout2(x)
-            x = self.fc2(x)
-            output = F.log_softmax(x, dim=1)
-            return output
+    def forward(self, x):
+        x = self.conv1(x)
+        x = F.relu(x)
+        x = self.conv2(x)
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = self.fc1(x)
+        x = F.relu(x)
+        x = self.dropout2(x)
+        x = self.fc2(x)
+        output = F.log_softmax(x, dim=1)
+        return output
 
 
 def call_method(method, rref, *args, **kwargs):
@@ -79,49 +74,48 @@ def remote_method(method, rref, *args, **kwargs):
     return rpc.rpc_sync(rref.owner(), call_method, args=args, kwargs=kwargs)
 
 
-if torch is not None:
-    class ParameterServer(nn.Module):
-        def __init__(self, num_gpus=0):
-            super().__init__()
-            model = Net(num_gpus=num_gpus)
-            self.model = model
-            self.input_device = torch.device("cpu")
+class ParameterServer(nn.Module):
+    def __init__(self, num_gpus=0):
+        super().__init__()
+        model = Net(num_gpus=num_gpus)
+        self.model = model
+        self.input_device = torch.device("cpu")
 
-        def forward(self, inp):
-            inp = inp.to(self.input_device)
-            out = self.model(inp)
-            out = out.to("cpu")
-            return out
+    def forward(self, inp):
+        inp = inp.to(self.input_device)
+        out = self.model(inp)
+        out = out.to("cpu")
+        return out
 
-        def get_dist_gradients(self, cid):
-            grads = dist_autograd.get_gradients(cid)
-            cpu_grads = {}
-            for k, v in grads.items():
-                k_cpu, v_cpu = k.to("cpu"), v.to("cpu")
-                cpu_grads[k_cpu] = v_cpu
-            return cpu_grads
+    def get_dist_gradients(self, cid):
+        grads = dist_autograd.get_gradients(cid)
+        cpu_grads = {}
+        for k, v in grads.items():
+            k_cpu, v_cpu = k.to("cpu"), v.to("cpu")
+            cpu_grads[k_cpu] = v_cpu
+        return cpu_grads
 
-        def get_param_rrefs(self):
-            param_rrefs = [rpc.RRef(param) for param in self.model.parameters()]
-            return param_rrefs
+    def get_param_rrefs(self):
+        param_rrefs = [rpc.RRef(param) for param in self.model.parameters()]
+        return param_rrefs
 
-    class TrainerNet(nn.Module):
-        def __init__(self, num_gpus=0):
-            super().__init__()
-            self.num_gpus = num_gpus
-            self.param_server_rref = rpc.remote(
-                "parameter_server", get_parameter_server, args=(num_gpus,))
+class TrainerNet(nn.Module):
+    def __init__(self, num_gpus=0):
+        super().__init__()
+        self.num_gpus = num_gpus
+        self.param_server_rref = rpc.remote(
+            "parameter_server", get_parameter_server, args=(num_gpus,))
 
-        def get_global_param_rrefs(self):
-            remote_params = remote_method(
-                ParameterServer.get_param_rrefs,
-                self.param_server_rref)
-            return remote_params
+    def get_global_param_rrefs(self):
+        remote_params = remote_method(
+            ParameterServer.get_param_rrefs,
+            self.param_server_rref)
+        return remote_params
 
-        def forward(self, x):
-            model_output = remote_method(
-                ParameterServer.forward, self.param_server_rref, x)
-            return model_output
+    def forward(self, x):
+        model_output = remote_method(
+            ParameterServer.forward, self.param_server_rref, x)
+        return model_output
 
 
 param_server = None
@@ -184,26 +178,19 @@ def synthetic_loader(seed):
         yield data, target
 
 
-def main():
-    rank = int(os.environ["SHMRPC_RANK"])
-    world_size = int(os.environ["SHMRPC_WORLD_SIZE"])
-    if torch is None:
-        rpc.init_rpc(name=f"worker{rank}", rank=rank, world_size=world_size)
-        print("skip: no torch")
-        rpc.shutdown()
-        return 0
-    if rank == 0:
-        run_parameter_server(rank, world_size)
-        return 0
-    losses = run_worker(rank, world_size, 0, synthetic_loader(rank))
+rpc_init = None  # the tutorial's functions start and shut down RPC
+
+
+@pytest.mark.rank(0)
+def test_parameter_server():
+    run_parameter_server(0, int(os.environ["SHMRPC_WORLD_SIZE"]))
+
+
+@pytest.mark.rank(1)
+def test_trainer():
+    losses = run_worker(1, int(os.environ["SHMRPC_WORLD_SIZE"]), 0, synthetic_loader(1))
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    print(f"trainer_{rank}: loss {first:.3f} over the first 5 steps, {last:.3f} over the last 5",
+    print(f"trainer_1: loss {first:.3f} over the first 5 steps, {last:.3f} over the last 5",
           file=sys.stderr)
-    check(len(losses) == STEPS, f"{len(losses)} steps")
-    check(last < 0.8 * first, f"trainer_{rank}: the loss falls: {losses}")
-    print(f"param_server: {len(failures)} failures", file=sys.stderr)
-    return failed()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert len(losses) == STEPS, f"{len(losses)} steps"
+    assert last < 0.8 * first, f"trainer_1: the loss falls: {losses}"
