@@ -1,21 +1,15 @@
+# shmrun: -n 3 --pool-size 64M
+# needs: import torch
 """shmrpc.data.DataLoader inside an shmrun job, loading on other ranks of
 the job (workers=[...]): the dataset travels to them pickled, and the
 batches, their order and the workers' random numbers are still torch's.
-Run as a 3-worker job: rank 0 trains, ranks 1 and 2 load."""
-import os
-import re
-import sys
+A 3-worker job: rank 0 trains, ranks 1 and 2 load (serve: conftest.py)."""
+import pytest
+import torch
+import torch.utils.data as tud
 
-try:
-    import torch
-    import torch.utils.data as tud
-except ImportError:  # the loader compares with torch's: nothing to test without it
-    print("skip: no torch")
-    sys.exit(0)
-
-import shmrpc as rpc
-from checks import check, failed
-from data_order import Shards, Squares, compare
+import shmrpc.data as sd
+from test_data_order import Shards, Squares, compare
 
 LOADERS = ["worker1", "worker2"]
 
@@ -35,28 +29,23 @@ def on(mod, **kw):
     return {"workers": LOADERS} if mod is not tud else {"num_workers": 2}
 
 
-def main():
-    ds = Squares(29)
-    compare("ranks: sequential", lambda m: m.DataLoader(ds, batch_size=4, **on(m)))
-    compare("ranks: shuffle, 2 epochs",
-            lambda m: m.DataLoader(ds, batch_size=3, shuffle=True, **on(m)), n_epochs=2)
-    compare("ranks: persistent, 2 epochs",
-            lambda m: m.DataLoader(ds, batch_size=5, shuffle=True, persistent_workers=True,
-                                   **on(m)), n_epochs=2)
-    compare("ranks: iterable", lambda m: m.DataLoader(Shards(17), batch_size=4, **on(m)))
-    import shmrpc.data as sd
-    try:
+DS = Squares(29)
+CASES = [
+    ("ranks: sequential", lambda m: m.DataLoader(DS, batch_size=4, **on(m)), 1),
+    ("ranks: shuffle, 2 epochs",
+     lambda m: m.DataLoader(DS, batch_size=3, shuffle=True, **on(m)), 2),
+    ("ranks: persistent, 2 epochs",
+     lambda m: m.DataLoader(DS, batch_size=5, shuffle=True, persistent_workers=True, **on(m)), 2),
+    ("ranks: iterable", lambda m: m.DataLoader(Shards(17), batch_size=4, **on(m)), 1),
+]
+
+
+@pytest.mark.parametrize("what, make, n_epochs", CASES, ids=[c[0] for c in CASES])
+def test_as_torch(what, make, n_epochs):
+    compare(what, make, n_epochs)
+
+
+def test_exception_in_a_loading_rank():
+    with pytest.raises(ValueError, match=r"(?s)Caught ValueError in DataLoader worker process 0\.\n"
+                       r".*item 5 is bad"):
         list(sd.DataLoader(Faulty(), batch_size=2, workers=LOADERS))
-        check(False, "ranks: an exception in a loading rank is raised")
-    except ValueError as e:
-        check(re.search(r"Caught ValueError in DataLoader worker process 0\.\n.*item 5 is bad",
-                        str(e), re.S), f"ranks: the worker's error: {e}")
-    return failed()
-
-
-if __name__ == "__main__":
-    rank = int(os.environ["SHMRPC_RANK"])
-    rpc.init_rpc(f"worker{rank}")
-    rc = main() if rank == 0 else 0
-    rpc.shutdown()
-    sys.exit(rc)
