@@ -97,9 +97,14 @@ def pytest_collection_finish(session):
     if module is None:
         return
     init = getattr(module, "rpc_init", default_init)
-    if init is not None:
+    if init is None:
+        return
+    try:
         init(RANK)
-        rpc_started = True
+    except Exception:
+        traceback.print_exc()
+        pytest.exit(f"rank {RANK}: RPC did not start", returncode=pytest.ExitCode.TESTS_FAILED)
+    rpc_started = True
 
 
 def pytest_sessionfinish(session):
