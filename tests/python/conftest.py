@@ -14,8 +14,9 @@ tell that program how to run it:
 The entry fails when pytest (or shmrun) exits non-zero, when the job left
 RRefs in the RRef table or files in /dev/shm. By hand, from the top folder:
 
-    PYTHONPATH=build/python shmrun -n 2 --pool-size 64M -- \\
-        /usr/bin/python3 -m pytest tests/python/test_futures.py
+    SHMRPC_BUILD=build build/bin/shmrpc-test-runner -v build/tests/py_futures
+    PYTHONPATH=build/python build/bin/shmrun -n 2 --pool-size 64M -- \\
+        /usr/bin/python3 -m pytest tests/python/test_futures.py -k wait_all
 
 Under shmrun every rank runs pytest on the one module, and this file makes
 them one job:
@@ -36,7 +37,7 @@ them one job:
 - A module whose tests start and shut down RPC themselves (other worker
   names, several inits in one job) sets rpc_init = None: this file then
   does neither; its tests, marked for every rank that takes part, do
-  (shutdown in a finally, so that a failure does not leave others waiting).
+  (test_param_server.py: the tutorial's functions, one role per rank).
 
 Failures: a failed test fails its rank's pytest (exit 1) after the rank has
 shut down with the others, and shmrun exits 1. A rank whose rpc_init or
@@ -47,12 +48,18 @@ test on rank 0: an AssertionError raised there comes back to the caller with
 its message (every rank imported the module through pytest's assertion
 rewriting); or it is a test marked for that rank.
 
-Converting a script: name it test_NAME.py; put the header lines first (the
-shmrun arguments of its job); make each section of rank 0's work a test_
-function, each check(cond, what) an `assert cond, what`, each
-try/check(False)/except a `with pytest.raises(...)`; move what every rank
-did before or at init_rpc into rpc_init(rank); a check another rank made
-goes there by RPC, or into a test marked for that rank.
+Converting a script: name it test_NAME.py (make links build/tests/py_NAME
+for it); put the header lines first: the shmrun arguments of its job
+(its entry in the former tests/python_rpc.c table), a needs line for what
+it skipped without (torch, CUDA: then import torch at the top); make each
+section of rank 0's work a test_ function (pytest runs them in the file's
+order), each check(cond, what) an `assert cond, what`, each
+try/check(False)/except a `with pytest.raises(...)`; move what every rank did before or at init_rpc
+into rpc_init(rank); a check another rank made goes there by RPC, or into
+a test marked for that rank. Helpers another module uses are imported
+from it (test_data_ranks.py from test_data_order.py). A module run as a
+script by its own test keeps a __main__ section (test_optim.py's
+dead-worker job, which has roles and shmrun options of its own).
 """
 import gc
 import os
