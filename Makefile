@@ -47,7 +47,8 @@ TESTLIB_OBJS := $(TESTLIB_SRCS:%.c=$(BUILD)/obj/%.o)
 # one program that runs a module, tests/python_test.c (not an entry itself).
 PY_TEST_SRCS := $(wildcard tests/python/test_*.py)
 TEST_SRCS := $(filter-out tests/python_test.c,$(wildcard tests/*.c))
-TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%) $(PY_TEST_SRCS:tests/python/test_%.py=$(BUILD)/tests/py_%)
+TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%) \
+	    $(PY_TEST_SRCS:tests/python/test_%.py=$(BUILD)/tests/py_%)
 BENCH_SRCS := $(wildcard bench/*.c)
 BENCHES  := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 EXAMPLE_SRCS := $(wildcard examples/*.c)

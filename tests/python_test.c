@@ -9,14 +9,15 @@
  *                                     job runs pytest on the module
  *   # shmrun: none                    pytest alone (shmrpc.data's loader
  *                                     starts its own workers)
- *   # needs: import torch             Python that must run, else skip
+ *   # needs: has("torch")             a Python expression that must be
+ *                                     true, else skip (below)
  *
  * It runs `/usr/bin/python3 -m pytest tests/python/test_NAME.py`, under
  * shmrun where the header says so, with the built package on PYTHONPATH,
  * and fails when that exits non-zero, or leaves RRefs in the RRef table or
  * files in /dev/shm. Skips (77) when the package is not built (no Python
  * headers, or a sanitizer build), Debian's python3 or its pytest
- * (python3-pytest) is missing, or what the module needs is.
+ * (python3-pytest) is missing, or the module's needs are not met.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -68,9 +69,9 @@ static void read_header(const char *path, struct header *h)
 int main(int argc, char **argv)
 {
 	const char *build = getenv("SHMRPC_BUILD"), *name = strrchr(argv[0], '/');
-	const char *probe[] = { PYTHON, "-c", "import pytest", NULL };
 	const char *cmd[MAX_SHMRUN_ARGS + 8];
-	char pkg[PATH_MAX], so[PATH_MAX + 32], module[PATH_MAX];
+	char pkg[PATH_MAX], so[PATH_MAX + 32], module[PATH_MAX], code[512];
+	const char *probe[] = { PYTHON, "-c", code, NULL };
 	static char out[1 << 20];
 	struct header h;
 	int n = 0, rc;
@@ -85,21 +86,23 @@ int main(int argc, char **argv)
 	read_header(module, &h);
 	snprintf(pkg, sizeof(pkg), "%s/python", build && *build ? build : "build");
 	snprintf(so, sizeof(so), "%s/shmrpc/_shmrpc.abi3.so", pkg);
-	if (access(so, R_OK) || access(PYTHON, X_OK) || (h.shmrun[0] && access(tl_shmrun_path(), X_OK))) {
+	if (access(so, R_OK) || access(PYTHON, X_OK) ||
+	    (h.shmrun[0] && access(tl_shmrun_path(), X_OK))) {
 		fprintf(stderr, "skip: %s, %s or shmrun is missing\n", so, PYTHON);
 		return TL_SKIP;
 	}
+	/* has() finds a module without importing it: importing torch takes
+	 * a second of CPU, and most modules only need it there. */
+	snprintf(code, sizeof(code),
+		 "import importlib.util, shutil, sys\n"
+		 "def has(name):\n"
+		 "    return importlib.util.find_spec(name) is not None\n"
+		 "sys.exit(0 if has('pytest') and (%s) else 1)\n",
+		 h.needs[0] ? h.needs : "True");
 	if (tl_run(out, sizeof(out), probe) != 0) {
-		fprintf(stderr, "skip: %s has no pytest (python3-pytest)\n", PYTHON);
+		fprintf(stderr, "skip: %s needs pytest (python3-pytest)%s%s\n", module,
+			h.needs[0] ? " and " : "", h.needs);
 		return TL_SKIP;
-	}
-	if (h.needs[0]) {
-		const char *need[] = { PYTHON, "-c", h.needs, NULL };
-
-		if (tl_run(out, sizeof(out), need) != 0) {
-			fprintf(stderr, "skip: %s needs `%s`\n", module, h.needs);
-			return TL_SKIP;
-		}
 	}
 	setenv("PYTHONPATH", pkg, 1);
 	setenv("PYTHONDONTWRITEBYTECODE", "1", 1);

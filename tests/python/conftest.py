@@ -8,8 +8,11 @@ tell that program how to run it:
                                      `-- python3 -m pytest test_NAME.py`
     # shmrun: none                   a plain `python3 -m pytest test_NAME.py`
                                      (shmrpc.data's loader starts its workers)
-    # needs: import torch            optional: Python that must run without
-                                     error, else the entry is skipped (77)
+    # needs: has("torch")            optional: a Python expression that
+                                     must be true, else the entry is
+                                     skipped (77); has(module) finds a
+                                     module without importing it, shutil
+                                     is imported (shutil.which("cc"))
 
 The entry fails when pytest (or shmrun) exits non-zero, when the job left
 RRefs in the RRef table or files in /dev/shm. By hand, from the top folder:

@@ -1,5 +1,5 @@
 # shmrun: -n 3 --pool-size 64M
-# needs: import torch
+# needs: has("torch")
 """Distributed autograd (issue 10) over 3 workers (model parallel): worker0
 drives, worker1 and worker2 hold weights and serve (conftest.py); the
 gradients that shmrpc.autograd computes across workers must equal those of

@@ -1,5 +1,5 @@
 # shmrun: none
-# needs: import torch
+# needs: has("torch")
 """shmrpc.data.DataLoader when things go wrong: an exception in a worker
 (raised in the trainer with the worker's id and traceback), a failing
 worker_init_fn, a killed worker (named, with its pid and signal), a

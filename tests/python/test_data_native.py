@@ -1,5 +1,5 @@
 # shmrun: none
-# needs: import shutil, torch; assert shutil.which("cc") or shutil.which("gcc")
+# needs: has("torch") and (shutil.which("cc") or shutil.which("gcc"))
 """A native pipeline: shmrpc.data.NativeTransform runs a C function
 (tests/python/native_transform.c, compiled here) on each collated batch in
 its pool block, in the worker; the trainer gets the transformed bytes. A

@@ -1,5 +1,5 @@
 # shmrun: none
-# needs: import torch
+# needs: has("torch")
 """shmrpc.data.DataLoader gives the batches torch.utils.data.DataLoader
 gives, in the same order, for the same seeds: map-style and iterable
 datasets, shuffle with a generator and with the global seed, drop_last,

@@ -1,5 +1,5 @@
 # shmrun: -n 3 --pool-size 64M
-# needs: import torch
+# needs: has("torch")
 """shmrpc.data.DataLoader inside an shmrun job, loading on other ranks of
 the job (workers=[...]): the dataset travels to them pickled, and the
 batches, their order and the workers' random numbers are still torch's.

@@ -1,5 +1,5 @@
 # shmrun: -n 3 --pool-size 64M
-# needs: import torch
+# needs: has("torch")
 """shmrpc.optim.DistributedOptimizer and distributed autograd with a dead
 worker (issue 10), in a 3-worker job. worker0 trains a model split across 2
 and then 3 workers, whose other parts worker1 and worker2 hold and serve

@@ -1,12 +1,12 @@
 # shmrun: -n 2 --pool-size 64M
-# needs: import torch
+# needs: has("torch")
 """The torch.distributed.rpc tutorial's parameter server (issue 10), a
 2-worker job: rank 0 is the parameter server, the other ranks train its
-model through RPC with distributed autograd and DistributedOptimizer. The tutorial's code, written for
-torch.distributed.rpc, with only the imports changed (marked), the model
-made smaller and MNIST replaced by synthetic data (no downloads): each
-trainer's loss must fall over its 20 steps. shmrun starts the workers, so
-rank and world size come from the job.
+model through RPC with distributed autograd and DistributedOptimizer. The
+tutorial's code, written for torch.distributed.rpc, with only the imports
+changed (marked), the model made smaller and MNIST replaced by synthetic
+data (no downloads): each trainer's loss must fall over its 20 steps.
+shmrun starts the workers, so rank and world size come from the job.
 
 One trainer only: with two, one's optimizer step can land between the
 other's forward and backward on the server, whose backward then fails

@@ -1,5 +1,5 @@
 # shmrun: -n 2 --pool-size 64M
-# needs: import torch
+# needs: has("torch")
 """A callee that never imports torch itself: torch is imported on an
 executor thread of worker1 when the first tensor arrives, and later calls
 on that thread must not crash (pybind11 keeps the thread state of the
