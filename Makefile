@@ -10,7 +10,7 @@ CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
 TEST_TIMEOUT ?= 300
-DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip python3-numpy
+DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip python3-numpy python3-pytest
 BENCH_PKGS := python3-torch
 
 ifeq ($(SAN),)
@@ -43,8 +43,12 @@ LIB_SRCS := $(wildcard common/*.c shm/*.c ipc/*.c worker/*.c)
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o)
 TESTLIB_SRCS := $(wildcard tests/lib/*.c)
 TESTLIB_OBJS := $(TESTLIB_SRCS:%.c=$(BUILD)/obj/%.o)
-TEST_SRCS := $(wildcard tests/*.c)
-TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+# The Python test modules are entries of their own, py_NAME: links to the
+# one program that runs a module, tests/python_test.c (not an entry itself).
+PY_TEST_SRCS := $(wildcard tests/python/test_*.py)
+TEST_SRCS := $(filter-out tests/python_test.c,$(wildcard tests/*.c))
+TESTS    := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%) \
+	    $(PY_TEST_SRCS:tests/python/test_%.py=$(BUILD)/tests/py_%)
 BENCH_SRCS := $(wildcard bench/*.c)
 BENCHES  := $(BENCH_SRCS:bench/%.c=$(BUILD)/bench/%)
 EXAMPLE_SRCS := $(wildcard examples/*.c)
@@ -93,6 +97,9 @@ $(BUILD)/libshmrpc.so: $(LIB_OBJS)
 $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TESTLIB_OBJS) $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/tests/py_%: $(BUILD)/tests/python_test
+	ln -sf python_test $@
 
 $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)

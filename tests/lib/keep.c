@@ -16,9 +16,11 @@ static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	(void)n, (void)u;
 	if (shmrpc_tensor_retain(a[0].u.t, &t))
 		return shmrpc_call_error(c, "RuntimeError", "%s", shmrpc_errmsg());
-	shmrpc_tensor_free(atomic_exchange(&kept, t));
+	/* The reply is read from t before t is published: a drop on another
+	 * executor thread may free it as soon as it is in kept. */
 	*r = shmrpc_int(dl && dl->device.device_type == kDLCPU
 				? (int64_t)shmrpc_tensor_pool_offset(t) : -1);
+	shmrpc_tensor_free(atomic_exchange(&kept, t));
 	return 0;
 }
 

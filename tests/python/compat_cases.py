@@ -813,12 +813,12 @@ def torch_profiler_keys():
         rpc.rpc_async(PEER, add, args=(3, 4)).wait()
         # (Not remote(): torch ends its record when the owner's confirmation
         # comes, which may be after the profiler stopped. tests/python/
-        # profiling.py checks shmrpc's rpc_remote# record.)
+        # test_profiling.py checks shmrpc's rpc_remote# record.)
     # The callee's `KEY#remote_op: ...` events are not compared: torch
     # 1.13 does not give them reliably. With tensor arguments its first
     # profile in a job has them for rpc_sync and rpc_async, a second one
     # for rpc_sync only, and here, after the other cases, none at all.
-    # tests/python/profiling.py checks shmrpc's (the callee's aten::add
+    # tests/python/test_profiling.py checks shmrpc's (the callee's aten::add
     # under each key, on the callee's node, as torch's first profile has).
     return show(sorted({e.name for e in prof.function_events
                         if e.name.startswith("rpc_") and "#remote_op" not in e.name}))

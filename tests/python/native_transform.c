@@ -1,4 +1,4 @@
-/* A native transform for tests/python/data_native.py: x -> 2x + 1 on a
+/* A native transform for tests/python/test_data_native.py: x -> 2x + 1 on a
  * float32 tensor, in place; -22 (EINVAL) for any other dtype. */
 #include <dlpack/dlpack.h>
 #include <stdint.h>

@@ -1,15 +1,17 @@
+# shmrun: -n 3 --pool-size 64M
+# needs: has("torch")
 """shmrpc.optim.DistributedOptimizer and distributed autograd with a dead
-worker (issue 10), run by tests/python_rpc.c as a 3-worker job. worker0
-trains a model split across 2 and then 3 workers; after every
-DistributedOptimizer step the gradients and the parameters must equal
-those of the same model stepped in one process with plain torch.
+worker (issue 10), in a 3-worker job. worker0 trains a model split across 2
+and then 3 workers, whose other parts worker1 and worker2 hold and serve
+(conftest.py); after every DistributedOptimizer step the gradients and the
+parameters must equal those of the same model stepped in one process with
+plain torch.
 
 Then worker0 runs a second job, `shmrun --on-failure=continue -n 3 --
-python3 optim.py --dead-worker` (this table of tests gives shmrun no
-options), in which worker2 is killed with SIGKILL during a context: the
-backward must fail naming worker2, and no context may be left on the
+python3 test_optim.py` (this module as a plain script: its own roles and
+shmrun options), in which worker2 is killed with SIGKILL during a context:
+the backward must fail naming worker2, and no context may be left on the
 survivors, neither worker0's nor the one worker2 had made.
-Prints "skip" and exits 0 without torch.
 """
 import gc
 import os
@@ -18,15 +20,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 import shmrpc as rpc
-
-try:
-    import torch
-    from shmrpc.optim import DistributedOptimizer
-except ImportError:
-    torch = None
-
-from checks import check, failed, failures
+from shmrpc.optim import DistributedOptimizer
 
 W = {}  # this worker's parameters, by name
 
@@ -120,7 +118,14 @@ def close(a, b):
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b)
 
 
-def split_model(label, forward, ref, names, optimizer_class, kwargs, steps=3):
+@pytest.mark.parametrize("label, forward, ref, names, optimizer_class, kwargs", [
+    ("2 workers, SGD", forward2, ref2, ["W1", "W2"], torch.optim.SGD,
+     {"lr": 0.05, "momentum": 0.9}),
+    ("3 workers, SGD", forward3, ref3, ["W1", "W2", "W3"], torch.optim.SGD,
+     {"lr": 0.05, "momentum": 0.9}),
+    ("3 workers, Adam", forward3, ref3, ["W1", "W2", "W3"], torch.optim.Adam, {"lr": 0.01}),
+], ids=["2 workers, SGD", "3 workers, SGD", "3 workers, Adam"])
+def test_split_model(label, forward, ref, names, optimizer_class, kwargs, steps=3):
     for n in names:
         rpc.rpc_sync(OWNERS[n], make, args=(n,))
     # worker0's own parameter goes through an RRef to itself, like the others.
@@ -135,17 +140,17 @@ def split_model(label, forward, ref, names, optimizer_class, kwargs, steps=3):
             opt.step(cid)
         values = {n: rpc.rpc_sync(OWNERS[n], value_of, args=(n,)) for n in names}
         for n in names:
-            check(close(grads[n], want[step][0][n]),
-                  f"{label}: step {step}: {n}'s gradient {grads[n]} vs {want[step][0][n]}")
-            check(close(values[n], want[step][1][n]),
-                  f"{label}: step {step}: {n} after the step {values[n]} vs {want[step][1][n]}")
-    check(W["W2"].grad is not None, f"{label}: the owner's optimizer stepped W2 itself")
+            assert close(grads[n], want[step][0][n]), \
+                f"{label}: step {step}: {n}'s gradient {grads[n]} vs {want[step][0][n]}"
+            assert close(values[n], want[step][1][n]), \
+                f"{label}: step {step}: {n} after the step {values[n]} vs {want[step][1][n]}"
+    assert W["W2"].grad is not None, f"{label}: the owner's optimizer stepped W2 itself"
     del opt, rrefs
     gc.collect()
     owners = sorted({OWNERS[n] for n in names})
     left = wait_for(lambda: [rpc.rpc_sync(o, num_optimizers) for o in owners],
                     [0] * len(owners))
-    check(left == [0] * len(owners), f"{label}: owners dropped their optimizers: {left}")
+    assert left == [0] * len(owners), f"{label}: owners dropped their optimizers: {left}"
 
 
 def wait_for(probe, want, seconds=10.0):
@@ -159,68 +164,34 @@ def wait_for(probe, want, seconds=10.0):
     return got
 
 
-def errors():
+def test_errors():
     rpc.rpc_sync("worker1", make, args=("W1",))
     rrefs = [rpc.remote("worker1", get, args=("W1",))]
-    try:
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # the owner's error
         DistributedOptimizer(torch.optim.SGD, rrefs, lr=-1.0)
-        check(False, "an optimizer that cannot be made raises")
-    except ValueError as e:
-        check("Invalid learning rate" in str(e), f"the owner's error: {e!s:.200}")
     opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
     with rpc.autograd.context() as cid:
         pass
-    try:
+    with pytest.raises(RuntimeError, match="Could not find autograd context"):
         opt.step(cid)
-        check(False, "a step in a context that was left raises")
-    except RuntimeError as e:
-        check("Could not find autograd context" in str(e), str(e))
 
 
-def main_job(rank):
-    rpc.init_rpc(f"worker{rank}")
-    if torch is None:
-        print("skip: no torch")
-        rpc.shutdown()
-        return 0
-    if rank == 0:
-        cases = [
-            ("2 workers, SGD", forward2, ref2, ["W1", "W2"], torch.optim.SGD,
-             {"lr": 0.05, "momentum": 0.9}),
-            ("3 workers, SGD", forward3, ref3, ["W1", "W2", "W3"], torch.optim.SGD,
-             {"lr": 0.05, "momentum": 0.9}),
-            ("3 workers, Adam", forward3, ref3, ["W1", "W2", "W3"], torch.optim.Adam,
-             {"lr": 0.01}),
-        ]
-        for case in cases:
-            try:
-                split_model(*case)
-            except Exception as e:
-                check(False, f"{case[0]} raised {e!r}")
-        try:
-            errors()
-        except Exception as e:
-            check(False, f"errors raised {e!r}")
-        live = [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)]
-        check(live == [0, 0, 0], f"no context left on any worker: {live}")
-        dead_worker_job()
-        print(f"optim: {len(failures)} failures", file=sys.stderr)
-    rpc.shutdown()
-    return failed()
+def test_no_context_left():
+    live = [rpc.rpc_sync(f"worker{r}", num_contexts) for r in range(3)]
+    assert live == [0, 0, 0], f"no context left on any worker: {live}"
 
 
-def dead_worker_job():
-    """Runs this script with --dead-worker as a job of its own."""
+def test_dead_worker():
+    """Runs this module as a script, the dead-worker job (below)."""
     shmrun = os.readlink(f"/proc/{os.getppid()}/exe")  # a worker's parent is shmrun
     argv = [shmrun, "-n", "3", "--on-failure=continue", "--pool-size", "64M", "--timeout", "60",
-            "--", sys.executable, os.path.abspath(__file__), "--dead-worker"]
+            "--", sys.executable, os.path.abspath(__file__)]
     r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = r.stdout
-    check(r.returncode == 1, f"dead worker: the job exits 1 (a worker was killed): {r.returncode}")
+    assert r.returncode == 1, \
+        f"dead worker: the job exits 1 (a worker was killed): {r.returncode}\n{out}"
     for rank in (0, 1):
-        check(f"dead-worker rank {rank}: ok" in out, f"dead worker: rank {rank} passed")
-    if failures:
-        print(out, file=sys.stderr)
+        assert f"dead-worker rank {rank}: ok" in out, f"dead worker: rank {rank} passed\n{out}"
 
 
 # The dead-worker job.
@@ -251,16 +222,13 @@ def orphan():
 
 
 def dead_worker(rank):
-    if torch is not None:
-        W["W3"] = weights(*SHAPES["W3"])
+    """A rank of the dead-worker job; a failed assert fails it (exit 1)."""
+    W["W3"] = weights(*SHAPES["W3"])
     rpc.init_rpc(f"worker{rank}")
-    if torch is None:
-        print(f"dead-worker rank {rank}: ok (no torch)", flush=True)
-        return 0  # no shutdown: it would wait for the killed worker2
     if rank == 0:
         orphan_cid = rpc.rpc_sync("worker2", orphan)
-        check([rpc.rpc_sync(f"worker{r}", num_contexts) for r in (0, 1)] == [1, 1],
-              "worker2's context reached worker0 and worker1")
+        assert [rpc.rpc_sync(f"worker{r}", num_contexts) for r in (0, 1)] == [1, 1], \
+            "worker2's context reached worker0 and worker1"
         pid2 = rpc.rpc_sync("worker2", os.getpid)
         x = weights(3, 6, 0.4)
         with rpc.autograd.context() as cid:
@@ -269,23 +237,17 @@ def dead_worker(rank):
             loss = (direct * through).sum()
             os.kill(pid2, signal.SIGKILL)
             wait_for(lambda: probe_dead("worker2"), True)
-            try:
-                rpc.autograd.backward(cid, [loss])
-                check(False, "backward needing a dead worker raises")
-            except RuntimeError as e:
-                check("worker 2 (worker2) died" in str(e), f"the error names worker2: {e!s:.300}")
+            with pytest.raises(RuntimeError, match=r"worker 2 \(worker2\) died"):
+                rpc.autograd.backward(cid, [loss])  # needs the dead worker
         live = [num_contexts(), rpc.rpc_sync("worker1", num_contexts)]
-        check(live == [0, 0], f"no context left on worker0 and worker1: {live}")
-        try:
+        assert live == [0, 0], f"no context left on worker0 and worker1: {live}"
+        # worker2's context was released
+        with pytest.raises(RuntimeError, match="Could not find autograd context"):
             rpc.autograd.get_gradients(orphan_cid)
-            check(False, "worker2's context was released")
-        except RuntimeError as e:
-            check("Could not find autograd context" in str(e), str(e))
     if rank != 2:
         rpc.shutdown()
-        if not failures:
-            print(f"dead-worker rank {rank}: ok", flush=True)
-        return failed()
+        print(f"dead-worker rank {rank}: ok", flush=True)
+        return 0
     signal.pause()  # worker2 waits for its SIGKILL
     return 1
 
@@ -299,5 +261,4 @@ def probe_dead(name):
 
 
 if __name__ == "__main__":
-    rank = int(os.environ["SHMRPC_RANK"])
-    sys.exit(dead_worker(rank) if "--dead-worker" in sys.argv else main_job(rank))
+    sys.exit(dead_worker(int(os.environ["SHMRPC_RANK"])))

@@ -1,18 +1,19 @@
+# shmrun: none
+# needs: has("torch")
 """shmrpc.data.DataLoader gives the batches torch.utils.data.DataLoader
 gives, in the same order, for the same seeds: map-style and iterable
 datasets, shuffle with a generator and with the global seed, drop_last,
 custom collate, sampler and batch_sampler, no batching, num_workers
 0/1/2/4, persistent workers over epochs, and per-worker random numbers
 (the workers are seeded as torch seeds them)."""
-import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 import torch.utils.data as tud
 
 import shmrpc.data as sd
-from checks import check, failed
 
 
 class Squares(tud.Dataset):
@@ -88,56 +89,66 @@ def epochs(make, n_epochs=1, seed=1234):
 
 def compare(what, make, n_epochs=1):
     (t, tlen), (s, slen) = epochs(make, n_epochs)
-    check(tlen == slen, f"{what}: len {slen}, torch says {tlen}")
-    check(len(t) == len(s) and all(len(a) == len(b) for a, b in zip(t, s)),
-          f"{what}: {[len(e) for e in s]} batches per epoch, torch {[len(e) for e in t]}")
-    check(same(t, s), f"{what}: batches differ from torch's")
+    assert tlen == slen, f"{what}: len {slen}, torch says {tlen}"
+    assert len(t) == len(s) and all(len(a) == len(b) for a, b in zip(t, s)), \
+        f"{what}: {[len(e) for e in s]} batches per epoch, torch {[len(e) for e in t]}"
+    assert same(t, s), f"{what}: batches differ from torch's"
 
 
-def main():
-    ds = Squares(37)
-    for nw in (0, 1, 2, 4):
-        compare(f"sequential nw={nw}",
-                lambda m: m.DataLoader(ds, batch_size=5, num_workers=nw))
-        compare(f"shuffle nw={nw}",
-                lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=nw))
-    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
-    compare("shuffle with generator, drop_last",
-            lambda m: m.DataLoader(ds, batch_size=6, shuffle=True, generator=g(), drop_last=True,
-                                   num_workers=2))
-    compare("custom collate and sampler",
-            lambda m: m.DataLoader(ds, batch_size=3, sampler=tud.SubsetRandomSampler(range(0, 37, 2)),
-                                   collate_fn=pairs_collate, num_workers=2))
-    compare("batch_sampler",
-            lambda m: m.DataLoader(ds, batch_sampler=tud.BatchSampler(
-                tud.SequentialSampler(range(20)), 7, False), num_workers=2))
-    compare("no batching (batch_size=None)",
-            lambda m: m.DataLoader(ds, batch_size=None, num_workers=2))
-    compare("worker_init_fn and prefetch_factor",
-            lambda m: m.DataLoader(ds, batch_size=4, num_workers=2, prefetch_factor=3,
-                                   worker_init_fn=lambda wid: torch.manual_seed(99 + wid)))
-    compare("persistent workers, 3 epochs",
-            lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
-                                   persistent_workers=True), n_epochs=3)
-    compare("non-persistent, 2 epochs",
-            lambda m: m.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2), n_epochs=2)
-    compare("large batches", lambda m: m.DataLoader(Big(), batch_size=4, num_workers=2))
-    it = Shards(23)
-    for nw in (0, 1, 2, 4):
-        compare(f"iterable nw={nw}", lambda m: m.DataLoader(it, batch_size=4, num_workers=nw))
-    compare("iterable, drop_last", lambda m: m.DataLoader(it, batch_size=4, num_workers=2,
-                                                          drop_last=True))
-    compare("iterable, persistent, 2 epochs",
-            lambda m: m.DataLoader(it, batch_size=5, num_workers=2, persistent_workers=True),
-            n_epochs=2)
+DS = Squares(37)
+IT = Shards(23)
+
+
+def generator():
+    return torch.Generator().manual_seed(7)
+
+
+# (what, make(module) -> its loader, epochs)
+CASES = [(f"sequential nw={nw}",
+          lambda m, nw=nw: m.DataLoader(DS, batch_size=5, num_workers=nw), 1)
+         for nw in (0, 1, 2, 4)] + [
+    (f"shuffle nw={nw}",
+     lambda m, nw=nw: m.DataLoader(DS, batch_size=4, shuffle=True, num_workers=nw), 1)
+    for nw in (0, 1, 2, 4)] + [
+    ("shuffle with generator, drop_last",
+     lambda m: m.DataLoader(DS, batch_size=6, shuffle=True, generator=generator(), drop_last=True,
+                            num_workers=2), 1),
+    ("custom collate and sampler",
+     lambda m: m.DataLoader(DS, batch_size=3, sampler=tud.SubsetRandomSampler(range(0, 37, 2)),
+                            collate_fn=pairs_collate, num_workers=2), 1),
+    ("batch_sampler",
+     lambda m: m.DataLoader(DS, batch_sampler=tud.BatchSampler(
+         tud.SequentialSampler(range(20)), 7, False), num_workers=2), 1),
+    ("no batching (batch_size=None)",
+     lambda m: m.DataLoader(DS, batch_size=None, num_workers=2), 1),
+    ("worker_init_fn and prefetch_factor",
+     lambda m: m.DataLoader(DS, batch_size=4, num_workers=2, prefetch_factor=3,
+                            worker_init_fn=lambda wid: torch.manual_seed(99 + wid)), 1),
+    ("persistent workers, 3 epochs",
+     lambda m: m.DataLoader(DS, batch_size=4, shuffle=True, num_workers=2,
+                            persistent_workers=True), 3),
+    ("non-persistent, 2 epochs",
+     lambda m: m.DataLoader(DS, batch_size=4, shuffle=True, num_workers=2), 2),
+    ("large batches", lambda m: m.DataLoader(Big(), batch_size=4, num_workers=2), 1),
+] + [(f"iterable nw={nw}",
+      lambda m, nw=nw: m.DataLoader(IT, batch_size=4, num_workers=nw), 1)
+     for nw in (0, 1, 2, 4)] + [
+    ("iterable, drop_last",
+     lambda m: m.DataLoader(IT, batch_size=4, num_workers=2, drop_last=True), 1),
+    ("iterable, persistent, 2 epochs",
+     lambda m: m.DataLoader(IT, batch_size=5, num_workers=2, persistent_workers=True), 2),
+]
+
+
+@pytest.mark.parametrize("what, make, n_epochs", CASES, ids=[c[0] for c in CASES])
+def test_as_torch(what, make, n_epochs):
+    compare(what, make, n_epochs)
+
+
+def test_batches_kept():
     # A batch kept after its epoch (and its workers) ended still reads its bytes.
     kept = list(sd.DataLoader(Squares(8, (1024,)), batch_size=4, num_workers=2))
-    check(all(float(b["x"][1, 0]) == float(b["i"][1] ** 2) for b in kept),
-          "batches kept after the epoch read wrong bytes")
+    assert all(float(b["x"][1, 0]) == float(b["i"][1] ** 2) for b in kept), \
+        "batches kept after the epoch read wrong bytes"
     # Batches really come through the pool: a worker sees its own pid in none.
-    check(all(b["x"].is_shared() is False for b in kept), "pool tensors are plain tensors")
-    return failed()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert all(b["x"].is_shared() is False for b in kept), "pool tensors are plain tensors"

@@ -1,0 +1,140 @@
+# shmrun: none
+# needs: has("torch")
+"""shmrpc.data.DataLoader when things go wrong: an exception in a worker
+(raised in the trainer with the worker's id and traceback), a failing
+worker_init_fn, a killed worker (named, with its pid and signal), a
+timeout, Ctrl-C, an early break; persistent workers across epochs,
+whose pool is back to zero once the batches are dropped; the progress
+line. After each case (test) no worker process is left."""
+import contextlib
+import io
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import shmrpc.data as sd
+
+
+class Items(tud.Dataset):
+    """n items; item `bad` does `how` ("raise", "kill" or "sleep")."""
+
+    def __init__(self, n, bad=-1, how=None, nap=0.0):
+        self.n, self.bad, self.how, self.nap = n, bad, how, nap
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.nap:
+            time.sleep(self.nap)
+        if i == self.bad:
+            if self.how == "raise":
+                raise ValueError(f"item {i} is bad")
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "sleep":
+                time.sleep(3)
+        return torch.tensor([i, os.getpid()])
+
+
+def children():
+    """The pids of this process's children (of every thread)."""
+    pids = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as f:
+            pids += f.read().split()
+    return pids
+
+
+def soon(cond, seconds=5.0):
+    """cond() became true within seconds (things settle asynchronously)."""
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture(autouse=True)
+def no_children():
+    yield
+    assert soon(lambda: not children()), f"worker processes left: {children()}"
+
+
+def test_exception_in_a_worker():
+    with pytest.raises(ValueError, match=r"(?s)Caught ValueError in DataLoader worker process 1\.\n"
+                       r"Original Traceback.*__getitem__.*item 7 is bad"):
+        list(sd.DataLoader(Items(20, 7, "raise"), batch_size=2, num_workers=2))
+
+
+def test_failing_worker_init_fn():
+    def bad_init(wid):
+        raise KeyError(f"init of {wid}")
+    with pytest.raises(KeyError, match=r"(?s)Caught KeyError in DataLoader worker process 0.*"
+                       r"init of 0"):
+        list(sd.DataLoader(Items(8), batch_size=2, num_workers=2, worker_init_fn=bad_init))
+
+
+def test_killed_worker():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader worker 0 \(pid \d+\) exited "
+                       r"unexpectedly: killed by signal 9"):
+        list(sd.DataLoader(Items(20, 8, "kill"), batch_size=2, num_workers=2))
+    assert time.monotonic() - t0 < 30, "killed worker: took over 30 s"
+
+
+def test_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.5 seconds"):
+        list(sd.DataLoader(Items(8, 0, "sleep"), batch_size=2, num_workers=2, timeout=0.5))
+    assert soon(lambda: not children()), f"timeout: worker processes left: {children()}"
+    # The stuck worker (asleep for 3 s) is killed, not waited for: a generous bound.
+    assert time.monotonic() - t0 < 2.5, \
+        f"timeout: the epoch ended after {time.monotonic() - t0:.1f} s"
+
+
+def test_early_break():
+    for _ in sd.DataLoader(Items(100), batch_size=2, num_workers=2):
+        break
+
+
+def test_persistent_workers():
+    loader = sd.DataLoader(Items(12), batch_size=3, num_workers=2, persistent_workers=True)
+    pids = [set(int(p) for b in loader for p in b[:, 1]) for _ in range(3)]
+    assert len(pids[0]) == 2 and pids[0] == pids[1] == pids[2], \
+        f"persistent workers changed between epochs: {pids}"
+    used = lambda: loader._workers.job.pool_stats()[1]  # noqa: E731
+    # A worker holds a reply's blocks until the trainer's TENSOR_ACK: settled in a moment.
+    assert soon(lambda: used() == 0), \
+        f"persistent workers: {used()} bytes of the pool in use with no batch held"
+    kept = next(iter(loader))
+    assert used() > 0, "a batch held uses no pool bytes"
+    del kept
+    assert soon(lambda: used() == 0), "a dropped batch's bytes stay in use"
+    loader.close()
+
+
+def test_progress_line():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        n = len(list(sd.DataLoader(Items(40, nap=0.02), batch_size=4, num_workers=2,
+                                   progress=True)))
+    line = err.getvalue().rstrip("\n").split("\r")[-1]
+    assert n == 10 and re.fullmatch(r"10 batches  [\d,]+ samples/s  [\d,.]+ MB/s", line), \
+        f"progress line: {line!r}"
+
+
+def test_ctrl_c():
+    def interrupt():
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        list(sd.DataLoader(Items(200, nap=0.05), batch_size=2, num_workers=2))
