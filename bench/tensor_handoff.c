@@ -12,8 +12,11 @@
  * on device 0, handed over by CUDA IPC), warm: the callee keeps the
  * allocation mapped between calls, so only the first call opens it:
  *   BENCH tensor_handoff device=cuda size=S median_ns= opens= cache_hits=
+ *         vs_torch_rpc= vs_torch_mp=
  *   BENCH tensor_handoff device=cuda ratio_1GiB_vs_1MiB=
- * opens and cache_hits are the callee's (cuda_stats) over the whole run.
+ * opens and cache_hits are the callee's (cuda_stats) over the whole run;
+ * the peers are bench/torch_tensor.py's CUDA lines, where its torch has
+ * CUDA (rpc with a device map; the queue's handoff and an ack).
  * The issue's target: 1 GiB warm echo at most 20 µs on the H100 box.
  * Without CUDA those lines are left out, with a note on stderr.
  */
@@ -145,6 +148,7 @@ static void measure_cuda(bool quick)
 	for (int i = 0; i < 3; i++) {
 		shmrpc_tensor *x = dev_tensor(sizes[i]);
 		shmrpc_future *f;
+		char filter[40];
 		int64_t counts;
 
 		if (!x)
@@ -155,9 +159,15 @@ static void measure_cuda(bool quick)
 			die("cuda_counts");
 		counts = shmrpc_future_value(f)->u.i;
 		shmrpc_future_free(f);
+		snprintf(filter, sizeof(filter), "size=%llu ", (unsigned long long)sizes[i]);
 		printf("BENCH tensor_handoff device=cuda size=%llu median_ns=%llu opens=%lld "
-		       "cache_hits=%lld\n", (unsigned long long)sizes[i], (unsigned long long)med[i],
+		       "cache_hits=%lld", (unsigned long long)sizes[i], (unsigned long long)med[i],
 		       (long long)(counts >> 32), (long long)(counts & 0xffffffff));
+		bench_ratio("vs_torch_rpc", (double)med[i],
+			    bench_peer("torch_rpc_cuda_tensor", filter, "median_ns"));
+		bench_ratio("vs_torch_mp", (double)med[i],
+			    bench_peer("torch_mp_cuda_tensor", filter, "median_ns"));
+		printf("\n");
 	}
 	if (med[0] && med[2])
 		printf("BENCH tensor_handoff device=cuda ratio_1GiB_vs_1MiB=%.3g\n",

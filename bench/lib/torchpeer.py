@@ -11,13 +11,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def init_pair(rank, port, rpc_timeout=120):
-    """Joins the pair as worker w<rank> (w0 measures, w1 serves)."""
+def init_pair(rank, port, rpc_timeout=120, device_map=None):
+    """Joins the pair as worker w<rank> (w0 measures, w1 serves); device_map
+    ({w0's device: w1's}, for CUDA tensors): w0's map for w1, whose replies
+    come back by its inverse."""
     import torch.distributed.rpc as rpc
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=rpc_timeout)
+    if device_map and rank == 0:
+        opts.set_device_map("w1", device_map)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
 
 
