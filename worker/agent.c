@@ -266,6 +266,9 @@ static void *loop_main(void *arg)
 		next_reap = tensor_exports_tick(now);
 		if (next_reap < next)
 			next = next_reap;
+		next_reap = ipc_port_flush_quiet(&ag->port, now); /* quiet TENSOR_ACKs */
+		if (next_reap < next)
+			next = next_reap;
 		if (n)
 			continue;
 		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
