@@ -42,12 +42,21 @@ void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
 
-void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me)
+void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
+			 enum ipc_frame_kind kind)
 {
 	/* seq_cst fence between the tail store that published the frame and
-	 * the load of sleepers: pairs with the sleeper's fence after its
-	 * increment (doorbell.h). */
+	 * the loads below: pairs with the sleeper's fence after its increment
+	 * (doorbell.h), and with the fence after the target's store of 0 to
+	 * servers_busy or replies_taken before it polls (the frame either
+	 * sees 0 and rings, or that poll sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
+	if (kind == IPC_FRAME_REQUEST &&
+	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
+		return;
+	if (kind == IPC_FRAME_REPLY &&
+	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
+		return;
 	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
 		return;
 	ipc_doorbell_ring(target, me);

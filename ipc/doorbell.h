@@ -22,6 +22,16 @@
  * if the waker's, the sleeper's check sees the frame and it does not
  * sleep; if the sleeper's, the waker sees it counted and rings. A waiter
  * that spins instead of sleeping checks its rings as it spins.
+ *
+ * A request frame also skips it while the target's `servers_busy` is 1:
+ * every thread that could run it runs a request already, so waking the
+ * target's loop thread to queue it would gain nothing. The same pattern:
+ * a server that finishes stores `servers_busy` = 0, issues a seq_cst
+ * fence, and polls the rings; the waker's fence comes before that one (it
+ * reads 0 and rings as usual) or after it (the poll finds the frame). A
+ * reply frame skips it while `replies_taken` is 1, by the same pattern: a
+ * thread of the target about to wait for a reply stores 0, fences, and
+ * polls first.
  */
 #ifndef SHMRPC_IPC_DOORBELL_H
 #define SHMRPC_IPC_DOORBELL_H
@@ -43,10 +53,20 @@ static inline uint32_t ipc_doorbell_seq(struct shm_worker *w)
  * events the target cannot see in its rings (space freed, a death, a
  * state change): the doorbell always moves. */
 SHMRPC_HIDDEN void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me);
+/* What a frame is to its receiver, for ipc_doorbell_notify. */
+enum ipc_frame_kind {
+	IPC_FRAME_OTHER,
+	IPC_FRAME_REQUEST, /* work for its servers */
+	IPC_FRAME_REPLY,   /* the answer to one of its calls */
+};
+
 /* A frame is published in one of target's rings: rings only if target
  * sleeps or is about to (a spinning target watches its rings itself), so
- * the common case costs a fence and a read of a line nobody writes. */
-SHMRPC_HIDDEN void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me);
+ * the common case costs a fence and a read of a line nobody writes; a
+ * request not while target's servers are all busy, a reply not while its
+ * threads take their replies themselves. */
+SHMRPC_HIDDEN void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
+					 enum ipc_frame_kind kind);
 
 /* Plain futex wait until the word differs from seq, a wake, or timeout
  * (ns, 0 = none). 0, -EAGAIN (already changed), -ETIMEDOUT or -EINTR. */

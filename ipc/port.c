@@ -146,9 +146,10 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 }
 
 /* After put_frame, out_lock still held. A loud frame's doorbell (in sent)
- * covers the quiet frames before it in the ring, so none is owed after it;
- * a quiet one (due: when, else 0) owes one unless an older debt, due
- * sooner, stands. */
+ * covers the quiet frames before it in the ring, so none is owed after it
+ * (a request or reply that rings nothing, doorbell.h, is taken with them
+ * by whoever dst promised would poll); a quiet one
+ * (due: when, else 0) owes one unless an older debt, due sooner, stands. */
 static void owe(struct ipc_port *p, uint32_t dst, uint64_t due)
 {
 	/* Relaxed: senders change it under out_lock; flush_quiet's CAS fails
@@ -161,10 +162,11 @@ static void owe(struct ipc_port *p, uint32_t dst, uint64_t due)
 		atomic_store_explicit(&p->quiet_due[dst], due, memory_order_release);
 }
 
-static void sent(struct ipc_port *p, uint32_t dst, uint32_t len, bool quiet)
+static void sent(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint32_t len,
+		 bool quiet)
 {
 	if (!quiet)
-		ipc_doorbell_notify(shm_worker(p->seg, dst), p->self);
+		ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, m->kind);
 	/* Relaxed: statistics, read by inspectors only. */
 	atomic_fetch_add_explicit(&p->self->frames_sent, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
@@ -192,7 +194,7 @@ static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, b
 	pthread_mutex_unlock(&p->out_lock[dst]);
 	if (!ok)
 		return -EAGAIN;
-	sent(p, dst, (uint32_t)len, quiet != 0);
+	sent(p, dst, m, (uint32_t)len, quiet != 0);
 	return 0;
 }
 
@@ -230,7 +232,7 @@ uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now)
 		if (atomic_compare_exchange_strong_explicit(&p->quiet_due[dst], &due, 0,
 							    memory_order_relaxed,
 							    memory_order_relaxed))
-			ipc_doorbell_notify(shm_worker(p->seg, dst), p->self);
+			ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, IPC_FRAME_OTHER);
 	}
 	return next;
 }
@@ -281,7 +283,7 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			       ? shmrpc__fail(err, "worker %u cannot send to worker %u: it died", p->rank, dst)
 			       : shmrpc__fail(err, "worker %u: no room towards worker %u before the timeout",
 					      p->rank, dst);
-	sent(p, dst, (uint32_t)len, false);
+	sent(p, dst, m, (uint32_t)len, false);
 	return 0;
 }
 

@@ -21,6 +21,7 @@
 #include <sys/uio.h>
 
 #include "common/compiler.h"
+#include "ipc/doorbell.h"
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 #include "ipc/wait.h"
@@ -29,6 +30,7 @@
 struct ipc_msg {
 	uint16_t type;
 	uint16_t flags; /* IPC_FRAME_F_MORE only; checksum flags are the port's */
+	uint8_t kind; /* enum ipc_frame_kind: when the receiver need not be woken */
 	uint64_t msg_id;
 	const struct iovec *iov;
 	int iovcnt;

@@ -91,7 +91,10 @@ int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, c
 	       size_t len)
 {
 	struct iovec iov = { (void *)payload, len };
-	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1 };
+	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1,
+			     .kind = worker_msg_is_request(type) ? IPC_FRAME_REQUEST
+				     : type == MSG_TENSOR_ACK    ? IPC_FRAME_OTHER
+								 : IPC_FRAME_REPLY };
 	int rc = trace_send(&ag->port, dst, &m); /* ipc_port_send, its waits recorded */
 
 	if (rc == -SHMRPC_EPEERDEAD) {
@@ -118,17 +121,95 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 		client_on_reply(ag, f);
 }
 
-int agent_poll(struct agent *ag)
+int agent_poll(struct agent *ag, bool wait)
 {
 	int n;
 
-	if (pthread_mutex_trylock(&ag->poll_lock))
+	if (wait)
+		pthread_mutex_lock(&ag->poll_lock);
+	else if (pthread_mutex_trylock(&ag->poll_lock))
 		return 0;
 	executor_batch_begin();
 	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	executor_batch_end();
 	pthread_mutex_unlock(&ag->poll_lock);
 	return n;
+}
+
+/* ---- replies taken by the threads that wait for them ---- */
+
+/* Process-wide, outside the agent: a waiter that returns after shutdown
+ * freed the agent touches nothing of it (once off, nothing is published). */
+static struct {
+	pthread_mutex_t lock;
+	struct agent *ag; /* while on */
+	bool on;
+	bool published; /* what the slot's replies_taken says */
+	int waiters;    /* threads between agent_reply_wait_begin and _end */
+} own = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static _Thread_local bool taking_replies;
+
+/* own.lock held: replies_taken = on and nobody waits. True when it went
+ * to 0: replies may wait in the rings unannounced, the caller polls. */
+static bool own_publish(void)
+{
+	bool v = own.on && !own.waiters;
+
+	if (v == own.published)
+		return false;
+	own.published = v;
+	/* seq_cst, and the fence after a store of 0: in one order with the
+	 * repliers' fences (ipc/doorbell.h), so a reply either sees 0 and
+	 * rings, or the caller's poll finds it. */
+	atomic_store_explicit(&own.ag->self->replies_taken, v, memory_order_seq_cst);
+	if (v)
+		return false;
+	atomic_thread_fence(memory_order_seq_cst);
+	return true;
+}
+
+/* own.lock held: takes what came unannounced, and rings for the quiet
+ * TENSOR_ACKs it and earlier polls sent that are due by now. */
+static void own_poll(uint64_t now)
+{
+	taking_replies = true;
+	agent_poll(own.ag, true);
+	taking_replies = false;
+	ipc_port_flush_quiet(&own.ag->port, now);
+}
+
+void agent_take_replies(struct agent *ag, bool on)
+{
+	pthread_mutex_lock(&own.lock);
+	if (on)
+		own.ag = ag;
+	own.on = on;
+	if (own_publish())
+		own_poll(UINT64_MAX); /* off: every quiet ack rings now */
+	pthread_mutex_unlock(&own.lock);
+}
+
+void agent_reply_wait_begin(void)
+{
+	pthread_mutex_lock(&own.lock);
+	own.waiters++;
+	if (own_publish())
+		own_poll(shmrpc_now_ns());
+	pthread_mutex_unlock(&own.lock);
+}
+
+void agent_reply_wait_end(void)
+{
+	pthread_mutex_lock(&own.lock);
+	own.waiters--;
+	own_publish();
+	pthread_mutex_unlock(&own.lock);
+}
+
+bool agent_acks_quietly(const struct agent *ag)
+{
+	return taking_replies || pthread_equal(pthread_self(), ag->loop);
 }
 
 struct collect_job {
@@ -254,7 +335,7 @@ static void *loop_main(void *arg)
 		uint64_t now, next, next_reap, sleep_ns;
 		int n;
 
-		n = agent_poll(ag);
+		n = agent_poll(ag, false);
 		now = shmrpc_now_ns();
 		/* seq_cst: see run_collect. Only this thread sets the flag. */
 		if (ag->has_rrefs && collect_due(ag) &&
@@ -597,6 +678,7 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 
 	if (!ag)
 		return shmrpc__fail(-ENOTCONN, "shmrpc_shutdown: the RPC agent is not running");
+	agent_take_replies(ag, false); /* the loop thread takes every reply again */
 	if (graceful) {
 		rc = graceful_barrier(ag, timeout_ms > 0 ? shmrpc_now_ns() +
 								(uint64_t)timeout_ms * 1000000u

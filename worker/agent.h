@@ -71,10 +71,28 @@ SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 
-/* Takes what the incoming rings hold, unless another thread is at it;
- * returns how many frames. Any thread; never waits in a send (a
- * TENSOR_ACK goes only if it fits at once), never runs user code. */
-SHMRPC_HIDDEN int agent_poll(struct agent *ag);
+/* Takes what the incoming rings hold, unless another thread is at it
+ * (wait: after it); returns how many frames. Any thread; never waits in a
+ * send (a TENSOR_ACK goes only if it fits at once), never runs user code. */
+SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
+
+/*
+ * Replies taken by their waiters (on: a data loader's trainer, which waits
+ * for each batch in turn). While on and no user thread waits for a future,
+ * peers' replies ring nothing (the slot's replies_taken, ipc/doorbell.h):
+ * they wait in the rings until a thread about to wait for a reply polls
+ * them itself (agent_reply_wait_begin), which spares the loop thread's
+ * wake-up per reply when the reply came before its waiter. Completions, and
+ * their callbacks, are late meanwhile: only for a process whose calls are
+ * all waited for. Off again, the rings are polled at once.
+ */
+SHMRPC_HIDDEN void agent_take_replies(struct agent *ag, bool on);
+/* Around a user thread's sleep on a future: begin polls first when on. */
+SHMRPC_HIDDEN void agent_reply_wait_begin(void);
+SHMRPC_HIDDEN void agent_reply_wait_end(void);
+/* The calling thread (the loop thread, or one taking its replies) may
+ * send a TENSOR_ACK quietly: someone flushes its debt (ipc_port_flush_quiet). */
+SHMRPC_HIDDEN bool agent_acks_quietly(const struct agent *ag);
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);

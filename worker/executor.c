@@ -21,6 +21,8 @@ static struct {
 	struct job *head, *tail;
 	pthread_t *threads;
 	int nthreads;
+	int size; /* threads asked for */
+	int busy; /* threads running a job, less those waiting in executor_help_* */
 	int idle;
 	int sleeping; /* idle threads inside pthread_cond_wait */
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
@@ -55,6 +57,58 @@ static void set_idle(int delta)
 	atomic_store_explicit(&ex.gauges->num_idle_threads, (uint32_t)ex.idle, memory_order_relaxed);
 }
 
+/* Counts a thread into or out of the busy ones (ex.lock held) and tells
+ * peers whether all are (the slot's servers_busy, ipc/doorbell.h): their
+ * requests then ring nothing, since no thread could run one before a busy
+ * one is done. True when that stops being so: the caller must then take
+ * the requests that came unannounced (poll_unannounced). Only once the
+ * rings can be polled (executor_poll_rings) are all ever said busy. */
+static bool busy_add(int delta)
+{
+	bool was_all = ex.busy == ex.size;
+
+	ex.busy += delta;
+	/* seq_cst stores, in one order with the senders' fences (doorbell.h);
+	 * acquire pairs with executor_poll_rings' release. */
+	if (ex.busy == ex.size && !was_all &&
+	    atomic_load_explicit(&ex.poll_agent, memory_order_acquire))
+		atomic_store_explicit(&ex.gauges->servers_busy, 1, memory_order_seq_cst);
+	else if (was_all && ex.busy != ex.size &&
+		 atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed)) {
+		atomic_store_explicit(&ex.gauges->servers_busy, 0, memory_order_seq_cst);
+		return true;
+	}
+	return false;
+}
+
+/* Takes the requests that peers sent without a wake-up while every thread
+ * was busy (busy_add said so); without ex.lock, which queueing takes. Not
+ * inlined: GCC 12 rejects a fence inlined into run_next under
+ * -fsanitize=thread (-Wtsan). */
+static __attribute__((noinline)) void poll_unannounced(void)
+{
+	/* seq_cst fence after the store of 0: pairs with the sender's fence
+	 * (doorbell.h): it read 0 and rang, or this poll finds its frame.
+	 * Acquire pairs with executor_poll_rings' release. */
+	atomic_thread_fence(memory_order_seq_cst);
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+
+	if (ag)
+		agent_poll(ag, true);
+}
+
+/* busy_add without ex.lock held on entry and return: a thread that
+ * leaves the busy ones polls what they left unannounced. */
+static void busy_add_unlocked(int delta)
+{
+	pthread_mutex_lock(&ex.lock);
+	bool poll = busy_add(delta);
+
+	pthread_mutex_unlock(&ex.lock);
+	if (poll)
+		poll_unannounced();
+}
+
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -81,9 +135,16 @@ static bool run_next(void)
 
 	if (!j)
 		return false;
+	if (on_executor) /* others help only while they wait: never busy */
+		busy_add(1);
 	pthread_mutex_unlock(&ex.lock);
 	j->run(j);
 	pthread_mutex_lock(&ex.lock);
+	if (on_executor && busy_add(-1)) {
+		pthread_mutex_unlock(&ex.lock);
+		poll_unannounced();
+		pthread_mutex_lock(&ex.lock);
+	}
 	return true;
 }
 
@@ -100,7 +161,7 @@ static bool spin_work(void *arg)
 	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
 
 	if (ag)
-		agent_poll(ag);
+		agent_poll(ag, false);
 	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
@@ -143,6 +204,8 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	ex.gauges = gauges;
 	ex.stop = false;
 	ex.idle = 0;
+	ex.busy = 0;
+	ex.size = nthreads;
 	ex.threads = calloc((size_t)nthreads, sizeof(*ex.threads));
 	if (!ex.threads)
 		return shmrpc__fail(-ENOMEM, "out of memory starting %d executor threads", nthreads);
@@ -279,6 +342,8 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
 
+	/* Not busy while it waits: requests must wake us to be served. */
+	busy_add_unlocked(-1);
 	pthread_mutex_lock(&ex.lock);
 	/* Counted before done is read, with a seq_cst fence between: pairs
 	 * with executor_kick (a completion either sees us or we see done). */
@@ -296,6 +361,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 			pthread_cond_wait(&ex.cond, &ex.lock);
 	}
 	atomic_fetch_sub_explicit(&ex.helpers, 1, memory_order_relaxed);
+	busy_add(1);
 	pthread_mutex_unlock(&ex.lock);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
@@ -304,8 +370,14 @@ bool executor_help_once(void)
 {
 	bool ran;
 
+	/* A thread of ours leaves the busy ones meanwhile, and so takes
+	 * what waits unannounced; another thread takes only queued jobs. */
+	if (on_executor)
+		busy_add_unlocked(-1);
 	pthread_mutex_lock(&ex.lock);
 	ran = run_next();
+	if (on_executor)
+		busy_add(1);
 	pthread_mutex_unlock(&ex.lock);
 	return ran;
 }

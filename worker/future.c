@@ -134,7 +134,7 @@ static bool spin_done(void *f)
 	if (is_done(f))
 		return true;
 	if (worker_agent)
-		agent_poll(worker_agent);
+		agent_poll(worker_agent, false);
 	return is_done(f);
 }
 
@@ -151,11 +151,13 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
+	agent_reply_wait_begin(); /* may take our reply (agent.h) */
 	pthread_mutex_lock(&f->lock);
 	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)
 		rc = deadline_ns ? pthread_cond_timedwait(&f->cond, &f->lock, &ts)
 				 : pthread_cond_wait(&f->cond, &f->lock);
 	pthread_mutex_unlock(&f->lock);
+	agent_reply_wait_end();
 	return is_done(f) ? 0 : -ETIMEDOUT;
 }
 

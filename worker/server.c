@@ -682,14 +682,14 @@ void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 	/* The poller never blocks in a send (port.h): it sends the ack itself
 	 * when the ring is free and has room, which spares a thread's wake-up
 	 * per reply that carried tensors, and else leaves it to an executor
-	 * thread. The loop thread sends it quietly: it rides with our next
-	 * frame to the peer (a data loader's next request), which spares the
-	 * peer a wake-up too, and its pins wait ACK_DELAY_NS at most. A peer
-	 * that died has had its pins released by its sweep. */
+	 * thread. The loop thread (or a thread taking its replies, agent.h)
+	 * sends it quietly: it rides with our next frame to the peer (a data
+	 * loader's next request), which spares the peer a wake-up too, and
+	 * its pins wait ACK_DELAY_NS, or until the next flush after that. A
+	 * peer that died has had its pins released by its sweep. */
 	m = (struct ipc_msg){ .type = MSG_TENSOR_ACK, .msg_id = msg_id };
-	rc = pthread_equal(pthread_self(), ag->loop)
-		     ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
-		     : ipc_port_try_send_now(&ag->port, peer, &m);
+	rc = agent_acks_quietly(ag) ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
+				    : ipc_port_try_send_now(&ag->port, peer, &m);
 	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
 		return;
 	if (!(a = malloc(sizeof(*a)))) {

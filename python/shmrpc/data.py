@@ -616,6 +616,12 @@ class _Iter(_BaseIter):
             self.workers = _LoaderJob(loader, base_seed)
             if loader.persistent_workers:
                 loader._workers = self.workers
+        # In a job of its own, this process waits for every call it makes:
+        # it takes the workers' replies itself when it waits, and a reply
+        # that comes before that wakes nobody (worker/agent.h).
+        self.took_replies = self.workers.job is not None
+        if self.took_replies:
+            _shmrpc.take_replies(True)
         n = loader.num_workers
         self.active = [True] * n
         self.cycle = itertools.cycle(range(n))
@@ -693,6 +699,8 @@ class _Iter(_BaseIter):
             return
         self.ended = True
         self.progress.close()
+        if self.took_replies:
+            _shmrpc.take_replies(False)
         workers = self.workers
         if abort and workers.job is not None:
             workers.job.kill()
