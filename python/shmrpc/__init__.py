@@ -267,6 +267,8 @@ def _loads(msg, grad_mode="result"):
     data, rrefs, tensors = msg
     if not data:
         return None
+    if not rrefs and not tensors:  # nothing beside the pickle: C's unpickler alone
+        return pickle.loads(data)
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     return _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode).load()
@@ -313,6 +315,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
+        if context_id is None and ops is None and autograd._current() is None:
+            return _dumps(_call(func, args, kwargs))  # no context to enter, nothing to profile
         with autograd._running_in(context_id, caller):
             with profiler.torch_ops(ops):
                 result = _call(func, args, kwargs)

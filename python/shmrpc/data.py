@@ -21,6 +21,7 @@ module uses torch's samplers and mirrors its iterator. torch is needed.
 import itertools
 import math
 import os
+import pickle
 import random
 import signal
 import sys
@@ -265,13 +266,13 @@ def _convert(data):
 def default_collate(batch):
     """torch's default_collate (same structure, types and errors), with
     tensors stacked into the pool inside a loader worker."""
-    import collections.abc
-    import re
     torch = _torch()
     elem = batch[0]
-    elem_type = type(elem)
-    if isinstance(elem, torch.Tensor):
+    if isinstance(elem, torch.Tensor):  # first: the common case, per batch
         return _pool_stack(torch, batch)
+    import collections.abc
+    import re
+    elem_type = type(elem)
     if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
         if elem_type.__name__ in ("ndarray", "memmap"):
             if re.search("[SaUO]", elem.dtype.str) is not None:
@@ -393,6 +394,7 @@ class _LoaderJob:
         self.job = None
         self.pinned = None  # the pool's address, once registered with CUDA
         self.seq = [0] * loader.num_workers
+        self.fetch_head = shmrpc._pack_call(_w_fetch, (), None)[0]  # _w_fetch by name
         n = loader.num_workers
         spec = loader._spec()
         if loader.workers is not None:
@@ -439,7 +441,13 @@ class _LoaderJob:
         dst = self.ranks[worker_id]
         seq = self.seq[worker_id]
         self.seq[worker_id] += 1
-        data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
+        if type(index) is list and all(type(i) is int for i in index):
+            # A sampler's indices, nothing for the pool: pickled as the
+            # package's pickler would, without its per-object hook.
+            data, rrefs, tensors = (self.fetch_head + pickle.dumps(
+                ((self.key, seq, index), {}), pickle.HIGHEST_PROTOCOL), [], [])
+        else:
+            data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
         try:
             return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
         except RuntimeError as e:
