@@ -1057,10 +1057,12 @@ static PyObject *mod_take_replies(PyObject *m, PyObject *on)
 	(void)m;
 	if (v < 0)
 		return NULL;
-	if (!worker_agent) {
+	if (!worker_agent && v) {
 		PyErr_SetString(PyExc_RuntimeError, "the RPC agent is not running");
 		return NULL;
 	}
+	if (!worker_agent) /* off: shutdown turned it off already */
+		Py_RETURN_NONE;
 	Py_BEGIN_ALLOW_THREADS
 	agent_take_replies(worker_agent, v);
 	Py_END_ALLOW_THREADS
