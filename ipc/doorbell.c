@@ -23,9 +23,9 @@ int ipc_futex_wait(_Atomic uint32_t *word, uint32_t seq, uint64_t timeout_ns)
 	return -errno == -EWOULDBLOCK ? -EAGAIN : -errno;
 }
 
-int ipc_futex_wake(_Atomic uint32_t *word)
+int ipc_futex_wake(_Atomic uint32_t *word, int n_max)
 {
-	long n = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	long n = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, n_max, NULL, NULL, 0);
 
 	return n < 0 ? -errno : (int)n;
 }
@@ -37,7 +37,17 @@ void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
 	atomic_fetch_add_explicit(&target->doorbell, 1, memory_order_seq_cst);
 	if (atomic_load_explicit(&target->sleepers, memory_order_seq_cst) == 0)
 		return;
-	ipc_futex_wake(&target->doorbell);
+	ipc_futex_wake(&target->doorbell, INT_MAX);
+	if (me) /* relaxed: a statistic read by inspectors only */
+		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
+}
+
+void ipc_servers_wake(struct shm_worker *target, struct shm_worker *me, int n_max)
+{
+	/* seq_cst RMW: a server that read the bell before this bump sees the
+	 * word changed in its FUTEX_WAIT (the doorbell's argument, doorbell.h). */
+	atomic_fetch_add_explicit(&target->servers_bell, 1, memory_order_seq_cst);
+	ipc_futex_wake(&target->servers_bell, n_max);
 	if (me) /* relaxed: a statistic read by inspectors only */
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
@@ -54,6 +64,11 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
 		return;
+	if (kind == IPC_FRAME_REQUEST &&
+	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
+		ipc_servers_wake(target, me, 1);
+		return;
+	}
 	if (kind == IPC_FRAME_REPLY &&
 	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
 		return;

@@ -119,12 +119,18 @@ struct shm_worker {
 	 * (worker/executor.c). `replies_taken`, 1 while the owner's threads
 	 * take their replies themselves and none waits for one: a reply then
 	 * waits for the next thread to wait, which stores 0, fences, and polls
-	 * the rings first (worker/agent.c). */
+	 * the rings first (worker/agent.c). And `servers_bell`, the futex word
+	 * the owner's idle executor threads sleep on (`servers_asleep` of
+	 * them, counted as `sleepers` is): a request wakes one of them there
+	 * (seq_cst bump, FUTEX_WAKE of one), which polls the rings itself,
+	 * instead of the loop thread, which would only queue it for them. */
 	_Atomic uint32_t doorbell;
 	_Atomic uint32_t sleepers;
 	_Atomic uint32_t servers_busy;
 	_Atomic uint32_t replies_taken;
-	uint8_t pad1[SHMRPC_CACHELINE - 16];
+	_Atomic uint32_t servers_bell;
+	_Atomic uint32_t servers_asleep;
+	uint8_t pad1[SHMRPC_CACHELINE - 24];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

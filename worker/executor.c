@@ -1,5 +1,6 @@
 /* The executor pool; see executor.h. */
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
@@ -7,6 +8,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
+#include "ipc/doorbell.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -24,7 +26,7 @@ static struct {
 	int size; /* threads asked for */
 	int busy; /* threads running a job, less those waiting in executor_help_* */
 	int idle;
-	int sleeping; /* idle threads inside pthread_cond_wait */
+	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
 	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
@@ -109,6 +111,52 @@ static void busy_add_unlocked(int delta)
 		poll_unannounced();
 }
 
+/* Wakes up to n idle threads (sleep_idle); ex.lock held. */
+static void wake_idle(int n)
+{
+	ipc_servers_wake(ex.gauges, NULL, n);
+}
+
+/* Says this idle thread sleeps on the servers' bell, then polls the rings
+ * once: a request published before the count was seen by the poll, one
+ * after it finds the count and rings the bell (ipc/doorbell.h). How many
+ * frames the poll took. Not inlined, as poll_unannounced. */
+static __attribute__((noinline)) int announce_sleep(struct agent *ag)
+{
+	/* seq_cst RMW and fence: pairs with the requester's fence before its
+	 * load of servers_asleep. */
+	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	return agent_poll(ag, true);
+}
+
+/* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
+ * request wakes it directly rather than through the loop thread; woken, it
+ * takes what the rings hold itself. Before the rings can be polled
+ * (executor_poll_rings) it is not counted there, and only pushes wake it.
+ * ex.lock held on entry and on return. */
+static void sleep_idle(void)
+{
+	/* Acquire pairs with executor_poll_rings' release; the bell's, with
+	 * the waker's seq_cst bump (pushers bump it under ex.lock). */
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+	uint32_t seq = atomic_load_explicit(&ex.gauges->servers_bell, memory_order_acquire);
+
+	ex.sleeping++;
+	pthread_mutex_unlock(&ex.lock);
+	if (!ag || announce_sleep(ag) == 0)
+		ipc_futex_wait(&ex.gauges->servers_bell, seq, 0);
+	if (ag) /* seq_cst: as the increment */
+		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
+	pthread_mutex_lock(&ex.lock);
+	ex.sleeping--;
+	if (ag) {
+		pthread_mutex_unlock(&ex.lock);
+		agent_poll(ag, true);
+		pthread_mutex_lock(&ex.lock);
+	}
+}
+
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -122,7 +170,7 @@ static struct job *pop(void)
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
 		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-			pthread_cond_signal(&ex.cond);
+			wake_idle(1);
 	}
 	return j;
 }
@@ -182,11 +230,8 @@ static void *thread_main(void *arg)
 						      ? worker_handoff_spin_ns
 						      : EXECUTOR_MAX_SPIN_NS);
 		pthread_mutex_lock(&ex.lock);
-		if (!work && !ex.head && !ex.stop) {
-			ex.sleeping++;
-			pthread_cond_wait(&ex.cond, &ex.lock);
-			ex.sleeping--;
-		}
+		if (!work && !ex.head && !ex.stop)
+			sleep_idle();
 		set_idle(-1);
 	}
 	pthread_mutex_unlock(&ex.lock);
@@ -228,6 +273,7 @@ void executor_stop(void)
 	pthread_mutex_lock(&ex.lock);
 	ex.stop = true;
 	pthread_cond_broadcast(&ex.cond);
+	wake_idle(INT_MAX);
 	pthread_mutex_unlock(&ex.lock);
 	for (int i = 0; i < ex.nthreads; i++)
 		pthread_join(ex.threads[i], NULL);
@@ -255,8 +301,8 @@ static void push(struct job *head, struct job *tail, int n)
 	/* Relaxed: helpers changes under the lock, which we hold. */
 	if (atomic_load_explicit(&ex.helpers, memory_order_relaxed))
 		pthread_cond_broadcast(&ex.cond);
-	else if (ex.sleeping && ex.idle == ex.sleeping)
-		pthread_cond_signal(&ex.cond);
+	if (ex.sleeping && ex.idle == ex.sleeping)
+		wake_idle(1);
 	pthread_mutex_unlock(&ex.lock);
 }
 
