@@ -42,12 +42,12 @@ void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
 
-void ipc_servers_wake(struct shm_worker *target, struct shm_worker *me, int n_max)
+void ipc_bell_wake(_Atomic uint32_t *bell, struct shm_worker *me, int n_max)
 {
-	/* seq_cst RMW: a server that read the bell before this bump sees the
+	/* seq_cst RMW: a sleeper that read the bell before this bump sees the
 	 * word changed in its FUTEX_WAIT (the doorbell's argument, doorbell.h). */
-	atomic_fetch_add_explicit(&target->servers_bell, 1, memory_order_seq_cst);
-	ipc_futex_wake(&target->servers_bell, n_max);
+	atomic_fetch_add_explicit(bell, 1, memory_order_seq_cst);
+	ipc_futex_wake(bell, n_max);
 	if (me) /* relaxed: a statistic read by inspectors only */
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
@@ -66,12 +66,17 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 		return;
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
-		ipc_servers_wake(target, me, 1);
+		ipc_bell_wake(&target->servers_bell, me, 1);
 		return;
 	}
 	if (kind == IPC_FRAME_REPLY &&
 	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
 		return;
+	if (kind == IPC_FRAME_REPLY &&
+	    atomic_load_explicit(&target->replies_asleep, memory_order_relaxed)) {
+		ipc_bell_wake(&target->replies_bell, me, INT_MAX); /* whose reply: any */
+		return;
+	}
 	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
 		return;
 	ipc_doorbell_ring(target, me);

@@ -35,7 +35,8 @@
  * of the target's executor threads sleep there: an idle server counts
  * itself in `servers_asleep` (seq_cst RMW) after reading the bell and
  * before it polls the rings, so the request either is seen by that poll
- * or sees the server counted and wakes it, the doorbell's argument again.
+ * or sees the server counted and wakes it, the doorbell's argument again;
+ * a reply, the replies' bell while waiters of the target sleep there.
  */
 #ifndef SHMRPC_IPC_DOORBELL_H
 #define SHMRPC_IPC_DOORBELL_H
@@ -57,9 +58,9 @@ static inline uint32_t ipc_doorbell_seq(struct shm_worker *w)
  * events the target cannot see in its rings (space freed, a death, a
  * state change): the doorbell always moves. */
 SHMRPC_HIDDEN void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me);
-/* Bumps target's servers' bell and wakes up to n_max of its idle executor
- * threads sleeping there (layout.h); `me` (may be NULL) counts it. */
-SHMRPC_HIDDEN void ipc_servers_wake(struct shm_worker *target, struct shm_worker *me, int n_max);
+/* Bumps a bell of a slot (servers_bell, replies_bell: layout.h) and wakes
+ * up to n_max of the threads sleeping on it; `me` (may be NULL) counts it. */
+SHMRPC_HIDDEN void ipc_bell_wake(_Atomic uint32_t *bell, struct shm_worker *me, int n_max);
 
 /* What a frame is to its receiver, for ipc_doorbell_notify. */
 enum ipc_frame_kind {

@@ -123,14 +123,19 @@ struct shm_worker {
 	 * the owner's idle executor threads sleep on (`servers_asleep` of
 	 * them, counted as `sleepers` is): a request wakes one of them there
 	 * (seq_cst bump, FUTEX_WAKE of one), which polls the rings itself,
-	 * instead of the loop thread, which would only queue it for them. */
+	 * instead of the loop thread, which would only queue it for them.
+	 * `replies_bell` / `replies_asleep` are the same for the owner's
+	 * threads waiting for a reply while they take their replies: a reply
+	 * (or a local completion) wakes them all there, and they poll. */
 	_Atomic uint32_t doorbell;
 	_Atomic uint32_t sleepers;
 	_Atomic uint32_t servers_busy;
 	_Atomic uint32_t replies_taken;
 	_Atomic uint32_t servers_bell;
 	_Atomic uint32_t servers_asleep;
-	uint8_t pad1[SHMRPC_CACHELINE - 24];
+	_Atomic uint32_t replies_bell;
+	_Atomic uint32_t replies_asleep;
+	uint8_t pad1[SHMRPC_CACHELINE - 32];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

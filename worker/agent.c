@@ -139,14 +139,19 @@ int agent_poll(struct agent *ag, bool wait)
 /* ---- replies taken by the threads that wait for them ---- */
 
 /* Process-wide, outside the agent: a waiter that returns after shutdown
- * freed the agent touches nothing of it (once off, nothing is published). */
+ * freed the agent touches nothing of it (turning it off waits until no
+ * waiter is on the slot's bell). */
 static struct {
 	pthread_mutex_t lock;
-	struct agent *ag; /* while on */
+	pthread_cond_t left; /* a waiter left the bell */
+	struct agent *ag;    /* while on */
 	bool on;
 	bool published; /* what the slot's replies_taken says */
-	int waiters;    /* threads between agent_reply_wait_begin and _end */
-} own = { .lock = PTHREAD_MUTEX_INITIALIZER };
+	int waiters;    /* threads in agent_wait_reply */
+} own = { .lock = PTHREAD_MUTEX_INITIALIZER, .left = PTHREAD_COND_INITIALIZER };
+
+/* own.ag while on, for completions, which do not take own.lock. */
+static _Atomic(struct agent *) own_live;
 
 static _Thread_local bool taking_replies;
 
@@ -169,42 +174,117 @@ static bool own_publish(void)
 	return true;
 }
 
-/* own.lock held: takes what came unannounced, and rings for the quiet
- * TENSOR_ACKs it and earlier polls sent that are due by now. */
-static void own_poll(uint64_t now)
+/* Takes what the rings hold; its TENSOR_ACKs go quietly (agent_acks_quietly). */
+static int own_poll(struct agent *ag)
 {
+	int n;
+
 	taking_replies = true;
-	agent_poll(own.ag, true);
+	n = agent_poll(ag, true);
 	taking_replies = false;
-	ipc_port_flush_quiet(&own.ag->port, now);
+	return n;
 }
 
 void agent_take_replies(struct agent *ag, bool on)
 {
 	pthread_mutex_lock(&own.lock);
-	if (on)
+	/* Off only for the agent it is on for: after that, own.ag is NULL, so
+	 * nothing of an agent that shutdown freed (and whose segment's pages
+	 * may hold other mappings since) is ever touched again. */
+	if (on || own.ag == ag) {
 		own.ag = ag;
-	own.on = on;
-	if (own_publish())
-		own_poll(UINT64_MAX); /* off: every quiet ack rings now */
+		own.on = on;
+		/* Release: the agent is set up before a completion uses it. */
+		atomic_store_explicit(&own_live, on ? ag : NULL, memory_order_release);
+		if (own_publish()) {
+			own_poll(ag);
+			ipc_port_flush_quiet(&ag->port, UINT64_MAX); /* every quiet ack rings now */
+		}
+	}
+	if (!on && own.ag == ag) {
+		/* Waiters on the bell go back to their futures' own waits. */
+		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
+		while (own.waiters)
+			pthread_cond_wait(&own.left, &own.lock);
+		own.ag = NULL;
+	}
 	pthread_mutex_unlock(&own.lock);
 }
 
-void agent_reply_wait_begin(void)
+/* A child forked from this process waits for nothing of ours. */
+static void own_forget(void)
 {
+	own.ag = NULL;
+	own.on = own.published = false;
+	own.waiters = 0;
+	/* Relaxed: the child has one thread. */
+	atomic_store_explicit(&own_live, NULL, memory_order_relaxed);
+}
+
+/* Says this thread sleeps on the replies' bell, then polls: a reply
+ * published before the count is taken by the poll, one after it sees the
+ * count and rings the bell (ipc/doorbell.h). Frames taken. Not inlined:
+ * GCC 12 rejects an inlined fence under -fsanitize=thread (-Wtsan). */
+static __attribute__((noinline)) int announce_wait(struct agent *ag)
+{
+	/* seq_cst RMW and fence: pairs with the replier's fence before its
+	 * load of replies_asleep, and with agent_future_done's. */
+	atomic_fetch_add_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	return own_poll(ag);
+}
+
+bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct agent *ag;
+	uint64_t now = shmrpc_now_ns();
+
 	pthread_mutex_lock(&own.lock);
+	if (!own.on) {
+		pthread_mutex_unlock(&own.lock);
+		return false;
+	}
+	ag = own.ag;
 	own.waiters++;
-	if (own_publish())
-		own_poll(shmrpc_now_ns());
+	if (own_publish()) {
+		own_poll(ag);
+		ipc_port_flush_quiet(&ag->port, now);
+	}
 	pthread_mutex_unlock(&own.lock);
-}
+	/* Relaxed for own_live: it only sends us back to the future's own
+	 * wait (shmrpc_future_done acquires the completer's release). */
+	while (!shmrpc_future_done(f) &&
+	       atomic_load_explicit(&own_live, memory_order_relaxed) &&
+	       (!deadline_ns || now < deadline_ns)) {
+		/* Acquire pairs with the waker's seq_cst bump. */
+		uint32_t seq = atomic_load_explicit(&ag->self->replies_bell, memory_order_acquire);
 
-void agent_reply_wait_end(void)
-{
+		if (announce_wait(ag) == 0 && !shmrpc_future_done(f))
+			ipc_futex_wait(&ag->self->replies_bell, seq, deadline_ns ? deadline_ns - now : 0);
+		/* seq_cst: as the increment. */
+		atomic_fetch_sub_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+		now = shmrpc_now_ns();
+	}
 	pthread_mutex_lock(&own.lock);
 	own.waiters--;
 	own_publish();
+	pthread_cond_broadcast(&own.left);
 	pthread_mutex_unlock(&own.lock);
+	return shmrpc_future_done(f) || (deadline_ns && now >= deadline_ns);
+}
+
+void agent_future_done(void)
+{
+	struct agent *ag;
+
+	/* seq_cst fence after the completer's release of done, before the
+	 * load of replies_asleep: pairs with announce_wait's fence (a waiter
+	 * counted after this load sees done; one counted before is woken). */
+	atomic_thread_fence(memory_order_seq_cst);
+	/* Acquire pairs with agent_take_replies' release. */
+	ag = atomic_load_explicit(&own_live, memory_order_acquire);
+	if (ag && atomic_load_explicit(&ag->self->replies_asleep, memory_order_relaxed))
+		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
 }
 
 bool agent_acks_quietly(const struct agent *ag)
@@ -510,6 +590,8 @@ static void agent_free(struct agent *ag)
 static void forget_agent_in_child(void)
 {
 	worker_agent = NULL;
+	own_forget();
+	executor_poll_rings(NULL); /* a pool it starts must not poll ours */
 }
 
 static void watch_forks(void)

@@ -81,15 +81,19 @@ SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
  * for each batch in turn). While on and no user thread waits for a future,
  * peers' replies ring nothing (the slot's replies_taken, ipc/doorbell.h):
  * they wait in the rings until a thread about to wait for a reply polls
- * them itself (agent_reply_wait_begin), which spares the loop thread's
- * wake-up per reply when the reply came before its waiter. Completions, and
- * their callbacks, are late meanwhile: only for a process whose calls are
- * all waited for. Off again, the rings are polled at once.
+ * them itself; one that must sleep sleeps on the slot's replies' bell,
+ * which a reply rings (and any completion of a future), and polls again.
+ * The loop thread is woken for neither. Completions, and their callbacks,
+ * are late meanwhile: only for a process whose calls are all waited for.
+ * Off again, the rings are polled at once.
  */
 SHMRPC_HIDDEN void agent_take_replies(struct agent *ag, bool on);
-/* Around a user thread's sleep on a future: begin polls first when on. */
-SHMRPC_HIDDEN void agent_reply_wait_begin(void);
-SHMRPC_HIDDEN void agent_reply_wait_end(void);
+/* A user thread waits for f until the deadline (ns, 0: none) that way:
+ * false when the mode is off (or goes off meanwhile): the caller waits
+ * its usual way. */
+SHMRPC_HIDDEN bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns);
+/* A future was completed: wakes the threads on the replies' bell. */
+SHMRPC_HIDDEN void agent_future_done(void);
 /* The calling thread (the loop thread, or one taking its replies) may
  * send a TENSOR_ACK quietly: someone flushes its debt (ipc_port_flush_quiet). */
 SHMRPC_HIDDEN bool agent_acks_quietly(const struct agent *ag);

@@ -114,7 +114,7 @@ static void busy_add_unlocked(int delta)
 /* Wakes up to n idle threads (sleep_idle); ex.lock held. */
 static void wake_idle(int n)
 {
-	ipc_servers_wake(ex.gauges, NULL, n);
+	ipc_bell_wake(&ex.gauges->servers_bell, NULL, n);
 }
 
 /* Says this idle thread sleeps on the servers' bell, then polls the rings

@@ -74,6 +74,7 @@ static void finish(shmrpc_future *f)
 	pthread_cond_broadcast(&f->cond);
 	pthread_mutex_unlock(&f->lock);
 	executor_kick();
+	agent_future_done();
 	while (cbs) {
 		struct future_cb *next = cbs->next;
 
@@ -151,13 +152,13 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
-	agent_reply_wait_begin(); /* may take our reply (agent.h) */
+	if (agent_wait_reply(f, deadline_ns)) /* we take our replies (agent.h) */
+		return is_done(f) ? 0 : -ETIMEDOUT;
 	pthread_mutex_lock(&f->lock);
 	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)
 		rc = deadline_ns ? pthread_cond_timedwait(&f->cond, &f->lock, &ts)
 				 : pthread_cond_wait(&f->cond, &f->lock);
 	pthread_mutex_unlock(&f->lock);
-	agent_reply_wait_end();
 	return is_done(f) ? 0 : -ETIMEDOUT;
 }
 
