@@ -64,20 +64,25 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
 		return;
+	if (kind == IPC_FRAME_REPLY &&
+	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
+		return;
+	/* Nobody asleep on the doorbell: the target's loop thread polls before
+	 * it sleeps, and wakes whom the frame concerns (a burst of requests
+	 * to a busy loop thread costs no syscall each). */
+	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
+		return;
+	/* Else, rather than waking the loop thread, wake whom the frame is
+	 * for directly, if they sleep on their bell: they poll themselves. */
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
 		ipc_bell_wake(&target->servers_bell, me, 1);
 		return;
 	}
 	if (kind == IPC_FRAME_REPLY &&
-	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
-		return;
-	if (kind == IPC_FRAME_REPLY &&
 	    atomic_load_explicit(&target->replies_asleep, memory_order_relaxed)) {
 		ipc_bell_wake(&target->replies_bell, me, INT_MAX); /* whose reply: any */
 		return;
 	}
-	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
-		return;
 	ipc_doorbell_ring(target, me);
 }

@@ -128,7 +128,7 @@ int agent_poll(struct agent *ag, bool wait)
 	if (wait)
 		pthread_mutex_lock(&ag->poll_lock);
 	else if (pthread_mutex_trylock(&ag->poll_lock))
-		return 0;
+		return -EBUSY;
 	executor_batch_begin();
 	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	executor_batch_end();
@@ -430,7 +430,7 @@ static void *loop_main(void *arg)
 		next_reap = ipc_port_flush_quiet(&ag->port, now); /* quiet TENSOR_ACKs */
 		if (next_reap < next)
 			next = next_reap;
-		if (n)
+		if (n > 0)
 			continue;
 		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
 		if (next != UINT64_MAX && next - now < sleep_ns)

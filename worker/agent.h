@@ -72,8 +72,9 @@ SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 
 /* Takes what the incoming rings hold, unless another thread is at it
- * (wait: after it); returns how many frames. Any thread; never waits in a
- * send (a TENSOR_ACK goes only if it fits at once), never runs user code. */
+ * (-EBUSY; wait: after it); returns how many frames. Any thread; never
+ * waits in a send (a TENSOR_ACK goes only if it fits at once), never runs
+ * user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
 
 /*

@@ -35,6 +35,10 @@ static struct {
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
+/* This executor thread is counted busy: from the job it takes until it
+ * finds the queue empty after one (busy_add), so a pool with jobs queued
+ * stays all busy rather than saying so again at each job. */
+static _Thread_local bool busy_held;
 
 /* Jobs a thread queues between executor_batch_begin and _end (the loop
  * thread, for the frames of one poll): pushed together, with one wake-up. */
@@ -84,9 +88,11 @@ static bool busy_add(int delta)
 }
 
 /* Takes the requests that peers sent without a wake-up while every thread
- * was busy (busy_add said so); without ex.lock, which queueing takes. Not
- * inlined: GCC 12 rejects a fence inlined into run_next under
- * -fsanitize=thread (-Wtsan). */
+ * was busy (busy_add said so); without ex.lock, which queueing takes. A
+ * thread that polls meanwhile may have passed their ring: then our own
+ * doorbell makes the loop thread poll before it sleeps (rather than this
+ * thread waiting for the poller, with jobs queued). Not inlined: GCC 12
+ * rejects a fence inlined into run_next under -fsanitize=thread (-Wtsan). */
 static __attribute__((noinline)) void poll_unannounced(void)
 {
 	/* seq_cst fence after the store of 0: pairs with the sender's fence
@@ -95,20 +101,31 @@ static __attribute__((noinline)) void poll_unannounced(void)
 	atomic_thread_fence(memory_order_seq_cst);
 	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
 
-	if (ag)
-		agent_poll(ag, true);
+	if (ag && agent_poll(ag, false) == -EBUSY)
+		ipc_doorbell_ring(ex.gauges, NULL);
 }
 
-/* busy_add without ex.lock held on entry and return: a thread that
- * leaves the busy ones polls what they left unannounced. */
-static void busy_add_unlocked(int delta)
+/* This executor thread leaves the busy ones, if counted, and takes what
+ * they left unannounced; ex.lock held on entry and on return. */
+static void busy_release(void)
 {
-	pthread_mutex_lock(&ex.lock);
-	bool poll = busy_add(delta);
-
-	pthread_mutex_unlock(&ex.lock);
-	if (poll)
+	if (!busy_held)
+		return;
+	busy_held = false;
+	if (busy_add(-1)) {
+		pthread_mutex_unlock(&ex.lock);
 		poll_unannounced();
+		pthread_mutex_lock(&ex.lock);
+	}
+}
+
+/* ... and is counted again; ex.lock held. */
+static void busy_take(void)
+{
+	if (!busy_held) {
+		busy_held = true;
+		busy_add(1);
+	}
 }
 
 /* Wakes up to n idle threads (sleep_idle); ex.lock held. */
@@ -119,15 +136,18 @@ static void wake_idle(int n)
 
 /* Says this idle thread sleeps on the servers' bell, then polls the rings
  * once: a request published before the count was seen by the poll, one
- * after it finds the count and rings the bell (ipc/doorbell.h). How many
- * frames the poll took. Not inlined, as poll_unannounced. */
+ * after it finds the count and rings the bell (ipc/doorbell.h). If another
+ * thread polls meanwhile, it queues what it takes and wakes us for it, and
+ * a request it missed rings the bell (its loop thread asleep) or is taken
+ * by the loop thread (awake): no need to wait for it. How many frames the
+ * poll took (-EBUSY: none). Not inlined, as poll_unannounced. */
 static __attribute__((noinline)) int announce_sleep(struct agent *ag)
 {
 	/* seq_cst RMW and fence: pairs with the requester's fence before its
 	 * load of servers_asleep. */
 	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
 	atomic_thread_fence(memory_order_seq_cst);
-	return agent_poll(ag, true);
+	return agent_poll(ag, false);
 }
 
 /* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
@@ -144,7 +164,7 @@ static void sleep_idle(void)
 
 	ex.sleeping++;
 	pthread_mutex_unlock(&ex.lock);
-	if (!ag || announce_sleep(ag) == 0)
+	if (!ag || announce_sleep(ag) <= 0)
 		ipc_futex_wait(&ex.gauges->servers_bell, seq, 0);
 	if (ag) /* seq_cst: as the increment */
 		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
@@ -181,18 +201,17 @@ static bool run_next(void)
 {
 	struct job *j = pop();
 
-	if (!j)
+	if (!j) {
+		busy_release(); /* another thread took what was queued */
 		return false;
+	}
 	if (on_executor) /* others help only while they wait: never busy */
-		busy_add(1);
+		busy_take();
 	pthread_mutex_unlock(&ex.lock);
 	j->run(j);
 	pthread_mutex_lock(&ex.lock);
-	if (on_executor && busy_add(-1)) {
-		pthread_mutex_unlock(&ex.lock);
-		poll_unannounced();
-		pthread_mutex_lock(&ex.lock);
-	}
+	if (!ex.head)
+		busy_release();
 	return true;
 }
 
@@ -388,9 +407,9 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
 
-	/* Not busy while it waits: requests must wake us to be served. */
-	busy_add_unlocked(-1);
 	pthread_mutex_lock(&ex.lock);
+	/* Not busy while it waits: requests must wake us to be served. */
+	busy_release();
 	/* Counted before done is read, with a seq_cst fence between: pairs
 	 * with executor_kick (a completion either sees us or we see done). */
 	atomic_fetch_add_explicit(&ex.helpers, 1, memory_order_relaxed);
@@ -407,7 +426,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 			pthread_cond_wait(&ex.cond, &ex.lock);
 	}
 	atomic_fetch_sub_explicit(&ex.helpers, 1, memory_order_relaxed);
-	busy_add(1);
+	busy_take(); /* for the job it is in */
 	pthread_mutex_unlock(&ex.lock);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
@@ -418,12 +437,11 @@ bool executor_help_once(void)
 
 	/* A thread of ours leaves the busy ones meanwhile, and so takes
 	 * what waits unannounced; another thread takes only queued jobs. */
-	if (on_executor)
-		busy_add_unlocked(-1);
 	pthread_mutex_lock(&ex.lock);
+	busy_release();
 	ran = run_next();
 	if (on_executor)
-		busy_add(1);
+		busy_take(); /* for the job it is in */
 	pthread_mutex_unlock(&ex.lock);
 	return ran;
 }
