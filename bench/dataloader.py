@@ -14,7 +14,8 @@ written into the batch) and its hand-over. Prints per size
         memset_GBps= memcpy_GBps= vs_torch= vs_memset=
 
 vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
-shmrpc's GB/s over the one-write limit's (1 is the limit). -q: fewer batches.
+shmrpc's GB/s over the one-write limit's (1 is the limit). -q: fewer batches;
+--size=4KiB (or 1MiB, 16MiB; repeatable): only those sizes.
 """
 import ctypes
 import os
@@ -94,8 +95,15 @@ def memcpy_rate(nbytes):
 
 
 def main():
-    quick = "-q" in sys.argv[1:]
+    args = sys.argv[1:]
+    quick = "-q" in args
+    only = {a.split("=", 1)[1] for a in args if a.startswith("--size=")}
+    unknown = only - {name for _, name, _, _ in SIZES}
+    if unknown or any(a != "-q" and not a.startswith("--size=") for a in args):
+        sys.exit(f"usage: {sys.argv[0]} [-q] [--size={{{','.join(n for _, n, _, _ in SIZES)}}}]...")
     for nbytes, name, s_batches, t_batches in SIZES:
+        if only and name not in only:
+            continue
         if quick:
             s_batches, t_batches = max(4, s_batches // 5), max(4, t_batches // 5)
         pool = max(256 << 20, (WORKERS * 2 + 3) * BATCH * nbytes)

@@ -162,7 +162,7 @@ static void floor_post(struct floor *f, uint32_t v)
 	/* Release: the waiter's acquire load sees the value. */
 	atomic_store_explicit(f->word, v, memory_order_release);
 	if (f->mode != FLOOR_SPIN)
-		ipc_futex_wake(f->word);
+		ipc_futex_wake(f->word, 1); /* its one waiter */
 }
 
 static void floor_wait(struct floor *f, uint32_t want)

@@ -23,9 +23,9 @@ int ipc_futex_wait(_Atomic uint32_t *word, uint32_t seq, uint64_t timeout_ns)
 	return -errno == -EWOULDBLOCK ? -EAGAIN : -errno;
 }
 
-int ipc_futex_wake(_Atomic uint32_t *word)
+int ipc_futex_wake(_Atomic uint32_t *word, int n_max)
 {
-	long n = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	long n = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, n_max, NULL, NULL, 0);
 
 	return n < 0 ? -errno : (int)n;
 }
@@ -37,18 +37,52 @@ void ipc_doorbell_ring(struct shm_worker *target, struct shm_worker *me)
 	atomic_fetch_add_explicit(&target->doorbell, 1, memory_order_seq_cst);
 	if (atomic_load_explicit(&target->sleepers, memory_order_seq_cst) == 0)
 		return;
-	ipc_futex_wake(&target->doorbell);
+	ipc_futex_wake(&target->doorbell, INT_MAX);
 	if (me) /* relaxed: a statistic read by inspectors only */
 		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
 }
 
-void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me)
+void ipc_bell_wake(_Atomic uint32_t *bell, struct shm_worker *me, int n_max)
+{
+	/* seq_cst RMW: a sleeper that read the bell before this bump sees the
+	 * word changed in its FUTEX_WAIT (the doorbell's argument, doorbell.h). */
+	atomic_fetch_add_explicit(bell, 1, memory_order_seq_cst);
+	ipc_futex_wake(bell, n_max);
+	if (me) /* relaxed: a statistic read by inspectors only */
+		atomic_fetch_add_explicit(&me->wakeups_sent, 1, memory_order_relaxed);
+}
+
+void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
+			 enum ipc_frame_kind kind)
 {
 	/* seq_cst fence between the tail store that published the frame and
-	 * the load of sleepers: pairs with the sleeper's fence after its
-	 * increment (doorbell.h). */
+	 * the loads below: pairs with the sleeper's fence after its increment
+	 * (doorbell.h), and with the fence after the target's store of 0 to
+	 * servers_busy or replies_taken before it polls (the frame either
+	 * sees 0 and rings, or that poll sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
+	if (kind == IPC_FRAME_REQUEST &&
+	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
+		return;
+	if (kind == IPC_FRAME_REPLY &&
+	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
+		return;
+	/* Nobody asleep on the doorbell: the target's loop thread polls before
+	 * it sleeps, and wakes whom the frame concerns (a burst of requests
+	 * to a busy loop thread costs no syscall each). */
 	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
 		return;
+	/* Else, rather than waking the loop thread, wake whom the frame is
+	 * for directly, if they sleep on their bell: they poll themselves. */
+	if (kind == IPC_FRAME_REQUEST &&
+	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
+		ipc_bell_wake(&target->servers_bell, me, 1);
+		return;
+	}
+	if (kind == IPC_FRAME_REPLY &&
+	    atomic_load_explicit(&target->replies_asleep, memory_order_relaxed)) {
+		ipc_bell_wake(&target->replies_bell, me, INT_MAX); /* whose reply: any */
+		return;
+	}
 	ipc_doorbell_ring(target, me);
 }

@@ -31,7 +31,8 @@ int ipc_port_open(struct ipc_port *p, struct shm_seg *seg, uint32_t rank, enum i
 	p->in = calloc(world, sizeof(*p->in));
 	p->out_lock = calloc(world, sizeof(*p->out_lock));
 	p->in_broken = calloc(world, sizeof(*p->in_broken));
-	if (!p->out || !p->in || !p->out_lock || !p->in_broken) {
+	p->quiet_due = calloc(world, sizeof(*p->quiet_due));
+	if (!p->out || !p->in || !p->out_lock || !p->in_broken || !p->quiet_due) {
 		err = shmrpc__fail(-ENOMEM, "out of memory opening the port of rank %u", rank);
 		goto fail;
 	}
@@ -59,6 +60,7 @@ fail:
 	free(p->in);
 	free(p->out_lock);
 	free(p->in_broken);
+	free(p->quiet_due);
 	return err;
 }
 
@@ -71,6 +73,7 @@ void ipc_port_close(struct ipc_port *p)
 	free(p->in);
 	free(p->out_lock);
 	free(p->in_broken);
+	free(p->quiet_due);
 	memset(p, 0, sizeof(*p));
 }
 
@@ -142,15 +145,36 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 	return true;
 }
 
-static void sent(struct ipc_port *p, uint32_t dst, uint32_t len)
+/* After put_frame, out_lock still held. A loud frame's doorbell (in sent)
+ * covers the quiet frames before it in the ring, so none is owed after it
+ * (a request or reply that rings nothing, doorbell.h, is taken with them
+ * by whoever dst promised would poll); a quiet one
+ * (due: when, else 0) owes one unless an older debt, due sooner, stands. */
+static void owe(struct ipc_port *p, uint32_t dst, uint64_t due)
 {
-	ipc_doorbell_notify(shm_worker(p->seg, dst), p->self);
+	/* Relaxed: senders change it under out_lock; flush_quiet's CAS fails
+	 * on a clear (the sender's own doorbell is then the one owed). */
+	if (!due)
+		atomic_store_explicit(&p->quiet_due[dst], 0, memory_order_relaxed);
+	/* Release: the frame's tail store comes before the debt that
+	 * flush_quiet acquires, so the doorbell it rings covers the frame. */
+	else if (!atomic_load_explicit(&p->quiet_due[dst], memory_order_relaxed))
+		atomic_store_explicit(&p->quiet_due[dst], due, memory_order_release);
+}
+
+static void sent(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint32_t len,
+		 bool quiet)
+{
+	if (!quiet)
+		ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, m->kind);
 	/* Relaxed: statistics, read by inspectors only. */
 	atomic_fetch_add_explicit(&p->self->frames_sent, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
 }
 
-static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, bool wait_lock)
+/* quiet: a try_send_quiet due then (ns), else 0. */
+static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, bool wait_lock,
+		    uint64_t quiet)
 {
 	size_t len = iov_bytes(m);
 	int err = check_send(p, dst, m, len);
@@ -165,21 +189,52 @@ static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, b
 	else if (pthread_mutex_trylock(&p->out_lock[dst]))
 		return -EAGAIN;
 	ok = put_frame(p, dst, m, (uint32_t)len);
+	if (ok)
+		owe(p, dst, quiet);
 	pthread_mutex_unlock(&p->out_lock[dst]);
 	if (!ok)
 		return -EAGAIN;
-	sent(p, dst, (uint32_t)len);
+	sent(p, dst, m, (uint32_t)len, quiet != 0);
 	return 0;
 }
 
 int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
 {
-	return try_send(p, dst, m, true);
+	return try_send(p, dst, m, true, 0);
 }
 
 int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
 {
-	return try_send(p, dst, m, false);
+	return try_send(p, dst, m, false, 0);
+}
+
+int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
+			    uint64_t delay_ns)
+{
+	return try_send(p, dst, m, false, shmrpc_now_ns() + delay_ns);
+}
+
+uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now)
+{
+	uint64_t next = UINT64_MAX;
+
+	for (uint32_t dst = 0; dst < p->world; dst++) {
+		/* Acquire pairs with try_send's release: the frame is published. */
+		uint64_t due = atomic_load_explicit(&p->quiet_due[dst], memory_order_acquire);
+
+		if (!due)
+			continue;
+		if (due > now) {
+			next = due < next ? due : next;
+			continue;
+		}
+		/* Relaxed on failure: a sender cleared it, and rings for it. */
+		if (atomic_compare_exchange_strong_explicit(&p->quiet_due[dst], &due, 0,
+							    memory_order_relaxed,
+							    memory_order_relaxed))
+			ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, IPC_FRAME_OTHER);
+	}
+	return next;
 }
 
 int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint64_t timeout_ns)
@@ -199,8 +254,10 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			err = -SHMRPC_EPEERDEAD;
 			break;
 		}
-		if (put_frame(p, dst, m, (uint32_t)len))
+		if (put_frame(p, dst, m, (uint32_t)len)) {
+			owe(p, dst, 0);
 			break;
+		}
 		now = shmrpc_now_ns();
 		if (now >= deadline) {
 			err = -ETIMEDOUT;
@@ -226,7 +283,7 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			       ? shmrpc__fail(err, "worker %u cannot send to worker %u: it died", p->rank, dst)
 			       : shmrpc__fail(err, "worker %u: no room towards worker %u before the timeout",
 					      p->rank, dst);
-	sent(p, dst, (uint32_t)len);
+	sent(p, dst, m, (uint32_t)len, false);
 	return 0;
 }
 

@@ -21,6 +21,7 @@
 #include <sys/uio.h>
 
 #include "common/compiler.h"
+#include "ipc/doorbell.h"
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 #include "ipc/wait.h"
@@ -29,6 +30,7 @@
 struct ipc_msg {
 	uint16_t type;
 	uint16_t flags; /* IPC_FRAME_F_MORE only; checksum flags are the port's */
+	uint8_t kind; /* enum ipc_frame_kind: when the receiver need not be woken */
 	uint64_t msg_id;
 	const struct iovec *iov;
 	int iovcnt;
@@ -44,6 +46,10 @@ struct ipc_port {
 	struct ipc_ring *out; /* [world], towards each peer */
 	struct ipc_ring *in;  /* [world], from each peer */
 	pthread_mutex_t *out_lock;
+	/* [world]: when a frame sent quietly towards that peer (try_send_quiet)
+	 * must have rung its doorbell at the latest (ns); 0: none owed. Set
+	 * and cleared by senders under out_lock, claimed by flush_quiet. */
+	_Atomic uint64_t *quiet_due;
 	_Atomic bool *in_broken; /* a ring whose shared state went bad is not read again */
 	uint32_t next_src;
 	/* Loop thread: the doorbell as it was before ipc_port_want_space set
@@ -80,6 +86,16 @@ SHMRPC_HIDDEN int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const stru
 SHMRPC_HIDDEN int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
 SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 				uint64_t timeout_ns);
+/* try_send_now that leaves dst's doorbell alone, for a frame that can wait:
+ * the next frame towards dst wakes it for both (it lies before that one in
+ * the ring), or, if none goes within delay_ns, ipc_port_flush_quiet does.
+ * The loop thread only (it alone flushes), which saves a sleeping peer a
+ * wake-up per such frame when others follow. */
+SHMRPC_HIDDEN int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
+					  uint64_t delay_ns);
+/* Loop thread: rings the doorbells owed since before now; returns when
+ * the next one is due (UINT64_MAX: none). */
+SHMRPC_HIDDEN uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now);
 
 /* One thread at a time: hands up to max frames to fn (their payload valid during the
  * call only); returns how many records were taken, corrupt ones included. */

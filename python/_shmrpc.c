@@ -1150,6 +1150,27 @@ static PyObject *mod_help_once(PyObject *m, PyObject *unused)
 	return PyBool_FromLong(ran);
 }
 
+/* take_replies(on): replies taken by the threads that wait for them
+ * (worker/agent.h), for a data loader's trainer while it iterates. */
+static PyObject *mod_take_replies(PyObject *m, PyObject *on)
+{
+	int v = PyObject_IsTrue(on);
+
+	(void)m;
+	if (v < 0)
+		return NULL;
+	if (!worker_agent && v) {
+		PyErr_SetString(PyExc_RuntimeError, "the RPC agent is not running");
+		return NULL;
+	}
+	if (!worker_agent) /* off: shutdown turned it off already */
+		Py_RETURN_NONE;
+	Py_BEGIN_ALLOW_THREADS
+	agent_take_replies(worker_agent, v);
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
+}
+
 static PyObject *mod_profile_start(PyObject *m, PyObject *unused)
 {
 	(void)m, (void)unused;
@@ -1259,6 +1280,8 @@ static PyMethodDef mod_methods[] = {
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
 	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
+	{ "take_replies", mod_take_replies, METH_O,
+	  "take_replies(on): replies wake nobody while no thread waits; waiters poll" },
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms, device_maps): shmrpc_init" },
 	{ "shutdown", mod_shutdown, METH_VARARGS, "shutdown(graceful, timeout_ms)" },
 	{ "set_handler", mod_set_handler, METH_O, "the function that runs pickled calls" },

@@ -115,10 +115,32 @@ struct shm_worker {
 	/* line 1: the doorbell. Peers bump `doorbell` (seq_cst RMW) after
 	 * publishing a frame or freeing ring space, then read `sleepers`
 	 * (seq_cst) and FUTEX_WAKE only if someone sleeps. The owner adds
-	 * itself to `sleepers` (seq_cst) before re-checking its rings. */
+	 * itself to `sleepers` (seq_cst) before re-checking its rings.
+	 * Two promises let a frame ring nothing (ipc_doorbell_notify); the
+	 * owner stores them seq_cst, peers load them after the same fence as
+	 * `sleepers`. `servers_busy`, 1 while every thread of the owner that
+	 * serves requests runs one: a request then waits for the first of
+	 * them to finish, which stores 0, fences, and polls the rings itself
+	 * (worker/executor.c). `replies_taken`, 1 while the owner's threads
+	 * take their replies themselves and none waits for one: a reply then
+	 * waits for the next thread to wait, which stores 0, fences, and polls
+	 * the rings first (worker/agent.c). And `servers_bell`, the futex word
+	 * the owner's idle executor threads sleep on (`servers_asleep` of
+	 * them, counted as `sleepers` is): a request wakes one of them there
+	 * (seq_cst bump, FUTEX_WAKE of one), which polls the rings itself,
+	 * instead of the loop thread, which would only queue it for them.
+	 * `replies_bell` / `replies_asleep` are the same for the owner's
+	 * threads waiting for a reply while they take their replies: a reply
+	 * (or a local completion) wakes them all there, and they poll. */
 	_Atomic uint32_t doorbell;
 	_Atomic uint32_t sleepers;
-	uint8_t pad1[SHMRPC_CACHELINE - 8];
+	_Atomic uint32_t servers_busy;
+	_Atomic uint32_t replies_taken;
+	_Atomic uint32_t servers_bell;
+	_Atomic uint32_t servers_asleep;
+	_Atomic uint32_t replies_bell;
+	_Atomic uint32_t replies_asleep;
+	uint8_t pad1[SHMRPC_CACHELINE - 32];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

@@ -92,7 +92,10 @@ int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, c
 	       size_t len)
 {
 	struct iovec iov = { (void *)payload, len };
-	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1 };
+	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1,
+			     .kind = worker_msg_is_request(type) ? IPC_FRAME_REQUEST
+				     : type == MSG_TENSOR_ACK    ? IPC_FRAME_OTHER
+								 : IPC_FRAME_REPLY };
 	int rc = trace_send(&ag->port, dst, &m); /* ipc_port_send, its waits recorded */
 
 	if (rc == -SHMRPC_EPEERDEAD) {
@@ -119,17 +122,175 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 		client_on_reply(ag, f);
 }
 
-int agent_poll(struct agent *ag)
+int agent_poll(struct agent *ag, bool wait)
 {
 	int n;
 
-	if (pthread_mutex_trylock(&ag->poll_lock))
-		return 0;
+	if (wait)
+		pthread_mutex_lock(&ag->poll_lock);
+	else if (pthread_mutex_trylock(&ag->poll_lock))
+		return -EBUSY;
 	executor_batch_begin();
 	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	executor_batch_end();
 	pthread_mutex_unlock(&ag->poll_lock);
 	return n;
+}
+
+/* ---- replies taken by the threads that wait for them ---- */
+
+/* Process-wide, outside the agent: a waiter that returns after shutdown
+ * freed the agent touches nothing of it (turning it off waits until no
+ * waiter is on the slot's bell). */
+static struct {
+	pthread_mutex_t lock;
+	pthread_cond_t left; /* a waiter left the bell */
+	struct agent *ag;    /* while on */
+	bool on;
+	bool published; /* what the slot's replies_taken says */
+	int waiters;    /* threads in agent_wait_reply */
+} own = { .lock = PTHREAD_MUTEX_INITIALIZER, .left = PTHREAD_COND_INITIALIZER };
+
+/* own.ag while on, for completions, which do not take own.lock. */
+static _Atomic(struct agent *) own_live;
+
+static _Thread_local bool taking_replies;
+
+/* own.lock held: replies_taken = on and nobody waits. True when it went
+ * to 0: replies may wait in the rings unannounced, the caller polls. */
+static bool own_publish(void)
+{
+	bool v = own.on && !own.waiters;
+
+	if (v == own.published)
+		return false;
+	own.published = v;
+	/* seq_cst, and the fence after a store of 0: in one order with the
+	 * repliers' fences (ipc/doorbell.h), so a reply either sees 0 and
+	 * rings, or the caller's poll finds it. */
+	atomic_store_explicit(&own.ag->self->replies_taken, v, memory_order_seq_cst);
+	if (v)
+		return false;
+	atomic_thread_fence(memory_order_seq_cst);
+	return true;
+}
+
+/* Takes what the rings hold; its TENSOR_ACKs go quietly (agent_acks_quietly). */
+static int own_poll(struct agent *ag)
+{
+	int n;
+
+	taking_replies = true;
+	n = agent_poll(ag, true);
+	taking_replies = false;
+	return n;
+}
+
+void agent_take_replies(struct agent *ag, bool on)
+{
+	pthread_mutex_lock(&own.lock);
+	/* Off only for the agent it is on for: after that, own.ag is NULL, so
+	 * nothing of an agent that shutdown freed (and whose segment's pages
+	 * may hold other mappings since) is ever touched again. */
+	if (on || own.ag == ag) {
+		own.ag = ag;
+		own.on = on;
+		/* Release: the agent is set up before a completion uses it. */
+		atomic_store_explicit(&own_live, on ? ag : NULL, memory_order_release);
+		if (own_publish()) {
+			own_poll(ag);
+			ipc_port_flush_quiet(&ag->port, UINT64_MAX); /* every quiet ack rings now */
+		}
+	}
+	if (!on && own.ag == ag) {
+		/* Waiters on the bell go back to their futures' own waits. */
+		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
+		while (own.waiters)
+			pthread_cond_wait(&own.left, &own.lock);
+		own.ag = NULL;
+	}
+	pthread_mutex_unlock(&own.lock);
+}
+
+/* A child forked from this process waits for nothing of ours. */
+static void own_forget(void)
+{
+	own.ag = NULL;
+	own.on = own.published = false;
+	own.waiters = 0;
+	/* Relaxed: the child has one thread. */
+	atomic_store_explicit(&own_live, NULL, memory_order_relaxed);
+}
+
+/* Says this thread sleeps on the replies' bell, then polls: a reply
+ * published before the count is taken by the poll, one after it sees the
+ * count and rings the bell (ipc/doorbell.h). Frames taken. Not inlined:
+ * GCC 12 rejects an inlined fence under -fsanitize=thread (-Wtsan). */
+static __attribute__((noinline)) int announce_wait(struct agent *ag)
+{
+	/* seq_cst RMW and fence: pairs with the replier's fence before its
+	 * load of replies_asleep, and with agent_future_done's. */
+	atomic_fetch_add_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	return own_poll(ag);
+}
+
+bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct agent *ag;
+	uint64_t now = shmrpc_now_ns();
+
+	pthread_mutex_lock(&own.lock);
+	if (!own.on) {
+		pthread_mutex_unlock(&own.lock);
+		return false;
+	}
+	ag = own.ag;
+	own.waiters++;
+	if (own_publish()) {
+		own_poll(ag);
+		ipc_port_flush_quiet(&ag->port, now);
+	}
+	pthread_mutex_unlock(&own.lock);
+	/* Relaxed for own_live: it only sends us back to the future's own
+	 * wait (shmrpc_future_done acquires the completer's release). */
+	while (!shmrpc_future_done(f) &&
+	       atomic_load_explicit(&own_live, memory_order_relaxed) &&
+	       (!deadline_ns || now < deadline_ns)) {
+		/* Acquire pairs with the waker's seq_cst bump. */
+		uint32_t seq = atomic_load_explicit(&ag->self->replies_bell, memory_order_acquire);
+
+		if (announce_wait(ag) == 0 && !shmrpc_future_done(f))
+			ipc_futex_wait(&ag->self->replies_bell, seq, deadline_ns ? deadline_ns - now : 0);
+		/* seq_cst: as the increment. */
+		atomic_fetch_sub_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+		now = shmrpc_now_ns();
+	}
+	pthread_mutex_lock(&own.lock);
+	own.waiters--;
+	own_publish();
+	pthread_cond_broadcast(&own.left);
+	pthread_mutex_unlock(&own.lock);
+	return shmrpc_future_done(f) || (deadline_ns && now >= deadline_ns);
+}
+
+void agent_future_done(void)
+{
+	struct agent *ag;
+
+	/* seq_cst fence after the completer's release of done, before the
+	 * load of replies_asleep: pairs with announce_wait's fence (a waiter
+	 * counted after this load sees done; one counted before is woken). */
+	atomic_thread_fence(memory_order_seq_cst);
+	/* Acquire pairs with agent_take_replies' release. */
+	ag = atomic_load_explicit(&own_live, memory_order_acquire);
+	if (ag && atomic_load_explicit(&ag->self->replies_asleep, memory_order_relaxed))
+		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
+}
+
+bool agent_acks_quietly(const struct agent *ag)
+{
+	return taking_replies || pthread_equal(pthread_self(), ag->loop);
 }
 
 struct collect_job {
@@ -255,7 +416,7 @@ static void *loop_main(void *arg)
 		uint64_t now, next, next_reap, sleep_ns;
 		int n;
 
-		n = agent_poll(ag);
+		n = agent_poll(ag, false);
 		now = shmrpc_now_ns();
 		/* seq_cst: see run_collect. Only this thread sets the flag. */
 		if (ag->has_rrefs && collect_due(ag) &&
@@ -267,7 +428,10 @@ static void *loop_main(void *arg)
 		next_reap = tensor_exports_tick(now);
 		if (next_reap < next)
 			next = next_reap;
-		if (n)
+		next_reap = ipc_port_flush_quiet(&ag->port, now); /* quiet TENSOR_ACKs */
+		if (next_reap < next)
+			next = next_reap;
+		if (n > 0)
 			continue;
 		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
 		if (next != UINT64_MAX && next - now < sleep_ns)
@@ -436,6 +600,8 @@ static void agent_free(struct agent *ag)
 static void forget_agent_in_child(void)
 {
 	worker_agent = NULL;
+	own_forget();
+	executor_poll_rings(NULL); /* a pool it starts must not poll ours */
 }
 
 static void watch_forks(void)
@@ -607,6 +773,7 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 
 	if (!ag)
 		return shmrpc__fail(-ENOTCONN, "shmrpc_shutdown: the RPC agent is not running");
+	agent_take_replies(ag, false); /* the loop thread takes every reply again */
 	if (graceful) {
 		rc = graceful_barrier(ag, timeout_ms > 0 ? shmrpc_now_ns() +
 								(uint64_t)timeout_ms * 1000000u

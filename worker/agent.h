@@ -77,10 +77,33 @@ SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 
-/* Takes what the incoming rings hold, unless another thread is at it;
- * returns how many frames. Any thread; never waits in a send (a
- * TENSOR_ACK goes only if it fits at once), never runs user code. */
-SHMRPC_HIDDEN int agent_poll(struct agent *ag);
+/* Takes what the incoming rings hold, unless another thread is at it
+ * (-EBUSY; wait: after it); returns how many frames. Any thread; never
+ * waits in a send (a TENSOR_ACK goes only if it fits at once), never runs
+ * user code. */
+SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
+
+/*
+ * Replies taken by their waiters (on: a data loader's trainer, which waits
+ * for each batch in turn). While on and no user thread waits for a future,
+ * peers' replies ring nothing (the slot's replies_taken, ipc/doorbell.h):
+ * they wait in the rings until a thread about to wait for a reply polls
+ * them itself; one that must sleep sleeps on the slot's replies' bell,
+ * which a reply rings (and any completion of a future), and polls again.
+ * The loop thread is woken for neither. Completions, and their callbacks,
+ * are late meanwhile: only for a process whose calls are all waited for.
+ * Off again, the rings are polled at once.
+ */
+SHMRPC_HIDDEN void agent_take_replies(struct agent *ag, bool on);
+/* A user thread waits for f until the deadline (ns, 0: none) that way:
+ * false when the mode is off (or goes off meanwhile): the caller waits
+ * its usual way. */
+SHMRPC_HIDDEN bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns);
+/* A future was completed: wakes the threads on the replies' bell. */
+SHMRPC_HIDDEN void agent_future_done(void);
+/* The calling thread (the loop thread, or one taking its replies) may
+ * send a TENSOR_ACK quietly: someone flushes its debt (ipc_port_flush_quiet). */
+SHMRPC_HIDDEN bool agent_acks_quietly(const struct agent *ag);
 
 /* shmrpc_init: waits until arrived(ag, r) holds for every rank r (one that
  * arrived and ended since counts), or deadline (CLOCK_MONOTONIC ns) has

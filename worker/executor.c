@@ -1,5 +1,6 @@
 /* The executor pool; see executor.h. */
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
@@ -7,6 +8,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
+#include "ipc/doorbell.h"
 #include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
@@ -21,8 +23,10 @@ static struct {
 	struct job *head, *tail;
 	pthread_t *threads;
 	int nthreads;
+	int size; /* threads asked for */
+	int busy; /* threads running a job, less those waiting in executor_help_* */
 	int idle;
-	int sleeping; /* idle threads inside pthread_cond_wait */
+	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
 	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
 	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
@@ -32,6 +36,10 @@ static struct {
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
+/* This executor thread is counted busy: from the job it takes until it
+ * finds the queue empty after one (busy_add), so a pool with jobs queued
+ * stays all busy rather than saying so again at each job. */
+static _Thread_local bool busy_held;
 
 /* Jobs a thread queues between executor_batch_begin and _end (the loop
  * thread, for the frames of one poll): pushed together, with one wake-up. */
@@ -56,6 +64,120 @@ static void set_idle(int delta)
 	atomic_store_explicit(&ex.gauges->num_idle_threads, (uint32_t)ex.idle, memory_order_relaxed);
 }
 
+/* Counts a thread into or out of the busy ones (ex.lock held) and tells
+ * peers whether all are (the slot's servers_busy, ipc/doorbell.h): their
+ * requests then ring nothing, since no thread could run one before a busy
+ * one is done. True when that stops being so: the caller must then take
+ * the requests that came unannounced (poll_unannounced). Only once the
+ * rings can be polled (executor_poll_rings) are all ever said busy. */
+static bool busy_add(int delta)
+{
+	bool was_all = ex.busy == ex.size;
+
+	ex.busy += delta;
+	/* seq_cst stores, in one order with the senders' fences (doorbell.h);
+	 * acquire pairs with executor_poll_rings' release. */
+	if (ex.busy == ex.size && !was_all &&
+	    atomic_load_explicit(&ex.poll_agent, memory_order_acquire))
+		atomic_store_explicit(&ex.gauges->servers_busy, 1, memory_order_seq_cst);
+	else if (was_all && ex.busy != ex.size &&
+		 atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed)) {
+		atomic_store_explicit(&ex.gauges->servers_busy, 0, memory_order_seq_cst);
+		return true;
+	}
+	return false;
+}
+
+/* Takes the requests that peers sent without a wake-up while every thread
+ * was busy (busy_add said so); without ex.lock, which queueing takes. A
+ * thread that polls meanwhile may have passed their ring: then our own
+ * doorbell makes the loop thread poll before it sleeps (rather than this
+ * thread waiting for the poller, with jobs queued). Not inlined: GCC 12
+ * rejects a fence inlined into run_next under -fsanitize=thread (-Wtsan). */
+static __attribute__((noinline)) void poll_unannounced(void)
+{
+	/* seq_cst fence after the store of 0: pairs with the sender's fence
+	 * (doorbell.h): it read 0 and rang, or this poll finds its frame.
+	 * Acquire pairs with executor_poll_rings' release. */
+	atomic_thread_fence(memory_order_seq_cst);
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+
+	if (ag && agent_poll(ag, false) == -EBUSY)
+		ipc_doorbell_ring(ex.gauges, NULL);
+}
+
+/* This executor thread leaves the busy ones, if counted, and takes what
+ * they left unannounced; ex.lock held on entry and on return. */
+static void busy_release(void)
+{
+	if (!busy_held)
+		return;
+	busy_held = false;
+	if (busy_add(-1)) {
+		pthread_mutex_unlock(&ex.lock);
+		poll_unannounced();
+		pthread_mutex_lock(&ex.lock);
+	}
+}
+
+/* ... and is counted again; ex.lock held. */
+static void busy_take(void)
+{
+	if (!busy_held) {
+		busy_held = true;
+		busy_add(1);
+	}
+}
+
+/* Wakes up to n idle threads (sleep_idle); ex.lock held. */
+static void wake_idle(int n)
+{
+	ipc_bell_wake(&ex.gauges->servers_bell, NULL, n);
+}
+
+/* Says this idle thread sleeps on the servers' bell, then polls the rings
+ * once: a request published before the count was seen by the poll, one
+ * after it finds the count and rings the bell (ipc/doorbell.h). If another
+ * thread polls meanwhile, it queues what it takes and wakes us for it, and
+ * a request it missed rings the bell (its loop thread asleep) or is taken
+ * by the loop thread (awake): no need to wait for it. How many frames the
+ * poll took (-EBUSY: none). Not inlined, as poll_unannounced. */
+static __attribute__((noinline)) int announce_sleep(struct agent *ag)
+{
+	/* seq_cst RMW and fence: pairs with the requester's fence before its
+	 * load of servers_asleep. */
+	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	return agent_poll(ag, false);
+}
+
+/* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
+ * request wakes it directly rather than through the loop thread; woken, it
+ * takes what the rings hold itself. Before the rings can be polled
+ * (executor_poll_rings) it is not counted there, and only pushes wake it.
+ * ex.lock held on entry and on return. */
+static void sleep_idle(void)
+{
+	/* Acquire pairs with executor_poll_rings' release; the bell's, with
+	 * the waker's seq_cst bump (pushers bump it under ex.lock). */
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+	uint32_t seq = atomic_load_explicit(&ex.gauges->servers_bell, memory_order_acquire);
+
+	ex.sleeping++;
+	pthread_mutex_unlock(&ex.lock);
+	if (!ag || announce_sleep(ag) <= 0)
+		ipc_futex_wait(&ex.gauges->servers_bell, seq, 0);
+	if (ag) /* seq_cst: as the increment */
+		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
+	pthread_mutex_lock(&ex.lock);
+	ex.sleeping--;
+	if (ag) {
+		pthread_mutex_unlock(&ex.lock);
+		agent_poll(ag, true);
+		pthread_mutex_lock(&ex.lock);
+	}
+}
+
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -69,7 +191,7 @@ static struct job *pop(void)
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
 		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-			pthread_cond_signal(&ex.cond);
+			wake_idle(1);
 	}
 	return j;
 }
@@ -80,11 +202,17 @@ static bool run_next(void)
 {
 	struct job *j = pop();
 
-	if (!j)
+	if (!j) {
+		busy_release(); /* another thread took what was queued */
 		return false;
+	}
+	if (on_executor) /* others help only while they wait: never busy */
+		busy_take();
 	pthread_mutex_unlock(&ex.lock);
 	j->run(j);
 	pthread_mutex_lock(&ex.lock);
+	if (!ex.head)
+		busy_release();
 	return true;
 }
 
@@ -101,7 +229,7 @@ static bool spin_work(void *arg)
 	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
 
 	if (ag)
-		agent_poll(ag);
+		agent_poll(ag, false);
 	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
@@ -131,11 +259,8 @@ static void *thread_main(void *arg)
 		pthread_mutex_lock(&ex.lock);
 		if (spin)
 			ex.spinning = false;
-		if (!work && !ex.head && !ex.stop) {
-			ex.sleeping++;
-			pthread_cond_wait(&ex.cond, &ex.lock);
-			ex.sleeping--;
-		}
+		if (!work && !ex.head && !ex.stop)
+			sleep_idle();
 		set_idle(-1);
 	}
 	pthread_mutex_unlock(&ex.lock);
@@ -153,6 +278,8 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	ex.gauges = gauges;
 	ex.stop = false;
 	ex.idle = 0;
+	ex.busy = 0;
+	ex.size = nthreads;
 	ex.threads = calloc((size_t)nthreads, sizeof(*ex.threads));
 	if (!ex.threads)
 		return shmrpc__fail(-ENOMEM, "out of memory starting %d executor threads", nthreads);
@@ -175,6 +302,7 @@ void executor_stop(void)
 	pthread_mutex_lock(&ex.lock);
 	ex.stop = true;
 	pthread_cond_broadcast(&ex.cond);
+	wake_idle(INT_MAX);
 	pthread_mutex_unlock(&ex.lock);
 	for (int i = 0; i < ex.nthreads; i++)
 		pthread_join(ex.threads[i], NULL);
@@ -202,8 +330,8 @@ static void push(struct job *head, struct job *tail, int n)
 	/* Relaxed: helpers changes under the lock, which we hold. */
 	if (atomic_load_explicit(&ex.helpers, memory_order_relaxed))
 		pthread_cond_broadcast(&ex.cond);
-	else if (ex.sleeping && ex.idle == ex.sleeping)
-		pthread_cond_signal(&ex.cond);
+	if (ex.sleeping && ex.idle == ex.sleeping)
+		wake_idle(1);
 	pthread_mutex_unlock(&ex.lock);
 }
 
@@ -290,6 +418,8 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
 
 	pthread_mutex_lock(&ex.lock);
+	/* Not busy while it waits: requests must wake us to be served. */
+	busy_release();
 	/* Counted before done is read, with a seq_cst fence between: pairs
 	 * with executor_kick (a completion either sees us or we see done). */
 	atomic_fetch_add_explicit(&ex.helpers, 1, memory_order_relaxed);
@@ -306,6 +436,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 			pthread_cond_wait(&ex.cond, &ex.lock);
 	}
 	atomic_fetch_sub_explicit(&ex.helpers, 1, memory_order_relaxed);
+	busy_take(); /* for the job it is in */
 	pthread_mutex_unlock(&ex.lock);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
@@ -314,8 +445,13 @@ bool executor_help_once(void)
 {
 	bool ran;
 
+	/* A thread of ours leaves the busy ones meanwhile, and so takes
+	 * what waits unannounced; another thread takes only queued jobs. */
 	pthread_mutex_lock(&ex.lock);
+	busy_release();
 	ran = run_next();
+	if (on_executor)
+		busy_take(); /* for the job it is in */
 	pthread_mutex_unlock(&ex.lock);
 	return ran;
 }

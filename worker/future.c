@@ -74,6 +74,7 @@ static void finish(shmrpc_future *f)
 	pthread_cond_broadcast(&f->cond);
 	pthread_mutex_unlock(&f->lock);
 	executor_kick();
+	agent_future_done();
 	while (cbs) {
 		struct future_cb *next = cbs->next;
 
@@ -134,7 +135,7 @@ static bool spin_done(void *f)
 	if (is_done(f))
 		return true;
 	if (worker_agent)
-		agent_poll(worker_agent);
+		agent_poll(worker_agent, false);
 	return is_done(f);
 }
 
@@ -151,6 +152,8 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
+	if (agent_wait_reply(f, deadline_ns)) /* we take our replies (agent.h) */
+		return is_done(f) ? 0 : -ETIMEDOUT;
 	pthread_mutex_lock(&f->lock);
 	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)
 		rc = deadline_ns ? pthread_cond_timedwait(&f->cond, &f->lock, &ts)

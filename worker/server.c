@@ -649,6 +649,11 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 	}
 }
 
+/* How long a quiet TENSOR_ACK may wait for a frame to ride with: longer
+ * than a data loader's trainer takes between a worker's reply and its next
+ * request to it (a few batches' time), short next to a training step. */
+#define ACK_DELAY_NS (1000u * 1000u)
+
 struct ack_job {
 	struct job base;
 	struct agent *ag;
@@ -671,6 +676,7 @@ static void run_ack(struct job *j)
 void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 {
 	struct ack_job *a;
+	struct ipc_msg m;
 	int rc;
 
 	if (peer == ag->rank) {
@@ -680,9 +686,14 @@ void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 	/* The poller never blocks in a send (port.h): it sends the ack itself
 	 * when the ring is free and has room, which spares a thread's wake-up
 	 * per reply that carried tensors, and else leaves it to an executor
-	 * thread. A peer that died has had its pins released by its sweep. */
-	rc = ipc_port_try_send_now(&ag->port, peer, &(struct ipc_msg){ .type = MSG_TENSOR_ACK,
-								       .msg_id = msg_id });
+	 * thread. The loop thread (or a thread taking its replies, agent.h)
+	 * sends it quietly: it rides with our next frame to the peer (a data
+	 * loader's next request), which spares the peer a wake-up too, and
+	 * its pins wait ACK_DELAY_NS, or until the next flush after that. A
+	 * peer that died has had its pins released by its sweep. */
+	m = (struct ipc_msg){ .type = MSG_TENSOR_ACK, .msg_id = msg_id };
+	rc = agent_acks_quietly(ag) ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
+				    : ipc_port_try_send_now(&ag->port, peer, &m);
 	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
 		return;
 	if (!(a = malloc(sizeof(*a)))) {

@@ -434,6 +434,8 @@ def _loads(msg, grad_mode="result"):
     data, rrefs, tensors = msg
     if not data:
         return None
+    if not rrefs and not tensors:  # nothing beside the pickle: C's unpickler alone
+        return pickle.loads(data)
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     return _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode).load()

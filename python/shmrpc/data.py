@@ -21,6 +21,7 @@ module uses torch's samplers and mirrors its iterator. torch is needed.
 import itertools
 import math
 import os
+import pickle
 import random
 import signal
 import sys
@@ -265,13 +266,13 @@ def _convert(data):
 def default_collate(batch):
     """torch's default_collate (same structure, types and errors), with
     tensors stacked into the pool inside a loader worker."""
-    import collections.abc
-    import re
     torch = _torch()
     elem = batch[0]
-    elem_type = type(elem)
-    if isinstance(elem, torch.Tensor):
+    if isinstance(elem, torch.Tensor):  # first: the common case, per batch
         return _pool_stack(torch, batch)
+    import collections.abc
+    import re
+    elem_type = type(elem)
     if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
         if elem_type.__name__ in ("ndarray", "memmap"):
             if re.search("[SaUO]", elem.dtype.str) is not None:
@@ -393,6 +394,7 @@ class _LoaderJob:
         self.job = None
         self.pinned = None  # the pool's address, once registered with CUDA
         self.seq = [0] * loader.num_workers
+        self.fetch_head = shmrpc._pack_call(_w_fetch, (), None)[0]  # _w_fetch by name
         n = loader.num_workers
         spec = loader._spec()
         if loader.workers is not None:
@@ -439,7 +441,13 @@ class _LoaderJob:
         dst = self.ranks[worker_id]
         seq = self.seq[worker_id]
         self.seq[worker_id] += 1
-        data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
+        if type(index) is list and all(type(i) is int for i in index):
+            # A sampler's indices, nothing for the pool: pickled as the
+            # package's pickler would, without its per-object hook.
+            data, rrefs, tensors = (self.fetch_head + pickle.dumps(
+                ((self.key, seq, index), {}), pickle.HIGHEST_PROTOCOL), [], [])
+        else:
+            data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
         try:
             return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
         except RuntimeError as e:
@@ -616,6 +624,12 @@ class _Iter(_BaseIter):
             self.workers = _LoaderJob(loader, base_seed)
             if loader.persistent_workers:
                 loader._workers = self.workers
+        # In a job of its own, this process waits for every call it makes:
+        # it takes the workers' replies itself when it waits, and a reply
+        # that comes before that wakes nobody (worker/agent.h).
+        self.took_replies = self.workers.job is not None
+        if self.took_replies:
+            _shmrpc.take_replies(True)
         n = loader.num_workers
         self.active = [True] * n
         self.cycle = itertools.cycle(range(n))
@@ -693,6 +707,8 @@ class _Iter(_BaseIter):
             return
         self.ended = True
         self.progress.close()
+        if self.took_replies:
+            _shmrpc.take_replies(False)
         workers = self.workers
         if abort and workers.job is not None:
             workers.job.kill()
