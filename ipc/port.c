@@ -270,6 +270,10 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			continue;
 		/* Relaxed: a statistic. */
 		atomic_fetch_add_explicit(&p->self->send_waits, 1, memory_order_relaxed);
+		/* A full ring: its receiver may not poll soon (its executors all
+		 * busy, or its replies taken by a thread waiting for another;
+		 * such frames ring nothing, doorbell.h): its loop thread drains it. */
+		ipc_doorbell_ring(shm_worker(p->seg, dst), p->self);
 		slice = deadline - now < SEND_SLICE_NS ? deadline - now : SEND_SLICE_NS;
 		/* seq_cst: pairs with the waker's bump-then-load (doorbell.h). */
 		atomic_fetch_add_explicit(&p->self->sleepers, 1, memory_order_seq_cst);

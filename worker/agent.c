@@ -207,7 +207,9 @@ void agent_take_replies(struct agent *ag, bool on)
 		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
 		while (own.waiters)
 			pthread_cond_wait(&own.left, &own.lock);
-		own.ag = NULL;
+		/* Unless another thread turned it on again meanwhile. */
+		if (!own.on)
+			own.ag = NULL;
 	}
 	pthread_mutex_unlock(&own.lock);
 }
@@ -215,6 +217,9 @@ void agent_take_replies(struct agent *ag, bool on)
 /* A child forked from this process waits for nothing of ours. */
 static void own_forget(void)
 {
+	/* Another thread may have held them at the fork: the child's are new. */
+	own.lock = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+	own.left = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
 	own.ag = NULL;
 	own.on = own.published = false;
 	own.waiters = 0;
@@ -259,9 +264,20 @@ bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns)
 	       (!deadline_ns || now < deadline_ns)) {
 		/* Acquire pairs with the waker's seq_cst bump. */
 		uint32_t seq = atomic_load_explicit(&ag->self->replies_bell, memory_order_acquire);
+		/* The quiet acks our polls sent come due while we sleep, and
+		 * the loop thread, asleep, does not know of them: flushed here. */
+		uint64_t until = ipc_port_flush_quiet(&ag->port, now);
 
-		if (announce_wait(ag) == 0 && !shmrpc_future_done(f))
-			ipc_futex_wait(&ag->self->replies_bell, seq, deadline_ns ? deadline_ns - now : 0);
+		if (deadline_ns && deadline_ns < until)
+			until = deadline_ns;
+		/* own_live read again after seq: agent_take_replies stores NULL
+		 * before its bump of the bell, so a waiter that read the bumped
+		 * seq sees NULL here and does not sleep through its reply
+		 * (which, the mode off, rings no bell). Acquire: as seq's. */
+		if (announce_wait(ag) == 0 && !shmrpc_future_done(f) &&
+		    atomic_load_explicit(&own_live, memory_order_acquire))
+			ipc_futex_wait(&ag->self->replies_bell, seq,
+				       until == UINT64_MAX ? 0 : until > now ? until - now : 1);
 		/* seq_cst: as the increment. */
 		atomic_fetch_sub_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
 		now = shmrpc_now_ns();

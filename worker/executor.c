@@ -171,7 +171,8 @@ static void sleep_idle(void)
 		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
 	pthread_mutex_lock(&ex.lock);
 	ex.sleeping--;
-	if (ag) {
+	/* Again: executor_stop clears it before it wakes us. Acquire as above. */
+	if (ag && (ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire))) {
 		pthread_mutex_unlock(&ex.lock);
 		agent_poll(ag, true);
 		pthread_mutex_lock(&ex.lock);
@@ -301,6 +302,10 @@ void executor_stop(void)
 {
 	pthread_mutex_lock(&ex.lock);
 	ex.stop = true;
+	/* Before the wake-ups: a thread woken from the bell takes no request
+	 * of an agent that is going (sleep_idle reads it again). Release:
+	 * pairs with the acquire loads of the spinners and sleepers. */
+	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_release);
 	pthread_cond_broadcast(&ex.cond);
 	wake_idle(INT_MAX);
 	pthread_mutex_unlock(&ex.lock);
@@ -309,8 +314,6 @@ void executor_stop(void)
 	free(ex.threads);
 	ex.threads = NULL;
 	ex.nthreads = 0;
-	/* Relaxed: no thread is left to read it. */
-	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_relaxed);
 	pthread_cond_destroy(&ex.cond);
 }
 
