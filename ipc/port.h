@@ -89,12 +89,14 @@ SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct i
 /* try_send_now that leaves dst's doorbell alone, for a frame that can wait:
  * the next frame towards dst wakes it for both (it lies before that one in
  * the ring), or, if none goes within delay_ns, ipc_port_flush_quiet does.
- * The loop thread only (it alone flushes), which saves a sleeping peer a
- * wake-up per such frame when others follow. */
+ * For a thread that flushes in time: the loop thread, or a thread taking
+ * its own replies (worker/agent.h), which flushes before and while it
+ * waits. Saves a sleeping peer a wake-up per such frame when others
+ * follow. */
 SHMRPC_HIDDEN int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 					  uint64_t delay_ns);
-/* Loop thread: rings the doorbells owed since before now; returns when
- * the next one is due (UINT64_MAX: none). */
+/* Rings the doorbells owed since before now (any thread; each debt is
+ * paid once); returns when the next one is due (UINT64_MAX: none). */
 SHMRPC_HIDDEN uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now);
 
 /* One thread at a time: hands up to max frames to fn (their payload valid during the
