@@ -1,6 +1,8 @@
 # shmrun: -n 2 --pool-size 64M
-"""shmrpc's Python API in a 2-worker job: worker0 calls, worker1 serves
-(conftest.py); the init options' warning is checked on both.
+"""shmrpc's Python API in a 2-worker job: both workers run every test at
+once, each calling the other (as the script did before it was a pytest
+module), so both directions and a callee busy with its own calls are
+covered (conftest.py: a module-wide rank mark).
 """
 import pickle
 import time
@@ -70,7 +72,9 @@ def rpc_init(rank):
     init_warnings.extend(str(w.message) for w in said)
 
 
-@pytest.mark.rank(0, 1)
+pytestmark = pytest.mark.rank(0, 1)
+
+
 def test_ignored_options_warning():
     texts = init_warnings
     assert len(texts) == 1 and "init_method, _transports" in texts[0] \
@@ -83,13 +87,14 @@ def me():
 
 
 @pytest.fixture
-def peer():
-    return rpc.get_worker_info("worker1")
+def peer(me):
+    return rpc.get_worker_info(f"worker{1 - me.id}")
 
 
 def test_worker_info(me, peer):
-    assert me.name == "worker0" and me.id == 0, f"get_worker_info: {me!r}"
-    assert peer.id == 1, f"peer info {peer!r}"
+    rank = rpc._shmrpc.rank()
+    assert me.name == f"worker{rank}" and me.id == rank, f"get_worker_info: {me!r}"
+    assert peer.id == 1 - rank, f"peer info {peer!r}"
 
 
 def test_calls(me, peer):
