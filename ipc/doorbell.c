@@ -53,7 +53,7 @@ void ipc_bell_wake(_Atomic uint32_t *bell, struct shm_worker *me, int n_max)
 }
 
 void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
-			 enum ipc_frame_kind kind)
+			 enum ipc_frame_kind kind, bool after_quiet)
 {
 	/* seq_cst fence between the tail store that published the frame and
 	 * the loads below: pairs with the sleeper's fence after its increment
@@ -61,10 +61,10 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	 * servers_busy or replies_taken before it polls (the frame either
 	 * sees 0 and rings, or that poll sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
-	if (kind == IPC_FRAME_REQUEST &&
+	if (kind == IPC_FRAME_REQUEST && !after_quiet &&
 	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
 		return;
-	if (kind == IPC_FRAME_REPLY &&
+	if (kind == IPC_FRAME_REPLY && !after_quiet &&
 	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
 		return;
 	/* Nobody asleep on the doorbell: the target's loop thread polls before

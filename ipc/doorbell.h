@@ -73,9 +73,12 @@ enum ipc_frame_kind {
  * sleeps or is about to (a spinning target watches its rings itself), so
  * the common case costs a fence and a read of a line nobody writes; a
  * request not while target's servers are all busy (and only them while
- * some sleep), a reply not while its threads take their replies themselves. */
+ * some sleep), a reply not while its threads take their replies themselves.
+ * after_quiet: quiet frames lie before this one in the ring (port.h), which
+ * those two exceptions would leave there until the target's busy servers
+ * or waiting thread next poll: it is announced as they are not. */
 SHMRPC_HIDDEN void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
-					 enum ipc_frame_kind kind);
+					 enum ipc_frame_kind kind, bool after_quiet);
 
 /* Plain futex wait until the word differs from seq, a wake, or timeout
  * (ns, 0 = none). 0, -EAGAIN (already changed), -ETIMEDOUT or -EINTR. */

@@ -146,27 +146,32 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 }
 
 /* After put_frame, out_lock still held. A loud frame's doorbell (in sent)
- * covers the quiet frames before it in the ring, so none is owed after it
- * (a request or reply that rings nothing, doorbell.h, is taken with them
- * by whoever dst promised would poll); a quiet one
- * (due: when, else 0) owes one unless an older debt, due sooner, stands. */
-static void owe(struct ipc_port *p, uint32_t dst, uint64_t due)
+ * covers the quiet frames before it in the ring, so none is owed after it;
+ * a quiet one (due: when, else 0) owes one unless an older debt, due
+ * sooner, stands. True when a loud frame settled a debt: its notice then
+ * takes no shortcut that rings nothing (ipc_doorbell_notify's after_quiet):
+ * the receiver's busy executors or waiting thread would take the quiet
+ * frames only when they next poll. */
+static bool owe(struct ipc_port *p, uint32_t dst, uint64_t due)
 {
 	/* Relaxed: senders change it under out_lock; flush_quiet's CAS fails
-	 * on a clear (the sender's own doorbell is then the one owed). */
+	 * on a clear (the sender's own doorbell is then the one owed), and
+	 * the exchange fails to see a debt flush_quiet took (it rang). */
 	if (!due)
-		atomic_store_explicit(&p->quiet_due[dst], 0, memory_order_relaxed);
+		return atomic_exchange_explicit(&p->quiet_due[dst], 0, memory_order_relaxed) != 0;
 	/* Release: the frame's tail store comes before the debt that
 	 * flush_quiet acquires, so the doorbell it rings covers the frame. */
-	else if (!atomic_load_explicit(&p->quiet_due[dst], memory_order_relaxed))
+	if (!atomic_load_explicit(&p->quiet_due[dst], memory_order_relaxed))
 		atomic_store_explicit(&p->quiet_due[dst], due, memory_order_release);
+	return false;
 }
 
+/* quiet: rings nothing; settled: owe() said so. */
 static void sent(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uint32_t len,
-		 bool quiet)
+		 bool quiet, bool settled)
 {
 	if (!quiet)
-		ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, m->kind);
+		ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, m->kind, settled);
 	/* Relaxed: statistics, read by inspectors only. */
 	atomic_fetch_add_explicit(&p->self->frames_sent, 1, memory_order_relaxed);
 	atomic_fetch_add_explicit(&p->self->bytes_sent, len, memory_order_relaxed);
@@ -178,7 +183,7 @@ static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, b
 {
 	size_t len = iov_bytes(m);
 	int err = check_send(p, dst, m, len);
-	bool ok;
+	bool ok, settled;
 
 	if (err)
 		return err;
@@ -189,12 +194,11 @@ static int try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, b
 	else if (pthread_mutex_trylock(&p->out_lock[dst]))
 		return -EAGAIN;
 	ok = put_frame(p, dst, m, (uint32_t)len);
-	if (ok)
-		owe(p, dst, quiet);
+	settled = ok && owe(p, dst, quiet);
 	pthread_mutex_unlock(&p->out_lock[dst]);
 	if (!ok)
 		return -EAGAIN;
-	sent(p, dst, m, (uint32_t)len, quiet != 0);
+	sent(p, dst, m, (uint32_t)len, quiet != 0, settled);
 	return 0;
 }
 
@@ -232,7 +236,7 @@ uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now)
 		if (atomic_compare_exchange_strong_explicit(&p->quiet_due[dst], &due, 0,
 							    memory_order_relaxed,
 							    memory_order_relaxed))
-			ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, IPC_FRAME_OTHER);
+			ipc_doorbell_notify(shm_worker(p->seg, dst), p->self, IPC_FRAME_OTHER, false);
 	}
 	return next;
 }
@@ -242,6 +246,7 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 	uint64_t deadline = timeout_ns ? shmrpc_now_ns() + timeout_ns : UINT64_MAX;
 	size_t len = iov_bytes(m);
 	int err = check_send(p, dst, m, len);
+	bool settled = false;
 
 	if (err)
 		return err;
@@ -255,7 +260,7 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			break;
 		}
 		if (put_frame(p, dst, m, (uint32_t)len)) {
-			owe(p, dst, 0);
+			settled = owe(p, dst, 0);
 			break;
 		}
 		now = shmrpc_now_ns();
@@ -287,7 +292,7 @@ int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m, uin
 			       ? shmrpc__fail(err, "worker %u cannot send to worker %u: it died", p->rank, dst)
 			       : shmrpc__fail(err, "worker %u: no room towards worker %u before the timeout",
 					      p->rank, dst);
-	sent(p, dst, m, (uint32_t)len, false);
+	sent(p, dst, m, (uint32_t)len, false, settled);
 	return 0;
 }
 

@@ -223,7 +223,8 @@ static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t 
 		/* Wakes the owner only if it sleeps: awake, its loop thread
 		 * looks at the list before it sleeps (ipc_port.news). */
 		if (first)
-			ipc_doorbell_notify(shm_worker(&ag->seg, owner), ag->self, IPC_FRAME_OTHER);
+			ipc_doorbell_notify(shm_worker(&ag->seg, owner), ag->self, IPC_FRAME_OTHER,
+					    false);
 		return;
 	}
 	/* Shutting down: the owner leaves too, and the launcher's sweep of it
