@@ -184,18 +184,9 @@ static int open_memfd(pid_t pid, const char *link)
 /* Whether pid has ended: gone, or a zombie not reaped. */
 static bool gone(pid_t pid)
 {
-	char path[32], buf[512], *paren;
-	FILE *f;
-	size_t n;
+	char state = tl_proc_state(pid);
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	if (!(f = fopen(path, "r")))
-		return true;
-	n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = '\0';
-	paren = strrchr(buf, ')');
-	return !paren || paren[2] == 'Z' || paren[2] == 'X';
+	return !state || state == 'Z' || state == 'X';
 }
 
 struct job {

@@ -72,18 +72,20 @@ int tl_wait_modes(const char **names, int max)
 	return n;
 }
 
-static bool stopped(pid_t pid)
+char tl_proc_state(pid_t pid)
 {
 	char path[64], stat[512], *at;
 	FILE *f;
-	bool yes;
+	char state = 0;
 
 	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	f = fopen(path, "r");
-	CHECK(f, "cannot read %s", path);
-	yes = fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[2] == 'T';
+	if (!(f = fopen(path, "r")))
+		return 0;
+	/* The state follows the command's closing parenthesis and a space. */
+	if (fgets(stat, sizeof(stat), f) && (at = strrchr(stat, ')')) && at[1] == ' ')
+		state = at[2];
 	fclose(f);
-	return yes;
+	return state;
 }
 
 static void *continue_later(void *arg)
@@ -101,7 +103,7 @@ void tl_pause_begin(struct tl_pause *p, pid_t pid, uint64_t ns)
 	p->pid = pid;
 	p->ns = ns;
 	CHECK(kill(pid, SIGSTOP) == 0, "SIGSTOP");
-	while (!stopped(pid))
+	while (tl_proc_state(pid) != 'T')
 		usleep(1000);
 	CHECK(pthread_create(&p->thread, NULL, continue_later, p) == 0, "pthread_create");
 }

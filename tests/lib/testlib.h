@@ -43,6 +43,9 @@ int tl_shm_leftovers(void);
 /* The wait modes to exercise: uring (when it works here), futex, spin. */
 int tl_wait_modes(const char **names, int max);
 
+/* pid's state letter in /proc/PID/stat ('R', 'S', 'T', 'Z'...); 0 when
+ * the process is gone. */
+char tl_proc_state(pid_t pid);
 /* A process stopped for a while: tl_pause_begin sends it SIGSTOP, waits
  * until it is stopped, and has a thread send SIGCONT ns later;
  * tl_pause_end joins that thread. */
