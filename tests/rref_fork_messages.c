@@ -9,7 +9,10 @@
  *    to the owner, and forks from it); every hop reads the value, the last
  *    returns the RRef (a fork back, in a reply) and the caller reads it;
  *  - a fork in flight, made to stay so: the owner (rank 2, one executor
- *    thread) is parked, so the child's RREF_FORK_REQUEST waits. Meanwhile
+ *    thread) is parked, and says so, before the parent sends the RRef on,
+ *    so the child's RREF_FORK_REQUEST waits (frames from two peers have no
+ *    order: had the park's frame still been in the owner's ring, the
+ *    request could be taken first). Meanwhile
  *    the child's handle is not confirmed, the parent's count holds its
  *    pending-child reference and not the child's, the parent deletes its
  *    handle and the child still reads the value; once the owner runs, the
@@ -122,12 +125,13 @@ static void chains(int me)
 /* ---- a fork in flight ---- */
 
 /* The owner's only executor thread waits in "park" until its main thread,
- * back from the parent's "wait_go", lets it go. */
+ * back from the parent's "wait_go", lets it go; it tells the parent it is
+ * parked first ("owner_parked"). */
 static struct {
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
-	bool parked, go;
-} gate = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false };
+	bool parked, go, owner_parked;
+} gate = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false, false };
 
 static void gate_wait(bool *what)
 {
@@ -147,8 +151,30 @@ static void gate_open(bool *what)
 
 static int fn_park(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
-	(void)c, (void)a, (void)n, (void)u;
+	shmrpc_future *f;
+	int rc;
+
+	(void)a, (void)n, (void)u;
+	/* Not waited for until let go: waiting on an executor thread runs
+	 * queued jobs meanwhile (the child's request among them). */
+	if (shmrpc_rpc_async(PARENT, "owner_parked", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f))
+		return shmrpc_call_error(c, "RuntimeError", "park: %s", shmrpc_errmsg());
 	gate_wait(&gate.parked); /* on the owner, "parked" means "let go" */
+	rc = shmrpc_future_wait(f, -1);
+	shmrpc_future_free(f);
+	if (rc)
+		return shmrpc_call_error(c, "RuntimeError", "park: %s", shmrpc_strerror(rc));
+	*r = shmrpc_nil();
+	return 0;
+}
+
+/* On the parent, from the owner's "park" (the parent's second thread:
+ * the first may be in "wait_go"). */
+static int fn_owner_parked(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			   void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	gate_open(&gate.owner_parked);
 	*r = shmrpc_nil();
 	return 0;
 }
@@ -274,6 +300,7 @@ static void in_flight(void)
 	wait_counts(slot, id, 1, 0, 1);
 	/* The owner's thread parks; the child's request queues behind it. */
 	CHECK_OK(shmrpc_rpc_async(OWNER, "park", NULL, 0, SHMRPC_TIMEOUT_NONE, &park));
+	gate_wait(&gate.owner_parked);
 	args[0] = shmrpc_rref_value(r);
 	args[1] = shmrpc_int(seed);
 	CHECK(!call_bool(CHILD, "keep", args, 2), "the child's fork is confirmed while the owner "
@@ -329,6 +356,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("hop", "rii", fn_hop, NULL));
 	CHECK_OK(shmrpc_register("park", "", fn_park, NULL));
 	CHECK_OK(shmrpc_register("wait_go", "", fn_wait_go, NULL));
+	CHECK_OK(shmrpc_register("owner_parked", "", fn_owner_parked, NULL));
 	CHECK_OK(shmrpc_register("keep", "ri", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("read_kept", "", fn_read_kept, NULL));
 	CHECK_OK(shmrpc_register("repeat", "", fn_repeat, NULL));
