@@ -188,28 +188,55 @@ static int fn_wait_go(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_
 	return 0;
 }
 
-/* The child's copy of the fork, and the fork's id (the copy has its own). */
-static shmrpc_rref *kept;
-static int64_t kept_seed;
-static uint64_t kept_fork_id;
+/* The child's copy of the fork, its seed and the fork's id (the copy has
+ * its own), under a lock: "keep" and the later calls may run on different
+ * executor threads, ordered only through other processes, which a thread
+ * sanitizer does not see. */
+static struct {
+	pthread_mutex_t lock;
+	shmrpc_rref *r;
+	int64_t seed;
+	uint64_t fork_id;
+} kept = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static shmrpc_rref *kept_get(int64_t *seed, uint64_t *fork_id)
+{
+	shmrpc_rref *r;
+
+	pthread_mutex_lock(&kept.lock);
+	r = kept.r;
+	*seed = kept.seed;
+	*fork_id = kept.fork_id;
+	pthread_mutex_unlock(&kept.lock);
+	return r;
+}
 
 /* "keep"(rref, seed) -> confirmed_by_owner of the fork that came in. */
 static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
+	int rc;
+
 	(void)c, (void)n, (void)u;
 	check_value(a[0].u.r, a[1].u.i);
 	*r = shmrpc_bool(shmrpc_rref_confirmed_by_owner(a[0].u.r));
-	kept_seed = a[1].u.i;
-	kept_fork_id = a[0].u.r->fork_id;
-	return shmrpc_rref_retain(a[0].u.r, &kept);
+	pthread_mutex_lock(&kept.lock);
+	kept.seed = a[1].u.i;
+	kept.fork_id = a[0].u.r->fork_id;
+	rc = shmrpc_rref_retain(a[0].u.r, &kept.r);
+	pthread_mutex_unlock(&kept.lock);
+	return rc;
 }
 
 /* "read_kept"() -> confirmed_by_owner, after reading the value. */
 static int fn_read_kept(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
+	uint64_t fork_id;
+	int64_t seed;
+	shmrpc_rref *k = kept_get(&seed, &fork_id);
+
 	(void)c, (void)a, (void)n, (void)u;
-	check_value(kept, kept_seed);
-	*r = shmrpc_bool(shmrpc_rref_confirmed_by_owner(kept));
+	check_value(k, seed);
+	*r = shmrpc_bool(shmrpc_rref_confirmed_by_owner(k));
 	return 0;
 }
 
@@ -222,14 +249,16 @@ static void acked(shmrpc_future *f)
 /* "repeat"(): the fork's messages once more, each acknowledged. */
 static int fn_repeat(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
+	uint64_t fork_id;
+	int64_t seed;
+	shmrpc_rref *k = kept_get(&seed, &fork_id);
 	shmrpc_future *f;
 
 	(void)c, (void)a, (void)n, (void)u;
 	for (int i = 0; i < 2; i++) {
-		CHECK_OK(rref_send_fork_request(worker_agent, kept->id, kept->slot, kept->owner,
-						kept_fork_id, &f));
+		CHECK_OK(rref_send_fork_request(worker_agent, k->id, k->slot, k->owner, fork_id, &f));
 		acked(f);
-		CHECK_OK(rref_send_child_accept(worker_agent, PARENT, kept_fork_id, &f));
+		CHECK_OK(rref_send_child_accept(worker_agent, PARENT, fork_id, &f));
 		acked(f);
 	}
 	*r = shmrpc_nil();
@@ -238,10 +267,16 @@ static int fn_repeat(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_v
 
 static int fn_drop_kept(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
+	uint64_t fork_id;
+	int64_t seed;
+	shmrpc_rref *k = kept_get(&seed, &fork_id);
+
 	(void)c, (void)a, (void)n, (void)u;
-	check_value(kept, kept_seed);
-	shmrpc_rref_free(kept);
-	kept = NULL;
+	check_value(k, seed);
+	pthread_mutex_lock(&kept.lock);
+	kept.r = NULL;
+	pthread_mutex_unlock(&kept.lock);
+	shmrpc_rref_free(k);
 	*r = shmrpc_nil();
 	return 0;
 }
