@@ -23,10 +23,10 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
-#include "shm/pool.h"
 #include "worker/agent.h"
 #include "worker/rref.h"
 #include "tests/lib/job.h"
+#include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 
 #define MAX_RREFS 8
@@ -104,11 +104,6 @@ static shmrpc_rref *make(int owner, int64_t seed, int64_t ms)
 
 	CHECK_OK(shmrpc_remote(owner, "make", args, 2, SHMRPC_TIMEOUT_DEFAULT, &r));
 	return r;
-}
-
-static uint32_t live(void)
-{
-	return atomic_load_explicit(&worker_agent->rrefs.hdr->live, memory_order_relaxed);
 }
 
 /* Waits until id leaves the table (an owner of 1 frees it on our delete message). */
@@ -265,8 +260,6 @@ static void to_here_timeout(void)
 
 static void drive(void)
 {
-	struct pool_stats st;
-
 	table_full();
 	for (int owner = 0; owner < 2; owner++) {
 		fork_in_flight(owner, 0, 1);   /* a ready value */
@@ -277,11 +270,9 @@ static void drive(void)
 	}
 	local_value();
 	to_here_timeout();
-	for (uint64_t t0 = shmrpc_now_ns(); live() && shmrpc_now_ns() - t0 < GONE_WAIT_NS;)
-		usleep(1000);
-	pool_stats(&worker_agent->pool, &st);
-	CHECK(live() == 0 && st.used == 0, "%u RRefs live, %llu pool bytes used at the end", live(),
-	      (unsigned long long)st.used);
+	/* The last deletes, and the owners' frees, settle after their calls. */
+	CHECK(tl_wait_empty(GONE_WAIT_NS), "%u RRefs live, %llu pool bytes used at the end",
+	      tl_rrefs_live(), (unsigned long long)tl_pool_used());
 	fprintf(stderr, "rank 0: all RRef limit checks passed, the table is empty\n");
 }
 
