@@ -495,7 +495,8 @@ static bool victim_busy(const struct shared *sh, uint64_t id)
 /*
  * What is left in the table once all survivors have let go: only RRefs the
  * victim was changing when it died, each in a way the protocol explains:
- * half inserted or removed (its key without a filled entry); total above
+ * half inserted or removed (its key without a filled entry, or the slot
+ * still REMOVING, whose id is gone); total above
  * the counts (between the two steps of a count change); total 0 but never
  * handed to the owner (between the last drop and the state's CAS); charged
  * to a receiver but never sent. live counts each of them, and may count one
@@ -520,6 +521,12 @@ static uint32_t leftovers(struct rref_table *t, struct shared *sh)
 		keys++;
 		CHECK(v != NO_VICTIM, "slot %u holds %llx at the end, no rank died", s,
 		      (unsigned long long)key);
+		if (key == RREF_REMOVING) { /* killed between a removal's CAS and its TOMB */
+			CHECK(changing > 0, "slot %u is being removed at the end, but the dead "
+			      "rank %u was changing nothing", s, v);
+			torn++;
+			continue;
+		}
 		CHECK(victim_busy(sh, key), "slot %u holds %llx at the end: the dead rank %u was "
 		      "not changing it", s, (unsigned long long)key, v);
 		if (!rref_info_at(t, s, &in)) {
