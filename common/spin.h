@@ -6,6 +6,13 @@
  * the CPU now and then so that, on a machine with fewer cores than busy
  * threads, the thread that has the work can run. How long to spin at a
  * hand-off is the agent's choice (worker/agent.h: it follows the wait mode).
+ *
+ * Where the wait mode sleeps, the budget adapts (struct shmrpc_spin_budget,
+ * one per waiting thread): doubled after a spin that saw the work come,
+ * halved after one that ran out. A partner that answers within a few
+ * microseconds is then met spinning, which spares both a wake-up (tens of
+ * microseconds on a VM whose idle vCPU halts); one that takes longer, or a
+ * machine with more busy threads than cores, soon costs 250 ns a wait.
  */
 #ifndef SHMRPC_COMMON_SPIN_H
 #define SHMRPC_COMMON_SPIN_H
@@ -17,6 +24,39 @@
 #include "common/clock.h"
 #include "common/compiler.h"
 
+#define SHMRPC_SPIN_MIN_NS 250u
+#define SHMRPC_SPIN_MAX_NS 16000u
+#define SHMRPC_SPIN_START_NS 2000u
+/* Every so many waits a budget below the maximum spins the maximum once: a
+ * spin that ran out says nothing of how much longer the work took (the
+ * sleep's wake-up is in any time measured after it), so only a longer spin
+ * can find that the partner has become quick again. */
+#define SHMRPC_SPIN_PROBE_EVERY 16u
+
+/* An adaptive spin budget; { 0 } starts at SHMRPC_SPIN_START_NS. */
+struct shmrpc_spin_budget {
+	uint32_t ns;
+	uint32_t waits;
+	bool probing; /* this wait spins the maximum */
+};
+
+/* The budget of the next spin. */
+static inline uint32_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b)
+{
+	if (!b->ns)
+		b->ns = SHMRPC_SPIN_START_NS;
+	b->probing = b->ns < SHMRPC_SPIN_MAX_NS && ++b->waits % SHMRPC_SPIN_PROBE_EVERY == 0;
+	return b->probing ? SHMRPC_SPIN_MAX_NS : b->ns;
+}
+
+/* After that spin: whether it saw the work come. */
+static inline void shmrpc_spin_budget_update(struct shmrpc_spin_budget *b, bool came)
+{
+	if (came)
+		b->ns = b->probing || 2 * b->ns > SHMRPC_SPIN_MAX_NS ? SHMRPC_SPIN_MAX_NS : 2 * b->ns;
+	else if (!b->probing && b->ns / 2 >= SHMRPC_SPIN_MIN_NS)
+		b->ns /= 2;
+}
 
 /* Spins until ready(arg) or budget_ns pass; returns ready's last answer. */
 static inline bool shmrpc_spin_until(bool (*ready)(void *), void *arg, uint64_t budget_ns)

@@ -22,10 +22,6 @@
 #define TAG_PROBE 2ull
 #define TAG_PID (1ull << 32) /* | id */
 
-#define SPIN_MIN_NS 250u
-#define SPIN_MAX_NS 16000u
-#define SPIN_START_NS 2000u
-
 static int warned_fallback;
 
 const char *ipc_wait_mode_name(enum ipc_wait_mode m)
@@ -195,7 +191,6 @@ int ipc_waiter_init(struct ipc_waiter *w, struct shm_worker *self, uint32_t max_
 	w->max_ids = max_ids;
 	w->watcher_efd = -1;
 	w->fixed_spin_ns = spin && *spin ? atoi(spin) : -1;
-	w->spin_ns = SPIN_START_NS;
 	w->pidfds = malloc(max_ids * sizeof(*w->pidfds));
 	w->dead_bits = calloc(words, sizeof(*w->dead_bits));
 	w->reported_bits = calloc(words, sizeof(*w->reported_bits));
@@ -395,7 +390,8 @@ static int uring_wait(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns)
 int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns,
 		     bool (*ready)(void *arg), void *arg)
 {
-	uint64_t budget = w->fixed_spin_ns >= 0 ? (uint64_t)w->fixed_spin_ns : w->spin_ns;
+	uint64_t budget = w->fixed_spin_ns >= 0 ? (uint64_t)w->fixed_spin_ns
+						 : shmrpc_spin_budget_ns(&w->spin);
 	int err;
 
 	if (w->mode == IPC_WAIT_SPIN)
@@ -406,12 +402,10 @@ int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns,
 	if (timeout_ns && budget > timeout_ns)
 		budget = timeout_ns;
 	if (budget && spin_for(w, seq, budget, false, ready, arg)) {
-		if (w->spin_ns < SPIN_MAX_NS)
-			w->spin_ns *= 2;
+		shmrpc_spin_budget_update(&w->spin, true);
 		return 0;
 	}
-	if (w->spin_ns / 2 >= SPIN_MIN_NS)
-		w->spin_ns /= 2;
+	shmrpc_spin_budget_update(&w->spin, false);
 	if (timeout_ns) {
 		if (timeout_ns <= budget)
 			return -ETIMEDOUT;

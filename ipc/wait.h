@@ -26,6 +26,7 @@
 #include <sys/types.h>
 
 #include "common/compiler.h"
+#include "common/spin.h"
 #include "shm/layout.h"
 
 enum ipc_wait_mode {
@@ -40,7 +41,7 @@ struct ipc_waiter {
 	struct shm_worker *self;
 	uint32_t max_ids;
 	int32_t fixed_spin_ns; /* SHMRPC_SPIN_NS, or -1: adaptive */
-	uint32_t spin_ns;
+	struct shmrpc_spin_budget spin; /* adaptive, when not fixed */
 	int *pidfds;                 /* by id; -1 when not watched */
 	_Atomic uint64_t *dead_bits; /* set by whoever saw the death (release) */
 	uint64_t *reported_bits;     /* owned by the thread calling take_dead */

@@ -17,6 +17,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/spin.h"
 #include "ipc/doorbell.h"
 #include "shm/exit_info.h"
 #include "worker/agent.h"
@@ -35,7 +36,24 @@
 #define BARRIER_POLL_US 200
 
 struct agent *worker_agent;
-uint64_t worker_handoff_spin_ns;
+
+/* The hand-off spin (agent.h), set by shmrpc_init: a fixed budget, or
+ * HANDOFF_ADAPTIVE for each thread's own. */
+#define HANDOFF_ADAPTIVE (UINT64_MAX - 1)
+static uint64_t handoff_spin_ns;
+static _Thread_local struct shmrpc_spin_budget handoff_budget;
+
+uint64_t worker_handoff_spin(void)
+{
+	return handoff_spin_ns == HANDOFF_ADAPTIVE ? shmrpc_spin_budget_ns(&handoff_budget)
+						   : handoff_spin_ns;
+}
+
+void worker_handoff_spun(bool came)
+{
+	if (handoff_spin_ns == HANDOFF_ADAPTIVE)
+		shmrpc_spin_budget_update(&handoff_budget, came);
+}
 
 static uint32_t agent_state(const struct agent *ag, uint32_t r)
 {
@@ -683,11 +701,11 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	if (rc)
 		goto fail;
 	if (ag->port.waiter.mode == IPC_WAIT_SPIN)
-		worker_handoff_spin_ns = UINT64_MAX;
+		handoff_spin_ns = UINT64_MAX;
 	else if (ag->port.waiter.fixed_spin_ns >= 0)
-		worker_handoff_spin_ns = (uint64_t)ag->port.waiter.fixed_spin_ns;
+		handoff_spin_ns = (uint64_t)ag->port.waiter.fixed_spin_ns;
 	else
-		worker_handoff_spin_ns = 0;
+		handoff_spin_ns = HANDOFF_ADAPTIVE;
 	/* Release: the pid is visible to whoever sees RUNNING. */
 	atomic_store_explicit(&ag->self->state, SHM_WORKER_RUNNING, memory_order_release);
 	rc = devmap_join_begin(ag, &o) ?:

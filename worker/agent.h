@@ -11,8 +11,8 @@
  *  - executor threads run requests and callbacks and send replies.
  *  - user threads call rpc_sync / rpc_async, which send from the calling
  *    thread (ipc_port_send waits for ring space).
- * A thread that spins at a hand-off (worker_handoff_spin_ns: spin mode)
- * polls the rings itself while it spins (agent_poll): a waiting caller
+ * A thread that spins at a hand-off (worker_handoff_spin) polls the
+ * rings itself while it spins (agent_poll): a waiting caller
  * then takes its own reply, an idle executor its next request, and a call
  * crosses two threads instead of four. Whoever polls does what the loop
  * thread would (on_frame: queue requests, complete futures); one at a
@@ -67,12 +67,15 @@ struct agent {
 };
 
 /*
- * How long a thread spins at a hand-off between threads before it sleeps:
- * 0 in the uring and futex modes (measured on a 2-core machine, spinning
- * there only delays the thread that has the work), SHMRPC_SPIN_NS when set,
- * and without bound in spin mode, which never sleeps.
+ * How long this thread spins at a hand-off between threads (waiting for a
+ * reply, an RRef's value or, idle on the executor, a request) before it
+ * sleeps: without bound in spin mode, which never sleeps; SHMRPC_SPIN_NS
+ * when set; else a budget of the thread's own that adapts (common/spin.h),
+ * told by worker_handoff_spun whether the spin met the work. 0 before
+ * shmrpc_init.
  */
-SHMRPC_HIDDEN extern uint64_t worker_handoff_spin_ns;
+SHMRPC_HIDDEN uint64_t worker_handoff_spin(void);
+SHMRPC_HIDDEN void worker_handoff_spun(bool came);
 
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;

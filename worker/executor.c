@@ -252,11 +252,16 @@ static void *thread_main(void *arg)
 
 		ex.spinning |= spin;
 		pthread_mutex_unlock(&ex.lock);
-		work = spin ? shmrpc_spin_until(spin_work, NULL,
-						worker_handoff_spin_ns < EXECUTOR_MAX_SPIN_NS
-							? worker_handoff_spin_ns
-							: EXECUTOR_MAX_SPIN_NS)
-			    : spin_work(NULL);
+		if (spin) {
+			uint64_t budget = worker_handoff_spin();
+
+			work = shmrpc_spin_until(spin_work, NULL, budget < EXECUTOR_MAX_SPIN_NS
+								  ? budget
+								  : EXECUTOR_MAX_SPIN_NS);
+			worker_handoff_spun(work);
+		} else {
+			work = spin_work(NULL);
+		}
 		pthread_mutex_lock(&ex.lock);
 		if (spin)
 			ex.spinning = false;

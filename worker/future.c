@@ -142,13 +142,18 @@ static bool spin_done(void *f)
 int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct timespec ts;
+	bool came;
 	int rc = 0;
 
 	/* An executor thread must serve queued work rather than spin: the
 	 * reply it waits for may depend on it. */
 	if (executor_on_worker_thread())
 		return executor_help_until(f, deadline_ns);
-	if (shmrpc_spin_until(spin_done, f, worker_handoff_spin_ns))
+	if (is_done(f)) /* no hand-off: nothing for the spin budget to learn */
+		return 0;
+	came = shmrpc_spin_until(spin_done, f, worker_handoff_spin());
+	worker_handoff_spun(came);
+	if (came)
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);

@@ -915,18 +915,25 @@ static bool looked_settled(void *arg)
 
 /* Waits for id to leave PENDING: on an executor thread it serves queued
  * jobs meanwhile (the owner's run of the value may be one of them);
- * elsewhere it spins first as long as a hand-off does (spin mode), since
- * the owner's store wakes a futex sleeper only with a syscall. */
+ * elsewhere it spins first as long as a hand-off does (worker_handoff_spin),
+ * since the owner's store wakes a futex sleeper only with a syscall. */
 static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
 	if (!executor_on_worker_thread()) {
 		struct look l = { &ag->rrefs, slot, id, 0 };
-		uint64_t budget = worker_handoff_spin_ns, now = shmrpc_now_ns();
+		uint64_t budget = worker_handoff_spin(), now = shmrpc_now_ns();
+		bool came;
 
 		if (deadline_ns && budget > (deadline_ns > now ? deadline_ns - now : 0))
 			budget = deadline_ns > now ? deadline_ns - now : 0;
-		if (budget && shmrpc_spin_until(looked_settled, &l, budget))
+		if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
 			return l.st;
+		if (budget) {
+			came = shmrpc_spin_until(looked_settled, &l, budget);
+			worker_handoff_spun(came);
+			if (came)
+				return l.st;
+		}
 		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
 	}
 	for (;;) {
