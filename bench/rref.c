@@ -17,7 +17,7 @@
  * measured earlier in the same `make bench` run and passed in the file
  * named by SHMRPC_BENCH_PEERS; the target is at most 1/200). mode=spin is
  * a second job in spin mode (shmrun --wait=spin: threads spin at their
- * hand-offs, and a waiting caller polls the rings). The last line
+ * hand-offs without bound, and a waiting caller polls the rings). The last line
  * is a third job with SHMRPC_RREF_FETCH=message, where to_here() asks the
  * owner instead of reading the shared RRef table, so that the table's
  * saving shows. -q: fewer round trips.

@@ -38,23 +38,30 @@ struct shmrpc_spin_budget {
 	uint32_t ns;
 	uint32_t waits;
 	bool probing; /* this wait spins the maximum */
+	bool clipped; /* ... or less: what is left of the waiter's time */
 };
 
-/* The budget of the next spin. */
-static inline uint32_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b)
+/* The budget of the next spin, at most limit_ns (the time the waiter has
+ * left; UINT64_MAX: no limit). */
+static inline uint64_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b, uint64_t limit_ns)
 {
+	uint32_t ns;
+
 	if (!b->ns)
 		b->ns = SHMRPC_SPIN_START_NS;
 	b->probing = b->ns < SHMRPC_SPIN_MAX_NS && ++b->waits % SHMRPC_SPIN_PROBE_EVERY == 0;
-	return b->probing ? SHMRPC_SPIN_MAX_NS : b->ns;
+	ns = b->probing ? SHMRPC_SPIN_MAX_NS : b->ns;
+	b->clipped = limit_ns < ns;
+	return b->clipped ? limit_ns : ns;
 }
 
-/* After that spin: whether it saw the work come. */
+/* After that spin: whether it saw the work come. A probe, or a spin cut
+ * short by the limit, that ran out says nothing of the budget. */
 static inline void shmrpc_spin_budget_update(struct shmrpc_spin_budget *b, bool came)
 {
 	if (came)
 		b->ns = b->probing || 2 * b->ns > SHMRPC_SPIN_MAX_NS ? SHMRPC_SPIN_MAX_NS : 2 * b->ns;
-	else if (!b->probing && b->ns / 2 >= SHMRPC_SPIN_MIN_NS)
+	else if (!b->probing && !b->clipped && b->ns / 2 >= SHMRPC_SPIN_MIN_NS)
 		b->ns /= 2;
 }
 

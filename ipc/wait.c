@@ -390,22 +390,20 @@ static int uring_wait(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns)
 int ipc_waiter_sleep(struct ipc_waiter *w, uint32_t seq, uint64_t timeout_ns,
 		     bool (*ready)(void *arg), void *arg)
 {
-	uint64_t budget = w->fixed_spin_ns >= 0 ? (uint64_t)w->fixed_spin_ns
-						 : shmrpc_spin_budget_ns(&w->spin);
+	uint64_t limit = timeout_ns ? timeout_ns : UINT64_MAX, budget;
+	bool adaptive = w->fixed_spin_ns < 0, came;
 	int err;
 
 	if (w->mode == IPC_WAIT_SPIN)
-		return spin_for(w, seq, timeout_ns ? timeout_ns : UINT64_MAX, true, ready, arg)
-			       ? 0
-			       : -ETIMEDOUT;
+		return spin_for(w, seq, limit, true, ready, arg) ? 0 : -ETIMEDOUT;
 
-	if (timeout_ns && budget > timeout_ns)
-		budget = timeout_ns;
-	if (budget && spin_for(w, seq, budget, false, ready, arg)) {
-		shmrpc_spin_budget_update(&w->spin, true);
+	budget = adaptive ? shmrpc_spin_budget_ns(&w->spin, limit)
+			  : (uint64_t)w->fixed_spin_ns < limit ? (uint64_t)w->fixed_spin_ns : limit;
+	came = budget && spin_for(w, seq, budget, false, ready, arg);
+	if (adaptive)
+		shmrpc_spin_budget_update(&w->spin, came);
+	if (came)
 		return 0;
-	}
-	shmrpc_spin_budget_update(&w->spin, false);
 	if (timeout_ns) {
 		if (timeout_ns <= budget)
 			return -ETIMEDOUT;

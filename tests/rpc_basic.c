@@ -226,8 +226,9 @@ int main(void)
 	if (access(tl_shmrun_path(), X_OK))
 		return TL_SKIP;
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "2 workers failed");
-	/* In spin mode, waiting callers and idle executors take frames off
-	 * the rings themselves (worker/agent.h): the same checks must hold. */
+	/* In spin mode, waiting callers and idle executors never sleep and take
+	 * frames off the rings themselves (worker/agent.h), not only within a
+	 * short budget: the same checks must hold. */
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", "--wait=spin", NULL) == 0,
 	      "2 workers in spin mode failed");
 	return tl_job_test(worker, "-n", "4", NULL);

@@ -46,6 +46,6 @@ int main(void)
 {
 	if (tl_is_worker())
 		return worker();
-	/* Spin mode: waiting callers and idle executors poll the rings too. */
+	/* Spin mode: waiting callers and idle executors poll the rings without bound. */
 	return tl_job_test(worker, "-n", "2", NULL) ?: tl_job_test(worker, "-n", "2", "--wait=spin", NULL);
 }

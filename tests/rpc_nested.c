@@ -56,6 +56,6 @@ int main(void)
 {
 	if (tl_is_worker())
 		return worker();
-	/* Spin mode too: there the waiting executor also polls the rings. */
+	/* Spin mode too: there threads never sleep. */
 	return tl_job_test(worker, "-n", "2", NULL) ?: tl_job_test(worker, "-n", "2", "--wait=spin", NULL);
 }

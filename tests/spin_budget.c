@@ -2,7 +2,8 @@
  * 2 µs, doubles up to 16 µs while spins meet the work, halves down to
  * 250 ns while they run out, and below 16 µs spins the whole 16 µs every
  * 16th wait: a probe that meets the work sets the maximum at once, one that
- * runs out changes nothing. */
+ * runs out changes nothing; nor does a spin cut short by the waiter's
+ * deadline that runs out. */
 #include <stdio.h>
 
 #include "common/spin.h"
@@ -11,7 +12,7 @@
 /* One wait: the budget it spins, then whether the work came within it. */
 static uint32_t wait_once(struct shmrpc_spin_budget *b, bool came)
 {
-	uint32_t ns = shmrpc_spin_budget_ns(b);
+	uint32_t ns = (uint32_t)shmrpc_spin_budget_ns(b, UINT64_MAX);
 
 	shmrpc_spin_budget_update(b, came);
 	return ns;
@@ -23,7 +24,7 @@ int main(void)
 	uint32_t ns;
 	int i;
 
-	CHECK(shmrpc_spin_budget_ns(&b) == SHMRPC_SPIN_START_NS, "starts at %u ns", b.ns);
+	CHECK(shmrpc_spin_budget_ns(&b, UINT64_MAX) == SHMRPC_SPIN_START_NS, "starts at %u ns", b.ns);
 	b = (struct shmrpc_spin_budget){ 0 };
 
 	/* Spins that meet the work: 2, 4, 8, 16 µs, and there it stays
@@ -69,6 +70,15 @@ int main(void)
 	ns = wait_once(&b, true);
 	CHECK(ns == SHMRPC_SPIN_MAX_NS && b.ns == SHMRPC_SPIN_MAX_NS,
 	      "a probe that met the work: spun %u ns, then %u", ns, b.ns);
+	/* A spin cut short by the waiter's time left: that long, and if it runs
+	 * out the budget stays. */
+	b = (struct shmrpc_spin_budget){ 0 };
+	CHECK(shmrpc_spin_budget_ns(&b, 700) == 700, "a 700 ns limit gave %u ns", b.ns);
+	shmrpc_spin_budget_update(&b, false);
+	CHECK(b.ns == SHMRPC_SPIN_START_NS, "a cut spin that ran out changed the budget to %u", b.ns);
+	CHECK(shmrpc_spin_budget_ns(&b, 0) == 0, "a deadline passed still spins");
+	shmrpc_spin_budget_update(&b, true);
+	CHECK(b.ns == 2 * SHMRPC_SPIN_START_NS, "a cut spin that met the work: %u", b.ns);
 	printf("spin_budget: start, doubling, halving and probes as documented\n");
 	return 0;
 }

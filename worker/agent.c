@@ -37,21 +37,31 @@
 
 struct agent *worker_agent;
 
-/* The hand-off spin (agent.h), set by shmrpc_init: a fixed budget, or
- * HANDOFF_ADAPTIVE for each thread's own. */
+/* The hand-off spin (agent.h), set by shmrpc_init, 0 again at shutdown:
+ * a fixed budget, or HANDOFF_ADAPTIVE for each thread's own. Relaxed: set
+ * before the threads that read it start, or read by a waiter whose
+ * future shutdown completes either way. */
 #define HANDOFF_ADAPTIVE (UINT64_MAX - 1)
-static uint64_t handoff_spin_ns;
+static _Atomic uint64_t handoff_spin_ns;
 static _Thread_local struct shmrpc_spin_budget handoff_budget;
 
-uint64_t worker_handoff_spin(void)
+uint64_t worker_handoff_spin(uint64_t deadline_ns)
 {
-	return handoff_spin_ns == HANDOFF_ADAPTIVE ? shmrpc_spin_budget_ns(&handoff_budget)
-						   : handoff_spin_ns;
+	uint64_t mode = atomic_load_explicit(&handoff_spin_ns, memory_order_relaxed);
+	uint64_t now, limit = UINT64_MAX;
+
+	if (deadline_ns) {
+		now = shmrpc_now_ns();
+		limit = deadline_ns > now ? deadline_ns - now : 0;
+	}
+	if (mode == HANDOFF_ADAPTIVE)
+		return shmrpc_spin_budget_ns(&handoff_budget, limit);
+	return mode < limit ? mode : limit;
 }
 
 void worker_handoff_spun(bool came)
 {
-	if (handoff_spin_ns == HANDOFF_ADAPTIVE)
+	if (atomic_load_explicit(&handoff_spin_ns, memory_order_relaxed) == HANDOFF_ADAPTIVE)
 		shmrpc_spin_budget_update(&handoff_budget, came);
 }
 
@@ -325,6 +335,53 @@ void agent_future_done(void)
 bool agent_acks_quietly(const struct agent *ag)
 {
 	return taking_replies || pthread_equal(pthread_self(), ag->loop);
+}
+
+/* The agent user threads poll while they spin, and how many are between
+ * agent_spin_begin and _end (agent.h). */
+static _Atomic(struct agent *) spin_agent;
+static _Atomic int spin_pollers;
+
+struct agent *agent_spin_begin(void)
+{
+	struct agent *ag;
+
+	/* seq_cst, the count then the load: against shutdown's store then
+	 * load (spin_agent_clear), either it sees us counted or we see NULL. */
+	atomic_fetch_add_explicit(&spin_pollers, 1, memory_order_seq_cst);
+	ag = atomic_load_explicit(&spin_agent, memory_order_seq_cst);
+	/* A thread that takes its replies (a data loader's trainer) waits for
+	 * them as agent_wait_reply says, quiet acks and all, unless it never
+	 * sleeps. Relaxed: a hint; agent_wait_reply decides under own.lock. */
+	if (ag && atomic_load_explicit(&own_live, memory_order_relaxed) &&
+	    atomic_load_explicit(&handoff_spin_ns, memory_order_relaxed) != UINT64_MAX)
+		ag = NULL;
+	return ag;
+}
+
+bool agent_spin_poll(struct agent *ag)
+{
+	/* seq_cst: as in agent_spin_begin; NULL once shutdown has begun to
+	 * wait for us. */
+	if (!atomic_load_explicit(&spin_agent, memory_order_seq_cst))
+		return false;
+	agent_poll(ag, false);
+	return true;
+}
+
+void agent_spin_end(void)
+{
+	/* Release: our polls come before shutdown's acquire of the count. */
+	atomic_fetch_sub_explicit(&spin_pollers, 1, memory_order_release);
+}
+
+/* No user thread polls ag's rings after this (shutdown). */
+static void spin_agent_clear(void)
+{
+	/* seq_cst store, then load: see agent_spin_begin. */
+	atomic_store_explicit(&spin_agent, NULL, memory_order_seq_cst);
+	while (atomic_load_explicit(&spin_pollers, memory_order_seq_cst))
+		sched_yield(); /* a spinner stops at its next look */
 }
 
 struct collect_job {
@@ -700,12 +757,12 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	rc = ipc_port_open(&ag->port, &ag->seg, ag->rank, IPC_WAIT_AUTO);
 	if (rc)
 		goto fail;
-	if (ag->port.waiter.mode == IPC_WAIT_SPIN)
-		handoff_spin_ns = UINT64_MAX;
-	else if (ag->port.waiter.fixed_spin_ns >= 0)
-		handoff_spin_ns = (uint64_t)ag->port.waiter.fixed_spin_ns;
-	else
-		handoff_spin_ns = HANDOFF_ADAPTIVE;
+	atomic_store_explicit(&handoff_spin_ns,
+			      ag->port.waiter.mode == IPC_WAIT_SPIN ? UINT64_MAX
+			      : ag->port.waiter.fixed_spin_ns >= 0
+				      ? (uint64_t)ag->port.waiter.fixed_spin_ns
+				      : HANDOFF_ADAPTIVE,
+			      memory_order_relaxed);
 	/* Release: the pid is visible to whoever sees RUNNING. */
 	atomic_store_explicit(&ag->self->state, SHM_WORKER_RUNNING, memory_order_release);
 	rc = devmap_join_begin(ag, &o) ?:
@@ -733,6 +790,8 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		goto fail_exec;
 	}
 	tensor_idle_open();
+	/* seq_cst: see agent_spin_begin. */
+	atomic_store_explicit(&spin_agent, ag, memory_order_seq_cst);
 	return 0;
 
 fail_exec:
@@ -827,6 +886,8 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 	executor_stop();
 	pins_release_all();
 	tensor_exports_shutdown(ag, graceful && !rc);
+	spin_agent_clear();
+	atomic_store_explicit(&handoff_spin_ns, 0, memory_order_relaxed);
 	worker_agent = NULL;
 	agent_free(ag);
 	return rc ? shmrpc__fail(rc, "%s", err) : 0;

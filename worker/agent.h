@@ -69,13 +69,25 @@ struct agent {
 /*
  * How long this thread spins at a hand-off between threads (waiting for a
  * reply, an RRef's value or, idle on the executor, a request) before it
- * sleeps: without bound in spin mode, which never sleeps; SHMRPC_SPIN_NS
- * when set; else a budget of the thread's own that adapts (common/spin.h),
- * told by worker_handoff_spun whether the spin met the work. 0 before
- * shmrpc_init.
+ * sleeps, at most until deadline_ns (0: none): without bound in spin mode,
+ * which never sleeps; SHMRPC_SPIN_NS when set; else a budget of the
+ * thread's own that adapts (common/spin.h), told by worker_handoff_spun
+ * whether the spin met the work. 0 while no agent runs.
  */
-SHMRPC_HIDDEN uint64_t worker_handoff_spin(void);
+SHMRPC_HIDDEN uint64_t worker_handoff_spin(uint64_t deadline_ns);
 SHMRPC_HIDDEN void worker_handoff_spun(bool came);
+
+/*
+ * A user thread that spins at a wait polls the rings (above) between
+ * agent_spin_begin, which gives the agent to poll (NULL: do not spin, the
+ * thread takes its replies by agent_wait_reply, or no agent runs), and
+ * agent_spin_end; each poll goes through agent_spin_poll, false once the
+ * agent is going (stop spinning). shmrpc_shutdown waits for such threads
+ * to leave before it frees the agent.
+ */
+SHMRPC_HIDDEN struct agent *agent_spin_begin(void);
+SHMRPC_HIDDEN bool agent_spin_poll(struct agent *ag);
+SHMRPC_HIDDEN void agent_spin_end(void);
 
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;

@@ -253,7 +253,7 @@ static void *thread_main(void *arg)
 		ex.spinning |= spin;
 		pthread_mutex_unlock(&ex.lock);
 		if (spin) {
-			uint64_t budget = worker_handoff_spin();
+			uint64_t budget = worker_handoff_spin(0);
 
 			work = shmrpc_spin_until(spin_work, NULL, budget < EXECUTOR_MAX_SPIN_NS
 								  ? budget

@@ -37,8 +37,8 @@ SHMRPC_HIDDEN void executor_batch_begin(void);
 SHMRPC_HIDDEN void executor_batch_end(void);
 SHMRPC_HIDDEN int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *),
 					   void *arg);
-/* Idle threads that spin (spin mode) poll ag's rings meanwhile (agent.h);
- * NULL stops it. */
+/* An idle thread that spins (its hand-off budget, agent.h) polls ag's
+ * rings meanwhile; NULL stops it. */
 struct agent;
 SHMRPC_HIDDEN void executor_poll_rings(struct agent *ag);
 /* Wakes executor threads that wait on futures (one has completed). */

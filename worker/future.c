@@ -129,31 +129,47 @@ static bool is_done(shmrpc_future *f)
 	return atomic_load_explicit(&f->done, memory_order_acquire);
 }
 
-/* A spinning waiter takes its reply itself (agent.h). */
-static bool spin_done(void *f)
+struct spin_wait {
+	shmrpc_future *f;
+	struct agent *ag;
+};
+
+/* A spinning waiter takes its reply itself (agent.h); it stops when the
+ * agent is going. */
+static bool spin_done(void *arg)
 {
-	if (is_done(f))
+	struct spin_wait *w = arg;
+
+	if (is_done(w->f))
 		return true;
-	if (worker_agent)
-		agent_poll(worker_agent, false);
-	return is_done(f);
+	return !agent_spin_poll(w->ag) || is_done(w->f);
+}
+
+/* Spins a hand-off's budget (agent.h) for f; whether f is done. */
+static bool spin_wait(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct spin_wait w = { f, agent_spin_begin() };
+	bool came = false;
+
+	if (w.ag) {
+		came = shmrpc_spin_until(spin_done, &w, worker_handoff_spin(deadline_ns)) &&
+		       is_done(f);
+		worker_handoff_spun(came);
+	}
+	agent_spin_end();
+	return came;
 }
 
 int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct timespec ts;
-	bool came;
 	int rc = 0;
 
 	/* An executor thread must serve queued work rather than spin: the
 	 * reply it waits for may depend on it. */
 	if (executor_on_worker_thread())
 		return executor_help_until(f, deadline_ns);
-	if (is_done(f)) /* no hand-off: nothing for the spin budget to learn */
-		return 0;
-	came = shmrpc_spin_until(spin_done, f, worker_handoff_spin());
-	worker_handoff_spun(came);
-	if (came)
+	if (is_done(f) || spin_wait(f, deadline_ns)) /* done before: nothing to learn */
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);

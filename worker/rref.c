@@ -921,20 +921,13 @@ static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t dea
 {
 	if (!executor_on_worker_thread()) {
 		struct look l = { &ag->rrefs, slot, id, 0 };
-		uint64_t budget = worker_handoff_spin(), now = shmrpc_now_ns();
 		bool came;
 
-		if (deadline_ns && budget > (deadline_ns > now ? deadline_ns - now : 0))
-			budget = deadline_ns > now ? deadline_ns - now : 0;
 		if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
 			return l.st;
-		if (budget) {
-			came = shmrpc_spin_until(looked_settled, &l, budget);
-			worker_handoff_spun(came);
-			if (came)
-				return l.st;
-		}
-		return rref_wait(&ag->rrefs, slot, id, deadline_ns);
+		came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
+		worker_handoff_spun(came);
+		return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
 	}
 	for (;;) {
 		uint64_t now = shmrpc_now_ns();
