@@ -9,10 +9,13 @@
  *
  * Where the wait mode sleeps, the budget adapts (struct shmrpc_spin_budget,
  * one per waiting thread): doubled after a spin that saw the work come,
- * halved after one that ran out. A partner that answers within a few
- * microseconds is then met spinning, which spares both a wake-up (tens of
- * microseconds on a VM whose idle vCPU halts); one that takes longer, or a
- * machine with more busy threads than cores, soon costs 250 ns a wait.
+ * halved after one that ran out, unless a quarter or more of the recent
+ * full-length spins met the work: then it stays at the maximum (a partner
+ * that is quick most of the time is not given up for a slow answer now
+ * and then). A partner that answers within a few microseconds is thus met
+ * spinning, which spares both a wake-up (tens of microseconds on a VM whose
+ * idle vCPU halts); one that takes longer, or a machine with more busy
+ * threads than cores, soon costs about 1 µs a wait.
  */
 #ifndef SHMRPC_COMMON_SPIN_H
 #define SHMRPC_COMMON_SPIN_H
@@ -33,10 +36,15 @@
  * can find that the partner has become quick again. */
 #define SHMRPC_SPIN_PROBE_EVERY 16u
 
+/* At or above this share (in 1/256) of full-length spins that met the
+ * work, a budget at the maximum stays there. */
+#define SHMRPC_SPIN_KEEP 64
+
 /* An adaptive spin budget; { 0 } starts at SHMRPC_SPIN_START_NS. */
 struct shmrpc_spin_budget {
 	uint32_t ns;
 	uint32_t waits;
+	int32_t met;  /* share of full-length spins that met the work, 1/256, over about 8 */
 	bool probing; /* this wait spins the maximum */
 	bool clipped; /* ... or less: what is left of the waiter's time */
 };
@@ -56,12 +64,17 @@ static inline uint64_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b, uint6
 }
 
 /* After that spin: whether it saw the work come. A probe, or a spin cut
- * short by the limit, that ran out says nothing of the budget. */
+ * short by the limit, that ran out leaves the budget as it was. */
 static inline void shmrpc_spin_budget_update(struct shmrpc_spin_budget *b, bool came)
 {
+	bool full = !b->clipped && (b->probing || b->ns == SHMRPC_SPIN_MAX_NS);
+
+	if (full) /* an honest sample of how often the maximum meets the work */
+		b->met += ((came ? 256 : 0) - b->met) / 8;
 	if (came)
 		b->ns = b->probing || 2 * b->ns > SHMRPC_SPIN_MAX_NS ? SHMRPC_SPIN_MAX_NS : 2 * b->ns;
-	else if (!b->probing && !b->clipped && b->ns / 2 >= SHMRPC_SPIN_MIN_NS)
+	else if (!b->probing && !b->clipped && b->met < SHMRPC_SPIN_KEEP &&
+		 b->ns / 2 >= SHMRPC_SPIN_MIN_NS)
 		b->ns /= 2;
 }
 
