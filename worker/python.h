@@ -45,16 +45,30 @@ struct python_msg {
  *   BACKWARD_AUTOGRAD_REQ: gradients (pickled in msg) for sends of context_id;
  *   CLEANUP_AUTOGRAD_CONTEXT_REQ: context_id only;
  *   RREF_BACKWARD_REQ: backward from msg.rrefs[0]'s value in context_id;
+ *   PYTHON_RREF_FETCH_CALL: the value of msg.rrefs[0], an RRef of the
+ *     receiver's, pickled in context_id (-1: none) as it is now;
+ *     PYTHON_RREF_FETCH_RET: msg, that pickle;
  *   BACKWARD_AUTOGRAD_RESP, CLEANUP_AUTOGRAD_CONTEXT_RESP, RREF_BACKWARD_RESP:
  *     msg, the pickled outcome (None, or the error raised).
  */
+/*
+ * The pickle a PYTHON_REMOTE_CALL's handler returns when it keeps the
+ * result itself, as a live object (torch's OwnerRRef: the Python package
+ * keeps it under the RRef's id). The RRef stores this byte as its value:
+ * a reader other than the owner asks the owner for the value with
+ * PYTHON_RREF_FETCH_CALL, which pickles the object as it is then, and the
+ * owner's record calls the live-release hook (worker/rref.h) when the RRef
+ * goes. No pickle starts with it (protocol 2 and above start with 0x80).
+ */
+#define PYTHON_LIVE_MARK '\x02'
+
 struct python_request {
 	uint16_t type;
 	uint16_t wrapped;
 	int64_t context_id;
 	int64_t message_id;
 	bool retain_graph;
-	uint64_t rref_id;
+	uint64_t rref_id;   /* a remote call's RRef (0: none), for its handler too */
 	uint32_t rref_slot;
 	struct python_msg msg;
 };

@@ -108,6 +108,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
         _warn_ignored(rpc_backend_options)
     _shmrpc.set_handler(_run_function)
+    _shmrpc.set_live_release(_release_owned)
     _shmrpc.init(name, threads, timeout_ms, maps)
     _initialized = True
 
@@ -460,18 +461,22 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
-                  ops):
+                  ops, rref_id):
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
     FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
     stores a remote call's result in its RRef), its result pickled inside
     it too, and for a call profiled for torch's profiler (ops, a list, not
-    None) under that profiler (profiler.torch_ops); distributed autograd's
+    None) under that profiler (profiler.torch_ops); a remote call's result
+    (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
+    PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
     Returns the pickled result or RemoteException, and for a
     FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
+        if msg_type == _shmrpc.PYTHON_RREF_FETCH_CALL:
+            return _serve_fetch(RRef(_c=rrefs[0]), caller, context_id)
         if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
                             _shmrpc.FORWARD_AUTOGRAD_REQ):
             return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
@@ -482,7 +487,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
-        reply = _serve_call(func, args, kwargs, caller, context_id, ops)
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
             return reply + (autograd._message_id(),)
         return reply
@@ -499,24 +504,57 @@ _async_serving = 0
 _async_lock = threading.Lock()
 
 
-def _serve_call(func, args, kwargs, caller, context_id, ops):
+def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
     """The pickled result of a call served here: run inside the caller's
-    autograd context, under torch's profiler when ops is a list."""
+    autograd context, under torch's profiler when ops is a list. A remote
+    call's (rref_id) is kept live instead, under its RRef's id."""
     if context_id is None and ops is None and autograd._current() is None:
         # Most calls: no context to enter or leave, no profiler; the two
         # context managers would cost more than the rest of the handler.
-        return _dumps(_call(func, args, kwargs))
+        return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
         with profiler.torch_ops(ops):
             result = _call(func, args, kwargs)
+        return _reply(result, rref_id)
+
+
+def _reply(result, rref_id):
+    """What the C half sends or stores for a result: its pickle, or for a
+    remote call the live mark, the object kept here."""
+    if not rref_id:
         return _dumps(result)
+    _owned[rref_id] = result
+    return _LIVE, [], []
+
+
+def _serve_fetch(rref, caller, context_id):
+    """PYTHON_RREF_FETCH_CALL: the pickle of our RRef's live value as it is
+    now, inside the caller's autograd context (-1: none), so that tensors
+    that require grad in it are recorded as sends, as torch's fetch does."""
+    if not rref.is_owner():
+        raise RuntimeError(f"a fetch came in for {rref}, which this worker does not own")
+    value = rref.local_value()
+    if context_id < 0:
+        return _dumps(value)
+    with autograd._running_in(context_id, caller):
+        return _dumps(value)
+
+
+def _is_async_execution(func):
+    """Decorated with shmrpc's or torch's functions.async_execution."""
+    return (getattr(func, "_shmrpc_async_execution", False)
+            or hasattr(func, "_wrapped_async_rpc_function"))
 
 
 def _call(func, args, kwargs):
-    """func's result; an async_execution function's Future waited for."""
+    """func's result; an async_execution function's Future waited for. A
+    proxy's call runs the live value's method itself (torch's proxies honour
+    an async_execution method too)."""
     global _async_serving
+    if func is _call_method:
+        func, args = getattr(args[1].local_value(), args[0]), args[2:]
     result = func(*args, **(kwargs or {}))
-    if not getattr(func, "_shmrpc_async_execution", False):
+    if not _is_async_execution(func):
         return result
     torch_future = sys.modules.get("torch.futures")
     if not isinstance(result, Future) and not (torch_future is not None
@@ -806,36 +844,65 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 class RRef:
-    """A reference to a value on its owner (from remote())."""
+    """A reference to a value on its owner (from remote(), or RRef(value)
+    made on the owner itself). As torch's: the value is the owner's live
+    object, kept under the RRef's id until the RRef is deleted everywhere
+    (docs/RREF.md, "Python values"); local_value() and proxies act on it,
+    and to_here() on a user pickles it as it is then."""
 
     def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:
-            # A local owner RRef: this worker stores value as remote()'s
-            # results are, pickled from the object itself (so a tensor that
-            # requires grad, a parameter, keeps its identity: autograd.py).
+            # A local owner RRef: a remote() to ourselves of a function that
+            # returns value, which the owner keeps as it keeps every result
+            # (the object itself: nothing is pickled).
             key = next(_local_keys)
             _local_values[key] = value
             _c = remote(_shmrpc.rank(), _take_local, args=(key,))._r
         self._r = _c
 
     def to_here(self, timeout=UNSET_RPC_TIMEOUT):
-        return _result(_c_wait(self._r.to_here, _timeout_ms(timeout)))
+        """The value: on the owner the object itself (as torch's), on a
+        user a copy made by the owner now (PYTHON_RREF_FETCH_CALL), once
+        the remote call has stored it."""
+        if self._r.is_owner():
+            return self._owned(timeout)
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))
+        if msg[0] == _LIVE:
+            msg = _c_wait(self._fetch(timeout).wait)
+        return _result(msg)
 
     def local_value(self):
-        """The value, on the owner. shmrpc stores an RRef's value pickled in
-        the job's pool: each call returns a fresh copy (torch returns the
-        same object; changes to it are not kept here), but for a tensor
-        that requires grad which the owner still holds (a parameter, or an
-        activation of a live distributed autograd context): that is the
-        tensor itself, with its graph."""
+        """The value, on the owner: the same object every time."""
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
-        return _result(_c_wait(self._r.to_here, _shmrpc.TIMEOUT_DEFAULT), "local")
+        return self._owned(UNSET_RPC_TIMEOUT)
+
+    def _owned(self, timeout):
+        """On the owner: the live value, once stored (the remote call's
+        error raised, as to_here's)."""
+        value = _owned.get(self._r.id(), _owned)
+        if value is not _owned:
+            return value
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))  # waits; the error raised
+        if msg[0] == _LIVE:
+            return _owned[self._r.id()]
+        return _result(msg)  # a value the binding did not keep (a C function's)
+
+    def _fetch(self, timeout):
+        """The owner's pickle of the value now: PYTHON_RREF_FETCH_CALL,
+        inside the caller's autograd context if any (as torch's to_here,
+        which records the tensors that require grad it receives)."""
+        owner = self._r.owner()
+        cid = autograd._calling(owner)
+        return _shmrpc.call(owner, b"", [self._r], [], _timeout_ms(timeout), "rpc_sync",
+                            "to_here", _shmrpc.PYTHON_RREF_FETCH_CALL,
+                            -1 if cid is None else cid)
 
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
-        """Distributed backward from the value (a scalar tensor) in the
-        given context, on the owner (shmrpc.autograd.backward there)."""
+        """Backward from the value (a scalar tensor) on the owner: in the
+        given distributed autograd context, or with -1 (on the owner only)
+        torch.autograd's local backward, as torch's."""
         return autograd._rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def owner(self):
@@ -871,8 +938,21 @@ class RRef:
     __repr__ = __str__
 
 
+# The pickle of a value its owner keeps live (worker/python.h's
+# PYTHON_LIVE_MARK): what a user's to_here() reads from the RRef table
+# before it asks the owner for the value.
+_LIVE = b"\x02"
+# RRef id -> the live value of an RRef this worker owns, until the RRef
+# goes everywhere (the C half's live-release hook calls _release_owned).
+_owned = {}
 _local_values = {}  # key -> a value RRef(value) is storing, until its remote() takes it
 _local_keys = itertools.count()
+
+
+def _release_owned(rref_id):
+    """The RRef rref_id went (deleted everywhere, or this worker stops): its
+    value is dropped here, on its owner (its __del__ runs here, now)."""
+    _owned.pop(rref_id, None)
 
 
 def _take_local(key):
@@ -880,7 +960,8 @@ def _take_local(key):
 
 
 def _call_method(name, rref, *args, **kwargs):
-    """On the owner: rref's value's method name."""
+    """On the owner: rref's value's method name (the proxies' function; _call
+    runs it as the method itself, honouring async_execution)."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
