@@ -5,10 +5,14 @@ time, proxies act on it (async_execution methods too, from a third worker
 holding a forked RRef), objects that cannot be pickled are values, an
 object may make RRef(self) in its __init__, a user's to_here() sees the
 value as it is when it asks, and the owner's objects go when their RRefs
-go: after deletes, after a user's death (test_rref_live_death.py) and at
-shutdown (counted here: the live-release hook empties the table).
+go: after deletes, and (the job test_user_death_and_shutdown runs) after a
+user's death and at shutdown.
 """
 import gc
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -206,3 +210,48 @@ def test_remote_error_not_kept():
         r.to_here()
     assert rpc.rpc_sync("worker1", owned_count) == before, "an error is stored, not kept live"
     del r
+
+
+def test_user_death_and_shutdown():
+    """Runs this module as a script: the owner's objects go when the user
+    holding their RRefs is killed, and every one goes at shutdown."""
+    shmrun = os.readlink(f"/proc/{os.getppid()}/exe")  # a worker's parent is shmrun
+    argv = [shmrun, "-n", "3", "--on-failure=continue", "--pool-size", "64M", "--timeout", "60",
+            "--", sys.executable, os.path.abspath(__file__)]
+    r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert r.returncode == 1, f"the job exits 1 (worker2 was killed): {r.returncode}\n{r.stdout}"
+    for rank in (0, 1):
+        assert f"live-death rank {rank}: ok" in r.stdout, f"rank {rank} passed\n{r.stdout}"
+
+
+def make_held(n):
+    """On a user: n RRefs to Tracked objects on worker0, kept here."""
+    held.extend(rpc.remote("worker0", Tracked) for _ in range(n))
+
+
+def death_job(rank):
+    """A rank of the job: worker0 owns, worker1 and worker2 hold RRefs,
+    worker2 is killed."""
+    rpc.init_rpc(f"worker{rank}")
+    if rank == 0:
+        rpc.rpc_sync("worker2", make_held, args=(5,))
+        rpc.rpc_sync("worker1", make_held, args=(2,))
+        mine = [rpc.RRef(Tracked()) for _ in range(3)]
+        wait_for(lambda: tracked_alive() == (10, 10), "10 objects owned")
+        os.kill(rpc.rpc_sync("worker2", os.getpid), signal.SIGKILL)
+        wait_for(lambda: tracked_alive() == (5, 5), "worker2's 5 objects go with it")
+        assert mine[0].local_value() is mine[0].local_value()
+    if rank == 2:
+        signal.pause()  # waits for its SIGKILL
+        return 1
+    rpc.shutdown()
+    if rank == 0:
+        # worker1's RRefs and our own still exist: the agent's end releases
+        # their values all the same (the owner is gone for them).
+        assert tracked_alive() == (0, 0), f"nothing owned after shutdown: {tracked_alive()}"
+    print(f"live-death rank {rank}: ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(death_job(int(os.environ["SHMRPC_RANK"])))
