@@ -542,7 +542,9 @@ static void ops_add(PyObject *list, struct profile_events *ops)
  * list to append the ops torch's profiler recorded to, or None
  * (python_handler_fn), rref_id a remote call's RRef (0 for other requests);
  * it returns (pickle, [RRef...], [Tensor...]) or, answering a
- * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id. */
+ * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id, and
+ * for a remote call whose result it keeps live (worker/python.h) the same
+ * with that id (0 if none) and True. */
 static int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		       struct profile_events *ops)
 {
@@ -551,7 +553,7 @@ static int run_handler(uint32_t caller, const struct python_request *in, struct 
 	const struct python_msg *m = &in->msg;
 	struct python_msg view;
 	long long message_id = 0;
-	int rc = -EIO;
+	int live = 0, rc = -EIO;
 
 	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
 	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
@@ -568,9 +570,10 @@ static int run_handler(uint32_t caller, const struct python_request *in, struct 
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
 	Py_XDECREF(op_list);
-	if (res && PyArg_ParseTuple(res, "SOO|L", &pickled, &rrefs, &tensors, &message_id) &&
+	if (res && PyArg_ParseTuple(res, "SOO|Lp", &pickled, &rrefs, &tensors, &message_id, &live) &&
 	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
 		out->message_id = (int64_t)message_id;
+		out->live = live;
 		rc = msg_copy(&view, &out->msg);
 		msg_free(&view);
 	} else {

@@ -52,15 +52,17 @@ struct python_msg {
  *     msg, the pickled outcome (None, or the error raised).
  */
 /*
- * The pickle a PYTHON_REMOTE_CALL's handler returns when it keeps the
- * result itself, as a live object (torch's OwnerRRef: the Python package
- * keeps it under the RRef's id). The RRef stores this byte as its value:
- * a reader other than the owner asks the owner for the value with
- * PYTHON_RREF_FETCH_CALL, which pickles the object as it is then, and the
- * owner's record calls the live-release hook (worker/rref.h) when the RRef
- * goes. No pickle starts with it (protocol 2 and above start with 0x80).
+ * A remote call's handler may keep the result itself, as a live object
+ * (torch's OwnerRRef: the Python package keeps it under the RRef's id) and
+ * say so (out->live): the owner's record then calls the live-release hook
+ * (worker/rref.h) when the RRef goes. What the RRef stores is then either
+ * the one byte "\x02" (no pickle starts with it: protocol 2 and above
+ * start with 0x80), telling a reader other than the owner to ask the owner
+ * with PYTHON_RREF_FETCH_CALL, which pickles the object as it is then; or,
+ * for a value no code can change (None, numbers, strings, bytes, tuples of
+ * them), its pickle, which users read without a message and which cannot
+ * go stale. The binding decides; the agent only stores what it gets.
  */
-#define PYTHON_LIVE_MARK '\x02'
 
 struct python_request {
 	uint16_t type;
@@ -70,6 +72,7 @@ struct python_request {
 	bool retain_graph;
 	uint64_t rref_id;   /* a remote call's RRef (0: none), for its handler too */
 	uint32_t rref_slot;
+	bool live;          /* a remote call's handler keeps the result (above) */
 	struct python_msg msg;
 };
 

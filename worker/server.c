@@ -425,9 +425,8 @@ static void run_remote_call(struct request_job *rq, shmrpc_call *call,
 	out.rref_id = id;
 	out.rref_slot = slot;
 	run_any(call, rq->type, rq->payload + used, rq->len - used, in, &out, &fn, &result);
-	/* The handler kept the value itself (python.h): its object is the value. */
-	live = !call->failed && python_is_request(rq->type) && out.msg.len == 1 &&
-	       *(const char *)out.msg.data == PYTHON_LIVE_MARK;
+	/* The handler keeps the value itself (python.h): its object is the value. */
+	live = !call->failed && out.live;
 	if (call->failed) {
 		error_text(ag, call->errmsg, text, sizeof(text));
 		err[0] = shmrpc_str(call->errtype);

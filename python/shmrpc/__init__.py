@@ -489,8 +489,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             context_id = None
         reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
-            return reply + (autograd._message_id(),)
-        return reply
+            return reply + (autograd._message_id(), bool(rref_id))
+        return reply + (0, True) if rref_id else reply
     except BaseException as e:  # every error travels back
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
@@ -519,12 +519,26 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
 
 
 def _reply(result, rref_id):
-    """What the C half sends or stores for a result: its pickle, or for a
-    remote call the live mark, the object kept here."""
+    """What the C half sends or stores for a result: its pickle; for a
+    remote call, whose result is kept here, the live mark, or the pickle of
+    a value no code can change (users read it without asking us, and it
+    cannot go stale)."""
     if not rref_id:
         return _dumps(result)
     _owned[rref_id] = result
-    return _LIVE, [], []
+    return _dumps(result) if _immutable(result) else (_LIVE, [], [])
+
+
+_IMMUTABLE_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def _immutable(value):
+    """Whether no code can change value: None, numbers, strings, bytes, and
+    tuples and frozensets of them (exact types: a subclass may add state)."""
+    t = type(value)
+    if t in _IMMUTABLE_TYPES:
+        return True
+    return (t is tuple or t is frozenset) and all(_immutable(v) for v in value)
 
 
 def _serve_fetch(rref, caller, context_id):
@@ -938,9 +952,8 @@ class RRef:
     __repr__ = __str__
 
 
-# The pickle of a value its owner keeps live (worker/python.h's
-# PYTHON_LIVE_MARK): what a user's to_here() reads from the RRef table
-# before it asks the owner for the value.
+# What an RRef stores for a value its owner keeps live (worker/python.h):
+# a user's to_here() that reads it asks the owner for the value.
 _LIVE = b"\x02"
 # RRef id -> the live value of an RRef this worker owns, until the RRef
 # goes everywhere (the C half's live-release hook calls _release_owned).

@@ -203,6 +203,38 @@ def proxy_drop():
     gc.collect()
 
 
+def tuple_with_list():
+    return (1, "a", [])
+
+
+def append_to(rref, x):
+    """On the owner: changes the list inside the live tuple."""
+    rref.local_value()[2].append(x)
+
+
+def fetches():
+    return rpc._shmrpc.sent_counts()["PYTHON_RREF_FETCH_CALL"]
+
+
+def test_never_stale():
+    """A user reads a value no code can change from the owner's pickle,
+    without a message; any other value is fetched from the owner at each
+    to_here(), so no change made on the owner is ever missed."""
+    n = fetches()
+    r = rpc.remote("worker1", tuple_with_list)  # a tuple holding a list: mutable
+    for i in range(3):
+        rpc.rpc_sync("worker1", append_to, args=(r, i))
+        assert r.to_here() == (1, "a", list(range(i + 1))), "to_here sees every change"
+    assert fetches() == n + 3, "a mutable value is fetched at each to_here()"
+    frozen = rpc.remote("worker1", add_pair, args=((1, 2.5), ("x", b"y", None, frozenset({3}))))
+    assert frozen.to_here() == ((1, 2.5), ("x", b"y", None, frozenset({3})))
+    assert fetches() == n + 3, "a value that cannot change is read without a message"
+
+
+def add_pair(a, b):
+    return (a, b)
+
+
 def test_remote_error_not_kept():
     before = rpc.rpc_sync("worker1", owned_count)
     r = rpc.remote("worker1", Counter.add, args=(None, 1))  # AttributeError on the owner
