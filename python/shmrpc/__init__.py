@@ -806,7 +806,7 @@ def _pack_call(func, args, kwargs, dst=None):
     head = b"".join((_BY_NAME, ref[0].encode(), b"\0", ref[1].encode(), b"\0"))
     if not args and not kwargs:
         return head, [], []
-    data, rrefs, tensors = _dumps((tuple(args), dict(kwargs or {})))
+    data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
     return head + data, rrefs, tensors
 
 
