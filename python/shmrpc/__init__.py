@@ -18,16 +18,27 @@ import types
 import weakref
 
 from . import _shmrpc
+from . import backend_registry, constants  # noqa: F401  (torch's submodules' names)
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
+from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = [
     "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
     "rpc_async", "remote", "RRef", "Future", "RemoteException", "wait_all", "collect_all",
-    "functions", "autograd",
+    "functions", "autograd", "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
+    "get_rpc_timeout", "enable_gil_profiling", "is_available", "install_as_torch",
 ]
 
-UNSET_RPC_TIMEOUT = -1.0  # torch's sentinel: the default timeout
-_DEFAULT_RPC_TIMEOUT_SEC = 60.0
+UNSET_RPC_TIMEOUT = constants.UNSET_RPC_TIMEOUT  # torch's sentinel: the default timeout
+_UNSET_RPC_TIMEOUT = UNSET_RPC_TIMEOUT
+_DEFAULT_RPC_TIMEOUT_SEC = constants.DEFAULT_RPC_TIMEOUT_SEC
+_DEFAULT_INIT_METHOD = constants.DEFAULT_INIT_METHOD
+_DEFAULT_NUM_WORKER_THREADS = constants.DEFAULT_NUM_WORKER_THREADS
+# The default timeout in seconds (0: none): the backend options', or one
+# _set_rpc_timeout set; _timeout_override says the latter (the calls then
+# name it, instead of the agent's default that init set).
+_rpc_timeout = _DEFAULT_RPC_TIMEOUT_SEC
+_timeout_override = False
 
 _state = threading.local()
 _initialized = False
@@ -79,7 +90,9 @@ def _not_supported(what):
 
 def _timeout_ms(timeout):
     if timeout is None or timeout == UNSET_RPC_TIMEOUT:
-        return _shmrpc.TIMEOUT_DEFAULT
+        if not _timeout_override:
+            return _shmrpc.TIMEOUT_DEFAULT
+        timeout = _rpc_timeout
     if timeout == 0:
         return 0  # no timeout, as torch's 0
     if timeout < 0:
@@ -89,7 +102,8 @@ def _timeout_ms(timeout):
 
 def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options=None):
     """Joins the job shmrun started: rank and world size come from it."""
-    global _initialized
+    global _initialized, _rpc_timeout, _timeout_override
+    _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
     env_world = int(os.environ.get("SHMRPC_WORLD_SIZE", "-1"))
     if env_rank < 0:
@@ -105,12 +119,65 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         t = getattr(rpc_backend_options, "rpc_timeout", None)
         if t is not None:
             timeout_ms = -1 if t == 0 else int(t * 1000)
+            _rpc_timeout = float(t)
         maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
         _warn_ignored(rpc_backend_options)
     _shmrpc.set_handler(_run_function)
     _shmrpc.set_live_release(_release_owned)
     _shmrpc.init(name, threads, timeout_ms, maps)
     _initialized = True
+
+
+def is_available():
+    return True
+
+
+def get_rpc_timeout():
+    """The default timeout of calls, in seconds (0: none), as torch's."""
+    return _rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout):
+    """Sets the default timeout of calls made from now on, in seconds (0:
+    none), as torch's private helper (its tests use it)."""
+    global _rpc_timeout, _timeout_override
+    if rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout {rpc_timeout}: give seconds, 0 for none")
+    _rpc_timeout, _timeout_override = float(rpc_timeout), True
+
+
+def enable_gil_profiling(flag):
+    """torch's switch for agent.gil_average_wait_time_us: shmrpc always
+    records the executors' GIL waits (_get_debug_info), so it changes nothing."""
+    del flag
+
+
+class _Agent:
+    """The part of torch's RpcAgent programs and torch's tests reach through
+    _get_current_rpc_agent(): the workers and debug info."""
+
+    def get_worker_info(self, worker_name=None):
+        return get_worker_info(worker_name)
+
+    def get_worker_infos(self):
+        return [get_worker_info(r) for r in range(_shmrpc.world_size())]
+
+    def get_debug_info(self):
+        return _get_debug_info()
+
+    def _get_device_map(self, to):
+        raise _not_supported("_get_device_map")
+
+
+def _is_current_rpc_agent_set():
+    return _initialized
+
+
+def _get_current_rpc_agent():
+    if not _initialized:
+        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC "
+                           "framework (e.g. by calling `rpc.init_rpc`)?")
+    return _Agent()
 
 
 def _device_index(d):
@@ -913,6 +980,38 @@ class RRef:
                             "to_here", _shmrpc.PYTHON_RREF_FETCH_CALL,
                             -1 if cid is None else cid)
 
+    def _get_type(self, timeout=UNSET_RPC_TIMEOUT, blocking=True):
+        """The type of the value (asked of the owner once, then kept), or
+        with blocking=False a Future of it, as torch's."""
+        t = getattr(self, "_type", None)
+        if t is None:
+            if self._r.is_owner():
+                t = type(self.local_value())
+            elif not blocking:
+                fut = rpc_async(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+
+                def keep(f):
+                    self._type = f.wait()
+                    return self._type
+                return fut.then(keep)
+            else:
+                t = rpc_sync(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+            self._type = t
+        if blocking:
+            return t
+        fut = Future()
+        fut.set_result(t)
+        return fut
+
+    def _get_future(self):
+        """A Future completed (with None) once the owner has stored the
+        value, or with the remote call's error, as torch's."""
+        if self._r.is_owner() and self._r.confirmed_by_owner():
+            fut = Future()
+            fut.set_result(None)
+            return fut
+        return rpc_async(_shmrpc.rank(), _rref_created, args=(self,))
+
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
         """Backward from the value (a scalar tensor) on the owner: in the
         given distributed autograd context, or with -1 (on the owner only)
@@ -968,6 +1067,17 @@ def _release_owned(rref_id):
     _owned.pop(rref_id, None)
 
 
+def _rref_type(rref):
+    return type(rref.local_value())
+
+
+def _rref_created(rref):
+    """On an RRef's holder: returns once its value is stored (raises its error)."""
+    msg = _c_wait(rref._r.to_here, _timeout_ms(UNSET_RPC_TIMEOUT))
+    if msg[0] != _LIVE:
+        _result(msg)
+
+
 def _take_local(key):
     return _local_values.pop(key)
 
@@ -1009,3 +1119,10 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)
+
+
+def install_as_torch():
+    """torch.distributed.rpc, .autograd and DistributedOptimizer resolve to
+    shmrpc from now on (shmrpc.as_torch says exactly what is replaced)."""
+    from . import as_torch
+    as_torch.install()

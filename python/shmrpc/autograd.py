@@ -102,6 +102,58 @@ class _Context:
             old = self.grads.get(id(tensor))
             self.grads[id(tensor)] = (tensor, grad if old is None else old[1] + grad)
 
+    # torch's DistAutogradContext methods (its tests call them).
+    def _context_id(self):
+        return self.id
+
+    def _known_worker_ids(self):
+        with self.lock:
+            return set(self.known) - {_my_rank()}
+
+    def _send_functions(self):
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self):
+        with self.lock:
+            return {k: v[0] for k, v in self.recvs.items()}
+
+
+DistAutogradContext = _Context
+
+
+def is_available():
+    return True
+
+
+def _current_context():
+    """torch's: this thread's context; RuntimeError outside one."""
+    ctx = _current()
+    if ctx is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap "
+                           "your code using: `with torch.distributed.autograd.context() as "
+                           "context_id` to generate a valid context")
+    return ctx
+
+
+def _is_valid_context(context_id):
+    with _lock:
+        return context_id in _contexts
+
+
+def _retrieve_context(context_id):
+    return _retrieve(context_id)
+
+
+def _get_max_id():
+    """The largest context id this worker can make (torch's: its rank's range)."""
+    return (_my_rank() << 48) | ((1 << 48) - 1)
+
+
+def _get_debug_info():
+    """torch's dist_autograd._get_debug_info()."""
+    return _debug_info()
+
 
 def _missing(cid):
     return RuntimeError(f"Could not find autograd context with id: {cid}")
