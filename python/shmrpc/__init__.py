@@ -1121,6 +1121,14 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 from . import autograd  # noqa: E402  (it uses the functions above)
 
 
+def _hook_torch_futures():
+    from . import as_torch
+    as_torch.futures_hook()
+
+
+_hook_torch_futures()
+
+
 def install_as_torch():
     """torch.distributed.rpc, .autograd and DistributedOptimizer resolve to
     shmrpc from now on (shmrpc.as_torch says exactly what is replaced)."""

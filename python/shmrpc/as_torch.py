@@ -12,7 +12,8 @@ to shmrpc, in sys.modules and as attributes of their parent packages:
 - torch.distributed.optim.DistributedOptimizer
                                  -> shmrpc.optim.DistributedOptimizer
 - torch.futures.wait_all / collect_all: given shmrpc Futures (rpc_async's),
-  shmrpc's; given only torch Futures, torch's own.
+  shmrpc's; given only torch Futures, torch's own. (`import shmrpc` does
+  this one by itself, whenever torch.futures is loaded.)
 
 Everything else of torch stays torch's. A program calls
 `shmrpc.install_as_torch()` itself to the same effect; either way it must
@@ -25,6 +26,43 @@ import runpy
 import sys
 
 _installed = False
+
+
+def patch_futures(torch_futures):
+    """torch.futures' wait_all and collect_all take shmrpc's Futures too
+    (shmrpc's do the work when any is shmrpc's; torch's own otherwise).
+    Done by `import shmrpc` as soon as torch.futures is imported, before or
+    after it (futures_hook)."""
+    if getattr(torch_futures.wait_all, "_shmrpc", False):
+        return
+    torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
+
+
+class _FuturesHook:
+    """A meta path finder that patches torch.futures once it is loaded."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch.futures":
+            return None
+        import importlib.machinery
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            patch_futures(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def futures_hook():
+    """Patches torch.futures now if it is loaded, else when it is."""
+    if "torch.futures" in sys.modules:
+        patch_futures(sys.modules["torch.futures"])
+    elif not any(isinstance(f, _FuturesHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FuturesHook())
 
 
 def _futures_patched(torch_futures):
@@ -46,6 +84,7 @@ def _futures_patched(torch_futures):
 
     wait_all.__doc__ = torch_wait_all.__doc__
     collect_all.__doc__ = torch_collect_all.__doc__
+    wait_all._shmrpc = collect_all._shmrpc = True
     return wait_all, collect_all
 
 
@@ -78,7 +117,7 @@ def install():
     dist.rpc = shmrpc
     dist.autograd = autograd
     dist_optim.DistributedOptimizer = optim.DistributedOptimizer
-    torch.futures.wait_all, torch.futures.collect_all = _futures_patched(torch_futures)
+    patch_futures(torch_futures)
     _installed = True
 
 

@@ -63,6 +63,19 @@ def test_install_replaces_torch_names():
     assert r.returncode == 0, r.stderr
 
 
+def test_wait_all_takes_shmrpc_futures():
+    """Without install_as_torch: import shmrpc before or after torch."""
+    for first, second in (("shmrpc", "torch"), ("torch", "shmrpc")):
+        code = (f"import {first}, {second}\n"
+                "f = shmrpc.Future(); f.set_result(3)\n"
+                "assert torch.futures.wait_all([f]) == [3]\n"
+                "assert torch.futures.collect_all([f]).wait()[0].wait() == 3\n"
+                "t = torch.futures.Future(); t.set_result(4)\n"
+                "assert torch.futures.wait_all([t]) == [4]\n")
+        r = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+        assert r.returncode == 0, f"{first} first: {r.stderr}"
+
+
 def test_usage():
     r = subprocess.run([sys.executable, "-m", "shmrpc.as_torch"], stderr=subprocess.PIPE,
                        text=True)
