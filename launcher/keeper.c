@@ -319,14 +319,16 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 	}
 	if (poll(pfd, n, timeout) < 0)
 		return errno == EINTR;
-	for (nfds_t i = 0; i < n; i++) {
+	/* Leaves and deaths before knocks: a worker that left and joins again
+	 * (init_rpc after shutdown) has its leave pending when its knock
+	 * comes; seen first, the leave closes the door, and the knock finds
+	 * a new keeper. */
+	for (nfds_t i = k->lfd >= 0 ? 1 : 0; i < n; i++) {
 		uint32_t r = who[i] & 0x7fffffffu;
 
 		if (!pfd[i].revents)
 			continue;
-		if (pfd[i].fd == k->lfd && k->lfd >= 0 && i == 0)
-			on_knock(k);
-		else if (!(who[i] & 0x80000000u) && k->m[r].pidfd == pfd[i].fd)
+		if (!(who[i] & 0x80000000u) && k->m[r].pidfd == pfd[i].fd)
 			on_death(k, r);
 		else if ((who[i] & 0x80000000u) && k->m[r].conn == pfd[i].fd) {
 			char b;
@@ -337,6 +339,8 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 			on_close(k, r);
 		}
 	}
+	if (k->lfd >= 0 && pfd[0].fd == k->lfd && pfd[0].revents)
+		on_knock(k);
 	return true;
 }
 

@@ -7,7 +7,7 @@ file:// and tcp:// init methods; a SIGKILLed rank under each route fails
 the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
-missing. After each case no process is left (children joined, the job's
+missing; init_rpc again after shutdown. After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
 (tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
 import multiprocessing as mp
@@ -61,6 +61,19 @@ def run_case(rank, world, init_method, case, q, name=None):
         kwargs = {} if rank is None else {"rank": rank, "world_size": world}
         rank = int(os.environ["RANK"]) if rank is None else rank
         out["rank"] = rank
+        if case == "reinit":
+            # torch's tests init_rpc again after shutdown in one process:
+            # each round is a new job, with a new keeper.
+            out["rounds"] = []
+            for i in range(3):
+                rpc.init_rpc(f"w{rank}", rpc_backend_options=opts(init_method), **kwargs)
+                out["keeper"] = rpc._joined.keeper_pid
+                out["rounds"].append(rpc.rpc_sync(f"w{(rank + 1) % world}", add, args=(rank, i)))
+                rpc.shutdown()
+                out.setdefault("keepers", []).append(out["keeper"])
+            out["ok"] = True
+            q.put(out)
+            return
         rpc.init_rpc(name or f"w{rank}", rpc_backend_options=opts(init_method), **kwargs)
         out["keeper"] = rpc._joined.keeper_pid
         out["env_clear"] = "SHMRPC_RANK" not in os.environ and "SHMRPC_JOB_FD" not in os.environ
@@ -244,6 +257,19 @@ def test_world_size_one(monkeypatch):
     reports, codes = run_procs(mp.get_context("fork"), 1, None, "ring")
     assert codes == [0] and reports[0].get("ok") and reports[0]["result"] == 100, reports
     nothing_left({reports[0]["keeper"]})
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_reinit_after_shutdown(start, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    reports, codes = run_procs(mp.get_context(start), 2, None, "reinit")
+    got = final(reports)
+    assert codes == [0, 0], (codes, reports)
+    for r in range(2):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["rounds"] == [r + i for i in range(3)], got[r]
+    nothing_left(set(got[0]["keepers"]) | set(got[1]["keepers"]))
 
 
 def test_duplicate_names(monkeypatch):
