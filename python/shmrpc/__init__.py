@@ -32,6 +32,7 @@ _DEFAULT_RPC_TIMEOUT_SEC = 60.0
 _state = threading.local()
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
+_shut_down = False  # shutdown ran once in this process
 
 
 class WorkerInfo:
@@ -107,6 +108,12 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if env_rank < 0:
             raise RuntimeError("init_rpc: this process is not a shmrpc worker: start it with "
                                "shmrun -n N -- python3 prog.py")
+        if joined is None and _shut_down and not _fd_open(os.environ.get("SHMRPC_JOB_FD")):
+            # The agent closed what shmrun gave when it shut down.
+            raise RuntimeError("init_rpc after shutdown: a worker that shmrun started joins "
+                               "its job once. To start RPC again in one process, start the "
+                               "processes without shmrun: they meet at an init_method "
+                               "(env://, tcp://, file://) and each init_rpc makes a new job")
         if rank is not None and rank != env_rank:
             raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
         if world_size is not None and world_size != env_world:
@@ -130,6 +137,14 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _rendezvous.clear_env()
     _joined = joined
     _initialized = True
+
+
+def _fd_open(fd):
+    try:
+        os.fstat(int(fd))
+        return True
+    except (TypeError, ValueError, OSError):
+        return False
 
 
 def _device_index(d):
@@ -180,7 +195,7 @@ def _warn_ignored(opts, joined=False):
 
 def shutdown(graceful=True, timeout=0):
     """Graceful: waits until every worker is done, then all leave together."""
-    global _initialized, _joined
+    global _initialized, _joined, _shut_down
     try:
         _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
     finally:
@@ -190,6 +205,7 @@ def shutdown(graceful=True, timeout=0):
         if joined is not None:
             joined.leave()
         _initialized = False
+        _shut_down = True
 
 
 def _get_debug_info():
