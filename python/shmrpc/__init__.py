@@ -131,6 +131,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     except BaseException:
         if joined is not None:
             joined.leave()
+            joined.close_unused()
         raise
     finally:
         if joined is not None:

@@ -114,14 +114,32 @@ class Joined:
     """This process's place in a job it joined: the keeper's connection,
     open while the process is in the job, and the keeper's pid."""
 
-    def __init__(self, conn, keeper_pid):
+    def __init__(self, conn, keeper_pid, fds):
         self.conn = conn
         self.keeper_pid = keeper_pid
+        # The memfds as received: (number, (device, inode)).
+        self.fds = [(fd, _identity(fd)) for fd in fds]
+
+    def close_unused(self):
+        """After a failed init: the memfds the agent did not take (it
+        closes what it attached; a number reused since names another file)."""
+        for fd, ident in self.fds:
+            if ident is not None and _identity(fd) == ident:
+                os.close(fd)
+        self.fds = []
 
     def leave(self):
         if self.conn is not None:
             _shmrpc.leave(self.conn)
             self.conn = None
+
+
+def _identity(fd):
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return None
 
 
 def join(name, rank, world_size, opts):
@@ -144,7 +162,7 @@ def join(name, rank, world_size, opts):
     os.environ.update({"SHMRPC_RANK": str(rank), "SHMRPC_WORLD_SIZE": str(world_size),
                        "SHMRPC_JOB_FD": str(seg), "SHMRPC_POOL_FD": str(pool),
                        "SHMRPC_RREF_FD": str(rrefs)})
-    return Joined(conn, keeper)
+    return Joined(conn, keeper, (seg, pool, rrefs))
 
 
 def clear_env():

@@ -92,7 +92,19 @@ def run_case(rank, world, init_method, case, q, name=None):
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001
         out["exc"] = f"{type(e).__name__}: {e}"
+    out["memfds"] = memfds()
     q.put(out)
+
+
+def memfds():
+    """The job memfds this process still holds (none once it has left)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
 
 
 def torchrun_main():
@@ -168,6 +180,7 @@ def test_ring(start, init_method, tmp_path, monkeypatch):
         assert got[r]["result"] == r + 100
         assert got[r]["info"] == (f"w{r}", r)
         assert got[r]["env_clear"]
+        assert got[r]["memfds"] == 0, got[r]
     assert len({got[r]["keeper"] for r in range(3)}) == 1  # one keeper for the job
     nothing_left({got[0]["keeper"]})
 
@@ -278,6 +291,7 @@ def test_duplicate_names(monkeypatch):
     reports, codes = run_procs(mp.get_context("fork"), 2, None, "ring", names=["same", "same"])
     excs = [r.get("exc", "") for r in reports]
     assert all(excs), reports  # neither starts
+    assert [r["memfds"] for r in reports] == [0, 0], reports  # a failed init keeps none
     assert any("RPC worker name same is not unique. Workers 0 and 1 share the same name." in e
                or "Workers 1 and 0" in e for e in excs), excs
     nothing_left(set())
