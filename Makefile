@@ -121,9 +121,11 @@ $(BUILD)/obj/python/%.o: python/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -isystem $(PY_INC) $(CFLAGS) -MMD -MP -c -o $@ $<
 
-# The extension: its C files, and launcher/job_shm.c for the jobs that
-# shmrpc.data launches itself.
-$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o $(LIB_OBJS)
+# The extension: its C files, launcher/job_shm.c for the jobs that
+# shmrpc.data launches itself, and launcher/keeper.c for the keeper of a
+# job that processes join without shmrun.
+$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o \
+		$(BUILD)/obj/launcher/keeper.o $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS)
 
