@@ -299,6 +299,13 @@ def _get_debug_info():
     return info
 
 
+def _rref_context_get_debug_info():
+    """torch's RRef context counts for this worker, as strings."""
+    info = _shmrpc.debug_info()
+    return {k: str(info[k]) for k in ("num_owner_rrefs", "num_pending_futures", "num_forks",
+                                      "num_pending_users")}
+
+
 def get_worker_info(worker_name=None):
     name, rank = _shmrpc.worker_info(worker_name)
     return WorkerInfo(name, rank)
@@ -976,6 +983,15 @@ class RRef:
     object, kept under the RRef's id until the RRef is deleted everywhere
     (docs/RREF.md, "Python values"); local_value() and proxies act on it,
     and to_here() on a user pickles it as it is then."""
+
+    def __class_getitem__(cls, item):
+        """RRef[T] in annotations, as torch's RRef is generic. Where torch
+        is loaded, torch's own RRef[T], which TorchScript understands in a
+        scripted function's signature (shmrpc runs no TorchScript: such a
+        function cannot take a shmrpc RRef, but its module imports)."""
+        torch_api = sys.modules.get("torch.distributed.rpc.api")
+        torch_rref = getattr(torch_api, "RRef", None)
+        return torch_rref[item] if torch_rref is not None else cls
 
     def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:
