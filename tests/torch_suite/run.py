@@ -14,6 +14,9 @@ import sys
 import time
 import unittest
 
+# torch's per-test limit (common_distributed reads it at import): 300 s
+# by default; a test that hangs on shmrpc should not hold the run that long.
+os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "60")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shmrpc_suite  # noqa: E402
 
