@@ -28,6 +28,7 @@ logging.getLogger("torch").setLevel(logging.WARNING)
 
 shmrpc.install_as_torch()
 
+import torch  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402  (shmrpc now)
 from torch.testing._internal.distributed.rpc.dist_autograd_test import (  # noqa: E402
     DistAutogradTest)
@@ -40,6 +41,7 @@ from torch.testing._internal.distributed.rpc.examples.reinforcement_learning_rpc
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # noqa: E402
     RpcAgentTestFixture)
 from torch.testing._internal.distributed.rpc.rpc_test import RpcTest  # noqa: E402
+from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.distributed.rpc_utils import generate_tests  # noqa: E402
 
 assert rpc is shmrpc, "install_as_torch ran before torch's suites imported rpc"
@@ -49,6 +51,13 @@ SUITES = [RpcTest, DistAutogradTest, DistOptimizerTest, ParameterServerTest,
 
 
 class ShmrpcAgentTestFixture(RpcAgentTestFixture):
+    def setUp(self):
+        # torch's SpawnHelper.setUp, forking the ranks instead of spawning
+        # them: each spawned rank imports torch anew (seconds of CPU per
+        # test on a small machine). The test runs the same either way.
+        MultiProcessTestCase.setUp(self)
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
     @property
     def rpc_backend(self):
         return rpc.backend_registry.BackendType["TENSORPIPE"]  # any name: shmrpc's backend
