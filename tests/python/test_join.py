@@ -334,12 +334,17 @@ def test_duplicate_rank(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    # Two processes claim rank 0 of a job of 2; rank 1 comes too.
+    # Two processes claim rank 0 of a job of 2: the second is refused while
+    # the first waits for rank 1, which comes after that (had it come
+    # before, the job could be over by the time the second knocks, and a
+    # knock after a job is a new job's).
     procs = [ctx.Process(target=run_case, args=(r, 2, None, "ring", q, f"n{i}"))
              for i, r in enumerate([0, 0, 1])]
-    for p in procs:
-        p.start()
-    reports = [q.get(timeout=WAIT) for _ in procs]
+    procs[0].start()
+    procs[1].start()
+    reports = [q.get(timeout=WAIT)]
+    procs[2].start()
+    reports += [q.get(timeout=WAIT) for _ in range(2)]
     for p in procs:
         p.join(WAIT)
     excs = [r.get("exc", "") for r in reports]
