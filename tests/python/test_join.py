@@ -7,7 +7,7 @@ file:// and tcp:// init methods; a SIGKILLed rank under each route fails
 the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
-missing; init_rpc again after shutdown. After each case no process is left (children joined, the job's
+missing; a world_size that is not the job's; init_rpc again after shutdown. After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
 (tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
 import multiprocessing as mp
@@ -375,3 +375,29 @@ def test_missing_rank(monkeypatch):
     with pytest.raises(ValueError, match="MASTER_PORT expected, but not set"):
         rpc.init_rpc("w0", rank=0, world_size=2)
     nothing_left(set(), ["tcp:29500"])
+
+
+def test_world_size_mismatch(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    first = ctx.Process(target=run_case, args=(0, 2, None, "ring", q))
+    first.start()
+    try:
+        # Its keeper is up once the rendezvous's socket is.
+        end = time.monotonic() + WAIT
+        while time.monotonic() < end:
+            with open("/proc/net/unix") as f:
+                if any(line.split()[-1] == sock_name(f"tcp:{port}") for line in f):
+                    break
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="world_size 3, but the job at this rendezvous "
+                                               "has 2 workers"):
+            rpc.init_rpc("w1", rank=1, world_size=3)
+        assert "SHMRPC_RANK" not in os.environ
+    finally:
+        first.kill()  # it waits for a rank 1 that never comes
+        first.join()
+    nothing_left(set(), [f"tcp:{port}"])
