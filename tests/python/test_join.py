@@ -7,7 +7,8 @@ file:// and tcp:// init methods; a SIGKILLed rank under each route fails
 the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
-missing; a world_size that is not the job's; init_rpc again after shutdown. After each case no process is left (children joined, the job's
+missing; a world_size that is not the job's; init_rpc again after
+shutdown. After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
 (tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
 import multiprocessing as mp
