@@ -160,7 +160,9 @@ def nothing_left(keepers, keys=()):
             break
         time.sleep(0.02)
     assert not socks, f"rendezvous sockets left: {socks}"
-    assert not [n for n in os.listdir("/dev/shm") if "shmrpc" in n]
+    # /dev/shm: the runner compares it before and after the module (other
+    # jobs on the machine may have files there meanwhile); the job's
+    # memory is memfds, and test cases check that no process holds one.
 
 
 def run_procs(ctx, world, init_method, case, names=None):
