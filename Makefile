@@ -10,8 +10,11 @@ CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
 TEST_TIMEOUT ?= 300
-DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip python3-numpy python3-pytest
-BENCH_PKGS := python3-torch
+# Every Debian package a test needs (python3-torch too: the loader, autograd,
+# optimizer, device-map and compat tests import it); the benches need no more.
+DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip \
+	    python3-numpy python3-pytest python3-torch
+BENCH_PKGS :=
 
 ifeq ($(SAN),)
 BUILD    ?= build
