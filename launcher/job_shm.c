@@ -20,7 +20,8 @@ int job_shm_create(struct job_shm *js, const struct job_shm_params *p)
 	struct shm_seg_params sp = { .world_size = p->world, .ring_size = p->ring_size,
 				     .trace_records = p->trace_records, .flags = p->seg_flags,
 				     .job_name = p->job_name };
-	struct pool_params pp = { .bytes = p->pool_size, .world = p->world };
+	struct pool_params pp = { .bytes = p->pool_size ? p->pool_size : pool_default_bytes(),
+				  .world = p->world };
 	struct rref_table_params rp = { .max_rrefs = p->max_rrefs, .world = p->world };
 	int rc;
 

@@ -56,6 +56,21 @@ static const struct option long_opts[] = {
 	{ NULL, 0, NULL, 0 },
 };
 
+/* The default pool size here, as --pool-size would take it ("12G"). */
+static const char *pool_default_text(void)
+{
+	static char buf[32];
+	uint64_t v = pool_default_bytes();
+
+	if (!(v & ((1ull << 30) - 1)))
+		snprintf(buf, sizeof(buf), "%lluG", (unsigned long long)(v >> 30));
+	else if (v >= (1ull << 30))
+		snprintf(buf, sizeof(buf), "%.1fG", (double)v / (1ull << 30));
+	else
+		snprintf(buf, sizeof(buf), "%lluM", (unsigned long long)(v >> 20));
+	return buf;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f,
@@ -73,8 +88,10 @@ static void usage(FILE *f)
 		"  --grace SEC             seconds between SIGTERM and SIGKILL (default 3)\n"
 		"  --wait=MODE             how workers sleep: uring, futex or spin\n"
 		"  --ring-size BYTES       bytes per ring, a power of two in %u..%u\n"
-		"  --pool-size BYTES       the shared tensor pool, e.g. 512M or 4G (default %s),\n"
-		"                          committed when the job starts\n"
+		"  --pool-size BYTES       the most the shared tensor pool may hold, e.g. 512M\n"
+		"                          or 4G (default: half of this machine's memory, or\n"
+		"                          of its cgroup's limit: %s here); memory is taken\n"
+		"                          as tensors are made and given back as they go\n"
 		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
 		"  --trace-records N       flight-recorder records per worker, a power of two\n"
 		"                          in %u..%u (default %u; fewer beyond 256 workers)\n"
@@ -91,7 +108,7 @@ static void usage(FILE *f)
 		"\n"
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
-		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT, RREF_MAX_RREFS,
+		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, pool_default_text(), RREF_MAX_RREFS,
 		RREF_DEFAULT_MAX_RREFS, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
 		SHMRUN_DUMP_RECORDS);
 }
@@ -179,7 +196,6 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 	int c;
 
 	*o = (struct shmrun_opts){ .name_format = "worker{rank}",
-				   .pool_size = SHMRUN_POOL_DEFAULT,
 				   .grace_ns = (uint64_t)(DEFAULT_GRACE_S * 1e9) };
 	opterr = 0; /* our own messages, each followed by the usage */
 	/* '+': stop at the program, whose own options are not ours. */

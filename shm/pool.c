@@ -54,10 +54,12 @@
 #include <linux/falloc.h>
 #include <stdlib.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
@@ -145,6 +147,89 @@ static bool pool_resolve(const struct pool_params *in, struct pool_params *out, 
 	out->holder_cap = in->holder_cap ? in->holder_cap : POOL_HOLDER_CAP_DEFAULT;
 	*nchunks = (uint32_t)chunks;
 	return pool_shape(out->world, out->holder_cap, out->max_blocks, *nchunks, s);
+}
+
+/* A memory limit from a cgroup file ("max" or a number); UINT64_MAX if none. */
+static uint64_t cgroup_limit_file(const char *path)
+{
+	char buf[64];
+	ssize_t n;
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	unsigned long long v;
+	char *end;
+
+	if (fd < 0)
+		return UINT64_MAX;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return UINT64_MAX;
+	buf[n] = '\0';
+	errno = 0;
+	v = strtoull(buf, &end, 10);
+	if (errno || end == buf || (*end && *end != '\n'))
+		return UINT64_MAX; /* "max", or anything unreadable: no limit */
+	return v;
+}
+
+/*
+ * The memory limit of this process's cgroup (v2 memory.max, v1
+ * memory.limit_in_bytes), the least of its own and its ancestors' as far as
+ * they are visible; UINT64_MAX when there is none.
+ */
+static uint64_t cgroup_limit(void)
+{
+	char line[512], path[PATH_MAX];
+	uint64_t lim = UINT64_MAX, v;
+	FILE *f = fopen("/proc/self/cgroup", "re");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *rel = strchr(line, ':'), *ctl, *end;
+		bool v2;
+
+		if (!rel)
+			continue;
+		ctl = rel + 1;
+		rel = strchr(ctl, ':');
+		if (!rel)
+			continue;
+		*rel++ = '\0';
+		rel[strcspn(rel, "\n")] = '\0';
+		v2 = !*ctl;
+		if (!v2 && strcmp(ctl, "memory"))
+			continue;
+		/* The cgroup and each ancestor: the tightest limit counts. */
+		for (;;) {
+			snprintf(path, sizeof(path), "/sys/fs/cgroup%s%s/%s", v2 ? "" : "/memory", rel,
+				 v2 ? "memory.max" : "memory.limit_in_bytes");
+			v = cgroup_limit_file(path);
+			lim = v < lim ? v : lim;
+			end = strrchr(rel, '/');
+			if (!end || end == rel)
+				break;
+			*end = '\0';
+		}
+	}
+	if (f)
+		fclose(f);
+	/* The root of the namespace's view (a container sees its own there). */
+	v = cgroup_limit_file("/sys/fs/cgroup/memory.max");
+	lim = v < lim ? v : lim;
+	v = cgroup_limit_file("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+	return v < lim ? v : lim;
+}
+
+uint64_t pool_default_bytes(void)
+{
+	struct sysinfo si;
+	uint64_t ram = sysinfo(&si) == 0 ? (uint64_t)si.totalram * si.mem_unit : 0;
+	uint64_t lim = cgroup_limit(), v;
+
+	if (!ram)
+		return POOL_DEFAULT_FALLBACK;
+	v = (lim < ram ? lim : ram) / 2;
+	v &= ~(uint64_t)(POOL_CHUNK - 1);
+	return v < POOL_CHUNK ? POOL_CHUNK : v;
 }
 
 uint64_t pool_total_bytes(const struct pool_params *params)

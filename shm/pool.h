@@ -259,6 +259,15 @@ SHMRPC_HIDDEN int pool_create(struct shm_pool *p, const struct pool_params *para
  * called then. */
 SHMRPC_HIDDEN int pool_attach_fd(struct shm_pool *p, int fd, bool readonly);
 SHMRPC_HIDDEN void pool_detach(struct shm_pool *p);
+/*
+ * The pool's default size: half of the machine's memory, or of its cgroup's
+ * limit where that is less (memory.max, memory.limit_in_bytes). Address
+ * space, not memory: a block's pages are committed when it is handed out
+ * and given back when a large one is freed, so the pool costs what the job
+ * holds in it. shmrun --pool-size caps it.
+ */
+SHMRPC_HIDDEN uint64_t pool_default_bytes(void);
+#define POOL_DEFAULT_FALLBACK (1ull << 30) /* when the memory cannot be read */
 /* Bytes a pool of this shape occupies (data and records); 0 if invalid. */
 SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
 

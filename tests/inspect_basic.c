@@ -27,6 +27,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "shm/pool.h"
 #include "shm/rref_table.h"
 #include "shm/segment.h"
 #include "tests/lib/job.h"
@@ -131,8 +132,10 @@ static void inspect_job(const char *job)
 			      tl_json_num(w, gauges[g]));
 	}
 	/* The tensor pool, read-only: shmrun's default size, both ranks holding it. */
-	CHECK(strstr(out, "\"pool\":{") && tl_json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
-	      "no tensor pool of 256 MiB in the JSON");
+	CHECK(strstr(out, "\"pool\":{") &&
+	      tl_json_num(strstr(out, "\"pool\":{"), "size") == pool_default_bytes(),
+	      "no tensor pool of the default size (%llu bytes) in the JSON",
+	      (unsigned long long)pool_default_bytes());
 	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
 	      "the pool's holders are not listed");
 
