@@ -25,6 +25,8 @@ enum {
 	OPT_RING_SIZE,
 	OPT_POOL_SIZE,
 	OPT_MAX_RREFS,
+	OPT_HOLDER_RECORDS,
+	OPT_POOL_RECORDS,
 	OPT_TRACE_RECORDS,
 	OPT_TRACE,
 	OPT_DUMP_ON_FAILURE,
@@ -46,6 +48,8 @@ static const struct option long_opts[] = {
 	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
 	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
 	{ "max-rrefs", required_argument, NULL, OPT_MAX_RREFS },
+	{ "holder-records", required_argument, NULL, OPT_HOLDER_RECORDS },
+	{ "pool-records", required_argument, NULL, OPT_POOL_RECORDS },
 	{ "trace-records", required_argument, NULL, OPT_TRACE_RECORDS },
 	{ "trace", required_argument, NULL, OPT_TRACE },
 	{ "dump-on-failure", no_argument, NULL, OPT_DUMP_ON_FAILURE },
@@ -93,6 +97,12 @@ static void usage(FILE *f)
 		"                          of its cgroup's limit: %s here); memory is taken\n"
 		"                          as tensors are made and given back as they go\n"
 		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
+		"  --holder-records N      pool references each worker may hold at once (its\n"
+		"                          received and made tensors), a power of two in\n"
+		"                          16..16777216 (default %u)\n"
+		"  --pool-records N        tensor pool blocks alive at once, 1..%u (default:\n"
+		"                          one per 16 KiB of pool, %u..%u; a slab of 64 B\n"
+		"                          tensors takes 1024)\n"
 		"  --trace-records N       flight-recorder records per worker, a power of two\n"
 		"                          in %u..%u (default %u; fewer beyond 256 workers)\n"
 		"  --trace FILE            when the job has ended (also after a failure), write\n"
@@ -109,7 +119,8 @@ static void usage(FILE *f)
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
 		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, pool_default_text(), RREF_MAX_RREFS,
-		RREF_DEFAULT_MAX_RREFS, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
+		RREF_DEFAULT_MAX_RREFS, POOL_HOLDER_CAP_DEFAULT, POOL_MAX_BLOCKS, POOL_BLOCKS_DEFAULT_MIN,
+		POOL_BLOCKS_DEFAULT_MAX, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
 		SHMRUN_DUMP_RECORDS);
 }
 
@@ -252,6 +263,18 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 			if (!parse_u64(optarg, 1, RREF_MAX_RREFS, &v))
 				return bad("--max-rrefs must be 1..%u, not '%s'", RREF_MAX_RREFS, optarg);
 			o->max_rrefs = (uint32_t)v;
+			break;
+		case OPT_HOLDER_RECORDS:
+			if (!parse_u64(optarg, 16, 1u << 24, &v) || (v & (v - 1)))
+				return bad("--holder-records must be a power of two in 16..16777216, "
+					   "not '%s'", optarg);
+			o->holder_records = (uint32_t)v;
+			break;
+		case OPT_POOL_RECORDS:
+			if (!parse_u64(optarg, 1, POOL_MAX_BLOCKS, &v))
+				return bad("--pool-records must be 1..%u, not '%s'", POOL_MAX_BLOCKS,
+					   optarg);
+			o->pool_records = (uint32_t)v;
 			break;
 		case OPT_TRACE_RECORDS:
 			if (!parse_u64(optarg, SHM_TRACE_MIN, SHM_TRACE_MAX, &v) || (v & (v - 1)))

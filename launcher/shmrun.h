@@ -42,6 +42,8 @@ struct shmrun_opts {
 	uint32_t ring_size;       /* 0: the segment's default */
 	uint64_t pool_size;       /* bytes of tensor data at most; 0: pool_default_bytes() */
 	uint32_t max_rrefs;       /* 0: the table's default */
+	uint32_t holder_records;  /* --holder-records; 0: the pool's default */
+	uint32_t pool_records;    /* --pool-records; 0: the pool's default */
 	uint32_t trace_records;   /* flight-recorder records per worker; 0: the segment's default */
 	const char *trace_path;   /* --trace: the job's recorders as trace JSON; NULL: none */
 	uint32_t seg_flags;       /* SHM_F_* */

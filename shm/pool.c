@@ -310,9 +310,9 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	if (!pool_resolve(params, &r, &nchunks, &s))
 		return shmrpc__fail(-EINVAL,
 				    "cannot create a tensor pool of %" PRIu64 " bytes for %u workers "
-				    "(%u records per worker, %u block records): the size must be "
-				    "1 B..%s, workers 1..%u, records per worker a power of two in "
-				    "16..16777216",
+				    "(%u records per worker, %u block records): the size (shmrun "
+				    "--pool-size) must be 1 B..%s, workers 1..%u, records per worker "
+				    "(--holder-records) a power of two in 16..16777216",
 				    params->bytes, params->world, params->holder_cap, params->max_blocks,
 				    fmt_bytes(b1, (uint64_t)POOL_MAX_CHUNKS << POOL_CHUNK_SHIFT),
 				    POOL_MAX_WORLD);
@@ -1305,9 +1305,11 @@ static int record(struct shm_pool *p, uint32_t rank, uint32_t tag, uint32_t idx)
 		if (target < 0)
 			return shmrpc__fail(-ENOSPC,
 					    "rank %u's holder table is full (%u records): it holds "
-					    "too many pool blocks; create the pool with more records "
-					    "per worker",
-					    rank, p->holder_cap);
+					    "references to too many pool blocks at once (tensors it "
+					    "made or received and still holds); run the job with "
+					    "more: shmrun --holder-records %u",
+					    rank, p->holder_cap,
+					    p->holder_cap >= (1u << 24) ? 1u << 24 : p->holder_cap * 2);
 		if (atomic_compare_exchange_strong_explicit(
 			    &t[target], &seen, seen == 0 || seen == ENTRY_TOMB ? mine | ENTRY_ONE
 									  : seen + ENTRY_ONE,
