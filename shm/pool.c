@@ -778,6 +778,24 @@ static int pool_init_lists(struct shm_pool *p)
 	return 0;
 }
 
+/*
+ * ThreadSanitizer sees the lock only as this process takes and releases
+ * it: a block whose last reference a thread of this process dropped, and
+ * which another process then freed under the lock, reaches a thread of
+ * this process again with no order that TSan can see, though the lock
+ * gives one. Under TSan, every drop releases and every allocation
+ * acquires one address: the order the lock gives, made visible.
+ */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define TSAN_DROP(p) __tsan_release((void *)(p)->hdr)
+#define TSAN_TAKE(p) __tsan_acquire((void *)(p)->hdr)
+#else
+#define TSAN_DROP(p) ((void)0)
+#define TSAN_TAKE(p) ((void)0)
+#endif
+
 /* ---- The lock, and the rebuild after a death under it -------------------- */
 
 static int rebuild(struct shm_pool *p);
@@ -978,6 +996,7 @@ static int64_t small_alloc(struct shm_pool *p, uint32_t k)
 	idx = ent_rec(e) + j - 1;
 	p->chunks[c].free_head = p->meta[idx].next & ~POOL_LISTED;
 	p->meta[idx].next = 0;
+
 	/* Release, after the slab's offs: as in large_alloc (pool_ref). */
 	atomic_store_explicit(&p->meta[idx].refs, 1, memory_order_release);
 	add_slab_free(p, -(int64_t)size);
@@ -1070,6 +1089,7 @@ static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n)
 
 	/* Its class while our references keep the record this block's. */
 	k = block_class(p, idx);
+	TSAN_DROP(p);
 	do {
 		if (r < n)
 			return shmrpc__fail(-SHMRPC_ECORRUPT,
@@ -1518,6 +1538,8 @@ static int64_t take_block(struct shm_pool *p, uint32_t k)
 			break;
 	}
 	pool_unlock(p);
+	if (idx >= 0)
+		TSAN_TAKE(p);
 	return idx;
 }
 
