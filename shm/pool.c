@@ -1080,8 +1080,13 @@ static int block_free_locked(struct shm_pool *p, uint32_t idx)
 	return 0;
 }
 
-/* Drops n references of block idx; the last one frees it. */
-static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n)
+/*
+ * Drops n references of block idx; the last one frees it, and gives a large
+ * block's pages back if punch: not when a live process lets go of all it
+ * holds at once (pool_leave), whose views of its blocks stay readable after
+ * it has left (a data loader's batches after its job ended).
+ */
+static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 {
 	_Atomic uint32_t *refs = &p->meta[idx].refs;
 	uint32_t r = atomic_load_explicit(refs, memory_order_acquire), k;
@@ -1103,7 +1108,7 @@ static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n)
 		return 0;
 	/* The last reference: a large block is this process's alone until it
 	 * is listed (a rebuild keeps it), so its pages go back unlocked. */
-	if (k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN)
+	if (punch && k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN)
 		fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
 			  (off_t)atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
 			  (off_t)class_size(k));
@@ -1380,7 +1385,15 @@ static int unrecord(struct shm_pool *p, uint32_t rank, uint32_t tag, uint32_t id
 			    rank, p->meta[idx].off);
 }
 
+static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool punch);
+
 int pool_sweep(struct shm_pool *p, uint32_t rank, uint32_t generation)
+{
+	return sweep(p, rank, generation, true);
+}
+
+/* pool_sweep, and pool_leave's sweep of a live rank (punch false). */
+static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool punch)
 {
 	_Atomic uint64_t *life, *t;
 	uint64_t l, n = 0;
@@ -1420,7 +1433,7 @@ int pool_sweep(struct shm_pool *p, uint32_t rank, uint32_t generation)
 						   rank, idx, p->max_blocks);
 				break;
 			}
-			if (block_drop(p, idx, entry_count(w)) < 0)
+			if (block_drop(p, idx, entry_count(w), punch) < 0)
 				err = -SHMRPC_ECORRUPT;
 			else
 				n += entry_count(w);
@@ -1489,8 +1502,9 @@ int pool_leave(struct shm_pool *p, uint32_t rank)
 
 	if (err)
 		return err;
-	return pool_sweep(p, rank,
-			  life_gen(atomic_load_explicit(&p->holders[rank].life, memory_order_acquire)));
+	return sweep(p, rank,
+		     life_gen(atomic_load_explicit(&p->holders[rank].life, memory_order_acquire)),
+		     false);
 }
 
 /* ---- References ----------------------------------------------------------- */
@@ -1564,7 +1578,7 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 	*off = atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed);
 	err = record(p, rank, tag, (uint32_t)idx);
 	if (err) {
-		block_drop(p, (uint32_t)idx, 1);
+		block_drop(p, (uint32_t)idx, 1, true);
 		return err;
 	}
 	/* A large block's memory is committed now, outside the lock and once
@@ -1575,7 +1589,7 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
 		if (unrecord(p, rank, tag, (uint32_t)idx) == 0)
-			block_drop(p, (uint32_t)idx, 1);
+			block_drop(p, (uint32_t)idx, 1, true);
 		return shmrpc__fail(err, "%s", msg);
 	}
 	return 0;
@@ -1609,7 +1623,7 @@ int pool_ref(struct shm_pool *p, uint32_t rank, uint64_t off)
 	 * drop it again, and off was freed (the caller's stale offset). */
 	if (atomic_load_explicit(&p->meta[idx].off, memory_order_acquire) != off ||
 	    block_class(p, idx) != k) {
-		block_drop(p, idx, 1);
+		block_drop(p, idx, 1, true);
 		return shmrpc__fail(-EINVAL,
 				    "the pool block at offset %" PRIu64 " is free: no "
 				    "reference can be taken",
@@ -1617,7 +1631,7 @@ int pool_ref(struct shm_pool *p, uint32_t rank, uint64_t off)
 	}
 	err = record(p, rank, tag, idx);
 	if (err)
-		block_drop(p, idx, 1);
+		block_drop(p, idx, 1, true);
 	return err;
 }
 
@@ -1632,7 +1646,7 @@ int pool_unref(struct shm_pool *p, uint32_t rank, uint64_t off)
 		return shmrpc__fail(-EINVAL, "the pool block at offset %" PRIu64 " is already free",
 				    off);
 	err = unrecord(p, rank, tag, idx);
-	return err ? err : block_drop(p, idx, 1);
+	return err ? err : block_drop(p, idx, 1, true);
 }
 
 int64_t pool_block_size(struct shm_pool *p, uint64_t off)

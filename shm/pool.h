@@ -279,7 +279,9 @@ SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
  */
 SHMRPC_HIDDEN int pool_join(struct shm_pool *p, uint32_t rank, uint32_t generation);
 /* Clean exit of rank's holder: drops every reference it still holds.
- * Returns the number of references dropped. */
+ * Returns the number of references dropped. Unlike the other drops, it
+ * gives no pages back: the process's views of those blocks stay readable
+ * until someone allocates them again. */
 SHMRPC_HIDDEN int pool_leave(struct shm_pool *p, uint32_t rank);
 /*
  * The process that held rank as incarnation generation is dead (the caller
