@@ -882,6 +882,39 @@ static void add_slab_free(struct shm_pool *p, int64_t bytes)
 			      memory_order_relaxed);
 }
 
+static void add_retained(struct shm_pool *p, int64_t chunks)
+{
+	_Atomic uint64_t *v = &p->hdr->retained_chunks;
+
+	atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + (uint64_t)chunks,
+			      memory_order_relaxed);
+}
+
+/* Committed chunks among [c, c + n). */
+static uint32_t committed_in(struct shm_pool *p, uint32_t c, uint32_t n)
+{
+	uint32_t k = 0;
+
+	for (uint32_t i = c; i < c + n; i++)
+		k += atomic_load_explicit(&p->chunks[i].committed, memory_order_relaxed) != 0;
+	return k;
+}
+
+static void set_committed(struct shm_pool *p, uint32_t c, uint32_t n, uint32_t v)
+{
+	for (uint32_t i = c; i < c + n; i++)
+		atomic_store_explicit(&p->chunks[i].committed, v, memory_order_relaxed);
+}
+
+/* The free committed memory the pool keeps for its next blocks: an eighth
+ * of its size, POOL_RETAIN_MAX at most. */
+static uint64_t retain_budget(const struct shm_pool *p)
+{
+	uint64_t b = p->data_size / 8;
+
+	return b < POOL_RETAIN_MAX ? b : POOL_RETAIN_MAX;
+}
+
 /* An empty slab goes back to the chunks and its records to theirs. */
 static int slab_release(struct shm_pool *p, uint32_t k, uint32_t c)
 {
@@ -892,6 +925,7 @@ static int slab_release(struct shm_pool *p, uint32_t k, uint32_t c)
 	if (err)
 		return err;
 	add_slab_free(p, -(int64_t)POOL_CHUNK);
+	add_retained(p, committed_in(p, c, 1));
 	p->chunks[c].nfree = p->chunks[c].free_head = 0;
 	set_entry(p, c, 0);
 	if ((err = recs_free(p, r, (uint32_t)slab_nb_order(k))))
@@ -965,10 +999,14 @@ static int64_t small_alloc(struct shm_pool *p, uint32_t k)
 			return cc;
 		}
 		c = (uint32_t)cc;
-		if ((err = commit(p, chunk_off(p, c), POOL_CHUNK, size))) {
+		if (committed_in(p, c, 1)) {
+			add_retained(p, -1);
+		} else if ((err = commit(p, chunk_off(p, c), POOL_CHUNK, size))) {
 			recs_free(p, (uint32_t)r, nbo);
 			b_free(&cb, c, 0);
 			return err;
+		} else {
+			set_committed(p, c, 1, 1);
 		}
 		for (uint32_t i = 0; i < nb; i++) {
 			struct pool_meta *m = &p->meta[r + i];
@@ -1018,6 +1056,8 @@ static int64_t large_alloc(struct shm_pool *p, uint32_t o)
 		b_free(&cb, (uint32_t)c, o);
 		return r == -NO_SPACE ? -NO_RECORDS : r;
 	}
+	/* Its committed chunks are no longer free ones kept. */
+	add_retained(p, -(int64_t)committed_in(p, (uint32_t)c, 1u << o));
 	atomic_store_explicit(&p->meta[r].off, chunk_off(p, (uint32_t)c), memory_order_relaxed);
 	p->meta[r].next = 0;
 	/* Release, after off: pool_ref's CAS (acquire) that finds refs 1 here
@@ -1031,7 +1071,7 @@ static int64_t large_alloc(struct shm_pool *p, uint32_t o)
  * Block idx's refs reached 0 (under the lock): puts it back, if it still is
  * what its record says and nobody (a rebuild) did so already.
  */
-static int block_free_locked(struct shm_pool *p, uint32_t idx)
+static int block_free_locked(struct shm_pool *p, uint32_t idx, bool punched)
 {
 	struct pool_meta *m = &p->meta[idx];
 	uint64_t off = atomic_load_explicit(&m->off, memory_order_relaxed), e, in;
@@ -1053,6 +1093,12 @@ static int block_free_locked(struct shm_pool *p, uint32_t idx)
 					    "the tensor pool's block at chunk %u claims 2^%u chunks "
 					    "of %u", c, o, p->nchunks);
 		set_entry(p, c, 0);
+		/* Punched: nothing of it is committed; else its committed
+		 * chunks are kept for the next blocks. */
+		if (punched)
+			set_committed(p, c, 1u << o, 0);
+		else
+			add_retained(p, committed_in(p, c, 1u << o));
 		if ((err = recs_free(p, idx, 0)))
 			return err;
 		return b_free(&cb, c, o);
@@ -1090,6 +1136,7 @@ static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 {
 	_Atomic uint32_t *refs = &p->meta[idx].refs;
 	uint32_t r = atomic_load_explicit(refs, memory_order_acquire), k;
+	bool punched;
 	int err;
 
 	/* Its class while our references keep the record this block's. */
@@ -1108,13 +1155,17 @@ static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 		return 0;
 	/* The last reference: a large block is this process's alone until it
 	 * is listed (a rebuild keeps it), so its pages go back unlocked. */
-	if (punch && k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN)
-		fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-			  (off_t)atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
-			  (off_t)class_size(k));
+	/* Kept committed while the pool keeps less than its budget of free
+	 * committed memory (a racy read: a bound, not an account). */
+	punched = punch && k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN &&
+		  (atomic_load_explicit(&p->hdr->retained_chunks, memory_order_relaxed)
+		   << POOL_CHUNK_SHIFT) + class_size(k) > retain_budget(p) &&
+		  fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+			    (off_t)atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
+			    (off_t)class_size(k)) == 0;
 	if ((err = pool_lock(p)))
 		return err;
-	err = block_free_locked(p, idx);
+	err = block_free_locked(p, idx, punched);
 	pool_unlock(p);
 	return err;
 }
@@ -1210,6 +1261,10 @@ static int rebuild(struct shm_pool *p)
 			p->meta[r].next = 0;
 		}
 	}
+	atomic_store_explicit(&p->hdr->retained_chunks, 0, memory_order_relaxed);
+	for (uint32_t c = 0; c < p->nchunks; c++)
+		if (!cused[c] && atomic_load_explicit(&p->chunks[c].committed, memory_order_relaxed))
+			add_retained(p, 1);
 	for (uint32_t c = 0; c < p->nchunks;) {
 		uint32_t end = c;
 
@@ -1582,15 +1637,24 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 		return err;
 	}
 	/* A large block's memory is committed now, outside the lock and once
-	 * recorded (a death in the system call leaks nothing): the pages asked
-	 * for, not the whole class (a slab was committed when carved). */
-	if (k >= LARGE_CLASS0 && (err = commit(p, *off, bytes, bytes))) {
-		char msg[512];
+	 * recorded (a death in the system call leaks nothing): the chunks
+	 * asked for, not the whole class, and none when they all still are (a
+	 * slab was committed when carved). */
+	if (k >= LARGE_CLASS0) {
+		uint32_t c = (uint32_t)((*off - p->data_off) >> POOL_CHUNK_SHIFT);
+		uint32_t n = (uint32_t)((bytes + POOL_CHUNK - 1) >> POOL_CHUNK_SHIFT);
 
-		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
-		if (unrecord(p, rank, tag, (uint32_t)idx) == 0)
-			block_drop(p, (uint32_t)idx, 1, true);
-		return shmrpc__fail(err, "%s", msg);
+		if (committed_in(p, c, n) == n)
+			return 0;
+		if ((err = commit(p, *off, (uint64_t)n << POOL_CHUNK_SHIFT, bytes))) {
+			char msg[512];
+
+			snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+			if (unrecord(p, rank, tag, (uint32_t)idx) == 0)
+				block_drop(p, (uint32_t)idx, 1, true);
+			return shmrpc__fail(err, "%s", msg);
+		}
+		set_committed(p, c, n, 1);
 	}
 	return 0;
 }

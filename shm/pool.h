@@ -39,9 +39,12 @@
  *   a system call other than a slab's 64 KiB commit.
  * - Memory: the memfd's size is the pool's address space; its records and
  *   tables are committed at creation, its data pages when a block is
- *   handed out (fallocate of the pages asked: a full machine fails the
+ *   handed out (fallocate of the chunks asked: a full machine fails the
  *   allocation with -ENOMEM and a sentence, never SIGBUS later), and a
- *   large block's pages are given back when it is freed (hole punching).
+ *   freed block of 2 MiB or more gives its pages back (hole punching)
+ *   unless the pool keeps fewer than POOL_RETAIN_MAX bytes (or an eighth
+ *   of its size) of free committed memory: those serve the next blocks
+ *   without a commit nor page faults. Smaller blocks keep their pages.
  * - Running out of space or of block records is -ENOMEM with the sizes in
  *   words and the shmrun flag that raises the limit.
  *
@@ -147,7 +150,10 @@ struct pool_header {
 	_Atomic uint64_t slab_free_bytes;
 	_Atomic uint64_t free_records;
 	_Atomic uint64_t rebuilds; /* free-list rebuilds after a death under the lock */
-	uint8_t reserved[POOL_PAGE - 512 - 32];
+	/* Under the lock: free chunks whose pages are still committed (kept
+	 * for the next block, up to the pool's retain budget). */
+	_Atomic uint64_t retained_chunks;
+	uint8_t reserved[POOL_PAGE - 512 - 40];
 };
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "the pool's lock fits its line");
 _Static_assert(offsetof(struct pool_header, lock) == 128, "pool header layout");
@@ -177,7 +183,10 @@ struct pool_chunk {
 	uint32_t next, prev;
 	uint32_t nfree;     /* SLAB: its free blocks */
 	uint32_t free_head; /* SLAB: the first, local index + 1 (0: none) */
-	uint32_t pad[2];
+	/* 1: its pages are committed. Changed under the lock, or by the holder
+	 * of the block it is part of (relaxed: the lock orders the rest). */
+	_Atomic uint32_t committed;
+	uint32_t pad;
 };
 _Static_assert(sizeof(struct pool_chunk) == 32, "chunk record is 32 bytes");
 
@@ -268,6 +277,7 @@ SHMRPC_HIDDEN void pool_detach(struct shm_pool *p);
  */
 SHMRPC_HIDDEN uint64_t pool_default_bytes(void);
 #define POOL_DEFAULT_FALLBACK (1ull << 30) /* when the memory cannot be read */
+#define POOL_RETAIN_MAX (256ull << 20)     /* free memory kept committed, at most */
 /* Bytes a pool of this shape occupies (data and records); 0 if invalid. */
 SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
 
