@@ -10,8 +10,9 @@ CC       ?= gcc
 PREFIX   ?= /usr/local
 SAN      ?=
 TEST_TIMEOUT ?= 300
-# Every Debian package a test needs (make check fails a test that finds one
-# missing, rather than skipping it: .ci/allowed-skips); the benches need no more.
+# Every Debian package a test needs, python3-torch included (make check fails
+# a test that finds one missing rather than skip it: .ci/allowed-skips); the
+# benches need no more.
 DEB_PKGS := liburing-dev libxxhash-dev libdlpack-dev libmsgpack-dev python3-dev python3-pip \
 	    python3-numpy python3-pytest python3-torch
 BENCH_PKGS :=

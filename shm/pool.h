@@ -87,7 +87,7 @@
 #define POOL_MAGIC 0x314c4f4f504d4853ull /* "SHMPOOL1" read as little endian */
 #define POOL_FORMAT_VERSION 2u
 #define POOL_PAGE 4096u
-#define POOL_CHUNK_SHIFT 16u /* 64 KiB: the unit of the bump pointer and of slabs */
+#define POOL_CHUNK_SHIFT 16u /* 64 KiB: the buddy unit, a slab, the commit unit */
 #define POOL_CHUNK (1u << POOL_CHUNK_SHIFT)
 #define POOL_MIN_SHIFT 6u /* 64 B: the smallest class and the least alignment */
 #define POOL_SMALL_CLASSES (POOL_CHUNK_SHIFT - POOL_MIN_SHIFT) /* 64 B .. 32 KiB: slabs */
