@@ -145,6 +145,11 @@ static bool pool_resolve(const struct pool_params *in, struct pool_params *out, 
 	out->bytes = chunks << POOL_CHUNK_SHIFT;
 	out->max_blocks = (uint32_t)blocks;
 	out->holder_cap = in->holder_cap ? in->holder_cap : POOL_HOLDER_CAP_DEFAULT;
+	/* The tables are committed at creation: beyond 512 workers the
+	 * default halves, keeping them to 1 GiB (131072 per worker at 1024). */
+	while (!in->holder_cap && out->holder_cap > (1u << 17) &&
+	       (uint64_t)out->holder_cap * sizeof(uint64_t) * in->world > (1ull << 30))
+		out->holder_cap >>= 1;
 	*nchunks = (uint32_t)chunks;
 	return pool_shape(out->world, out->holder_cap, out->max_blocks, *nchunks, s);
 }
