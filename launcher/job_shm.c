@@ -20,7 +20,9 @@ int job_shm_create(struct job_shm *js, const struct job_shm_params *p)
 	struct shm_seg_params sp = { .world_size = p->world, .ring_size = p->ring_size,
 				     .trace_records = p->trace_records, .flags = p->seg_flags,
 				     .job_name = p->job_name };
-	struct pool_params pp = { .bytes = p->pool_size, .world = p->world };
+	struct pool_params pp = { .bytes = p->pool_size ? p->pool_size : pool_default_bytes(),
+				  .world = p->world, .holder_cap = p->holder_records,
+				  .max_blocks = p->pool_records };
 	struct rref_table_params rp = { .max_rrefs = p->max_rrefs, .world = p->world };
 	int rc;
 

@@ -26,8 +26,10 @@ struct job_shm_params {
 	uint32_t trace_records; /* 0: the segment's default */
 	uint32_t seg_flags;     /* SHM_F_* */
 	const char *job_name;
-	uint64_t pool_size;     /* bytes of tensor data */
+	uint64_t pool_size;     /* bytes of tensor data at most; 0: pool_default_bytes() */
 	uint32_t max_rrefs;     /* 0: the table's default */
+	uint32_t holder_records; /* references each rank may hold; 0: the pool's default */
+	uint32_t pool_records;  /* pool block records; 0: the pool's default */
 };
 
 /* Creates the three memfds (close-on-exec); what failed in shmrpc_errmsg(). */

@@ -76,7 +76,8 @@ int main(int argc, char **argv)
 	jp = (struct job_shm_params){ .world = o.nproc, .ring_size = o.ring_size,
 				      .trace_records = o.trace_records, .seg_flags = o.seg_flags,
 				      .job_name = basename(o.argv[0]), .pool_size = o.pool_size,
-				      .max_rrefs = o.max_rrefs };
+				      .max_rrefs = o.max_rrefs, .holder_records = o.holder_records,
+				      .pool_records = o.pool_records };
 	if (job_shm_create(&j.shm, &jp)) {
 		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
 		goto out;

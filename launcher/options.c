@@ -25,6 +25,8 @@ enum {
 	OPT_RING_SIZE,
 	OPT_POOL_SIZE,
 	OPT_MAX_RREFS,
+	OPT_HOLDER_RECORDS,
+	OPT_POOL_RECORDS,
 	OPT_TRACE_RECORDS,
 	OPT_TRACE,
 	OPT_DUMP_ON_FAILURE,
@@ -46,6 +48,8 @@ static const struct option long_opts[] = {
 	{ "ring-size", required_argument, NULL, OPT_RING_SIZE },
 	{ "pool-size", required_argument, NULL, OPT_POOL_SIZE },
 	{ "max-rrefs", required_argument, NULL, OPT_MAX_RREFS },
+	{ "holder-records", required_argument, NULL, OPT_HOLDER_RECORDS },
+	{ "pool-records", required_argument, NULL, OPT_POOL_RECORDS },
 	{ "trace-records", required_argument, NULL, OPT_TRACE_RECORDS },
 	{ "trace", required_argument, NULL, OPT_TRACE },
 	{ "dump-on-failure", no_argument, NULL, OPT_DUMP_ON_FAILURE },
@@ -55,6 +59,21 @@ static const struct option long_opts[] = {
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
 };
+
+/* The default pool size here, as --pool-size would take it ("12G"). */
+static const char *pool_default_text(void)
+{
+	static char buf[32];
+	uint64_t v = pool_default_bytes();
+
+	if (!(v & ((1ull << 30) - 1)))
+		snprintf(buf, sizeof(buf), "%lluG", (unsigned long long)(v >> 30));
+	else if (v >= (1ull << 30))
+		snprintf(buf, sizeof(buf), "%.1fG", (double)v / (1ull << 30));
+	else
+		snprintf(buf, sizeof(buf), "%lluM", (unsigned long long)(v >> 20));
+	return buf;
+}
 
 static void usage(FILE *f)
 {
@@ -73,9 +92,17 @@ static void usage(FILE *f)
 		"  --grace SEC             seconds between SIGTERM and SIGKILL (default 3)\n"
 		"  --wait=MODE             how workers sleep: uring, futex or spin\n"
 		"  --ring-size BYTES       bytes per ring, a power of two in %u..%u\n"
-		"  --pool-size BYTES       the shared tensor pool, e.g. 512M or 4G (default %s),\n"
-		"                          committed when the job starts\n"
+		"  --pool-size BYTES       the most the shared tensor pool may hold, e.g. 512M\n"
+		"                          or 4G (default: half of this machine's memory, or\n"
+		"                          of its cgroup's limit: %s here); memory is taken\n"
+		"                          as tensors are made and given back as they go\n"
 		"  --max-rrefs N           RRefs alive at once in the job, 1..%u (default %u)\n"
+		"  --holder-records N      pool references each worker may hold at once (its\n"
+		"                          received and made tensors), a power of two in\n"
+		"                          16..16777216 (default %u; half beyond 512 workers)\n"
+		"  --pool-records N        tensor pool blocks alive at once, 1..%u\n"
+		"                          (default: one per 16 KiB of pool, %u..%u;\n"
+		"                          a slab of 64 B tensors takes 1024)\n"
 		"  --trace-records N       flight-recorder records per worker, a power of two\n"
 		"                          in %u..%u (default %u; fewer beyond 256 workers)\n"
 		"  --trace FILE            when the job has ended (also after a failure), write\n"
@@ -91,8 +118,9 @@ static void usage(FILE *f)
 		"\n"
 		"Exit status: 0 when every worker exited 0, 1 when one failed, 2 for bad\n"
 		"arguments, 124 on --timeout, 128+N when stopped by signal N.\n",
-		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, SHMRUN_POOL_DEFAULT_TEXT, RREF_MAX_RREFS,
-		RREF_DEFAULT_MAX_RREFS, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
+		SHM_MAX_WORLD, SHM_RING_MIN, SHM_RING_MAX, pool_default_text(), RREF_MAX_RREFS,
+		RREF_DEFAULT_MAX_RREFS, POOL_HOLDER_CAP_DEFAULT, POOL_MAX_BLOCKS, POOL_BLOCKS_DEFAULT_MIN,
+		POOL_BLOCKS_DEFAULT_MAX, SHM_TRACE_MIN, SHM_TRACE_MAX, shm_default_trace_records(1),
 		SHMRUN_DUMP_RECORDS);
 }
 
@@ -179,7 +207,6 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 	int c;
 
 	*o = (struct shmrun_opts){ .name_format = "worker{rank}",
-				   .pool_size = SHMRUN_POOL_DEFAULT,
 				   .grace_ns = (uint64_t)(DEFAULT_GRACE_S * 1e9) };
 	opterr = 0; /* our own messages, each followed by the usage */
 	/* '+': stop at the program, whose own options are not ours. */
@@ -236,6 +263,18 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 			if (!parse_u64(optarg, 1, RREF_MAX_RREFS, &v))
 				return bad("--max-rrefs must be 1..%u, not '%s'", RREF_MAX_RREFS, optarg);
 			o->max_rrefs = (uint32_t)v;
+			break;
+		case OPT_HOLDER_RECORDS:
+			if (!parse_u64(optarg, 16, 1u << 24, &v) || (v & (v - 1)))
+				return bad("--holder-records must be a power of two in 16..16777216, "
+					   "not '%s'", optarg);
+			o->holder_records = (uint32_t)v;
+			break;
+		case OPT_POOL_RECORDS:
+			if (!parse_u64(optarg, 1, POOL_MAX_BLOCKS, &v))
+				return bad("--pool-records must be 1..%u, not '%s'", POOL_MAX_BLOCKS,
+					   optarg);
+			o->pool_records = (uint32_t)v;
 			break;
 		case OPT_TRACE_RECORDS:
 			if (!parse_u64(optarg, SHM_TRACE_MIN, SHM_TRACE_MAX, &v) || (v & (v - 1)))

@@ -25,8 +25,6 @@
 #define SHMRUN_EXIT_TIMEOUT 124
 #define SHMRUN_EXIT_NOEXEC 127 /* a worker could not exec its program */
 
-#define SHMRUN_POOL_DEFAULT (256ull << 20)
-#define SHMRUN_POOL_DEFAULT_TEXT "256M"
 #define SHMRUN_DUMP_RECORDS 32 /* --dump-on-failure: records shown per death */
 
 struct shmrun_opts {
@@ -42,8 +40,10 @@ struct shmrun_opts {
 	const char *timeout_text; /* --timeout as given, for the message */
 	const char *wait_mode;    /* --wait, passed on as SHMRPC_WAIT; NULL: none */
 	uint32_t ring_size;       /* 0: the segment's default */
-	uint64_t pool_size;       /* bytes of tensor data */
+	uint64_t pool_size;       /* bytes of tensor data at most; 0: pool_default_bytes() */
 	uint32_t max_rrefs;       /* 0: the table's default */
+	uint32_t holder_records;  /* --holder-records; 0: the pool's default */
+	uint32_t pool_records;    /* --pool-records; 0: the pool's default */
 	uint32_t trace_records;   /* flight-recorder records per worker; 0: the segment's default */
 	const char *trace_path;   /* --trace: the job's recorders as trace JSON; NULL: none */
 	uint32_t seg_flags;       /* SHM_F_* */

@@ -13,7 +13,7 @@
 /* RAM plus swap: no memfd larger than this can ever be committed. A memfd
  * has no size limit of its own: fallocate beyond it does not fail, it runs
  * the OOM killer on other processes. */
-static uint64_t machine_bytes(void)
+uint64_t shm_machine_bytes(void)
 {
 	struct sysinfo si;
 
@@ -24,6 +24,12 @@ static uint64_t machine_bytes(void)
 
 int shm_memfd_create(const char *name, uint64_t bytes, const char *what, const char *hint, int *fd,
 		     void **base)
+{
+	return shm_memfd_create_sparse(name, bytes, bytes, what, hint, fd, base);
+}
+
+int shm_memfd_create_sparse(const char *name, uint64_t bytes, uint64_t commit, const char *what,
+			    const char *hint, int *fd, void **base)
 {
 	const char *step = "memfd_create";
 	int err, f = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -36,12 +42,12 @@ int shm_memfd_create(const char *name, uint64_t bytes, const char *what, const c
 		step = "ftruncate";
 		goto fail;
 	}
-	err = bytes > machine_bytes() ? ENOMEM : posix_fallocate(f, 0, (off_t)bytes);
+	err = commit > shm_machine_bytes() ? ENOMEM : posix_fallocate(f, 0, (off_t)commit);
 	if (err) {
 		close(f);
 		return shmrpc__fail(-err, "cannot commit %llu bytes for %s: %s; free memory or "
 				    "/dev/shm space, or pass a smaller %s",
-				    (unsigned long long)bytes, what, strerror(err), hint);
+				    (unsigned long long)commit, what, strerror(err), hint);
 	}
 	if (fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0) {
 		err = errno;

@@ -5,15 +5,18 @@
  * of a block in use. Three kinds of shared words change:
  *   meta[b].refs    the block's reference count (CAS; 0 means free)
  *   table[r][s]     rank r's records: (block, generation tag, count)
- *   free[k].head    the class free lists
+ *   the lists       free chunk blocks, free records, slabs' free blocks:
+ *                   changed under the pool's robust lock only
  * and the rules are:
  *   1. Taking a reference raises refs first, then records it in the table
- *      (pool_alloc: pop, refs = 1, record; pool_ref: refs + 1, record).
+ *      (pool_alloc: refs = 1 under the lock, then record; pool_ref: refs + 1,
+ *      then record).
  *   2. Dropping one lowers the table first, then refs (pool_unref), and a
  *      rank can only lower a record it has: it drops only what it holds.
- *   3. Only the CAS that takes refs to 0 pushes the block on its free list,
- *      and refs never goes up from 0 (pool_ref refuses a free block; only the
- *      allocator that popped the block stores 1).
+ *   3. Only the CAS that takes refs to 0 frees the block (under the lock,
+ *      idempotently: see "What a block's state is" below), and refs never
+ *      goes up from 0 (pool_ref refuses a free block; only the allocator,
+ *      under the lock, stores 1).
  *   4. A sweeper takes a record with one CAS (record -> tombstone) and only
  *      then lowers refs by its count; a record carries the generation that
  *      wrote it and a sweeper of generation g takes only g's records.
@@ -25,32 +28,38 @@
  * record dropped once whoever sweeps and however many sweep (a sweeper that
  * dies after its CAS leaks that record's count, nothing more), and it never
  * touches the records of the rank's next incarnation. So sweeping lowers
- * refs by at most what the dead process held, refs reaches 0 only when no
- * live holder remains (rule 3: once, by one CAS), and a block is pushed on
- * a free list once per allocation. Free-list pushes and pops are single
- * CASes with an ABA tag, so a death there leaves the list whole; a death
- * between a pop and `refs = 1`, or between refs reaching 0 and the push,
- * loses that block (neither live nor free: pool_stats counts it as `lost`).
- * Carving is one CAS on the bump word, then the records and the chunk entry
- * are written and the new slab's blocks pushed as one chain in one CAS: a
- * death in between loses the carved space, nothing else. Those windows are
- * a few instructions wide; the leak they allow is the price of having no
- * lock a dead process could hold.
+ * refs by at most what the dead process held, and refs reaches 0 only when
+ * no live holder remains (rule 3: once, by one CAS).
  *
- * Memory order: refs, records and list heads change by seq_cst or acq_rel
- * CAS, so that the user's writes to a block happen before the CAS that frees
- * it, which happens before the pop that hands it out again. Chunk entries
- * and block records are written before the release that publishes them (the
- * free-list push, or the offset returned to the caller, which reaches other
- * processes through their own release/acquire channels).
+ * A death under the lock leaves the lists half changed: the next taker gets
+ * EOWNERDEAD and rebuilds them from the blocks (rebuild()). A death after
+ * refs reached 0 but before the free loses a large block of 2 MiB or more
+ * (its pages are given back unlocked first; pool_stats counts it as lost);
+ * smaller ones are found free by the next rebuild. The lock is held for a
+ * few list operations: a process stopped while holding it (SIGSTOP, a
+ * debugger) stops every allocation and free of the job until it goes on.
+ *
+ * Records move between blocks (an empty slab gives its records back), so
+ * pool_ref checks after its CAS that the record is still the block at its
+ * offset, and undoes the count if not.
+ *
+ * Memory order: refs and records change by acq_rel CAS, so that the user's
+ * writes to a block happen before the CAS that frees it, which happens
+ * before the lock that frees it and the lock that hands it out again.
+ * A record's off is written before the release store of refs = 1 and of its
+ * chunk entry; block_at and pool_ref read them with acquire.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
+#include <stdlib.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
@@ -70,10 +79,6 @@
 #define LIFE_STATE_SHIFT 30
 #define LIFE_PID_MASK ((1u << LIFE_STATE_SHIFT) - 1)
 
-/* Internal: no block record or chunk left (pool_alloc says which). */
-#define CARVE_NO_SPACE 1
-#define CARVE_NO_RECORDS 2
-
 struct pool_shape {
 	uint64_t holder_off, table_off, chunk_off, meta_off, data_off, total;
 };
@@ -87,6 +92,13 @@ static bool is_pow2(uint64_t v)
 {
 	return v && !(v & (v - 1));
 }
+
+static uint32_t log2_floor(uint64_t v)
+{
+	return 63u - (uint32_t)__builtin_clzll(v);
+}
+
+static int pool_init_lists(struct shm_pool *p);
 
 static uint64_t class_size(uint32_t k)
 {
@@ -105,7 +117,8 @@ static bool pool_shape(uint32_t world, uint32_t cap, uint32_t max_blocks, uint32
 				SHMRPC_CACHELINE);
 	s->chunk_off = align_up(s->table_off + (uint64_t)world * cap * sizeof(uint64_t),
 				SHMRPC_CACHELINE);
-	s->meta_off = align_up(s->chunk_off + nchunks * (uint64_t)sizeof(uint64_t), SHMRPC_CACHELINE);
+	s->meta_off = align_up(s->chunk_off + nchunks * (uint64_t)sizeof(struct pool_chunk),
+			       SHMRPC_CACHELINE);
 	s->data_off = align_up(s->meta_off + max_blocks * (uint64_t)sizeof(struct pool_meta),
 			       POOL_CHUNK);
 	s->total = s->data_off + ((uint64_t)nchunks << POOL_CHUNK_SHIFT);
@@ -123,14 +136,105 @@ static bool pool_resolve(const struct pool_params *in, struct pool_params *out, 
 	if (in->bytes == 0 || chunks > POOL_MAX_CHUNKS)
 		return false;
 	if (!blocks) {
-		blocks = (chunks << POOL_CHUNK_SHIFT) >> 10;
-		blocks = blocks < 16384 ? 16384 : blocks > POOL_MAX_BLOCKS ? POOL_MAX_BLOCKS : blocks;
+		/* One per 16 KiB of data, in 256Ki..4Mi: 8..128 MiB of records,
+		 * committed at creation; a slab of 64 B blocks takes 1024. */
+		blocks = (chunks << POOL_CHUNK_SHIFT) >> 14;
+		blocks = blocks < POOL_BLOCKS_DEFAULT_MIN ? POOL_BLOCKS_DEFAULT_MIN :
+			 blocks > POOL_BLOCKS_DEFAULT_MAX ? POOL_BLOCKS_DEFAULT_MAX : blocks;
 	}
 	out->bytes = chunks << POOL_CHUNK_SHIFT;
 	out->max_blocks = (uint32_t)blocks;
 	out->holder_cap = in->holder_cap ? in->holder_cap : POOL_HOLDER_CAP_DEFAULT;
+	/* The tables are committed at creation: beyond 512 workers the
+	 * default halves, keeping them to 1 GiB (131072 per worker at 1024). */
+	while (!in->holder_cap && out->holder_cap > (1u << 17) &&
+	       (uint64_t)out->holder_cap * sizeof(uint64_t) * in->world > (1ull << 30))
+		out->holder_cap >>= 1;
 	*nchunks = (uint32_t)chunks;
 	return pool_shape(out->world, out->holder_cap, out->max_blocks, *nchunks, s);
+}
+
+/* A memory limit from a cgroup file ("max" or a number); UINT64_MAX if none. */
+static uint64_t cgroup_limit_file(const char *path)
+{
+	char buf[64];
+	ssize_t n;
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	unsigned long long v;
+	char *end;
+
+	if (fd < 0)
+		return UINT64_MAX;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return UINT64_MAX;
+	buf[n] = '\0';
+	errno = 0;
+	v = strtoull(buf, &end, 10);
+	if (errno || end == buf || (*end && *end != '\n'))
+		return UINT64_MAX; /* "max", or anything unreadable: no limit */
+	return v;
+}
+
+/*
+ * The memory limit of this process's cgroup (v2 memory.max, v1
+ * memory.limit_in_bytes), the least of its own and its ancestors' as far as
+ * they are visible; UINT64_MAX when there is none.
+ */
+static uint64_t cgroup_limit(void)
+{
+	char line[512], path[PATH_MAX];
+	uint64_t lim = UINT64_MAX, v;
+	FILE *f = fopen("/proc/self/cgroup", "re");
+
+	while (f && fgets(line, sizeof(line), f)) {
+		char *rel = strchr(line, ':'), *ctl, *end;
+		bool v2;
+
+		if (!rel)
+			continue;
+		ctl = rel + 1;
+		rel = strchr(ctl, ':');
+		if (!rel)
+			continue;
+		*rel++ = '\0';
+		rel[strcspn(rel, "\n")] = '\0';
+		v2 = !*ctl;
+		if (!v2 && strcmp(ctl, "memory"))
+			continue;
+		/* The cgroup and each ancestor: the tightest limit counts. */
+		for (;;) {
+			snprintf(path, sizeof(path), "/sys/fs/cgroup%s%s/%s", v2 ? "" : "/memory", rel,
+				 v2 ? "memory.max" : "memory.limit_in_bytes");
+			v = cgroup_limit_file(path);
+			lim = v < lim ? v : lim;
+			end = strrchr(rel, '/');
+			if (!end || end == rel)
+				break;
+			*end = '\0';
+		}
+	}
+	if (f)
+		fclose(f);
+	/* The root of the namespace's view (a container sees its own there). */
+	v = cgroup_limit_file("/sys/fs/cgroup/memory.max");
+	lim = v < lim ? v : lim;
+	v = cgroup_limit_file("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+	return v < lim ? v : lim;
+}
+
+uint64_t pool_default_bytes(void)
+{
+	struct sysinfo si;
+	uint64_t ram = sysinfo(&si) == 0 ? (uint64_t)si.totalram * si.mem_unit : 0;
+	uint64_t lim = cgroup_limit(), v;
+
+	if (!ram)
+		return POOL_DEFAULT_FALLBACK;
+	v = (lim < ram ? lim : ram) / 2;
+	v &= ~(uint64_t)(POOL_CHUNK - 1);
+	return v < POOL_CHUNK ? POOL_CHUNK : v;
 }
 
 uint64_t pool_total_bytes(const struct pool_params *params)
@@ -162,6 +266,21 @@ static const char *fmt_bytes(char buf[32], uint64_t v)
 	return buf;
 }
 
+/* A size for shmrun's --pool-size: "512M", "3G" (rounded up). */
+static const char *fmt_size_flag(char buf[32], uint64_t v)
+{
+	static const char unit[] = "KMGT";
+	int u = 0;
+
+	v = (v + 1023) >> 10;
+	while (v >= 1024 && u < 3 && !(v & 1023))
+		v >>= 10, u++;
+	while (v >= 10240 && u < 3)
+		v = (v + 1023) >> 10, u++;
+	snprintf(buf, 32, "%" PRIu64 "%c", v, unit[u]);
+	return buf;
+}
+
 static void pool_fill(struct shm_pool *p, const struct pool_shape *s, uint32_t world, uint32_t cap,
 		      uint32_t max_blocks, uint32_t nchunks)
 {
@@ -173,9 +292,11 @@ static void pool_fill(struct shm_pool *p, const struct pool_shape *s, uint32_t w
 	p->holder_cap = cap;
 	p->max_blocks = max_blocks;
 	p->nchunks = nchunks;
+	p->max_order = log2_floor(nchunks);
+	p->max_rec_order = log2_floor(max_blocks);
 	p->holders = (struct pool_holder *)(p->base + s->holder_off);
 	p->tables = (_Atomic uint64_t *)(p->base + s->table_off);
-	p->chunks = (_Atomic uint64_t *)(p->base + s->chunk_off);
+	p->chunks = (struct pool_chunk *)(p->base + s->chunk_off);
 	p->meta = (struct pool_meta *)(p->base + s->meta_off);
 }
 
@@ -194,24 +315,38 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	if (!pool_resolve(params, &r, &nchunks, &s))
 		return shmrpc__fail(-EINVAL,
 				    "cannot create a tensor pool of %" PRIu64 " bytes for %u workers "
-				    "(%u records per worker, %u block records): the size must be "
-				    "1 B..%s, workers 1..%u, records per worker a power of two in "
-				    "16..16777216",
+				    "(%u records per worker, %u block records): the size (shmrun "
+				    "--pool-size) must be 1 B..%s, workers 1..%u, records per worker "
+				    "(--holder-records) a power of two in 16..16777216",
 				    params->bytes, params->world, params->holder_cap, params->max_blocks,
 				    fmt_bytes(b1, (uint64_t)POOL_MAX_CHUNKS << POOL_CHUNK_SHIFT),
 				    POOL_MAX_WORLD);
 
 	snprintf(what, sizeof(what), "the tensor pool (%s of tensor data asked)",
 		 fmt_bytes(b2, params->bytes));
-	err = shm_memfd_create("shmrpc-pool", s.total, what, "--pool-size", &fd, &mem);
+	/* The data may never be more than the machine could commit (a cap
+	 * above it would only promise what fails later). */
+	if (params->bytes > shm_machine_bytes())
+		return shmrpc__fail(-ENOMEM,
+				    "cannot commit %s for %s: this machine has %s of memory and "
+				    "swap; pass a smaller --pool-size",
+				    fmt_bytes(b1, params->bytes), what,
+				    fmt_bytes((char[32]){ 0 }, shm_machine_bytes()));
+	/* Records and tables committed now; the data as blocks are handed out. */
+	err = shm_memfd_create_sparse("shmrpc-pool", s.total, s.data_off, what, "--pool-size", &fd,
+				      &mem);
 	if (err)
 		return err;
 	p->base = mem;
 	p->fd = fd;
 	pool_fill(p, &s, r.world, r.holder_cap, r.max_blocks, nchunks);
 
-	/* The memfd reads as zeros: every list, record and table starts empty. */
+	/* The memfd reads as zeros: every record and table starts empty. */
 	h = p->hdr;
+	if ((err = pool_init_lists(p))) {
+		pool_detach(p);
+		return err;
+	}
 	h->magic = POOL_MAGIC;
 	h->format_version = POOL_FORMAT_VERSION;
 	h->header_size = sizeof(*h);
@@ -230,6 +365,7 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	h->creator_pid = (uint32_t)getpid();
 	h->holder_size = sizeof(struct pool_holder);
 	h->meta_size = sizeof(struct pool_meta);
+	h->chunk_size = sizeof(struct pool_chunk);
 	return 0;
 }
 
@@ -261,7 +397,7 @@ int pool_attach_fd(struct shm_pool *p, int fd, bool readonly)
 				    "tensor pool truncated: %lld bytes, header alone is %zu",
 				    (long long)st.st_size, sizeof(h));
 	if (h.header_size != sizeof(h) || h.holder_size != sizeof(struct pool_holder) ||
-	    h.meta_size != sizeof(struct pool_meta) ||
+	    h.meta_size != sizeof(struct pool_meta) || h.chunk_size != sizeof(struct pool_chunk) ||
 	    !pool_shape(h.world, h.holder_cap, h.max_blocks, h.nchunks, &s) ||
 	    s.total != h.total_size || s.holder_off != h.holder_off || s.table_off != h.table_off ||
 	    s.chunk_off != h.chunk_off || s.meta_off != h.meta_off || s.data_off != h.data_off ||
@@ -300,6 +436,95 @@ void pool_detach(struct shm_pool *p)
 
 /* ---- Blocks: classes, chunks, free lists --------------------------------- */
 
+/*
+ * What a block's state is, and why the lock's rebuild is exact.
+ *
+ * Under the lock, and only there, blocks are handed out and put back:
+ * - a large block's first chunk entry is LARGE(order, record) from the
+ *   moment it is handed out (its record's refs set to 1 and off written
+ *   first) until the process that took its refs to 0 takes the lock and
+ *   frees it (nobody else does: it first gives the pages back, unlocked,
+ *   and must be the only one to touch them);
+ * - a small block is free when its record's refs is 0 and it is on its
+ *   slab's list (POOL_LISTED in next); handed out: refs set to 1 and taken
+ *   off the list under the lock.
+ * A free of a block whose refs reached 0 is idempotent: the freer checks,
+ * under the lock, that the block is still what its record says (chunk
+ * entry, record, offset, refs 0, not listed) and does nothing otherwise.
+ *
+ * The free lists are a cache of that state. A process that dies holding
+ * the lock may leave them half changed; the next taker gets EOWNERDEAD and
+ * rebuilds them (rebuild()): every LARGE entry whose record names it is
+ * allocated (refs 0 included where its freer gives the pages back before it
+ * takes the lock: it may be doing so, or dead: lost),
+ * every SLAB entry whose records name it and which has a live block is a
+ * slab whose free blocks are those with refs 0, and every other chunk and
+ * record is free, regrouped into the largest aligned buddy blocks. A block
+ * taken by the dead process but not yet committed (entry, refs) is free
+ * again; one committed but not yet given to its caller stays allocated with
+ * a reference no holder table records (refs_unrecorded: a leak, as a death
+ * between the steps of pool_alloc always was).
+ *
+ * Chunk entries are stored with release and read with acquire by block_at,
+ * without the lock: a reader that sees LARGE or SLAB sees the record's off
+ * written before it. Every chunk that is not the first of a block has entry
+ * 0 (splits write the heads of the halves, merges clear the absorbed one).
+ */
+#define ENT_KIND_SHIFT 62
+#define ENT_ORD_SHIFT 56
+#define ENT_NONE 0u
+#define ENT_FREE 1u
+#define ENT_LARGE 2u
+#define ENT_SLAB 3u
+#define POOL_LISTED 0x80000000u
+#define RUN_FREE 0x80000000u
+/* The class of a 64 KiB block: from here on, blocks are buddy blocks. */
+#define LARGE_CLASS0 (POOL_CHUNK_SHIFT - POOL_MIN_SHIFT)
+/* Large blocks from this size give their pages back when freed; smaller
+ * ones stay committed for the next (a punch and a fault per 64 KiB tensor
+ * would cost more than the memory). */
+#define POOL_PUNCH_MIN (2u << 20)
+
+/* Internal: no chunk or no block record left (pool_alloc says which). */
+#define NO_SPACE 1
+#define NO_RECORDS 2
+
+static uint64_t ent_make(uint32_t kind, uint32_t ord, uint32_t rec)
+{
+	return (uint64_t)kind << ENT_KIND_SHIFT | (uint64_t)ord << ENT_ORD_SHIFT | rec;
+}
+
+static uint32_t ent_kind(uint64_t e)
+{
+	return (uint32_t)(e >> ENT_KIND_SHIFT);
+}
+
+static uint32_t ent_ord(uint64_t e)
+{
+	return (uint32_t)(e >> ENT_ORD_SHIFT) & 63u;
+}
+
+static uint32_t ent_rec(uint64_t e)
+{
+	return (uint32_t)e;
+}
+
+static uint64_t chunk_off(const struct shm_pool *p, uint32_t c)
+{
+	return p->data_off + ((uint64_t)c << POOL_CHUNK_SHIFT);
+}
+
+static void set_entry(struct shm_pool *p, uint32_t c, uint64_t e)
+{
+	/* Release: pairs with block_at's acquire (the record's off first). */
+	atomic_store_explicit(&p->chunks[c].entry, e, memory_order_release);
+}
+
+static uint64_t get_entry(const struct shm_pool *p, uint32_t c)
+{
+	return atomic_load_explicit(&p->chunks[c].entry, memory_order_acquire);
+}
+
 static uint32_t class_of(uint64_t bytes)
 {
 	if (bytes <= (1u << POOL_MIN_SHIFT))
@@ -312,7 +537,7 @@ static uint32_t class_of(uint64_t bytes)
 static int block_at(struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *cls)
 {
 	uint64_t rel, e, in, i;
-	uint32_t k;
+	uint32_t k = POOL_NCLASS;
 
 	if (off < p->data_off || off >= p->size)
 		return shmrpc__fail(-EINVAL,
@@ -320,14 +545,19 @@ static int block_at(struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *c
 				    "(%" PRIu64 "..%" PRIu64 ")",
 				    off, p->data_off, p->size);
 	rel = off - p->data_off;
-	e = atomic_load_explicit(&p->chunks[rel >> POOL_CHUNK_SHIFT], memory_order_acquire);
-	k = (uint32_t)(e >> 32) - 1;
+	e = get_entry(p, (uint32_t)(rel >> POOL_CHUNK_SHIFT));
 	in = rel & (POOL_CHUNK - 1);
-	if (!e || in & (class_size(k < POOL_SMALL_CLASSES ? k : POOL_SMALL_CLASSES - 1) - 1))
+	i = ent_rec(e);
+	if (ent_kind(e) == ENT_LARGE && in == 0)
+		k = LARGE_CLASS0 + ent_ord(e);
+	else if (ent_kind(e) == ENT_SLAB && ent_ord(e) < POOL_SMALL_CLASSES &&
+		 !(in & (class_size(ent_ord(e)) - 1)))
+		k = ent_ord(e), i += in >> (k + POOL_MIN_SHIFT);
+	if (k == POOL_NCLASS)
 		return shmrpc__fail(-EINVAL, "offset %" PRIu64 " is not the start of a pool block",
 				    off);
-	i = (uint32_t)e + (k < POOL_SMALL_CLASSES ? in >> (k + POOL_MIN_SHIFT) : 0);
-	if (k >= POOL_NCLASS || i >= p->max_blocks || p->meta[i].off != off)
+	if (k >= POOL_NCLASS || i >= p->max_blocks ||
+	    atomic_load_explicit(&p->meta[i].off, memory_order_relaxed) != off)
 		return shmrpc__fail(-EINVAL,
 				    "offset %" PRIu64 ": the pool's records for it are inconsistent "
 				    "(class %u, record %" PRIu64 ")",
@@ -338,97 +568,730 @@ static int block_at(struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *c
 }
 
 /* The class of block record idx, or POOL_NCLASS when the record holds no
- * block: its carver may have died between reserving the record and writing
- * it, so its offset is checked like anything else read from the pool. */
+ * block (free, or its chunk's entry does not name it): read from the
+ * pool, so checked like anything else read there. */
 static uint32_t block_class(struct shm_pool *p, uint32_t idx)
 {
-	uint64_t off = p->meta[idx].off, rel = off - p->data_off;
+	uint64_t off = atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed);
+	uint32_t idx2, k;
 
-	if (off < p->data_off || (rel >> POOL_CHUNK_SHIFT) >= p->nchunks)
+	if (off < p->data_off || off >= p->size)
 		return POOL_NCLASS;
-	return (uint32_t)(atomic_load_explicit(&p->chunks[rel >> POOL_CHUNK_SHIFT],
-					       memory_order_acquire) >> 32) - 1;
+	/* block_at's sentence is not wanted here: check by hand. */
+	{
+		uint64_t rel = off - p->data_off, e = get_entry(p, (uint32_t)(rel >> POOL_CHUNK_SHIFT));
+		uint64_t in = rel & (POOL_CHUNK - 1);
+
+		if (ent_kind(e) == ENT_LARGE && in == 0)
+			k = LARGE_CLASS0 + ent_ord(e), idx2 = ent_rec(e);
+		else if (ent_kind(e) == ENT_SLAB && ent_ord(e) < POOL_SMALL_CLASSES &&
+			 !(in & (class_size(ent_ord(e)) - 1)))
+			k = ent_ord(e), idx2 = ent_rec(e) + (uint32_t)(in >> (k + POOL_MIN_SHIFT));
+		else
+			return POOL_NCLASS;
+	}
+	return idx2 == idx && k < POOL_NCLASS ? k : POOL_NCLASS;
 }
 
-/* Pushes the chain first..last (already linked through next) on list k. */
-static void list_push(struct shm_pool *p, uint32_t k, uint32_t first, uint32_t last)
-{
-	_Atomic uint64_t *head = &p->hdr->free[k].head;
-	uint64_t h = atomic_load_explicit(head, memory_order_acquire);
+/* ---- The two buddy systems (under the lock) ------------------------------ */
 
-	do {
-		atomic_store_explicit(&p->meta[last].next, (uint32_t)h, memory_order_relaxed);
-	} while (!atomic_compare_exchange_weak_explicit(
-		head, &h, (((h >> 32) + 1) << 32) | (first + 1u), memory_order_acq_rel,
-		memory_order_acquire));
+/*
+ * One code for both: chunks (links in pool_chunk, the free head's order in
+ * its entry) and block records (links and the order in pool_meta). Units
+ * are indices; links are index + 1, 0 ends a list. Every link read is
+ * checked against the count: a corrupt one fails with a sentence.
+ */
+struct buddy {
+	struct shm_pool *p;
+	bool recs;              /* records, else chunks */
+	uint32_t n;             /* units */
+	uint32_t max_order;
+	_Atomic uint32_t *heads;
+	const char *what;
+};
+
+static struct buddy chunk_buddy(struct shm_pool *p)
+{
+	return (struct buddy){ p, false, p->nchunks, p->max_order, p->hdr->chunk_free, "chunk" };
 }
 
-/* A block of class k from its free list, or -1. */
-static int64_t list_pop(struct shm_pool *p, uint32_t k)
+static struct buddy rec_buddy(struct shm_pool *p)
 {
-	_Atomic uint64_t *head = &p->hdr->free[k].head;
-	uint64_t h = atomic_load_explicit(head, memory_order_acquire);
-	uint32_t idx, next;
+	return (struct buddy){ p, true, p->max_blocks, p->max_rec_order, p->hdr->rec_free,
+			       "block record" };
+}
 
-	do {
-		if ((uint32_t)h == 0 || (uint32_t)h > p->max_blocks)
-			return -1;
-		idx = (uint32_t)h - 1;
-		/* May be stale if idx was popped meanwhile: the tag fails the CAS. */
-		next = atomic_load_explicit(&p->meta[idx].next, memory_order_relaxed);
-	} while (!atomic_compare_exchange_weak_explicit(head, &h, (((h >> 32) + 1) << 32) | next,
-							memory_order_acq_rel, memory_order_acquire));
+static uint32_t *b_next(const struct buddy *b, uint32_t u)
+{
+	return b->recs ? &b->p->meta[u].next : &b->p->chunks[u].next;
+}
+
+static uint32_t *b_prev(const struct buddy *b, uint32_t u)
+{
+	return b->recs ? &b->p->meta[u].prev : &b->p->chunks[u].prev;
+}
+
+/* The order of the free block that starts at u, or -1 when u starts none. */
+static int b_free_order(const struct buddy *b, uint32_t u)
+{
+	if (b->recs) {
+		uint32_t r = b->p->meta[u].run;
+
+		return r & RUN_FREE ? (int)(r & 63u) : -1;
+	}
+	uint64_t e = get_entry(b->p, u);
+
+	return ent_kind(e) == ENT_FREE ? (int)ent_ord(e) : -1;
+}
+
+static void b_mark(const struct buddy *b, uint32_t u, int order)
+{
+	if (b->recs)
+		b->p->meta[u].run = order < 0 ? 0 : RUN_FREE | (uint32_t)order;
+	else
+		set_entry(b->p, u, order < 0 ? 0 : ent_make(ENT_FREE, (uint32_t)order, 0));
+}
+
+static int b_corrupt(const struct buddy *b, uint32_t o, uint64_t link)
+{
+	return shmrpc__fail(-SHMRPC_ECORRUPT,
+			    "the tensor pool's free list of %s blocks of order %u is corrupt: it "
+			    "names %" PRIu64 " of %u; the pool cannot be used (restart the job)",
+			    b->what, o, link, b->n);
+}
+
+static void b_push(const struct buddy *b, uint32_t u, uint32_t o)
+{
+	uint32_t h = atomic_load_explicit(&b->heads[o], memory_order_relaxed);
+
+	*b_next(b, u) = h;
+	*b_prev(b, u) = 0;
+	if (h && h <= b->n)
+		*b_prev(b, h - 1) = u + 1;
+	b_mark(b, u, (int)o);
+	/* Relaxed: the lock orders it; pool_stats reads it as a snapshot. */
+	atomic_store_explicit(&b->heads[o], u + 1, memory_order_relaxed);
+	if (b->recs)
+		atomic_store_explicit(&b->p->hdr->free_records,
+				      atomic_load_explicit(&b->p->hdr->free_records,
+							   memory_order_relaxed) + (1ull << o),
+				      memory_order_relaxed);
+	else
+		atomic_store_explicit(&b->p->hdr->free_chunks,
+				      atomic_load_explicit(&b->p->hdr->free_chunks,
+							   memory_order_relaxed) + (1ull << o),
+				      memory_order_relaxed);
+}
+
+static int b_unlink(const struct buddy *b, uint32_t u, uint32_t o)
+{
+	uint32_t nx = *b_next(b, u), pv = *b_prev(b, u);
+	_Atomic uint64_t *count = b->recs ? &b->p->hdr->free_records : &b->p->hdr->free_chunks;
+
+	if (nx > b->n || pv > b->n)
+		return b_corrupt(b, o, nx > b->n ? nx : pv);
+	if (pv)
+		*b_next(b, pv - 1) = nx;
+	else
+		atomic_store_explicit(&b->heads[o], nx, memory_order_relaxed);
+	if (nx)
+		*b_prev(b, nx - 1) = pv;
+	b_mark(b, u, -1);
+	atomic_store_explicit(count, atomic_load_explicit(count, memory_order_relaxed) - (1ull << o),
+			      memory_order_relaxed);
+	return 0;
+}
+
+/* A free block of 2^o units: its first unit, -NO_SPACE, or -errno. */
+static int64_t b_alloc(const struct buddy *b, uint32_t o)
+{
+	for (uint32_t j = o; j <= b->max_order; j++) {
+		uint32_t h = atomic_load_explicit(&b->heads[j], memory_order_relaxed), u;
+		int err;
+
+		if (!h)
+			continue;
+		if (h > b->n || (h - 1) & ((1u << j) - 1) || b_free_order(b, h - 1) != (int)j)
+			return b_corrupt(b, j, h);
+		u = h - 1;
+		if ((err = b_unlink(b, u, j)))
+			return err;
+		/* Split: keep the lower half, free the upper one, down to o. */
+		while (j > o) {
+			j--;
+			b_push(b, u + (1u << j), j);
+		}
+		return u;
+	}
+	return -NO_SPACE;
+}
+
+/* Frees the block of 2^o units at u, merging it with its free buddies. */
+static int b_free(const struct buddy *b, uint32_t u, uint32_t o)
+{
+	while (o < b->max_order) {
+		uint32_t buddy = u ^ (1u << o);
+		int err;
+
+		if ((uint64_t)buddy + (1u << o) > b->n || b_free_order(b, buddy) != (int)o)
+			break;
+		if ((err = b_unlink(b, buddy, o)))
+			return err;
+		b_mark(b, u > buddy ? u : buddy, -1);
+		u = u < buddy ? u : buddy;
+		o++;
+	}
+	b_push(b, u, o);
+	return 0;
+}
+
+/* Frees everything in [from, to) as the largest aligned blocks (creation
+ * and rebuild; the units must be free and unlisted). */
+static void b_free_range(const struct buddy *b, uint32_t from, uint32_t to)
+{
+	while (from < to) {
+		uint32_t o = from ? (uint32_t)__builtin_ctz(from) : b->max_order;
+
+		if (o > b->max_order)
+			o = b->max_order;
+		while ((uint64_t)from + (1ull << o) > to)
+			o--;
+		b_push(b, from, o);
+		from += 1u << o;
+	}
+}
+
+/* A new pool's lock and lists: every chunk and record free. */
+static int pool_init_lists(struct shm_pool *p)
+{
+	struct buddy cb = chunk_buddy(p), rb = rec_buddy(p);
+	pthread_mutexattr_t a;
+	int err;
+
+	/* Robust: a holder's death hands it on with EOWNERDEAD. */
+	if ((err = pthread_mutexattr_init(&a)))
+		return shmrpc__fail(-err, "cannot make the tensor pool's lock: %s", strerror(err));
+	if ((err = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED)) ||
+	    (err = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST)) ||
+	    (err = pthread_mutex_init(&p->hdr->lock.m, &a))) {
+		pthread_mutexattr_destroy(&a);
+		return shmrpc__fail(-err, "cannot make the tensor pool's lock: %s", strerror(err));
+	}
+	pthread_mutexattr_destroy(&a);
+	b_free_range(&cb, 0, p->nchunks);
+	b_free_range(&rb, 0, p->max_blocks);
+	return 0;
+}
+
+/*
+ * ThreadSanitizer sees the lock only as this process takes and releases
+ * it: a block whose last reference a thread of this process dropped, and
+ * which another process then freed under the lock, reaches a thread of
+ * this process again with no order that TSan can see, though the lock
+ * gives one. Under TSan, every drop releases and every allocation
+ * acquires one address: the order the lock gives, made visible.
+ */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define TSAN_DROP(p) __tsan_release((void *)(p)->hdr)
+#define TSAN_TAKE(p) __tsan_acquire((void *)(p)->hdr)
+#else
+#define TSAN_DROP(p) ((void)0)
+#define TSAN_TAKE(p) ((void)0)
+#endif
+
+/* ---- The lock, and the rebuild after a death under it -------------------- */
+
+static int rebuild(struct shm_pool *p);
+
+static int pool_lock(struct shm_pool *p)
+{
+	int rc = pthread_mutex_lock(&p->hdr->lock.m);
+
+	if (rc == EOWNERDEAD) {
+		/* Its holder died: the lists may be half changed. */
+		int err = rebuild(p);
+
+		pthread_mutex_consistent(&p->hdr->lock.m);
+		atomic_fetch_add_explicit(&p->hdr->rebuilds, 1, memory_order_relaxed);
+		if (err) {
+			pthread_mutex_unlock(&p->hdr->lock.m);
+			return err;
+		}
+		return 0;
+	}
+	if (rc)
+		return shmrpc__fail(-rc, "cannot take the tensor pool's lock: %s", strerror(rc));
+	return 0;
+}
+
+static void pool_unlock(struct shm_pool *p)
+{
+	pthread_mutex_unlock(&p->hdr->lock.m);
+}
+
+/* Gives the records of a block back (off cleared first: see pool_meta). */
+static int recs_free(struct shm_pool *p, uint32_t r, uint32_t o)
+{
+	struct buddy rb = rec_buddy(p);
+
+	for (uint32_t i = 0; i < (1u << o); i++) {
+		atomic_store_explicit(&p->meta[r + i].off, 0, memory_order_relaxed);
+		p->meta[r + i].next = 0;
+	}
+	return b_free(&rb, r, o);
+}
+
+static int slab_nb_order(uint32_t k)
+{
+	return (int)(POOL_CHUNK_SHIFT - (k + POOL_MIN_SHIFT));
+}
+
+/* The partial-slab list of class k: links in the chunks' next/prev. */
+static void partial_add(struct shm_pool *p, uint32_t k, uint32_t c)
+{
+	uint32_t h = atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed);
+
+	p->chunks[c].next = h;
+	p->chunks[c].prev = 0;
+	if (h && h <= p->nchunks)
+		p->chunks[h - 1].prev = c + 1;
+	atomic_store_explicit(&p->hdr->partial[k], c + 1, memory_order_relaxed);
+}
+
+static int partial_remove(struct shm_pool *p, uint32_t k, uint32_t c)
+{
+	uint32_t nx = p->chunks[c].next, pv = p->chunks[c].prev;
+
+	if (nx > p->nchunks || pv > p->nchunks)
+		return shmrpc__fail(-SHMRPC_ECORRUPT,
+				    "the tensor pool's list of %s slabs is corrupt: it names chunk "
+				    "%u of %u; the pool cannot be used (restart the job)",
+				    "partial", nx > p->nchunks ? nx : pv, p->nchunks);
+	if (pv)
+		p->chunks[pv - 1].next = nx;
+	else
+		atomic_store_explicit(&p->hdr->partial[k], nx, memory_order_relaxed);
+	if (nx)
+		p->chunks[nx - 1].prev = pv;
+	p->chunks[c].next = p->chunks[c].prev = 0;
+	return 0;
+}
+
+static void add_slab_free(struct shm_pool *p, int64_t bytes)
+{
+	_Atomic uint64_t *v = &p->hdr->slab_free_bytes;
+
+	atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + (uint64_t)bytes,
+			      memory_order_relaxed);
+}
+
+static void add_retained(struct shm_pool *p, int64_t chunks)
+{
+	_Atomic uint64_t *v = &p->hdr->retained_chunks;
+
+	atomic_store_explicit(v, atomic_load_explicit(v, memory_order_relaxed) + (uint64_t)chunks,
+			      memory_order_relaxed);
+}
+
+/* Committed chunks among [c, c + n). */
+static uint32_t committed_in(struct shm_pool *p, uint32_t c, uint32_t n)
+{
+	uint32_t k = 0;
+
+	for (uint32_t i = c; i < c + n; i++)
+		k += atomic_load_explicit(&p->chunks[i].committed, memory_order_relaxed) != 0;
+	return k;
+}
+
+static void set_committed(struct shm_pool *p, uint32_t c, uint32_t n, uint32_t v)
+{
+	for (uint32_t i = c; i < c + n; i++)
+		atomic_store_explicit(&p->chunks[i].committed, v, memory_order_relaxed);
+}
+
+/* The free committed memory the pool keeps for its next blocks: an eighth
+ * of its size, POOL_RETAIN_MAX at most. */
+static uint64_t retain_budget(const struct shm_pool *p)
+{
+	uint64_t b = p->data_size / 8;
+
+	return b < POOL_RETAIN_MAX ? b : POOL_RETAIN_MAX;
+}
+
+/* An empty slab goes back to the chunks and its records to theirs. */
+static int slab_release(struct shm_pool *p, uint32_t k, uint32_t c)
+{
+	struct buddy cb = chunk_buddy(p);
+	uint32_t r = ent_rec(get_entry(p, c));
+	int err = partial_remove(p, k, c);
+
+	if (err)
+		return err;
+	add_slab_free(p, -(int64_t)POOL_CHUNK);
+	add_retained(p, committed_in(p, c, 1));
+	p->chunks[c].nfree = p->chunks[c].free_head = 0;
+	set_entry(p, c, 0);
+	if ((err = recs_free(p, r, (uint32_t)slab_nb_order(k))))
+		return err;
+	return b_free(&cb, c, 0);
+}
+
+/* Gives back every empty slab (a large block found no room). How many. */
+static int slabs_reclaim(struct shm_pool *p)
+{
+	int n = 0;
+
+	for (uint32_t k = 0; k < POOL_SMALL_CLASSES; k++) {
+		uint32_t h = atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed);
+		uint32_t nb = 1u << slab_nb_order(k);
+
+		for (uint32_t steps = 0; h && h <= p->nchunks && steps < p->nchunks; steps++) {
+			uint32_t c = h - 1;
+
+			h = p->chunks[c].next;
+			if (p->chunks[c].nfree == nb && slab_release(p, k, c) == 0)
+				n++;
+		}
+	}
+	return n;
+}
+
+/* Commits [off, off + len) of the data: -ENOMEM with a sentence when the
+ * machine (or the cgroup) has no room, instead of a SIGBUS at first touch. */
+static int commit(struct shm_pool *p, uint64_t off, uint64_t len, uint64_t asked)
+{
+	char b1[32], b2[32];
+	int err;
+
+	len = align_up(len, POOL_PAGE);
+	err = fallocate(p->fd, 0, (off_t)off, (off_t)len) ? errno : 0;
+	if (!err)
+		return 0;
+	if (err == ENOSPC)
+		err = ENOMEM;
+	return shmrpc__fail(-err,
+			    "tensor pool: cannot commit %s of memory for a %s tensor: %s; the "
+			    "machine (or this job's cgroup) has no more memory for the pool: "
+			    "free some, or send fewer or smaller tensors at once",
+			    fmt_bytes(b1, len), fmt_bytes(b2, asked), strerror(err));
+}
+
+/* A small block of class k (under the lock): its record, or -errno. */
+static int64_t small_alloc(struct shm_pool *p, uint32_t k)
+{
+	uint32_t h = atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed), c, j, idx;
+	uint32_t nbo = (uint32_t)slab_nb_order(k), nb = 1u << nbo;
+	uint64_t e, size = class_size(k);
+	int err;
+
+	if (h > p->nchunks)
+		return shmrpc__fail(-SHMRPC_ECORRUPT,
+				    "the tensor pool's slab list of %s blocks names chunk %u of %u; "
+				    "the pool cannot be used (restart the job)",
+				    fmt_bytes((char[32]){ 0 }, size), h, p->nchunks);
+	if (!h) {
+		/* A fresh slab: its records, its chunk, its memory. */
+		struct buddy cb = chunk_buddy(p), rb = rec_buddy(p);
+		int64_t r = b_alloc(&rb, nbo), cc;
+
+		if (r < 0)
+			return r == -NO_SPACE ? -NO_RECORDS : r;
+		cc = b_alloc(&cb, 0);
+		if (cc < 0) {
+			recs_free(p, (uint32_t)r, nbo);
+			return cc;
+		}
+		c = (uint32_t)cc;
+		if (committed_in(p, c, 1)) {
+			add_retained(p, -1);
+		} else if ((err = commit(p, chunk_off(p, c), POOL_CHUNK, size))) {
+			recs_free(p, (uint32_t)r, nbo);
+			b_free(&cb, c, 0);
+			return err;
+		} else {
+			set_committed(p, c, 1, 1);
+		}
+		for (uint32_t i = 0; i < nb; i++) {
+			struct pool_meta *m = &p->meta[r + i];
+
+			atomic_store_explicit(&m->refs, 0, memory_order_relaxed);
+			atomic_store_explicit(&m->off, chunk_off(p, c) + i * size, memory_order_relaxed);
+			m->next = (i + 1 < nb ? i + 2 : 0) | POOL_LISTED;
+		}
+		p->chunks[c].nfree = nb;
+		p->chunks[c].free_head = 1;
+		set_entry(p, c, ent_make(ENT_SLAB, k, (uint32_t)r));
+		partial_add(p, k, c);
+		add_slab_free(p, POOL_CHUNK);
+		h = c + 1;
+	}
+	c = h - 1;
+	e = get_entry(p, c);
+	j = p->chunks[c].free_head;
+	if (ent_kind(e) != ENT_SLAB || ent_ord(e) != k || !j || j > nb ||
+	    (uint64_t)ent_rec(e) + nb > p->max_blocks || p->chunks[c].nfree == 0)
+		return shmrpc__fail(-SHMRPC_ECORRUPT,
+				    "the tensor pool's slab at chunk %u is corrupt (entry %#" PRIx64
+				    ", first free %u, %u free); the pool cannot be used (restart "
+				    "the job)", c, e, j, p->chunks[c].nfree);
+	idx = ent_rec(e) + j - 1;
+	p->chunks[c].free_head = p->meta[idx].next & ~POOL_LISTED;
+	p->meta[idx].next = 0;
+
+	/* Release, after the slab's offs: as in large_alloc (pool_ref). */
+	atomic_store_explicit(&p->meta[idx].refs, 1, memory_order_release);
+	add_slab_free(p, -(int64_t)size);
+	if (--p->chunks[c].nfree == 0 && (err = partial_remove(p, k, c)))
+		return err;
 	return idx;
 }
 
-/* Carves fresh space for class k: a slab of 64 KiB for a small class (all
- * but the first block go on the free list), a run of chunks for a large
- * one. The first block's index, or -CARVE_NO_SPACE / -CARVE_NO_RECORDS. */
-static int64_t carve(struct shm_pool *p, uint32_t k)
+/* A large block of 2^o chunks (under the lock): its record, or -errno. */
+static int64_t large_alloc(struct shm_pool *p, uint32_t o)
 {
-	uint64_t size = class_size(k);
-	uint32_t nch = size > POOL_CHUNK ? (uint32_t)(size >> POOL_CHUNK_SHIFT) : 1;
-	uint32_t nb = size < POOL_CHUNK ? (uint32_t)(POOL_CHUNK / size) : 1;
-	uint64_t c = atomic_load_explicit(&p->hdr->carve, memory_order_acquire);
-	uint32_t chunk, first;
+	struct buddy cb = chunk_buddy(p), rb = rec_buddy(p);
+	int64_t c = b_alloc(&cb, o), r;
 
-	do {
-		if ((c >> 32) + nch > p->nchunks)
-			return -CARVE_NO_SPACE;
-		if ((uint32_t)c + (uint64_t)nb > p->max_blocks)
-			return -CARVE_NO_RECORDS;
-	} while (!atomic_compare_exchange_weak_explicit(&p->hdr->carve, &c,
-							c + ((uint64_t)nch << 32) + nb,
-							memory_order_acq_rel, memory_order_acquire));
-	chunk = (uint32_t)(c >> 32);
-	first = (uint32_t)c;
-	for (uint32_t i = 0; i < nb; i++) {
-		p->meta[first + i].off = p->data_off + ((uint64_t)chunk << POOL_CHUNK_SHIFT) + i * size;
-		atomic_store_explicit(&p->meta[first + i].next, first + i + 2, memory_order_relaxed);
+	if (c < 0)
+		return c;
+	r = b_alloc(&rb, 0);
+	if (r < 0) {
+		b_free(&cb, (uint32_t)c, o);
+		return r == -NO_SPACE ? -NO_RECORDS : r;
 	}
-	atomic_store_explicit(&p->chunks[chunk], ((uint64_t)(k + 1) << 32) | first,
-			      memory_order_release);
-	if (nb > 1)
-		list_push(p, k, first + 1, first + nb - 1);
-	return first;
+	/* Its committed chunks are no longer free ones kept. */
+	add_retained(p, -(int64_t)committed_in(p, (uint32_t)c, 1u << o));
+	atomic_store_explicit(&p->meta[r].off, chunk_off(p, (uint32_t)c), memory_order_relaxed);
+	p->meta[r].next = 0;
+	/* Release, after off: pool_ref's CAS (acquire) that finds refs 1 here
+	 * sees this off in its check that the record is still its block's. */
+	atomic_store_explicit(&p->meta[r].refs, 1, memory_order_release);
+	set_entry(p, (uint32_t)c, ent_make(ENT_LARGE, o, (uint32_t)r));
+	return r;
 }
 
-/* Drops n references of block idx; the last one frees it. */
-static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n)
+/*
+ * Block idx's refs reached 0 (under the lock): puts it back, if it still is
+ * what its record says and nobody (a rebuild) did so already.
+ */
+static int block_free_locked(struct shm_pool *p, uint32_t idx, bool punched)
+{
+	struct pool_meta *m = &p->meta[idx];
+	uint64_t off = atomic_load_explicit(&m->off, memory_order_relaxed), e, in;
+	uint32_t c, k;
+
+	if (off < p->data_off || off >= p->size ||
+	    atomic_load_explicit(&m->refs, memory_order_acquire) != 0)
+		return 0;
+	c = (uint32_t)((off - p->data_off) >> POOL_CHUNK_SHIFT);
+	in = (off - p->data_off) & (POOL_CHUNK - 1);
+	e = get_entry(p, c);
+	if (ent_kind(e) == ENT_LARGE && in == 0 && ent_rec(e) == idx) {
+		struct buddy cb = chunk_buddy(p);
+		uint32_t o = ent_ord(e);
+		int err;
+
+		if ((uint64_t)c + (1ull << o) > p->nchunks)
+			return shmrpc__fail(-SHMRPC_ECORRUPT,
+					    "the tensor pool's block at chunk %u claims 2^%u chunks "
+					    "of %u", c, o, p->nchunks);
+		set_entry(p, c, 0);
+		/* Punched: nothing of it is committed; else its committed
+		 * chunks are kept for the next blocks. */
+		if (punched)
+			set_committed(p, c, 1u << o, 0);
+		else
+			add_retained(p, committed_in(p, c, 1u << o));
+		if ((err = recs_free(p, idx, 0)))
+			return err;
+		return b_free(&cb, c, o);
+	}
+	if (ent_kind(e) != ENT_SLAB || (k = ent_ord(e)) >= POOL_SMALL_CLASSES ||
+	    in & (class_size(k) - 1) ||
+	    ent_rec(e) + (uint32_t)(in >> (k + POOL_MIN_SHIFT)) != idx || m->next & POOL_LISTED)
+		return 0;
+	{
+		uint32_t nb = 1u << slab_nb_order(k), j = (uint32_t)(in >> (k + POOL_MIN_SHIFT));
+		struct pool_chunk *ch = &p->chunks[c];
+
+		m->next = ch->free_head | POOL_LISTED;
+		ch->free_head = j + 1;
+		add_slab_free(p, (int64_t)class_size(k));
+		if (++ch->nfree == 1)
+			partial_add(p, k, c);
+		/* Empty: back to the chunks, unless it is its class's only slab
+		 * with room (kept warm for the next small block). */
+		if (ch->nfree == nb &&
+		    (atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed) != c + 1 ||
+		     ch->next))
+			return slab_release(p, k, c);
+	}
+	return 0;
+}
+
+/*
+ * Drops n references of block idx; the last one frees it, and gives a large
+ * block's pages back if punch: not when a live process lets go of all it
+ * holds at once (pool_leave), whose views of its blocks stay readable after
+ * it has left (a data loader's batches after its job ended).
+ */
+static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 {
 	_Atomic uint32_t *refs = &p->meta[idx].refs;
-	uint32_t r = atomic_load_explicit(refs, memory_order_acquire);
+	uint32_t r = atomic_load_explicit(refs, memory_order_acquire), k;
+	bool punched;
+	int err;
 
+	/* Its class while our references keep the record this block's. */
+	k = block_class(p, idx);
+	TSAN_DROP(p);
 	do {
 		if (r < n)
 			return shmrpc__fail(-SHMRPC_ECORRUPT,
 					    "pool block at offset %" PRIu64 " has %u references, "
 					    "%u to drop: the pool's records are inconsistent",
-					    p->meta[idx].off, r, n);
+					    atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
+					    r, n);
 	} while (!atomic_compare_exchange_weak_explicit(refs, &r, r - n, memory_order_acq_rel,
 							memory_order_acquire));
-	if (r == n)
-		list_push(p, block_class(p, idx), idx, idx);
+	if (r != n)
+		return 0;
+	/* The last reference: a large block is this process's alone until it
+	 * is listed (a rebuild keeps it), so its pages go back unlocked. */
+	/* Kept committed while the pool keeps less than its budget of free
+	 * committed memory (a racy read: a bound, not an account). */
+	punched = punch && k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN &&
+		  (atomic_load_explicit(&p->hdr->retained_chunks, memory_order_relaxed)
+		   << POOL_CHUNK_SHIFT) + class_size(k) > retain_budget(p) &&
+		  fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+			    (off_t)atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
+			    (off_t)class_size(k)) == 0;
+	if ((err = pool_lock(p)))
+		return err;
+	err = block_free_locked(p, idx, punched);
+	pool_unlock(p);
+	return err;
+}
+
+/*
+ * After a death under the lock: every list rebuilt from the blocks (see the
+ * comment at the top of this section). Records first: a chunk entry counts
+ * only if the records it names name it back.
+ */
+static int rebuild(struct shm_pool *p)
+{
+	struct buddy cb = chunk_buddy(p), rb = rec_buddy(p);
+	uint8_t *cused = calloc(p->nchunks, 1), *rused = calloc(p->max_blocks, 1);
+
+	if (!cused || !rused) {
+		free(cused);
+		free(rused);
+		return shmrpc__fail(-ENOMEM, "cannot rebuild the tensor pool's free lists: out of "
+				    "memory");
+	}
+	for (uint32_t o = 0; o < 32; o++) {
+		atomic_store_explicit(&p->hdr->chunk_free[o], 0, memory_order_relaxed);
+		atomic_store_explicit(&p->hdr->rec_free[o], 0, memory_order_relaxed);
+	}
+	for (uint32_t k = 0; k < 16; k++)
+		atomic_store_explicit(&p->hdr->partial[k], 0, memory_order_relaxed);
+	atomic_store_explicit(&p->hdr->free_chunks, 0, memory_order_relaxed);
+	atomic_store_explicit(&p->hdr->free_records, 0, memory_order_relaxed);
+	atomic_store_explicit(&p->hdr->slab_free_bytes, 0, memory_order_relaxed);
+
+	for (uint32_t c = 0; c < p->nchunks; c++) {
+		uint64_t e = get_entry(p, c), base = chunk_off(p, c);
+		uint32_t r = ent_rec(e), o = ent_ord(e);
+
+		if (ent_kind(e) == ENT_LARGE && o <= p->max_order && !(c & ((1u << o) - 1)) &&
+		    (uint64_t)c + (1ull << o) <= p->nchunks && r < p->max_blocks && !rused[r] &&
+		    atomic_load_explicit(&p->meta[r].off, memory_order_relaxed) == base &&
+		    (atomic_load_explicit(&p->meta[r].refs, memory_order_relaxed) ||
+		     (uint64_t)POOL_CHUNK << o >= POOL_PUNCH_MIN)) {
+			/* Allocated; with refs 0 too if its freer may be giving its
+			 * pages back unlocked (or died doing so: lost). Smaller ones
+			 * with refs 0 are free: their freer only takes the lock,
+			 * then finds them so and does nothing. */
+			memset(cused + c, 1, 1u << o);
+			rused[r] = 1;
+			for (uint32_t i = c + 1; i < c + (1u << o); i++)
+				set_entry(p, i, 0);
+			c += (1u << o) - 1;
+			continue;
+		}
+		if (ent_kind(e) == ENT_SLAB && o < POOL_SMALL_CLASSES) {
+			uint32_t nbo = (uint32_t)slab_nb_order(o), nb = 1u << nbo, live = 0;
+			uint64_t size = class_size(o);
+			bool ok = !(r & (nb - 1)) && (uint64_t)r + nb <= p->max_blocks;
+
+			for (uint32_t i = 0; ok && i < nb; i++)
+				ok = !rused[r + i] && atomic_load_explicit(&p->meta[r + i].off,
+									   memory_order_relaxed) ==
+							      base + i * size;
+			for (uint32_t i = 0; ok && i < nb; i++)
+				live += atomic_load_explicit(&p->meta[r + i].refs,
+							     memory_order_relaxed) != 0;
+			if (ok && live) {
+				struct pool_chunk *ch = &p->chunks[c];
+
+				ch->free_head = 0;
+				ch->nfree = 0;
+				for (uint32_t i = nb; i-- > 0;) {
+					struct pool_meta *m = &p->meta[r + i];
+
+					rused[r + i] = 1;
+					if (atomic_load_explicit(&m->refs, memory_order_relaxed))
+						continue;
+					m->next = ch->free_head | POOL_LISTED;
+					ch->free_head = i + 1;
+					ch->nfree++;
+				}
+				cused[c] = 1;
+				add_slab_free(p, (int64_t)(ch->nfree * size));
+				if (ch->nfree)
+					partial_add(p, o, c);
+				continue;
+			}
+		}
+		set_entry(p, c, 0);
+	}
+	/* Everything else is free: records (off cleared) and chunks. */
+	for (uint32_t r = 0; r < p->max_blocks; r++) {
+		p->meta[r].run = 0;
+		if (!rused[r]) {
+			atomic_store_explicit(&p->meta[r].off, 0, memory_order_relaxed);
+			atomic_store_explicit(&p->meta[r].refs, 0, memory_order_relaxed);
+			p->meta[r].next = 0;
+		}
+	}
+	atomic_store_explicit(&p->hdr->retained_chunks, 0, memory_order_relaxed);
+	for (uint32_t c = 0; c < p->nchunks; c++)
+		if (!cused[c] && atomic_load_explicit(&p->chunks[c].committed, memory_order_relaxed))
+			add_retained(p, 1);
+	for (uint32_t c = 0; c < p->nchunks;) {
+		uint32_t end = c;
+
+		while (end < p->nchunks && !cused[end])
+			end++;
+		b_free_range(&cb, c, end);
+		while (end < p->nchunks && cused[end])
+			end++;
+		c = end;
+	}
+	for (uint32_t r = 0; r < p->max_blocks;) {
+		uint32_t end = r;
+
+		while (end < p->max_blocks && !rused[end])
+			end++;
+		b_free_range(&rb, r, end);
+		while (end < p->max_blocks && rused[end])
+			end++;
+		r = end;
+	}
+	free(cused);
+	free(rused);
 	return 0;
 }
 
@@ -527,9 +1390,11 @@ static int record(struct shm_pool *p, uint32_t rank, uint32_t tag, uint32_t idx)
 		if (target < 0)
 			return shmrpc__fail(-ENOSPC,
 					    "rank %u's holder table is full (%u records): it holds "
-					    "too many pool blocks; create the pool with more records "
-					    "per worker",
-					    rank, p->holder_cap);
+					    "references to too many pool blocks at once (tensors it "
+					    "made or received and still holds); run the job with "
+					    "more: shmrun --holder-records %u",
+					    rank, p->holder_cap,
+					    p->holder_cap >= (1u << 24) ? 1u << 24 : p->holder_cap * 2);
 		if (atomic_compare_exchange_strong_explicit(
 			    &t[target], &seen, seen == 0 || seen == ENTRY_TOMB ? mine | ENTRY_ONE
 									  : seen + ENTRY_ONE,
@@ -580,7 +1445,15 @@ static int unrecord(struct shm_pool *p, uint32_t rank, uint32_t tag, uint32_t id
 			    rank, p->meta[idx].off);
 }
 
+static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool punch);
+
 int pool_sweep(struct shm_pool *p, uint32_t rank, uint32_t generation)
+{
+	return sweep(p, rank, generation, true);
+}
+
+/* pool_sweep, and pool_leave's sweep of a live rank (punch false). */
+static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool punch)
 {
 	_Atomic uint64_t *life, *t;
 	uint64_t l, n = 0;
@@ -620,7 +1493,7 @@ int pool_sweep(struct shm_pool *p, uint32_t rank, uint32_t generation)
 						   rank, idx, p->max_blocks);
 				break;
 			}
-			if (block_drop(p, idx, entry_count(w)) < 0)
+			if (block_drop(p, idx, entry_count(w), punch) < 0)
 				err = -SHMRPC_ECORRUPT;
 			else
 				n += entry_count(w);
@@ -672,11 +1545,13 @@ int pool_join(struct shm_pool *p, uint32_t rank, uint32_t generation)
 			break;
 	}
 	/* The rank is ours and the old incarnation's records are all swept:
-	 * clear the tombstones it left. */
-	t = table_of(p, rank);
-	for (uint32_t s = 0; s < p->holder_cap; s++)
-		atomic_store_explicit(&t[s], 0, memory_order_relaxed);
-	atomic_thread_fence(memory_order_release);
+	 * clear the tombstones it left (a first join finds the table zero). */
+	if (life_state(l) != POOL_HOLDER_IDLE) {
+		t = table_of(p, rank);
+		for (uint32_t s = 0; s < p->holder_cap; s++)
+			atomic_store_explicit(&t[s], 0, memory_order_relaxed);
+		atomic_thread_fence(memory_order_release);
+	}
 	return 0;
 }
 
@@ -687,8 +1562,9 @@ int pool_leave(struct shm_pool *p, uint32_t rank)
 
 	if (err)
 		return err;
-	return pool_sweep(p, rank,
-			  life_gen(atomic_load_explicit(&p->holders[rank].life, memory_order_acquire)));
+	return sweep(p, rank,
+		     life_gen(atomic_load_explicit(&p->holders[rank].life, memory_order_acquire)),
+		     false);
 }
 
 /* ---- References ----------------------------------------------------------- */
@@ -696,23 +1572,49 @@ int pool_leave(struct shm_pool *p, uint32_t rank)
 static int exhausted(struct shm_pool *p, uint64_t bytes, uint32_t k, bool records)
 {
 	struct pool_stats st;
-	char b[5][32];
+	char b[6][32];
 
 	pool_stats(p, &st);
 	if (records)
 		return shmrpc__fail(-ENOMEM,
 				    "tensor pool out of block records: asked %s, all %u records "
-				    "used (pool %s, %s in use, largest free block %s); create the "
-				    "pool with more block records",
+				    "used (pool %s, %s in use, largest free block %s); run the job "
+				    "with more: shmrun --pool-records %u",
 				    fmt_bytes(b[0], bytes), p->max_blocks, fmt_bytes(b[1], st.size),
-				    fmt_bytes(b[2], st.used), fmt_bytes(b[3], st.largest_free));
+				    fmt_bytes(b[2], st.used), fmt_bytes(b[3], st.largest_free),
+				    p->max_blocks >= (1u << 31) ? POOL_MAX_BLOCKS : p->max_blocks * 2);
 	return shmrpc__fail(-ENOMEM,
 			    "tensor pool exhausted: asked %s (a %s block), pool %s, %s in use, "
-			    "largest free block %s",
+			    "largest free block %s; run the job with a larger pool: shmrun "
+			    "--pool-size %s",
 			    fmt_bytes(b[0], bytes),
 			    fmt_bytes(b[4], k < POOL_NCLASS ? class_size(k) : bytes),
 			    fmt_bytes(b[1], st.size), fmt_bytes(b[2], st.used),
-			    fmt_bytes(b[3], st.largest_free));
+			    fmt_bytes(b[3], st.largest_free),
+			    fmt_size_flag(b[5], k < POOL_NCLASS && class_size(k) > st.size - st.used ?
+							class_size(k) + st.used :
+							2 * st.size));
+}
+
+/* A block of class k under the lock: its record, or -errno / -NO_SPACE /
+ * -NO_RECORDS. A large block that finds no room has the empty slabs kept
+ * warm given back first. */
+static int64_t take_block(struct shm_pool *p, uint32_t k)
+{
+	int64_t idx;
+	int err = pool_lock(p);
+
+	if (err)
+		return err;
+	for (int tries = 0; tries < 2; tries++) {
+		idx = k < LARGE_CLASS0 ? small_alloc(p, k) : large_alloc(p, k - LARGE_CLASS0);
+		if ((idx != -NO_SPACE && idx != -NO_RECORDS) || !slabs_reclaim(p))
+			break;
+	}
+	pool_unlock(p);
+	if (idx >= 0)
+		TSAN_TAKE(p);
+	return idx;
 }
 
 int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
@@ -728,25 +1630,37 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 	k = class_of(bytes);
 	if (bytes > p->data_size || k >= POOL_NCLASS || class_size(k) > p->data_size)
 		return exhausted(p, bytes, k, false);
-	idx = list_pop(p, k);
+	idx = take_block(p, k);
+	if (idx == -NO_SPACE || idx == -NO_RECORDS)
+		return exhausted(p, bytes, k, idx == -NO_RECORDS);
 	if (idx < 0)
-		idx = carve(p, k);
-	/* No fresh space for k: a block of a larger class, whole, beats failing. */
-	for (uint32_t j = k + 1; idx < 0 && j < POOL_NCLASS && class_size(j) <= p->data_size; j++) {
-		int64_t got = list_pop(p, j);
-
-		if (got >= 0)
-			idx = got;
-	}
-	if (idx < 0)
-		return exhausted(p, bytes, k, idx == -CARVE_NO_RECORDS);
-	atomic_store_explicit(&p->meta[idx].refs, 1, memory_order_release);
+		return (int)idx;
+	*off = atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed);
 	err = record(p, rank, tag, (uint32_t)idx);
 	if (err) {
-		block_drop(p, (uint32_t)idx, 1);
+		block_drop(p, (uint32_t)idx, 1, true);
 		return err;
 	}
-	*off = p->meta[idx].off;
+	/* A large block's memory is committed now, outside the lock and once
+	 * recorded (a death in the system call leaks nothing): the chunks
+	 * asked for, not the whole class, and none when they all still are (a
+	 * slab was committed when carved). */
+	if (k >= LARGE_CLASS0) {
+		uint32_t c = (uint32_t)((*off - p->data_off) >> POOL_CHUNK_SHIFT);
+		uint32_t n = (uint32_t)((bytes + POOL_CHUNK - 1) >> POOL_CHUNK_SHIFT);
+
+		if (committed_in(p, c, n) == n)
+			return 0;
+		if ((err = commit(p, *off, (uint64_t)n << POOL_CHUNK_SHIFT, bytes))) {
+			char msg[512];
+
+			snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+			if (unrecord(p, rank, tag, (uint32_t)idx) == 0)
+				block_drop(p, (uint32_t)idx, 1, true);
+			return shmrpc__fail(err, "%s", msg);
+		}
+		set_committed(p, c, n, 1);
+	}
 	return 0;
 }
 
@@ -771,9 +1685,22 @@ int pool_ref(struct shm_pool *p, uint32_t rank, uint64_t off)
 					    " has 2^32-1 references", off);
 	} while (!atomic_compare_exchange_weak_explicit(refs, &r, r + 1, memory_order_acq_rel,
 							memory_order_acquire));
+	/* The record may have been freed and given to another block between
+	 * block_at and the CAS (records move: a slab's go back when it is
+	 * empty): check that it is still the block at off. If not, the count
+	 * we added is to that other block, which it keeps live for an instant:
+	 * drop it again, and off was freed (the caller's stale offset). */
+	if (atomic_load_explicit(&p->meta[idx].off, memory_order_acquire) != off ||
+	    block_class(p, idx) != k) {
+		block_drop(p, idx, 1, true);
+		return shmrpc__fail(-EINVAL,
+				    "the pool block at offset %" PRIu64 " is free: no "
+				    "reference can be taken",
+				    off);
+	}
 	err = record(p, rank, tag, idx);
 	if (err)
-		block_drop(p, idx, 1);
+		block_drop(p, idx, 1, true);
 	return err;
 }
 
@@ -788,7 +1715,7 @@ int pool_unref(struct shm_pool *p, uint32_t rank, uint64_t off)
 		return shmrpc__fail(-EINVAL, "the pool block at offset %" PRIu64 " is already free",
 				    off);
 	err = unrecord(p, rank, tag, idx);
-	return err ? err : block_drop(p, idx, 1);
+	return err ? err : block_drop(p, idx, 1, true);
 }
 
 int64_t pool_block_size(struct shm_pool *p, uint64_t off)
@@ -871,38 +1798,40 @@ int pool_holder_stats(struct shm_pool *p, uint32_t rank, struct pool_holder_stat
 
 void pool_stats(struct shm_pool *p, struct pool_stats *st)
 {
-	uint64_t c = atomic_load_explicit(&p->hdr->carve, memory_order_acquire);
-	uint32_t nrec = (uint32_t)c < p->max_blocks ? (uint32_t)c : p->max_blocks;
-	uint64_t rest = (uint64_t)(p->nchunks - (uint32_t)(c >> 32)) << POOL_CHUNK_SHIFT;
+	/* Relaxed: a snapshot; the counters change under the lock. */
+	uint64_t free_chunks = atomic_load_explicit(&p->hdr->free_chunks, memory_order_relaxed);
+	uint64_t free_recs = atomic_load_explicit(&p->hdr->free_records, memory_order_relaxed);
 
 	memset(st, 0, sizeof(*st));
 	st->size = p->data_size;
-	st->carved = (c >> 32) << POOL_CHUNK_SHIFT;
-	st->block_records_used = nrec;
+	if (free_chunks > p->nchunks)
+		free_chunks = p->nchunks;
+	st->carved = st->size - (free_chunks << POOL_CHUNK_SHIFT);
+	st->free_listed = atomic_load_explicit(&p->hdr->slab_free_bytes, memory_order_relaxed);
 	st->block_records_max = p->max_blocks;
-	for (uint32_t i = 0; i < nrec; i++) {
-		uint32_t r = atomic_load_explicit(&p->meta[i].refs, memory_order_relaxed);
-		uint32_t k = block_class(p, i);
+	st->block_records_used = free_recs > p->max_blocks ? 0 : p->max_blocks - (uint32_t)free_recs;
+	for (uint32_t i = 0; i < p->max_blocks; i++) {
+		uint32_t r = atomic_load_explicit(&p->meta[i].refs, memory_order_relaxed), k;
 
-		if (!r || k >= POOL_NCLASS)
+		if (!r || (k = block_class(p, i)) >= POOL_NCLASS)
 			continue;
 		st->used += class_size(k);
 		st->blocks_live++;
 		st->refs_live += r;
 	}
-	st->free = st->size - st->used;
-	/* The fresh space is one run: its largest block is its largest power of two. */
-	st->largest_free = rest ? 1ull << (63 - __builtin_clzll(rest)) : 0;
-	for (uint32_t k = 0; k < POOL_NCLASS; k++) {
-		uint64_t h = atomic_load_explicit(&p->hdr->free[k].head, memory_order_acquire);
-
-		/* Bounded walk: the list may change under us. */
-		for (uint32_t n = 0; (uint32_t)h && (uint32_t)h <= nrec && n < nrec; n++) {
-			st->free_listed += class_size(k);
-			if (class_size(k) > st->largest_free)
-				st->largest_free = class_size(k);
-			h = atomic_load_explicit(&p->meta[(uint32_t)h - 1].next, memory_order_relaxed);
+	st->free = st->size > st->used ? st->size - st->used : 0;
+	/* The largest free buddy block (a slab's free blocks are smaller). */
+	for (uint32_t o = p->max_order + 1; o-- > 0;)
+		if (atomic_load_explicit(&p->hdr->chunk_free[o], memory_order_relaxed)) {
+			st->largest_free = (uint64_t)POOL_CHUNK << o;
+			break;
 		}
+	if (!st->largest_free && st->free_listed) {
+		for (uint32_t k = POOL_SMALL_CLASSES; k-- > 0;)
+			if (atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed)) {
+				st->largest_free = class_size(k);
+				break;
+			}
 	}
 	st->lost = st->carved > st->used + st->free_listed ? st->carved - st->used - st->free_listed
 							   : 0;

@@ -5,33 +5,48 @@
  * tensors travel between processes as byte offsets into it, never as fds or
  * pointers.
  *
- * Layout (format 1), every part found by offset, every offset checked:
+ * Layout (format 2), every part found by offset, every offset checked:
  *
- *   0            struct pool_header                 one page
+ *   0            struct pool_header                 one page: the lock, list heads
  *   holder_off   struct pool_holder[world]          64 B each: (pid, generation, state)
  *   table_off    uint64_t[world][holder_cap]        per rank: which blocks it holds
- *   chunk_off    uint64_t[nchunks]                  per 64 KiB chunk: class and first block
- *   meta_off     struct pool_meta[max_blocks]       per block: offset, refcount, free link
+ *   chunk_off    struct pool_chunk[nchunks]         per 64 KiB chunk: what it is, links
+ *   meta_off     struct pool_meta[max_blocks]       per block: offset, refcount, links
  *   data_off     tensor data, nchunks * 64 KiB      (64 KiB aligned)
  *
  * The allocator:
- * - Size classes are powers of two: 64 B .. 64 KiB ("small", carved 64 KiB
- *   chunks at a time into slabs of one class) and 128 KiB, 256 KiB, ... up
- *   to the pool's size ("large", one block per run of chunks). Every block
- *   is aligned to min(its size, 64 KiB): 64 B at least, a page from 4 KiB.
- *   A request is rounded up to its class: up to 2x internal waste.
- * - Fresh space comes from one bump word (chunks carved and block records
- *   used, one CAS for both); freed blocks go on their class's lock-free free
- *   list (a Treiber stack: 32-bit block index + 32-bit ABA tag in one word).
- *   Nothing in the pool is ever locked, so no dying process can leave it
- *   locked. When a class is empty and the bump space is spent, a block of a
- *   larger class is handed out whole (never split).
- * - Fragmentation limit, honestly: space carved for a class stays in that
- *   class for the pool's life; blocks are never split nor coalesced. A job
- *   that frees 1 GiB of 64 KiB blocks cannot use that space for a 1 GiB
- *   tensor. Size the pool for the peak of each size the job uses.
- * - Block records (max_blocks) are a second limit: a slab of 64 B blocks uses
- *   1024 of them. Running out of either is -ENOMEM with the sizes in words.
+ * - Size classes are powers of two: 64 B .. 32 KiB ("small", carved from
+ *   64 KiB slabs of one class) and 64 KiB, 128 KiB, ... up to the pool's
+ *   size ("large": one buddy block of chunks). Every block is aligned to
+ *   min(its size, 64 KiB): 64 B at least, a page from 4 KiB. A request is
+ *   rounded up to its class (address space: memory is committed for the
+ *   pages asked only, see below).
+ * - Chunks form a binary buddy system: a free block of 2^o chunks is split
+ *   to serve a smaller one, and a freed block merges with its free buddy,
+ *   so that whatever the order of allocations and frees, a pool whose
+ *   blocks are all free again is one free block (or the few aligned ones
+ *   a size that is not a power of two makes): its whole size can be served
+ *   again. A slab whose blocks are all free goes back to the chunks (one
+ *   empty slab per class is kept for the next small block, and given back
+ *   too when a large block finds no room). Block records come from a
+ *   second buddy system (a slab of 64 B blocks takes 1024 in a row).
+ * - The lists change under one lock in the header, a robust process-shared
+ *   mutex: a process that dies holding it leaves it to the next taker with
+ *   EOWNERDEAD, which rebuilds every free list from the blocks themselves
+ *   (pool.c: what a block's state is, and why a rebuild is exact at any
+ *   instruction of the dead process). References (counts, holder tables)
+ *   take no lock. The lock is held for a few list operations, never across
+ *   a system call other than a slab's 64 KiB commit.
+ * - Memory: the memfd's size is the pool's address space; its records and
+ *   tables are committed at creation, its data pages when a block is
+ *   handed out (fallocate of the chunks asked: a full machine fails the
+ *   allocation with -ENOMEM and a sentence, never SIGBUS later), and a
+ *   freed block of 2 MiB or more gives its pages back (hole punching)
+ *   unless the pool keeps fewer than POOL_RETAIN_MAX bytes (or an eighth
+ *   of its size) of free committed memory: those serve the next blocks
+ *   without a commit nor page faults. Smaller blocks keep their pages.
+ * - Running out of space or of block records is -ENOMEM with the sizes in
+ *   words and the shmrun flag that raises the limit.
  *
  * References and crash reclamation:
  * - Each block has a reference count (in its record, never in the user's
@@ -59,6 +74,7 @@
 #ifndef SHMRPC_SHM_POOL_H
 #define SHMRPC_SHM_POOL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -69,17 +85,22 @@
 #define SHMRPC_ENV_POOL_FD "SHMRPC_POOL_FD"
 
 #define POOL_MAGIC 0x314c4f4f504d4853ull /* "SHMPOOL1" read as little endian */
-#define POOL_FORMAT_VERSION 1u
+#define POOL_FORMAT_VERSION 2u
 #define POOL_PAGE 4096u
-#define POOL_CHUNK_SHIFT 16u /* 64 KiB: the unit of the bump pointer and of slabs */
+#define POOL_CHUNK_SHIFT 16u /* 64 KiB: the buddy unit, a slab, the commit unit */
 #define POOL_CHUNK (1u << POOL_CHUNK_SHIFT)
 #define POOL_MIN_SHIFT 6u /* 64 B: the smallest class and the least alignment */
-#define POOL_SMALL_CLASSES (POOL_CHUNK_SHIFT - POOL_MIN_SHIFT + 1) /* 64 B .. 64 KiB */
+#define POOL_SMALL_CLASSES (POOL_CHUNK_SHIFT - POOL_MIN_SHIFT) /* 64 B .. 32 KiB: slabs */
+#define POOL_NORDER 31u /* buddy orders: 2^0 .. 2^30 chunks, and 2^0 .. 2^30 records */
 #define POOL_NCLASS 42u /* up to 64 B << 41 = 128 TiB */
 #define POOL_MAX_WORLD 1024u
-#define POOL_HOLDER_CAP_DEFAULT 65536u
+/* 100k+ references held per worker (received tensors) is ordinary: 2 MiB
+ * of table per worker, committed at creation. shmrun --pool-holder-records. */
+#define POOL_HOLDER_CAP_DEFAULT 262144u
 #define POOL_MAX_CHUNKS (1u << 30) /* 64 TiB of data */
-#define POOL_MAX_BLOCKS 0xfffffff0u
+#define POOL_MAX_BLOCKS 0x80000000u /* 2^31: a record index with a flag bit free */
+#define POOL_BLOCKS_DEFAULT_MIN (1u << 18)
+#define POOL_BLOCKS_DEFAULT_MAX (1u << 22)
 
 /* Holder states (the state field of pool_holder.life). */
 enum pool_holder_state {
@@ -89,7 +110,8 @@ enum pool_holder_state {
 	POOL_HOLDER_SWEPT = 3, /* swept: the rank may join again */
 };
 
-/* Written once by the creator, then only the atomics change. */
+/* Written once by the creator; then the lock, and under it the list heads
+ * and counters (read without it, relaxed, by pool_stats only). */
 struct pool_header {
 	uint64_t magic;
 	uint32_t format_version;
@@ -109,20 +131,34 @@ struct pool_header {
 	uint32_t creator_pid;
 	uint32_t holder_size;
 	uint32_t meta_size;
-	uint8_t pad0[20];
-	/* line 2: chunks carved << 32 | block records used; CAS (acq_rel). */
-	_Atomic uint64_t carve;
-	uint8_t pad1[56];
-	/* one line per class: the free list head, (tag << 32) | (index + 1),
-	 * 0 when empty; CAS (acq_rel). */
-	struct {
-		_Atomic uint64_t head;
-		uint8_t pad[56];
-	} free[POOL_NCLASS];
-	uint8_t reserved[POOL_PAGE - 192 - 64 * POOL_NCLASS];
+	uint32_t chunk_size;
+	uint8_t pad0[16];
+	/* line 2: the lock (robust, process-shared), alone on its line. */
+	union {
+		pthread_mutex_t m;
+		uint8_t bytes[64];
+	} lock;
+	/* Under the lock: free chunk blocks of 2^o chunks (chunk index + 1,
+	 * 0: none), free record runs of 2^o records (index + 1), slabs of
+	 * each small class with a free block (chunk index + 1). */
+	_Atomic uint32_t chunk_free[32];
+	_Atomic uint32_t rec_free[32];
+	_Atomic uint32_t partial[16];
+	/* Under the lock, read relaxed by pool_stats: chunks on the free lists,
+	 * bytes of free blocks in slabs, records on the free lists. */
+	_Atomic uint64_t free_chunks;
+	_Atomic uint64_t slab_free_bytes;
+	_Atomic uint64_t free_records;
+	_Atomic uint64_t rebuilds; /* free-list rebuilds after a death under the lock */
+	/* Under the lock: free chunks whose pages are still committed (kept
+	 * for the next block, up to the pool's retain budget). */
+	_Atomic uint64_t retained_chunks;
+	uint8_t reserved[POOL_PAGE - 512 - 40];
 };
-_Static_assert(offsetof(struct pool_header, carve) == 128, "pool header layout");
-_Static_assert(offsetof(struct pool_header, free) == 192, "pool header layout");
+_Static_assert(sizeof(pthread_mutex_t) <= 64, "the pool's lock fits its line");
+_Static_assert(offsetof(struct pool_header, lock) == 128, "pool header layout");
+_Static_assert(offsetof(struct pool_header, chunk_free) == 192, "pool header layout");
+_Static_assert(offsetof(struct pool_header, free_chunks) == 512, "pool header layout");
 _Static_assert(sizeof(struct pool_header) == POOL_PAGE, "pool header is one page");
 
 /* One per rank. life = generation << 32 | state << 30 | pid, changed by CAS
@@ -133,19 +169,47 @@ struct pool_holder {
 };
 _Static_assert(sizeof(struct pool_holder) == 64, "holder is one line");
 
-/* One per block, written when its chunk is carved; off is then constant. */
-struct pool_meta {
-	uint64_t off;          /* from the start of the pool */
-	_Atomic uint32_t refs; /* 0: free (or lost); CAS (acq_rel) */
-	_Atomic uint32_t next; /* free-list link: index + 1, 0 ends the list */
+/*
+ * One per 64 KiB chunk. entry (written under the lock, release; read
+ * without it, acquire, to check an offset) says what the chunk is:
+ * kind << 62 | order or class << 56 | record. Kinds: 0 inside a block
+ * (not its first chunk), FREE (the first chunk of a free block of 2^order
+ * chunks), LARGE (the first chunk of a block of 2^order chunks, its record),
+ * SLAB (a slab of small blocks of class, its first record). The rest is
+ * under the lock: list links (chunk index + 1), and a slab's free blocks.
+ */
+struct pool_chunk {
+	_Atomic uint64_t entry;
+	uint32_t next, prev;
+	uint32_t nfree;     /* SLAB: its free blocks */
+	uint32_t free_head; /* SLAB: the first, local index + 1 (0: none) */
+	/* 1: its pages are committed. Changed under the lock, or by the holder
+	 * of the block it is part of (relaxed: the lock orders the rest). */
+	_Atomic uint32_t committed;
+	uint32_t pad;
 };
-_Static_assert(sizeof(struct pool_meta) == 16, "block record is 16 bytes");
+_Static_assert(sizeof(struct pool_chunk) == 32, "chunk record is 32 bytes");
+
+/* One per block. off is written under the lock when the record is given to
+ * a block and cleared (0) when the record is freed, so that a stale chunk
+ * entry never names a block; refs changes by CAS (acq_rel) outside the
+ * lock too; the rest is under the lock. */
+struct pool_meta {
+	_Atomic uint64_t off;  /* from the start of the pool; 0: no block */
+	_Atomic uint32_t refs; /* 0: free (or being freed, or lost) */
+	uint32_t next;         /* slab free list: local index + 1 | POOL_LISTED; or
+				* a free record run's next (index + 1) */
+	uint32_t prev;         /* a free record run's previous (index + 1) */
+	uint32_t run;          /* a free record run's first record: FREE | order */
+	uint64_t pad;
+};
+_Static_assert(sizeof(struct pool_meta) == 32, "block record is 32 bytes");
 
 struct pool_params {
 	uint64_t bytes;      /* data bytes, rounded up to 64 KiB */
 	uint32_t world;      /* ranks that may hold blocks, 1..POOL_MAX_WORLD */
-	uint32_t holder_cap; /* references records per rank (power of two); 0: 65536 */
-	uint32_t max_blocks; /* block records; 0: one per KiB of data, at least 16384 */
+	uint32_t holder_cap; /* references records per rank (power of two); 0: 262144 */
+	uint32_t max_blocks; /* block records; 0: one per 8 KiB of data, at least 65536 */
 };
 
 /* What one process knows of the pool: checked once at attach; the
@@ -161,9 +225,11 @@ struct shm_pool {
 	uint32_t holder_cap;
 	uint32_t max_blocks;
 	uint32_t nchunks;
+	uint32_t max_order;     /* the largest buddy order of chunks */
+	uint32_t max_rec_order; /* and of records */
 	struct pool_holder *holders;
 	_Atomic uint64_t *tables;
-	_Atomic uint64_t *chunks;
+	struct pool_chunk *chunks;
 	struct pool_meta *meta;
 };
 
@@ -172,8 +238,8 @@ struct pool_stats {
 	uint64_t used;             /* bytes of blocks with a reference */
 	uint64_t free;             /* size - used */
 	uint64_t largest_free;     /* the largest block an allocation could get now */
-	uint64_t carved;           /* bytes handed to classes so far */
-	uint64_t free_listed;      /* bytes on the free lists */
+	uint64_t carved;           /* bytes of chunks not free: large blocks and slabs */
+	uint64_t free_listed;      /* bytes of the free blocks in slabs */
 	uint64_t lost;             /* carved - used - free_listed: blocks a death left
 				    * neither live nor free (exact only when quiescent) */
 	uint64_t blocks_live;
@@ -193,7 +259,8 @@ struct pool_holder_stats {
 	uint64_t refs;    /* references recorded */
 };
 
-/* Creates, commits (fallocate) and seals a new pool; the fd is close-on-exec. */
+/* Creates and seals a new pool, its records and tables committed (fallocate),
+ * its data committed block by block; the fd is close-on-exec. */
 SHMRPC_HIDDEN int pool_create(struct shm_pool *p, const struct pool_params *params);
 /* Maps an existing pool and checks magic, version, size and layout. On
  * success the pool owns fd (pool_detach closes it). readonly: mapped
@@ -201,6 +268,16 @@ SHMRPC_HIDDEN int pool_create(struct shm_pool *p, const struct pool_params *para
  * called then. */
 SHMRPC_HIDDEN int pool_attach_fd(struct shm_pool *p, int fd, bool readonly);
 SHMRPC_HIDDEN void pool_detach(struct shm_pool *p);
+/*
+ * The pool's default size: half of the machine's memory, or of its cgroup's
+ * limit where that is less (memory.max, memory.limit_in_bytes). Address
+ * space, not memory: a block's pages are committed when it is handed out
+ * and given back when a large one is freed, so the pool costs what the job
+ * holds in it. shmrun --pool-size caps it.
+ */
+SHMRPC_HIDDEN uint64_t pool_default_bytes(void);
+#define POOL_DEFAULT_FALLBACK (1ull << 30) /* when the memory cannot be read */
+#define POOL_RETAIN_MAX (256ull << 20)     /* free memory kept committed, at most */
 /* Bytes a pool of this shape occupies (data and records); 0 if invalid. */
 SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
 
@@ -212,7 +289,9 @@ SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
  */
 SHMRPC_HIDDEN int pool_join(struct shm_pool *p, uint32_t rank, uint32_t generation);
 /* Clean exit of rank's holder: drops every reference it still holds.
- * Returns the number of references dropped. */
+ * Returns the number of references dropped. Unlike the other drops, it
+ * gives no pages back: the process's views of those blocks stay readable
+ * until someone allocates them again. */
 SHMRPC_HIDDEN int pool_leave(struct shm_pool *p, uint32_t rank);
 /*
  * The process that held rank as incarnation generation is dead (the caller

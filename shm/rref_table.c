@@ -206,8 +206,9 @@ int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t crea
 	if (atomic_fetch_add_explicit(&t->hdr->live, 1, memory_order_relaxed) >= t->max_rrefs) {
 		atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
 		return shmrpc__fail(-ENOSPC, "the RRef table is full: %u RRefs are alive; delete "
-				    "some, or start the job with a larger shmrun --max-rrefs",
-				    t->max_rrefs);
+				    "some, or run the job with more: shmrun --max-rrefs %u",
+				    t->max_rrefs,
+				    t->max_rrefs >= RREF_MAX_RREFS / 2 ? RREF_MAX_RREFS : 2 * t->max_rrefs);
 	}
 	for (uint32_t probe = 0; probe < t->capacity; probe++, s = (s + 1) & mask) {
 		struct rref_entry *e = rref_entry_at(t, s);

@@ -76,7 +76,9 @@
 #define RREF_TABLE_PAGE 4096u
 #define RREF_MAX_WORLD 1024u
 #define RREF_MAX_RREFS (1u << 24)
-#define RREF_DEFAULT_MAX_RREFS 16384u
+/* 64Ki live RRefs: 16 MiB of table for up to 16 workers, committed when
+ * the job starts (shmrun --max-rrefs). */
+#define RREF_DEFAULT_MAX_RREFS 65536u
 #define RREF_TOMB UINT64_MAX         /* a freed slot */
 #define RREF_REMOVING (UINT64_MAX - 1) /* a slot its remover is emptying */
 #define RREF_KEY_LIVE(k) ((k) != 0 && (k) < RREF_REMOVING)

@@ -49,7 +49,7 @@ int main(void)
 
 	probe_rc = cuda_probe();
 	if (probe_rc == 0) {
-		printf("a CUDA device is present: cuda_ipc tests it\n");
+		printf("skip: a CUDA device is present: cuda_ipc tests it\n");
 		return TL_SKIP;
 	}
 	CHECK(probe_rc == -ENOSYS || probe_rc == -ENODEV, "cuda_probe returned %d", probe_rc);

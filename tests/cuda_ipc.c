@@ -377,7 +377,7 @@ int main(void)
 		int rc = cuda_probe();
 
 		if (rc)
-			printf("skip: %s\n", shmrpc_errmsg());
+			printf("skip: needs a GPU: %s\n", shmrpc_errmsg());
 		fflush(stdout);
 		_exit(rc ? TL_SKIP : 0);
 	}

@@ -455,7 +455,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK) || access(tl_inspect_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun or shmrpc-inspect is not built");
 	test_garbage();
 	start_job(&j);
 	test_unreadable_pool(&j);

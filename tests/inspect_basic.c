@@ -11,6 +11,10 @@
  * mapping of the job's RRef table, it makes an RRef whose counts are wrong,
  * corrupt and then leaked, and checks that --check names each, and says
  * "ok" again once it is gone.
+ *
+ * Before that job, one whose workers never join (/bin/sh, no shmrpc_init):
+ * its workers show as STARTED, not EMPTY, in the text, the JSON and the
+ * job list, which --json with no JOB prints as JSON.
  */
 #include <fcntl.h>
 #include <poll.h>
@@ -23,6 +27,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "shm/pool.h"
 #include "shm/rref_table.h"
 #include "shm/segment.h"
 #include "tests/lib/job.h"
@@ -127,8 +132,10 @@ static void inspect_job(const char *job)
 			      tl_json_num(w, gauges[g]));
 	}
 	/* The tensor pool, read-only: shmrun's default size, both ranks holding it. */
-	CHECK(strstr(out, "\"pool\":{") && tl_json_num(strstr(out, "\"pool\":{"), "size") == 256ull << 20,
-	      "no tensor pool of 256 MiB in the JSON");
+	CHECK(strstr(out, "\"pool\":{") &&
+	      tl_json_num(strstr(out, "\"pool\":{"), "size") == pool_default_bytes(),
+	      "no tensor pool of the default size (%llu bytes) in the JSON",
+	      (unsigned long long)pool_default_bytes());
 	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
 	      "the pool's holders are not listed");
 
@@ -347,9 +354,57 @@ static int worker(void)
 	return 0;
 }
 
+/* A job of two /bin/sh workers, started and never joined: STARTED. */
+static void inspect_started(void)
+{
+	const char *argv[] = { tl_shmrun_path(), "-n", "2", "--quiet", "--grace", "0", "--",
+			       "/bin/sh", "-c", "exec sleep 60", NULL };
+	uint64_t deadline = shmrpc_now_ns() + SETTLE_NS;
+	char job[16], line[96];
+	const char *at;
+	int fd, rc;
+	pid_t pid = tl_spawn(argv, &fd);
+
+	CHECK(pid > 0, "cannot run shmrun");
+	snprintf(job, sizeof(job), "%d", (int)pid);
+	/* The launcher stores each pid as it forks: wait for both. */
+	for (;;) {
+		rc = inspect("--json", job);
+		if (rc == 0 && strstr(out, "{\"rank\":1,") &&
+		    strstr(strstr(out, "{\"rank\":1,"), "\"state\":\"STARTED\"") &&
+		    strstr(out, "{\"rank\":0,") &&
+		    strstr(strstr(out, "{\"rank\":0,"), "\"state\":\"STARTED\""))
+			break;
+		CHECK(shmrpc_now_ns() < deadline, "the workers never showed STARTED (%d): %s", rc, out);
+		usleep(10000);
+	}
+	CHECK(!strstr(out, "\"EMPTY\""), "a started worker shows EMPTY: %s", out);
+	rc = inspect(job, NULL);
+	CHECK(rc == 0 && strstr(out, " STARTED none ") && !strstr(out, "EMPTY"),
+	      "the text lacks STARTED (%d): %s", rc, out);
+
+	rc = inspect("--json", NULL);
+	CHECK(rc == 0 && strncmp(out, "{\"jobs\":[", 9) == 0 && strstr(out, "]}\n"),
+	      "the job list is not JSON (%d): %s", rc, out);
+	snprintf(line, sizeof(line), "{\"launcher_pid\":%d,\"job_name\":\"sh\",\"world_size\":2,",
+		 (int)pid);
+	CHECK((at = strstr(out, line)), "the JSON job list lacks %s: %s", line, out);
+	CHECK(strstr(at, "\"workers\":{\"EMPTY\":0,\"RUNNING\":0,\"EXITED\":0,\"DEAD\":0,"
+			 "\"STARTED\":2}}"), "job %d's workers: %s", (int)pid, at);
+	rc = inspect(NULL, NULL);
+	CHECK(rc == 0 && strstr(out, " STARTED RUNNING "), "the job list (%d): %s", rc, out);
+
+	kill(pid, SIGTERM);
+	rc = tl_collect(pid, fd, out, sizeof(out));
+	CHECK(rc == 128 + SIGTERM, "shmrun exited %d after SIGTERM", rc);
+}
+
 int main(void)
 {
 	if (tl_is_worker())
 		return worker();
+	if (access(tl_shmrun_path(), X_OK) || access(tl_inspect_path(), X_OK))
+		return tl_skip("shmrun or shmrpc-inspect is not built");
+	inspect_started();
 	return tl_job_test(worker, "-n", "2", NULL);
 }

@@ -264,11 +264,13 @@ int main(void)
 	CHECK(st.free_listed + st.used <= st.carved, "a block freed twice");
 	printf("pool_crash: %u kills, %llu references swept; leaked by deaths mid-change: %llu "
 	       "references (%llu bytes in %llu blocks still live), %llu bytes lost; used %llu bytes "
-	       "(%llu by the survivor before it let go)\n",
+	       "(%llu by the survivor before it let go); %llu free-list rebuilds after a death "
+	       "under the pool's lock\n",
 	       rounds, (unsigned long long)swept, (unsigned long long)st.refs_unrecorded,
 	       (unsigned long long)st.used, (unsigned long long)st.blocks_live,
 	       (unsigned long long)st.lost, (unsigned long long)st.used,
-	       (unsigned long long)parent_bytes);
+	       (unsigned long long)parent_bytes,
+	       (unsigned long long)atomic_load(&pool.hdr->rebuilds));
 	pool_detach(&pool);
 	munmap(sh, sizeof(*sh));
 	CHECK(tl_shm_leftovers() == 0, "files left in /dev/shm");

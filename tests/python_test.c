@@ -12,12 +12,20 @@
  *   # needs: has("torch")             a Python expression that must be
  *                                     true, else skip (below)
  *
+ *   # unmet: needs a GPU              the skip reason when the needs
+ *                                     line is false (else the line itself)
+ *
  * It runs `/usr/bin/python3 -m pytest tests/python/test_NAME.py`, under
  * shmrun where the header says so, with the built package on PYTHONPATH,
  * and fails when that exits non-zero, or leaves RRefs in the RRef table or
- * files in /dev/shm. Skips (77) when the package is not built (no Python
- * headers, or a sanitizer build), Debian's python3 or its pytest
- * (python3-pytest) is missing, or the module's needs are not met.
+ * files in /dev/shm. A missing Python module is a failure, never a skip:
+ * pytest, or a module the needs line asks has() about, fails the entry
+ * with the Debian package to install (`make deps` installs them all), as
+ * does a package not built outside a sanitizer build (python3-dev). It
+ * skips (77) only when the package is not built because this is a
+ * sanitizer build (SHMRPC_SAN, set by make check), or when the needs line
+ * is false with every module it asked about there (no GPU): the runner's
+ * allow-list, .ci/allowed-skips, says which skips make check accepts.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -36,7 +44,24 @@
 struct header {
 	char shmrun[256]; /* "" when the module runs without shmrun */
 	char needs[256];  /* "" when it needs nothing more */
+	char unmet[256];  /* the skip reason when needs is false; "" : needs itself */
 };
+
+/* The Debian package of a Python module the tests import. */
+static const char *debian_package(const char *module, char *buf, size_t len)
+{
+	static const char *const known[][2] = {
+		{ "torch", "python3-torch" },
+		{ "numpy", "python3-numpy" },
+		{ "pytest", "python3-pytest" },
+	};
+
+	for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
+		if (strcmp(module, known[i][0]) == 0)
+			return known[i][1];
+	snprintf(buf, len, "python3-%s (or the package that has it)", module);
+	return buf;
+}
 
 /* The text after "# key: " at the start of line, into out. */
 static void take(const char *line, const char *key, char *out, size_t len)
@@ -59,6 +84,7 @@ static void read_header(const char *path, struct header *h)
 		said |= strncmp(line, "# shmrun: ", 10) == 0;
 		take(line, "# shmrun: ", h->shmrun, sizeof(h->shmrun));
 		take(line, "# needs: ", h->needs, sizeof(h->needs));
+		take(line, "# unmet: ", h->unmet, sizeof(h->unmet));
 	}
 	fclose(f);
 	CHECK(said, "%s does not start with a \"# shmrun: ARGS\" or \"# shmrun: none\" line", path);
@@ -69,8 +95,9 @@ static void read_header(const char *path, struct header *h)
 int main(int argc, char **argv)
 {
 	const char *build = getenv("SHMRPC_BUILD"), *name = strrchr(argv[0], '/');
+	const char *san = getenv("SHMRPC_SAN");
 	const char *cmd[MAX_SHMRUN_ARGS + 8];
-	char pkg[PATH_MAX], so[PATH_MAX + 32], module[PATH_MAX], code[512];
+	char pkg[PATH_MAX], so[PATH_MAX + 32], module[PATH_MAX], code[1024];
 	const char *probe[] = { PYTHON, "-c", code, NULL };
 	static char out[1 << 20];
 	struct header h;
@@ -86,24 +113,49 @@ int main(int argc, char **argv)
 	read_header(module, &h);
 	snprintf(pkg, sizeof(pkg), "%s/python", build && *build ? build : "build");
 	snprintf(so, sizeof(so), "%s/shmrpc/_shmrpc.abi3.so", pkg);
-	if (access(so, R_OK) || access(PYTHON, X_OK) ||
-	    (h.shmrun[0] && access(tl_shmrun_path(), X_OK))) {
-		fprintf(stderr, "skip: %s, %s or shmrun is missing\n", so, PYTHON);
+	if (access(so, R_OK) && san && *san) {
+		printf("skip: sanitizer build (SAN=%s): the Python package is not built\n", san);
 		return TL_SKIP;
 	}
-	/* has() finds a module without importing it: importing torch takes
-	 * a second of CPU, and most modules only need it there. */
+	CHECK(access(PYTHON, X_OK) == 0, "%s is missing: install python3 (make deps)", PYTHON);
+	CHECK(access(so, R_OK) == 0,
+	      "%s is not built: install python3-dev (make deps), then make", so);
+	CHECK(!h.shmrun[0] || access(tl_shmrun_path(), X_OK) == 0, "%s is not built: make",
+	      tl_shmrun_path());
+	/* has() finds a module without importing it (importing torch takes a
+	 * second of CPU, and most modules only need it there) and names each
+	 * one it misses: a missing module fails the entry, a false needs line
+	 * with every module there (no GPU) skips it. */
 	snprintf(code, sizeof(code),
 		 "import importlib.util, shutil, sys\n"
+		 "missing = []\n"
 		 "def has(name):\n"
-		 "    return importlib.util.find_spec(name) is not None\n"
-		 "sys.exit(0 if has('pytest') and (%s) else 1)\n",
+		 "    if importlib.util.find_spec(name) is None:\n"
+		 "        missing.append(name)\n"
+		 "        return False\n"
+		 "    return True\n"
+		 "ok = has('pytest') and (%s)\n"
+		 "print(' '.join(missing))\n"
+		 "sys.exit(0 if ok else 3 if missing else 4)\n",
 		 h.needs[0] ? h.needs : "True");
-	if (tl_run(out, sizeof(out), probe) != 0) {
-		fprintf(stderr, "skip: %s needs pytest (python3-pytest)%s%s\n", module,
-			h.needs[0] ? " and " : "", h.needs);
+	rc = tl_run(out, sizeof(out), probe);
+	if (rc == 3) {
+		char pkgs[512] = "", buf[128];
+		char *save, *m = strtok_r(out, " \n", &save);
+
+		for (; m; m = strtok_r(NULL, " \n", &save))
+			snprintf(pkgs + strlen(pkgs), sizeof(pkgs) - strlen(pkgs), "%s%s (%s)",
+				 pkgs[0] ? ", " : "", m, debian_package(m, buf, sizeof(buf)));
+		fprintf(stderr, "%s needs the Python module(s) %s: `make deps` installs them\n",
+			module, pkgs);
+		return 1;
+	}
+	if (rc == 4) {
+		printf("skip: %s\n", h.unmet[0] ? h.unmet : h.needs);
 		return TL_SKIP;
 	}
+	CHECK(rc == 0, "%s: the probe of its needs (%s) exited %d: %s", module,
+	      h.needs[0] ? h.needs : "pytest", rc, out);
 	setenv("PYTHONPATH", pkg, 1);
 	setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
 	if (h.shmrun[0]) {

@@ -224,7 +224,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built");
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "2 workers failed");
 	/* In spin mode, waiting callers and idle executors never sleep and take
 	 * frames off the rings themselves (worker/agent.h), not only within a

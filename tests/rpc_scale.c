@@ -55,7 +55,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built");
 	setenv("TL_SCENARIO", "all", 1);
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "16", NULL) == 0, "16 workers all-to-all failed");
 	setenv("TL_SCENARIO", "one", 1);

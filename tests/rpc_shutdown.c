@@ -57,7 +57,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built");
 	setenv("TL_SCENARIO", "straggler", 1);
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "straggler scenario failed");
 	setenv("TL_SCENARIO", "timeout", 1);

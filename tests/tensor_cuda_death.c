@@ -165,6 +165,6 @@ int main(void)
 	};
 
 	if (!tl_is_worker() && !tl_fake_cuda_use())
-		return TL_SKIP;
+		return tl_skip("the stand-in CUDA driver (tests/fake_cuda) is not built");
 	return tl_job_expect(worker, 1, texts, "-n", "3", "--on-failure=continue", NULL);
 }

@@ -242,7 +242,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (!tl_fake_cuda_use() || access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun or the stand-in CUDA driver (tests/fake_cuda) is not built");
 	CHECK(setenv("FAKE_CUDA_DEVICES", "2", 1) == 0 && setenv("DEVMAP_CASE", "good", 1) == 0,
 	      "setenv");
 	CHECK(tl_job_expect(worker, 0, texts, "-n", "2", NULL) == 0, "the job with maps");

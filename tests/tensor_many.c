@@ -65,8 +65,10 @@ static int worker(void)
 		for (int i = n > WINDOW ? n - WINDOW : 0; i < n; i++)
 			settle(f[i % WINDOW], i);
 		for (int i = 0; i < 5000; i++) {
+			/* Quiescent: a block whose last reference just went is
+			 * neither used nor listed until its freer has the lock. */
 			pool_stats(&worker_agent->pool, &st);
-			if (!st.used)
+			if (!st.used && !st.lost)
 				break;
 			usleep(1000);
 		}

@@ -637,7 +637,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built");
 	setenv(PART_ENV, "calls", 1);
 	rc = tl_shmrun(out, sizeof(out), "-n", "2", "--trace-records", "64", NULL);
 	CHECK(rc == 0, "the first job exited %d", rc);

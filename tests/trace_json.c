@@ -466,7 +466,7 @@ int main(void)
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK) || access(PYTHON, X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built or " PYTHON " is missing");
 	snprintf(path, sizeof(path), "/tmp/shmrpc-trace-json-%d.json", (int)getpid());
 
 	rc = traced_job("calls", path, "--on-failure=abort", NULL, NULL);

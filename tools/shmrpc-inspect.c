@@ -1,7 +1,7 @@
 /*
  * shmrpc-inspect: look inside the running jobs of this user.
  *
- *   shmrpc-inspect              one line per live job
+ *   shmrpc-inspect              one line per live job (--json: as JSON)
  *   shmrpc-inspect JOB          the header and the worker table of one job
  *   shmrpc-inspect --json JOB   the same as one JSON object
  *   shmrpc-inspect --check JOB  "ok", or the anomalies found and exit 1
@@ -34,9 +34,17 @@
  * instant, so an RRef found so is read again after a pause and reported
  * only if it is still so.
  *
+ * A worker's state is its slot's, but for a slot still EMPTY whose process
+ * the launcher has started (its pid is set): STARTED, a worker that has not
+ * joined yet (shmrpc_init not reached or not done), which EMPTY would hide.
+ *
+ * The job list's JSON (stable): {jobs: [{launcher_pid, job_name,
+ * world_size, age_s, workers: {"EMPTY": n, "RUNNING": n, "EXITED": n,
+ * "DEAD": n, "STARTED": n}}]}.
+ *
  * JSON fields (stable): format_version, launcher_pid, job_name, world_size,
  * age_s, ring_size, generation, shutting_down, workers: [{rank, name, pid,
- * state ("EMPTY", "RUNNING", "EXITED", "DEAD"), exit (text or null),
+ * state ("EMPTY", "STARTED", "RUNNING", "EXITED", "DEAD"), exit (text or null),
  * agent_state ("none", "ready", "leaving", "gone"), heartbeat_age_s (null
  * before the first), calls_served, client_active_calls,
  * server_active_calls, num_pending_futures, thread_pool_size,
@@ -163,7 +171,19 @@ struct wsnap {
 	char exit_text[96]; /* "" unless EXITED or DEAD */
 };
 
-static const char *const state_names[] = { "EMPTY", "RUNNING", "EXITED", "DEAD" };
+/* The slot states (enum shm_worker_state), then STARTED: shown for an
+ * EMPTY slot whose process has been started (shown_state). */
+static const char *const state_names[] = { "EMPTY", "RUNNING", "EXITED", "DEAD", "STARTED" };
+#define NSTATES 5u
+#define STATE_STARTED 4u
+
+/* The state word of a slot: EMPTY with a pid is a started worker that has
+ * not joined. The launcher stores the pid (release) before the worker can
+ * attach; a slot read EMPTY with pid 0 is not started yet. */
+static uint32_t shown_state(uint32_t state, uint32_t pid)
+{
+	return state == SHM_WORKER_EMPTY && pid ? STATE_STARTED : state;
+}
 static const char *const agent_names[] = { "none", "ready", "leaving", "gone" };
 
 static const char *name_of(const char *const *names, size_t n, uint32_t v)
@@ -217,7 +237,8 @@ static void usage(FILE *f)
 	      "launcher's pid), shows its header, worker table, the CUDA IPC mappings\n"
 	      "and events each worker has open, tensor pool and RRef table (the live\n"
 	      "RRefs by state, the 20 oldest with their owner and holders), read-only.\n"
-	      "  --json     the job as one JSON object (up to 1000 RRefs listed)\n"
+	      "  --json     the job as one JSON object (up to 1000 RRefs listed); with\n"
+	      "             no JOB, the job list as one\n"
 	      "  --check    print \"ok\", or the anomalies found and exit 1: a DEAD\n"
 	      "             worker (or one whose process is gone, not yet reaped),\n"
 	      "             corrupt frames, pool references of a dead holder,\n"
@@ -816,8 +837,8 @@ static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 		const struct wsnap *s = &ws[r];
 
 		printf("%4u %-16s %7u %-7s %-7s %6s", r, printable(s->name, pbuf), s->pid,
-		       name_of(state_names, 4, s->state), name_of(agent_names, 4, s->agent),
-		       fmt_dur(s->hb_age_ns, dur, sizeof(dur)));
+		       name_of(state_names, NSTATES, shown_state(s->state, s->pid)),
+		       name_of(agent_names, 4, s->agent), fmt_dur(s->hb_age_ns, dur, sizeof(dur)));
 		for (size_t i = 0; i < NCOUNTERS; i++)
 			printf(" %*llu", counters[i].wide ? 8 : 4, (unsigned long long)s->val[i]);
 		printf(" %8llu %8llu\n", (unsigned long long)s->ring_in, (unsigned long long)s->ring_out);
@@ -863,7 +884,8 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 
 		printf("%s{\"rank\":%u,\"name\":", r ? "," : "", r);
 		json_str(s->name);
-		printf(",\"pid\":%u,\"state\":\"%s\",\"exit\":", s->pid, name_of(state_names, 4, s->state));
+		printf(",\"pid\":%u,\"state\":\"%s\",\"exit\":", s->pid,
+		       name_of(state_names, NSTATES, shown_state(s->state, s->pid)));
 		if (s->exit_text[0])
 			json_str(s->exit_text);
 		else
@@ -954,7 +976,7 @@ static int attach_job(pid_t pid, struct shm_seg *seg, bool quiet)
 	return 0;
 }
 
-static int list_jobs(void)
+static int list_jobs(bool json)
 {
 	DIR *proc = opendir("/proc");
 	struct dirent *d;
@@ -962,30 +984,48 @@ static int list_jobs(void)
 
 	if (!proc)
 		return fail("cannot read /proc: %s", strerror(errno));
+	if (json)
+		printf("{\"jobs\":[");
 	while ((d = readdir(proc))) {
 		char *end, name[SHM_NAME_MAX + 1], pbuf[SHM_NAME_MAX + 1], dur[32];
 		long pid = strtol(d->d_name, &end, 10);
-		uint32_t n[4] = { 0 };
+		uint32_t n[NSTATES] = { 0 };
 		struct shm_seg seg;
 
 		if (*end || pid <= 0 || attach_job((pid_t)pid, &seg, true))
 			continue;
 		for (uint32_t r = 0; r < seg.world; r++) {
-			uint32_t st = atomic_load_explicit(&shm_worker(&seg, r)->state, memory_order_relaxed);
+			const struct shm_worker *w = shm_worker(&seg, r);
+			/* Acquire, as snap_worker: the pid the launcher stored first. */
+			uint32_t st = atomic_load_explicit(&w->state, memory_order_acquire);
 
-			n[st < 4 ? st : 0]++;
+			st = shown_state(st, atomic_load_explicit(&w->pid, memory_order_relaxed));
+			n[st < NSTATES ? st : 0]++;
+		}
+		copy_name(name, seg.hdr->job_name);
+		if (json) {
+			printf("%s{\"launcher_pid\":%ld,\"job_name\":", found++ ? "," : "", pid);
+			json_str(name);
+			printf(",\"world_size\":%u,\"age_s\":%.3f,\"workers\":{", seg.world,
+			       (double)age_ns(&seg) / 1e9);
+			for (uint32_t st = 0; st < NSTATES; st++)
+				printf("%s\"%s\":%u", st ? "," : "", state_names[st], n[st]);
+			printf("}}");
+			shm_seg_detach(&seg);
+			continue;
 		}
 		if (!found++)
-			printf("%7s %-24s %5s %8s %7s %6s %4s\n", "PID", "JOB", "WORLD", "AGE", "RUNNING",
-			       "EXITED", "DEAD");
-		copy_name(name, seg.hdr->job_name);
-		printf("%7ld %-24s %5u %8s %7u %6u %4u\n", pid, printable(name, pbuf), seg.world,
-		       fmt_dur(age_ns(&seg), dur, sizeof(dur)), n[SHM_WORKER_RUNNING],
-		       n[SHM_WORKER_EXITED], n[SHM_WORKER_DEAD]);
+			printf("%7s %-24s %5s %8s %7s %7s %6s %4s\n", "PID", "JOB", "WORLD", "AGE",
+			       "STARTED", "RUNNING", "EXITED", "DEAD");
+		printf("%7ld %-24s %5u %8s %7u %7u %6u %4u\n", pid, printable(name, pbuf), seg.world,
+		       fmt_dur(age_ns(&seg), dur, sizeof(dur)), n[STATE_STARTED],
+		       n[SHM_WORKER_RUNNING], n[SHM_WORKER_EXITED], n[SHM_WORKER_DEAD]);
 		shm_seg_detach(&seg);
 	}
 	closedir(proc);
-	if (!found)
+	if (json)
+		printf("]}\n");
+	else if (!found)
 		printf("no shmrpc jobs of this user\n");
 	return 0;
 }
@@ -1250,12 +1290,12 @@ int main(int argc, char **argv)
 	}
 	if (argc - optind > 1 || json + want_check + (watch_s > 0) > 1 ||
 	    (trace_rank >= 0 && (want_check || watch_s > 0)) ||
-	    ((json || want_check || watch_s > 0 || trace_rank >= 0) && optind == argc)) {
+	    ((want_check || watch_s > 0 || trace_rank >= 0) && optind == argc)) {
 		usage(stderr);
 		return EXIT_USAGE;
 	}
 	if (optind == argc)
-		return list_jobs();
+		return list_jobs(json);
 	errno = 0;
 	pid = strtol(argv[optind], &end, 10);
 	if (errno || end == argv[optind] || *end || pid <= 0 || pid > INT_MAX) {

@@ -77,7 +77,7 @@ static int job_test(int (*worker)(void), int want_rc, const char *const *texts, 
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
-		return TL_SKIP;
+		return tl_skip("shmrun is not built");
 	rc = vshmrun(out, sizeof(out), opt, ap);
 	CHECK(rc == want_rc, "shmrun exited %d, want %d", rc, want_rc);
 	for (; texts && *texts; texts++)

@@ -10,6 +10,13 @@
 
 #include "tests/lib/testlib.h"
 
+int tl_skip(const char *reason)
+{
+	printf("skip: %s\n", reason);
+	fflush(stdout);
+	return TL_SKIP;
+}
+
 double tl_scale(void)
 {
 	const char *s = getenv("SHMRPC_TEST_SCALE");

@@ -33,6 +33,9 @@
 		      shmrpc_strerror(rc_), shmrpc_errmsg());                     \
 	} while (0)
 
+/* Prints "skip: REASON" (the runner shows it, and its -a allow-list
+ * judges it) and returns TL_SKIP: `return tl_skip("...")`. */
+int tl_skip(const char *reason);
 /* Scale for long loops: 1 normally, smaller under sanitizers (SHMRPC_TEST_SCALE). */
 double tl_scale(void);
 /* Waits for every child; false if any exited non-zero or by a signal

@@ -12,7 +12,12 @@ tell that program how to run it:
                                      must be true, else the entry is
                                      skipped (77); has(module) finds a
                                      module without importing it, shutil
-                                     is imported (shutil.which("cc"))
+                                     is imported (shutil.which("cc")); a
+                                     module has() misses fails the entry
+                                     instead, naming its Debian package
+    # unmet: needs a GPU             optional: the skip reason printed when
+                                     the needs line is false (the runner's
+                                     allow-list, .ci/allowed-skips, matches it)
 
 The entry fails when pytest (or shmrun) exits non-zero, when the job left
 RRefs in the RRef table or files in /dev/shm. By hand, from the top folder:

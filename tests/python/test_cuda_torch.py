@@ -1,5 +1,6 @@
 # shmrun: -n 2 --pool-size 64M
 # needs: has("torch") and __import__("torch").cuda.is_available()
+# unmet: needs a GPU (torch.cuda.is_available() is false)
 """torch CUDA tensors through shmrpc, on the real driver (skipped where
 torch has no CUDA: the needs line): handed over through CUDA IPC, never
 pickled nor copied. A torch CUDA tensor written in place by the callee is

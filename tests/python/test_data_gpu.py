@@ -1,5 +1,6 @@
 # shmrun: none
 # needs: has("torch") and __import__("torch").cuda.is_available()
+# unmet: needs a GPU (torch.cuda.is_available() is false)
 """shmrpc.data with a GPU trainer: pin_memory=True registers the loader's
 pool with CUDA, so batches arrive pinned in the pool (no pinned copy) and
 go to the device asynchronously. Skipped without CUDA (the needs line)."""

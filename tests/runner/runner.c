@@ -6,15 +6,25 @@
  * failure too, and the process is killed. So is anything of the project
  * left in /dev/shm. Output of a test is shown when it fails (or with -v).
  * Ends with the line "N passed, N failed, N skipped".
+ *
+ * A skip shows its reason: the text after the last "skip: " line the test
+ * printed (else its last line). With -a FILE, a skip is a failure unless a
+ * line of FILE allows it: "PATTERN REASON", PATTERN a glob on the test's
+ * name and REASON text its skip reason must contain ('#' starts a comment).
+ * make check passes .ci/allowed-skips: a fresh machine after `make deps`
+ * runs every test but those that need a GPU, and any other skip (a missing
+ * package, a probe that failed) is caught instead of counted as fine.
  */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -115,6 +125,101 @@ static void show(FILE *out)
 		fwrite(buf, 1, n, stdout);
 }
 
+/*
+ * The reason a skipping test gave, into buf: the rest of its last line
+ * that starts with "skip: " (any case), else its last non-empty line, else
+ * a sentence saying it gave none.
+ */
+static const char *skip_reason(FILE *out, char *buf, size_t len)
+{
+	char line[512];
+	bool tagged = false;
+
+	snprintf(buf, len, "it printed no reason");
+	rewind(out);
+	while (fgets(line, sizeof(line), out)) {
+		size_t n = strcspn(line, "\n");
+		const char *t = line;
+
+		line[n] = '\0';
+		while (*t == ' ' || *t == '\t')
+			t++;
+		if (!*t)
+			continue;
+		if (strncasecmp(t, "skip: ", 6) == 0) {
+			snprintf(buf, len, "%s", t + 6);
+			tagged = true;
+		} else if (!tagged) {
+			snprintf(buf, len, "%s", t);
+		}
+	}
+	return buf;
+}
+
+/* The allow-list of -a: lines "PATTERN REASON". */
+struct allow {
+	char pattern[512];
+	char reason[512];
+};
+
+static int read_allowed(const char *path, struct allow **out)
+{
+	FILE *f = fopen(path, "r");
+	char line[512];
+	int n = 0, cap = 0;
+
+	if (!f) {
+		fprintf(stderr, "cannot read the allowed skips %s: %s\n", path, strerror(errno));
+		return -1;
+	}
+	*out = NULL;
+	while (fgets(line, sizeof(line), f)) {
+		char *p = line, *pat, *why;
+
+		line[strcspn(line, "#\n")] = '\0';
+		while (*p == ' ' || *p == '\t')
+			p++;
+		if (!*p)
+			continue;
+		pat = p;
+		p += strcspn(p, " \t");
+		if (*p)
+			*p++ = '\0';
+		while (*p == ' ' || *p == '\t')
+			p++;
+		why = p;
+		for (char *e = why + strlen(why); e > why && (e[-1] == ' ' || e[-1] == '\t');)
+			*--e = '\0';
+		if (!*why) {
+			fprintf(stderr, "%s: \"%s\" names no reason: each line is \"TEST REASON\"\n",
+				path, pat);
+			fclose(f);
+			return -1;
+		}
+		if (n == cap) {
+			cap = cap ? 2 * cap : 16;
+			*out = realloc(*out, (size_t)cap * sizeof(**out));
+			if (!*out) {
+				fclose(f);
+				return -1;
+			}
+		}
+		snprintf((*out)[n].pattern, sizeof((*out)[n].pattern), "%s", pat);
+		snprintf((*out)[n].reason, sizeof((*out)[n].reason), "%s", why);
+		n++;
+	}
+	fclose(f);
+	return n;
+}
+
+static bool skip_allowed(const struct allow *a, int n, const char *name, const char *reason)
+{
+	for (int i = 0; i < n; i++)
+		if (fnmatch(a[i].pattern, name, 0) == 0 && strstr(reason, a[i].reason))
+			return true;
+	return false;
+}
+
 static const char *base(const char *path)
 {
 	const char *s = strrchr(path, '/');
@@ -126,20 +231,27 @@ int main(int argc, char **argv)
 {
 	int timeout = 120, passed = 0, failed = 0, skipped = 0, opt;
 	bool verbose = false;
-	const char *fuzz = getenv("SHMRPC_FUZZ");
+	const char *fuzz = getenv("SHMRPC_FUZZ"), *allowed_path = NULL;
+	struct allow *allowed = NULL;
+	int nallowed = 0;
 	char **tests;
 	int ntests;
 
-	while ((opt = getopt(argc, argv, "t:v")) != -1) {
+	while ((opt = getopt(argc, argv, "a:t:v")) != -1) {
 		if (opt == 't')
 			timeout = atoi(optarg);
 		else if (opt == 'v')
 			verbose = true;
+		else if (opt == 'a')
+			allowed_path = optarg;
 		else {
-			fprintf(stderr, "usage: %s [-t SECONDS] [-v] TEST...\n", argv[0]);
+			fprintf(stderr, "usage: %s [-t SECONDS] [-v] [-a ALLOWED_SKIPS] TEST...\n",
+				argv[0]);
 			return 2;
 		}
 	}
+	if (allowed_path && (nallowed = read_allowed(allowed_path, &allowed)) < 0)
+		return 2;
 	prctl(PR_SET_CHILD_SUBREAPER, 1);
 	signal(SIGPIPE, SIG_IGN);
 	ntests = argc - optind;
@@ -198,8 +310,17 @@ int main(int argc, char **argv)
 			       strsignal(WTERMSIG(status)), dt);
 			failed++;
 		} else if (WEXITSTATUS(status) == 77) {
-			printf("SKIP %s (%.2f s)\n", name, dt);
-			skipped++;
+			char why[512];
+
+			skip_reason(out, why, sizeof(why));
+			if (allowed_path && !skip_allowed(allowed, nallowed, name, why)) {
+				printf("FAIL %s (skipped: %s; %s allows no such skip, %.2f s)\n", name,
+				       why, allowed_path, dt);
+				failed++;
+			} else {
+				printf("SKIP %s (%s, %.2f s)\n", name, why, dt);
+				skipped++;
+			}
 		} else if (WEXITSTATUS(status) != 0) {
 			printf("FAIL %s (exit %d, %.2f s)\n", name, WEXITSTATUS(status), dt);
 			failed++;
@@ -219,5 +340,6 @@ int main(int argc, char **argv)
 	}
 	printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
 	free(tests);
+	free(allowed);
 	return failed ? 1 : 0;
 }
