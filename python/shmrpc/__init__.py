@@ -1074,29 +1074,19 @@ class RRef:
                             -1 if cid is None else cid)
 
     def _get_type(self, timeout=UNSET_RPC_TIMEOUT, blocking=True):
-        """The type of the value (asked of the owner once, then kept), or
-        with blocking=False a Future of it, as torch's."""
-        t = getattr(self, "_type", None)
-        if t is None:
+        """The type of the value, asked of the owner once (one
+        _rref_typeof_on_owner call, its Future kept), or with blocking=False
+        that Future itself, as torch's."""
+        fut = getattr(self, "_type_future", None)
+        if fut is None:
             if self._r.is_owner():
-                t = type(self.local_value())
-            elif not blocking:
+                fut = Future()
+                fut.set_result(type(self.local_value()))
+            else:
                 fut = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
                                 timeout=timeout)
-
-                def keep(f):
-                    self._type = f.wait()
-                    return self._type
-                return fut.then(keep)
-            else:
-                t = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
-                              timeout=timeout).wait()
-            self._type = t
-        if blocking:
-            return t
-        fut = Future()
-        fut.set_result(t)
-        return fut
+            self._type_future = fut
+        return fut.wait() if blocking else fut
 
     def _get_future(self):
         """A Future completed (with None) once the owner has stored the
