@@ -65,10 +65,10 @@ def _gradients_keyed_by_parameters(module, context_id):
 class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp, dropout):
         super(EmbeddingTable, self).__init__()
-        torch.manual_seed(1)
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
-        self.encoder.weight.data.uniform_(-0.1, 0.1)
+        # A generator of its own: the ps builds both modules at once.
+        self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(1))
 
     def forward(self, input):
         return self.drop(self.encoder(input)).cpu()
@@ -77,10 +77,9 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, ntoken, nhid, dropout):
         super(Decoder, self).__init__()
-        torch.manual_seed(2)
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
-        self.decoder.weight.data.uniform_(-0.1, 0.1)
+        self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(2))
         self.decoder.bias.data.zero_()
 
     def forward(self, output):
