@@ -10,12 +10,19 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc=
+  BENCH py_rref_proxy_rpc_sync median_ns= vs_torch_rpc= vs_py_rpc_sync=
+  BENCH py_remote_to_here value=1KiB_bytes|1KiB_bytearray|1MiB_tensor median_ns= vs_torch_rpc=
 
 with shmrpc's figures; vs_torch_rpc is shmrpc/torch for times and
 torch/shmrpc for the throughput, so lower is better on every line. The
 tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
 hands over the same bytes, so the echo should take as long for 1 GiB as for
-1 KiB (ratio_1GiB_vs_1KiB near 1). The mode=spin lines are a second shmrpc
+1 KiB (ratio_1GiB_vs_1KiB near 1). The RRef lines: a proxy's rpc_sync on
+a live object (rref.rpc_sync().get()), and remote()+to_here() of a value
+made once on the owner: 1 KiB of bytes (a value that cannot change, read
+without asking the owner), 1 KiB bytearray (a live value, fetched with
+PYTHON_RREF_FETCH_CALL) and a 1 MiB float32 torch tensor (live, fetched,
+copied into the pool once per fetch). The mode=spin lines are a second shmrpc
 job in spin mode (shmrun --wait=spin), calls alone. Without torch, shmrpc's figures alone
 (numpy arrays for the echo); torch's 1 GiB echo is skipped when the machine
 has too little memory for its copies.
@@ -43,6 +50,35 @@ POOL = "3G"  # shmrpc's pool: the 1 GiB tensor, its echo is the same block
 
 def nothing():
     return None
+
+
+KIB_BYTES = bytes(1024)
+KIB_BYTEARRAY = bytearray(1024)
+try:  # the 1 MiB tensor, made once when the owner imports this file
+    import torch as _torch
+    MIB_TENSOR = _torch.ones(262144, dtype=_torch.float32)
+except ImportError:
+    MIB_TENSOR = None
+
+
+def kib_bytes():
+    return KIB_BYTES
+
+
+def kib_bytearray():
+    return KIB_BYTEARRAY
+
+
+def mib_tensor():
+    return MIB_TENSOR
+
+
+class Box:
+    def __init__(self, n):
+        self.n = n
+
+    def get(self):
+        return self.n
 
 
 def echo(x):
@@ -93,6 +129,18 @@ def measure(rpc, alloc, sizes, quick, calls_only=False):
 
     s = timed(lambda: rpc.remote("w1", nothing).to_here(), 200 if quick else 1000)
     fig["remote"] = s[len(s) // 2]
+
+    box = rpc.remote("w1", Box, args=(7,))
+    s = timed(lambda: box.rpc_sync().get(), 200 if quick else 1000)
+    fig["proxy"] = s[len(s) // 2]
+    del box
+    fig["rref_values"] = {}
+    for label, fn in (("1KiB_bytes", kib_bytes), ("1KiB_bytearray", kib_bytearray),
+                      ("1MiB_tensor", mib_tensor)):
+        if fn is mib_tensor and MIB_TENSOR is None:
+            continue
+        s = timed(lambda: rpc.remote("w1", fn).to_here(), 100 if quick else 500)
+        fig["rref_values"][label] = s[len(s) // 2]
 
     fig["echo"] = {}
     for size, label in sizes:
@@ -210,13 +258,20 @@ def main():
         theirs = run_torch(quick, os.path.join(tmp, "torch.json"))
         ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
         spin = run_shmrpc(build, quick, os.path.join(tmp, "spin.json"), spin=True)
-    t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}}
+    t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}, "proxy": 0,
+                   "rref_values": {}}
 
     med, p99 = ours["sync"]
     line("py_rpc_sync", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
     # A throughput: torch's over ours, so that lower is better here too.
     line("py_rpc_async", [("calls_per_s", f"{ours['async']:.0f}")], t["async"], ours["async"])
     line("py_remote_to_here", [("median_ns", ours["remote"])], ours["remote"], t["remote"])
+    line("py_rref_proxy_rpc_sync", [("median_ns", ours["proxy"]),
+                                    ("vs_py_rpc_sync", f"{ours['proxy'] / ours['sync'][0]:.3g}")],
+         ours["proxy"], t["proxy"])
+    for label, med in ours["rref_values"].items():
+        line("py_remote_to_here", [("value", label), ("median_ns", med)], med,
+             t["rref_values"].get(label))
     for _, label in SIZES:
         med = ours["echo"][label]
         line("py_tensor_echo", [("size", label), ("median_ns", med)], med, t["echo"].get(label))

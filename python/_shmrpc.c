@@ -538,10 +538,13 @@ static void ops_add(PyObject *list, struct profile_events *ops)
 }
 
 /* The Python handler's arguments: (caller, type, context_id, message_id,
- * retain_graph, pickle, [RRef...], [Tensor...], ops), ops being a list to
- * append the ops torch's profiler recorded to, or None (python_handler_fn);
+ * retain_graph, pickle, [RRef...], [Tensor...], ops, rref_id), ops being a
+ * list to append the ops torch's profiler recorded to, or None
+ * (python_handler_fn), rref_id a remote call's RRef (0 for other requests);
  * it returns (pickle, [RRef...], [Tensor...]) or, answering a
- * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id. */
+ * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id, and
+ * for a remote call whose result it keeps live (worker/python.h) the same
+ * with that id (0 if none) and True. */
 static int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		       struct profile_events *ops)
 {
@@ -550,26 +553,27 @@ static int run_handler(uint32_t caller, const struct python_request *in, struct 
 	const struct python_msg *m = &in->msg;
 	struct python_msg view;
 	long long message_id = 0;
-	int rc = -EIO;
+	int live = 0, rc = -EIO;
 
 	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
 	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
 	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
 	op_list = ops ? PyList_New(0) : new_ref(Py_None);
 	if (rrefs && tensors && op_list && handler)
-		res = PyObject_CallFunction(handler, "IHLLOy#OOO", caller, in->type,
+		res = PyObject_CallFunction(handler, "IHLLOy#OOOK", caller, in->type,
 					    (long long)in->context_id, (long long)in->message_id,
 					    in->retain_graph ? Py_True : Py_False,
 					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors,
-					    op_list);
+					    op_list, (unsigned long long)in->rref_id);
 	if (res && ops)
 		ops_add(op_list, ops);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
 	Py_XDECREF(op_list);
-	if (res && PyArg_ParseTuple(res, "SOO|L", &pickled, &rrefs, &tensors, &message_id) &&
+	if (res && PyArg_ParseTuple(res, "SOO|Lp", &pickled, &rrefs, &tensors, &message_id, &live) &&
 	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
 		out->message_id = (int64_t)message_id;
+		out->live = live;
 		rc = msg_copy(&view, &out->msg);
 		msg_free(&view);
 	} else {
@@ -731,6 +735,12 @@ static PyObject *rref_to_here(PyObject *self, PyObject *args)
 	return res;
 }
 
+static PyObject *rref_id(PyObject *self, PyObject *unused)
+{
+	(void)unused;
+	return PyLong_FromUnsignedLongLong(((shmrpc_rref *)HANDLE(self))->id);
+}
+
 static PyObject *rref_owner(PyObject *self, PyObject *unused)
 {
 	(void)unused;
@@ -771,6 +781,7 @@ static PyObject *rref_str(PyObject *self)
 
 static PyMethodDef rref_methods[] = {
 	{ "to_here", rref_to_here, METH_VARARGS, "to_here(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
+	{ "id", rref_id, METH_NOARGS, "the RRef's id (the key of its live value on the owner)" },
 	{ "owner", rref_owner, METH_NOARGS, "the owner's rank" },
 	{ "owner_name", rref_owner_name, METH_NOARGS, "the owner's name" },
 	{ "is_owner", rref_is_owner, METH_NOARGS, "whether this worker owns it" },
@@ -859,6 +870,40 @@ static PyObject *mod_shutdown(PyObject *m, PyObject *args)
 	rc = shmrpc_shutdown(graceful, (int64_t)timeout);
 	Py_END_ALLOW_THREADS
 	return rc ? fail(rc) : new_ref(Py_None);
+}
+
+static PyObject *releaser; /* the Python live-value release, owned */
+
+/* The live-release hook (worker/rref.h): the Python package drops the
+ * object it kept for the RRef id. Any thread: the GIL is taken here. */
+static void release_live(uint64_t id)
+{
+	PyGILState_STATE g;
+	PyObject *res;
+
+	if (!releaser)
+		return;
+	g = gil_take();
+	res = PyObject_CallFunction(releaser, "K", (unsigned long long)id);
+	if (!res)
+		PyErr_Print(); /* a failing __del__ is the program's; the RRef went */
+	Py_XDECREF(res);
+	PyGILState_Release(g);
+}
+
+/* set_live_release(fn): fn(rref_id) drops the live value kept for an RRef
+ * this worker owns, once the RRef has gone. */
+static PyObject *mod_set_live_release(PyObject *m, PyObject *fn)
+{
+	(void)m;
+	if (!PyCallable_Check(fn)) {
+		PyErr_SetString(PyExc_TypeError, "the release function must be callable");
+		return NULL;
+	}
+	Py_XDECREF(releaser);
+	releaser = new_ref(fn);
+	rref_set_live_release(release_live);
+	return new_ref(Py_None);
 }
 
 static PyObject *mod_set_handler(PyObject *m, PyObject *fn)
@@ -1252,7 +1297,8 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 /* The request types call() and remote() send. */
 static const uint16_t call_types[] = { MSG_PYTHON_CALL, MSG_PYTHON_REMOTE_CALL,
 				       MSG_FORWARD_AUTOGRAD_REQ, MSG_BACKWARD_AUTOGRAD_REQ,
-				       MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ, MSG_RREF_BACKWARD_REQ };
+				       MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ, MSG_RREF_BACKWARD_REQ,
+				       MSG_PYTHON_RREF_FETCH_CALL };
 
 /* sent_counts() -> {type name: int}: the requests call() and remote() sent,
  * by message type (for tests: which types autograd's traffic used). */
@@ -1285,6 +1331,8 @@ static PyMethodDef mod_methods[] = {
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms, device_maps): shmrpc_init" },
 	{ "shutdown", mod_shutdown, METH_VARARGS, "shutdown(graceful, timeout_ms)" },
 	{ "set_handler", mod_set_handler, METH_O, "the function that runs pickled calls" },
+	{ "set_live_release", mod_set_live_release, METH_O,
+	  "set_live_release(fn): fn(rref_id) drops an owned RRef's live value once it went" },
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },

@@ -82,6 +82,7 @@ bool python_is_request(uint32_t type)
 	case MSG_BACKWARD_AUTOGRAD_REQ:
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
 	case MSG_RREF_BACKWARD_REQ:
+	case MSG_PYTHON_RREF_FETCH_CALL:
 		return true;
 	default:
 		return false;
@@ -96,6 +97,8 @@ uint16_t python_reply_type(uint16_t type)
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
 	case MSG_RREF_BACKWARD_REQ:
 		return (uint16_t)(type + 1); /* each one's _RESP */
+	case MSG_PYTHON_RREF_FETCH_CALL:
+		return MSG_PYTHON_RREF_FETCH_RET;
 	default:
 		return MSG_PYTHON_RET; /* PYTHON_REMOTE_CALL's is stored in the RRef */
 	}
@@ -156,17 +159,20 @@ int python_request_value(const struct python_request *r, struct arena *a, shmrpc
 		items[n++] = shmrpc_int(r->context_id);
 		break;
 	case MSG_RREF_BACKWARD_REQ:
-		/* [rref, context_id, retain_graph] */
+	case MSG_PYTHON_RREF_FETCH_CALL:
+		/* [rref, context_id, retain_graph]; a fetch's without the last */
 		if (r->msg.nrrefs != 1)
-			return shmrpc__fail(-EINVAL, "RREF_BACKWARD_REQ names one RRef, not %u",
-					    r->msg.nrrefs);
+			return shmrpc__fail(-EINVAL, "%s names one RRef, not %u",
+					    worker_msg_name(r->type), r->msg.nrrefs);
 		items[n++] = shmrpc_rref_value(r->msg.rrefs[0]);
 		items[n++] = shmrpc_int(r->context_id);
-		items[n++] = shmrpc_bool(r->retain_graph);
+		if (r->type == MSG_RREF_BACKWARD_REQ)
+			items[n++] = shmrpc_bool(r->retain_graph);
 		break;
 	case MSG_PYTHON_CALL:
 	case MSG_PYTHON_REMOTE_CALL:
 	case MSG_PYTHON_RET:
+	case MSG_PYTHON_RREF_FETCH_RET:
 	case MSG_BACKWARD_AUTOGRAD_RESP:
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
 	case MSG_RREF_BACKWARD_RESP:
@@ -241,9 +247,20 @@ int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 		r->msg.nrrefs = 1;
 		r->retain_graph = it[2].u.b;
 		return 0;
+	case MSG_PYTHON_RREF_FETCH_CALL:
+		/* [rref, context_id]: -1 for none, as the sender's context_id */
+		if (v->type != SHMRPC_LIST || v->len != 2 || it[0].type != SHMRPC_RREF ||
+		    it[1].type != SHMRPC_INT || it[1].u.i < -1 ||
+		    !(r->msg.rrefs = arena_alloc(a, sizeof(*r->msg.rrefs))))
+			break;
+		r->msg.rrefs[0] = it[0].u.r;
+		r->msg.nrrefs = 1;
+		r->context_id = it[1].u.i;
+		return 0;
 	case MSG_PYTHON_CALL:
 	case MSG_PYTHON_REMOTE_CALL:
 	case MSG_PYTHON_RET:
+	case MSG_PYTHON_RREF_FETCH_RET:
 	case MSG_BACKWARD_AUTOGRAD_RESP:
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
 	case MSG_RREF_BACKWARD_RESP:
@@ -326,11 +343,15 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 	case MSG_RREF_BACKWARD_REQ:
 		what = "run RRef.backward";
 		break;
+	case MSG_PYTHON_RREF_FETCH_CALL:
+		what = "fetch an RRef's value";
+		break;
 	default:
 		return shmrpc__fail(-EINVAL, "the Python package sends no request of type %u",
 				    r->type);
 	}
-	if (r->type != MSG_PYTHON_CALL && (rc = context_check(r)))
+	if (r->type != MSG_PYTHON_CALL && r->type != MSG_PYTHON_RREF_FETCH_CALL &&
+	    (rc = context_check(r)))
 		return rc;
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);

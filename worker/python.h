@@ -45,17 +45,34 @@ struct python_msg {
  *   BACKWARD_AUTOGRAD_REQ: gradients (pickled in msg) for sends of context_id;
  *   CLEANUP_AUTOGRAD_CONTEXT_REQ: context_id only;
  *   RREF_BACKWARD_REQ: backward from msg.rrefs[0]'s value in context_id;
+ *   PYTHON_RREF_FETCH_CALL: the value of msg.rrefs[0], an RRef of the
+ *     receiver's, pickled in context_id (-1: none) as it is now;
+ *     PYTHON_RREF_FETCH_RET: msg, that pickle;
  *   BACKWARD_AUTOGRAD_RESP, CLEANUP_AUTOGRAD_CONTEXT_RESP, RREF_BACKWARD_RESP:
  *     msg, the pickled outcome (None, or the error raised).
  */
+/*
+ * A remote call's handler may keep the result itself, as a live object
+ * (torch's OwnerRRef: the Python package keeps it under the RRef's id) and
+ * say so (out->live): the owner's record then calls the live-release hook
+ * (worker/rref.h) when the RRef goes. What the RRef stores is then either
+ * the one byte "\x02" (no pickle starts with it: protocol 2 and above
+ * start with 0x80), telling a reader other than the owner to ask the owner
+ * with PYTHON_RREF_FETCH_CALL, which pickles the object as it is then; or,
+ * for a value no code can change (None, numbers, strings, bytes, tuples of
+ * them), its pickle, which users read without a message and which cannot
+ * go stale. The binding decides; the agent only stores what it gets.
+ */
+
 struct python_request {
 	uint16_t type;
 	uint16_t wrapped;
 	int64_t context_id;
 	int64_t message_id;
 	bool retain_graph;
-	uint64_t rref_id;
+	uint64_t rref_id;   /* a remote call's RRef (0: none), for its handler too */
 	uint32_t rref_slot;
+	bool live;          /* a remote call's handler keeps the result (above) */
 	struct python_msg msg;
 };
 

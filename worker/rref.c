@@ -794,7 +794,28 @@ struct record {
 	uint32_t slot;
 	uint64_t value_off;     /* our pool block with the encoded value or error */
 	struct tensor_list held; /* our references to what the value holds */
+	bool live;              /* the value is an object the binding keeps (python.h) */
 };
+
+/* Set once at init by the binding that keeps live values, before any
+ * request runs; read by whoever frees a record. Release/acquire: the
+ * binding's state that the hook reads is set before it. */
+static _Atomic(rref_live_release_fn) live_release;
+
+void rref_set_live_release(rref_live_release_fn fn)
+{
+	atomic_store_explicit(&live_release, fn, memory_order_release);
+}
+
+/* The binding lets go of the live value of id: the RRef went, or its
+ * store failed. */
+static void release_live(uint64_t id)
+{
+	rref_live_release_fn fn = atomic_load_explicit(&live_release, memory_order_acquire);
+
+	if (fn)
+		fn(id);
+}
 
 static struct {
 	pthread_mutex_t lock;
@@ -812,6 +833,8 @@ static struct record **record_at(uint64_t id)
 
 static void record_free(struct agent *ag, struct record *rec)
 {
+	if (rec->live)
+		release_live(rec->id);
 	tensor_list_free(&rec->held);
 	if (pool_unref(&ag->pool, ag->rank, rec->value_off))
 		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
@@ -863,7 +886,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 }
 
 int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_value *result,
-		     const shmrpc_value *error, struct tensor_list *sent)
+		     const shmrpc_value *error, bool live, struct tensor_list *sent)
 {
 	struct record *rec = calloc(1, sizeof(*rec));
 	uint64_t len = 0;
@@ -872,6 +895,7 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 	if (rc == 0) {
 		rec->id = id;
 		rec->slot = slot;
+		rec->live = live && !error;
 		rc = store_block(ag, error ? error : result, &rec->value_off, &len, &rec->held, sent);
 	}
 	if (rc) {
@@ -883,6 +907,8 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 		if (rec)
 			tensor_list_free(&rec->held);
 		free(rec);
+		if (live)
+			release_live(id);
 		if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1)
 			unreferenced(ag, id, slot, ag->rank);
 		return shmrpc__fail(rc, "cannot store the RRef's value: %s", msg);

@@ -24,7 +24,9 @@
  *
  * The owner keeps, per RRef with a value, a record: the pool block of the
  * encoded value and the tensors and RRefs it holds (their references are
- * the owner's). The record goes when the table says UNREFERENCED.
+ * the owner's). The record goes when the table says UNREFERENCED. A
+ * Python value lives in the owner's interpreter instead: the block holds
+ * only a mark, and the record's end tells the binding (live release).
  */
 #ifndef SHMRPC_WORKER_RREF_H
 #define SHMRPC_WORKER_RREF_H
@@ -90,10 +92,20 @@ SHMRPC_HIDDEN int rref_send_child_accept(struct agent *ag, uint32_t parent, uint
 SHMRPC_HIDDEN int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot);
 /* Stores result (error NULL) or the error [type, text, backtrace] for id
  * and drops the reference of the owner's run (also when it fails). sent
- * gets the handles the value holds (the record took its own). */
+ * gets the handles the value holds (the record took its own). live: result
+ * is the mark of a value the binding keeps itself (worker/python.h), let
+ * go through the live-release hook when the record goes or the store
+ * fails. */
 SHMRPC_HIDDEN int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot,
-				   const shmrpc_value *result, const shmrpc_value *error,
+				   const shmrpc_value *result, const shmrpc_value *error, bool live,
 				   struct tensor_list *sent);
+/* The hook a binding that keeps values itself (the Python package: an
+ * RRef's value is its owner's live object) sets at init: called with the
+ * RRef's id when the owner's record of such a value goes (the RRef was
+ * deleted everywhere, a user's death left it unreferenced, or the agent
+ * stops), on whichever thread frees it, holding no lock of ours. */
+typedef void (*rref_live_release_fn)(uint64_t id);
+SHMRPC_HIDDEN void rref_set_live_release(rref_live_release_fn fn);
 /* The encoded value or error of a ready RRef of ours, copied into *buf
  * (malloc); *state READY or ERROR. */
 SHMRPC_HIDDEN int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns,

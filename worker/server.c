@@ -325,9 +325,16 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 
 	if (python_is_request(type)) {
 		*fn = "python";
-		/* Asked first: a C-only worker decodes none of them. */
-		if (python_here(call, type) && (in || python_decode(call, type, buf, len, &decoded)))
+		/* Asked first: a C-only worker decodes none of them. A remote
+		 * call's RRef (out's) goes to the handler, which may keep the
+		 * value under it. */
+		if (python_here(call, type) && (in || python_decode(call, type, buf, len, &decoded))) {
+			if (!in) {
+				decoded.rref_id = out->rref_id;
+				decoded.rref_slot = out->rref_slot;
+			}
 			run_python(call, in ? in : &decoded, out, result);
+		}
 	} else {
 		run_call(call, type, buf, len, fn, result);
 	}
@@ -402,6 +409,7 @@ static void run_remote_call(struct request_job *rq, shmrpc_call *call,
 	uint64_t id;
 	uint32_t slot;
 	size_t used = rq->len;
+	bool live;
 
 	if (in) {
 		id = in->rref_id;
@@ -414,7 +422,11 @@ static void run_remote_call(struct request_job *rq, shmrpc_call *call,
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 		return;
 	}
+	out.rref_id = id;
+	out.rref_slot = slot;
 	run_any(call, rq->type, rq->payload + used, rq->len - used, in, &out, &fn, &result);
+	/* The handler keeps the value itself (python.h): its object is the value. */
+	live = !call->failed && out.live;
 	if (call->failed) {
 		error_text(ag, call->errmsg, text, sizeof(text));
 		err[0] = shmrpc_str(call->errtype);
@@ -422,7 +434,7 @@ static void run_remote_call(struct request_job *rq, shmrpc_call *call,
 		err[2] = shmrpc_str(call->backtrace ? call->backtrace : "");
 	}
 	errv = shmrpc_list(err, 3);
-	if (rref_owner_store(ag, id, slot, &result, call->failed ? &errv : NULL, &sent)) {
+	if (rref_owner_store(ag, id, slot, &result, call->failed ? &errv : NULL, live, &sent)) {
 		reply_exception(rq, "RuntimeError", shmrpc_errmsg(), NULL);
 	} else if (in && call->failed) {
 		/* Stored, and the handler made no reply to wrap (a C-only
@@ -612,6 +624,7 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 	case MSG_BACKWARD_AUTOGRAD_REQ:
 	case MSG_CLEANUP_AUTOGRAD_CONTEXT_REQ:
 	case MSG_RREF_BACKWARD_REQ:
+	case MSG_PYTHON_RREF_FETCH_CALL:
 		run_script_call(rq, call, NULL);
 		break;
 	case MSG_FORWARD_AUTOGRAD_REQ:

@@ -18,16 +18,27 @@ import types
 import weakref
 
 from . import _shmrpc
+from . import backend_registry, constants  # noqa: F401  (torch's submodules' names)
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
+from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = [
     "empty", "init_rpc", "shutdown", "get_worker_info", "WorkerInfo", "rpc_sync",
     "rpc_async", "remote", "RRef", "Future", "RemoteException", "wait_all", "collect_all",
-    "functions", "autograd",
+    "functions", "autograd", "BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions",
+    "get_rpc_timeout", "enable_gil_profiling", "is_available", "install_as_torch",
 ]
 
-UNSET_RPC_TIMEOUT = -1.0  # torch's sentinel: the default timeout
-_DEFAULT_RPC_TIMEOUT_SEC = 60.0
+UNSET_RPC_TIMEOUT = constants.UNSET_RPC_TIMEOUT  # torch's sentinel: the default timeout
+_UNSET_RPC_TIMEOUT = UNSET_RPC_TIMEOUT
+_DEFAULT_RPC_TIMEOUT_SEC = constants.DEFAULT_RPC_TIMEOUT_SEC
+_DEFAULT_INIT_METHOD = constants.DEFAULT_INIT_METHOD
+_DEFAULT_NUM_WORKER_THREADS = constants.DEFAULT_NUM_WORKER_THREADS
+# The default timeout in seconds (0: none): the backend options', or one
+# _set_rpc_timeout set; _timeout_override says the latter (the calls then
+# name it, instead of the agent's default that init set).
+_rpc_timeout = _DEFAULT_RPC_TIMEOUT_SEC
+_timeout_override = False
 
 _state = threading.local()
 _initialized = False
@@ -79,7 +90,9 @@ def _not_supported(what):
 
 def _timeout_ms(timeout):
     if timeout is None or timeout == UNSET_RPC_TIMEOUT:
-        return _shmrpc.TIMEOUT_DEFAULT
+        if not _timeout_override:
+            return _shmrpc.TIMEOUT_DEFAULT
+        timeout = _rpc_timeout
     if timeout == 0:
         return 0  # no timeout, as torch's 0
     if timeout < 0:
@@ -89,7 +102,8 @@ def _timeout_ms(timeout):
 
 def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options=None):
     """Joins the job shmrun started: rank and world size come from it."""
-    global _initialized
+    global _initialized, _rpc_timeout, _timeout_override
+    _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
     env_world = int(os.environ.get("SHMRPC_WORLD_SIZE", "-1"))
     if env_rank < 0:
@@ -105,11 +119,65 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         t = getattr(rpc_backend_options, "rpc_timeout", None)
         if t is not None:
             timeout_ms = -1 if t == 0 else int(t * 1000)
+            _rpc_timeout = float(t)
         maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
         _warn_ignored(rpc_backend_options)
     _shmrpc.set_handler(_run_function)
+    _shmrpc.set_live_release(_release_owned)
     _shmrpc.init(name, threads, timeout_ms, maps)
     _initialized = True
+
+
+def is_available():
+    return True
+
+
+def get_rpc_timeout():
+    """The default timeout of calls, in seconds (0: none), as torch's."""
+    return _rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout):
+    """Sets the default timeout of calls made from now on, in seconds (0:
+    none), as torch's private helper (its tests use it)."""
+    global _rpc_timeout, _timeout_override
+    if rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout {rpc_timeout}: give seconds, 0 for none")
+    _rpc_timeout, _timeout_override = float(rpc_timeout), True
+
+
+def enable_gil_profiling(flag):
+    """torch's switch for agent.gil_average_wait_time_us: shmrpc always
+    records the executors' GIL waits (_get_debug_info), so it changes nothing."""
+    del flag
+
+
+class _Agent:
+    """The part of torch's RpcAgent programs and torch's tests reach through
+    _get_current_rpc_agent(): the workers and debug info."""
+
+    def get_worker_info(self, worker_name=None):
+        return get_worker_info(worker_name)
+
+    def get_worker_infos(self):
+        return [get_worker_info(r) for r in range(_shmrpc.world_size())]
+
+    def get_debug_info(self):
+        return _get_debug_info()
+
+    def _get_device_map(self, to):
+        raise _not_supported("_get_device_map")
+
+
+def _is_current_rpc_agent_set():
+    return _initialized
+
+
+def _get_current_rpc_agent():
+    if not _initialized:
+        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC "
+                           "framework (e.g. by calling `rpc.init_rpc`)?")
+    return _Agent()
 
 
 def _device_index(d):
@@ -460,18 +528,22 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
-                  ops):
+                  ops, rref_id):
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
     FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
     stores a remote call's result in its RRef), its result pickled inside
     it too, and for a call profiled for torch's profiler (ops, a list, not
-    None) under that profiler (profiler.torch_ops); distributed autograd's
+    None) under that profiler (profiler.torch_ops); a remote call's result
+    (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
+    PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
     Returns the pickled result or RemoteException, and for a
     FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
+        if msg_type == _shmrpc.PYTHON_RREF_FETCH_CALL:
+            return _serve_fetch(RRef(_c=rrefs[0]), caller, context_id)
         if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
                             _shmrpc.FORWARD_AUTOGRAD_REQ):
             return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
@@ -482,10 +554,10 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
-        reply = _serve_call(func, args, kwargs, caller, context_id, ops)
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
-            return reply + (autograd._message_id(),)
-        return reply
+            return reply + (autograd._message_id(), bool(rref_id))
+        return reply + (0, True) if rref_id else reply
     except BaseException as e:  # every error travels back
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
@@ -499,24 +571,71 @@ _async_serving = 0
 _async_lock = threading.Lock()
 
 
-def _serve_call(func, args, kwargs, caller, context_id, ops):
+def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
     """The pickled result of a call served here: run inside the caller's
-    autograd context, under torch's profiler when ops is a list."""
+    autograd context, under torch's profiler when ops is a list. A remote
+    call's (rref_id) is kept live instead, under its RRef's id."""
     if context_id is None and ops is None and autograd._current() is None:
         # Most calls: no context to enter or leave, no profiler; the two
         # context managers would cost more than the rest of the handler.
-        return _dumps(_call(func, args, kwargs))
+        return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
         with profiler.torch_ops(ops):
             result = _call(func, args, kwargs)
+        return _reply(result, rref_id)
+
+
+def _reply(result, rref_id):
+    """What the C half sends or stores for a result: its pickle; for a
+    remote call, whose result is kept here, the live mark, or the pickle of
+    a value no code can change (users read it without asking us, and it
+    cannot go stale)."""
+    if not rref_id:
         return _dumps(result)
+    _owned[rref_id] = result
+    return _dumps(result) if _immutable(result) else (_LIVE, [], [])
+
+
+_IMMUTABLE_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def _immutable(value):
+    """Whether no code can change value: None, numbers, strings, bytes, and
+    tuples and frozensets of them (exact types: a subclass may add state)."""
+    t = type(value)
+    if t in _IMMUTABLE_TYPES:
+        return True
+    return (t is tuple or t is frozenset) and all(_immutable(v) for v in value)
+
+
+def _serve_fetch(rref, caller, context_id):
+    """PYTHON_RREF_FETCH_CALL: the pickle of our RRef's live value as it is
+    now, inside the caller's autograd context (-1: none), so that tensors
+    that require grad in it are recorded as sends, as torch's fetch does."""
+    if not rref.is_owner():
+        raise RuntimeError(f"a fetch came in for {rref}, which this worker does not own")
+    value = rref.local_value()
+    if context_id < 0:
+        return _dumps(value)
+    with autograd._running_in(context_id, caller):
+        return _dumps(value)
+
+
+def _is_async_execution(func):
+    """Decorated with shmrpc's or torch's functions.async_execution."""
+    return (getattr(func, "_shmrpc_async_execution", False)
+            or hasattr(func, "_wrapped_async_rpc_function"))
 
 
 def _call(func, args, kwargs):
-    """func's result; an async_execution function's Future waited for."""
+    """func's result; an async_execution function's Future waited for. A
+    proxy's call runs the live value's method itself (torch's proxies honour
+    an async_execution method too)."""
     global _async_serving
+    if func is _call_method:
+        func, args = getattr(args[1].local_value(), args[0]), args[2:]
     result = func(*args, **(kwargs or {}))
-    if not getattr(func, "_shmrpc_async_execution", False):
+    if not _is_async_execution(func):
         return result
     torch_future = sys.modules.get("torch.futures")
     if not isinstance(result, Future) and not (torch_future is not None
@@ -754,7 +873,7 @@ def _pack_call(func, args, kwargs, dst=None):
     head = b"".join((_BY_NAME, ref[0].encode(), b"\0", ref[1].encode(), b"\0"))
     if not args and not kwargs:
         return head, [], []
-    data, rrefs, tensors = _dumps((tuple(args), dict(kwargs or {})))
+    data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
     return head + data, rrefs, tensors
 
 
@@ -806,36 +925,97 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 class RRef:
-    """A reference to a value on its owner (from remote())."""
+    """A reference to a value on its owner (from remote(), or RRef(value)
+    made on the owner itself). As torch's: the value is the owner's live
+    object, kept under the RRef's id until the RRef is deleted everywhere
+    (docs/RREF.md, "Python values"); local_value() and proxies act on it,
+    and to_here() on a user pickles it as it is then."""
 
     def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:
-            # A local owner RRef: this worker stores value as remote()'s
-            # results are, pickled from the object itself (so a tensor that
-            # requires grad, a parameter, keeps its identity: autograd.py).
+            # A local owner RRef: a remote() to ourselves of a function that
+            # returns value, which the owner keeps as it keeps every result
+            # (the object itself: nothing is pickled).
             key = next(_local_keys)
             _local_values[key] = value
             _c = remote(_shmrpc.rank(), _take_local, args=(key,))._r
         self._r = _c
 
     def to_here(self, timeout=UNSET_RPC_TIMEOUT):
-        return _result(_c_wait(self._r.to_here, _timeout_ms(timeout)))
+        """The value: on the owner the object itself (as torch's), on a
+        user a copy made by the owner now (PYTHON_RREF_FETCH_CALL), once
+        the remote call has stored it."""
+        if self._r.is_owner():
+            return self._owned(timeout)
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))
+        if msg[0] == _LIVE:
+            msg = _c_wait(self._fetch(timeout).wait)
+        return _result(msg)
 
     def local_value(self):
-        """The value, on the owner. shmrpc stores an RRef's value pickled in
-        the job's pool: each call returns a fresh copy (torch returns the
-        same object; changes to it are not kept here), but for a tensor
-        that requires grad which the owner still holds (a parameter, or an
-        activation of a live distributed autograd context): that is the
-        tensor itself, with its graph."""
+        """The value, on the owner: the same object every time."""
         if not self._r.is_owner():
             raise RuntimeError(f"For {self}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
-        return _result(_c_wait(self._r.to_here, _shmrpc.TIMEOUT_DEFAULT), "local")
+        return self._owned(UNSET_RPC_TIMEOUT)
+
+    def _owned(self, timeout):
+        """On the owner: the live value, once stored (the remote call's
+        error raised, as to_here's)."""
+        value = _owned.get(self._r.id(), _owned)
+        if value is not _owned:
+            return value
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))  # waits; the error raised
+        if msg[0] == _LIVE:
+            return _owned[self._r.id()]
+        return _result(msg)  # a value the binding did not keep (a C function's)
+
+    def _fetch(self, timeout):
+        """The owner's pickle of the value now: PYTHON_RREF_FETCH_CALL,
+        inside the caller's autograd context if any (as torch's to_here,
+        which records the tensors that require grad it receives)."""
+        owner = self._r.owner()
+        cid = autograd._calling(owner)
+        return _shmrpc.call(owner, b"", [self._r], [], _timeout_ms(timeout), "rpc_sync",
+                            "to_here", _shmrpc.PYTHON_RREF_FETCH_CALL,
+                            -1 if cid is None else cid)
+
+    def _get_type(self, timeout=UNSET_RPC_TIMEOUT, blocking=True):
+        """The type of the value (asked of the owner once, then kept), or
+        with blocking=False a Future of it, as torch's."""
+        t = getattr(self, "_type", None)
+        if t is None:
+            if self._r.is_owner():
+                t = type(self.local_value())
+            elif not blocking:
+                fut = rpc_async(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+
+                def keep(f):
+                    self._type = f.wait()
+                    return self._type
+                return fut.then(keep)
+            else:
+                t = rpc_sync(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+            self._type = t
+        if blocking:
+            return t
+        fut = Future()
+        fut.set_result(t)
+        return fut
+
+    def _get_future(self):
+        """A Future completed (with None) once the owner has stored the
+        value, or with the remote call's error, as torch's."""
+        if self._r.is_owner() and self._r.confirmed_by_owner():
+            fut = Future()
+            fut.set_result(None)
+            return fut
+        return rpc_async(_shmrpc.rank(), _rref_created, args=(self,))
 
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
-        """Distributed backward from the value (a scalar tensor) in the
-        given context, on the owner (shmrpc.autograd.backward there)."""
+        """Backward from the value (a scalar tensor) on the owner: in the
+        given distributed autograd context, or with -1 (on the owner only)
+        torch.autograd's local backward, as torch's."""
         return autograd._rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def owner(self):
@@ -871,8 +1051,31 @@ class RRef:
     __repr__ = __str__
 
 
+# What an RRef stores for a value its owner keeps live (worker/python.h):
+# a user's to_here() that reads it asks the owner for the value.
+_LIVE = b"\x02"
+# RRef id -> the live value of an RRef this worker owns, until the RRef
+# goes everywhere (the C half's live-release hook calls _release_owned).
+_owned = {}
 _local_values = {}  # key -> a value RRef(value) is storing, until its remote() takes it
 _local_keys = itertools.count()
+
+
+def _release_owned(rref_id):
+    """The RRef rref_id went (deleted everywhere, or this worker stops): its
+    value is dropped here, on its owner (its __del__ runs here, now)."""
+    _owned.pop(rref_id, None)
+
+
+def _rref_type(rref):
+    return type(rref.local_value())
+
+
+def _rref_created(rref):
+    """On an RRef's holder: returns once its value is stored (raises its error)."""
+    msg = _c_wait(rref._r.to_here, _timeout_ms(UNSET_RPC_TIMEOUT))
+    if msg[0] != _LIVE:
+        _result(msg)
 
 
 def _take_local(key):
@@ -880,7 +1083,8 @@ def _take_local(key):
 
 
 def _call_method(name, rref, *args, **kwargs):
-    """On the owner: rref's value's method name."""
+    """On the owner: rref's value's method name (the proxies' function; _call
+    runs it as the method itself, honouring async_execution)."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
@@ -915,3 +1119,18 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)
+
+
+def _hook_torch_futures():
+    from . import as_torch
+    as_torch.futures_hook()
+
+
+_hook_torch_futures()
+
+
+def install_as_torch():
+    """torch.distributed.rpc, .autograd and DistributedOptimizer resolve to
+    shmrpc from now on (shmrpc.as_torch says exactly what is replaced)."""
+    from . import as_torch
+    as_torch.install()

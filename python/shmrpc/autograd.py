@@ -32,11 +32,11 @@ Each sent tensor's send id travels in the pickle beside it.
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).
 
-A tensor that requires grad (a parameter) keeps its identity on the worker
-that sent it: the owner of an RRef holding one gets the tensor itself from
-local_value() while it lives (torch's OwnerRRef holds the object; shmrpc
-keeps the value pickled), so its gradients in a context, and an optimizer
-stepping it (shmrpc.optim), are those of the tensor the owner's model uses.
+An RRef's value is its owner's live object (as torch's), so a parameter
+behind an RRef is the tensor the owner's model uses: its gradients in a
+context, and an optimizer stepping it (shmrpc.optim), are that tensor's.
+A user's to_here() inside a context fetches the value in that context:
+its tensors that require grad are recorded as the owner's sends.
 
 A worker that dies fails the backward passes that need it, with an error
 naming it ("worker 2 (worker2) died: ..."); leaving a context skips the
@@ -58,7 +58,6 @@ import contextlib
 import itertools
 import re
 import threading
-import weakref
 
 from . import _shmrpc
 
@@ -71,9 +70,6 @@ _backward_passes = 0  # _run_backward calls running here (under _lock)
 _counter = itertools.count()
 _send_ids = itertools.count()
 _message_ids = itertools.count()
-# send id -> a tensor that required grad, sent from here: what local_value
-# gives back for it while it lives.
-_kept = weakref.WeakValueDictionary()
 # The C half's text for a call to a worker that died (worker/agent.c).
 _DIED = re.compile(r"worker (\d+) \([^)]*\) died")
 
@@ -105,6 +101,58 @@ class _Context:
         with self.lock:
             old = self.grads.get(id(tensor))
             self.grads[id(tensor)] = (tensor, grad if old is None else old[1] + grad)
+
+    # torch's DistAutogradContext methods (its tests call them).
+    def _context_id(self):
+        return self.id
+
+    def _known_worker_ids(self):
+        with self.lock:
+            return set(self.known) - {_my_rank()}
+
+    def _send_functions(self):
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self):
+        with self.lock:
+            return {k: v[0] for k, v in self.recvs.items()}
+
+
+DistAutogradContext = _Context
+
+
+def is_available():
+    return True
+
+
+def _current_context():
+    """torch's: this thread's context; RuntimeError outside one."""
+    ctx = _current()
+    if ctx is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap "
+                           "your code using: `with torch.distributed.autograd.context() as "
+                           "context_id` to generate a valid context")
+    return ctx
+
+
+def _is_valid_context(context_id):
+    with _lock:
+        return context_id in _contexts
+
+
+def _retrieve_context(context_id):
+    return _retrieve(context_id)
+
+
+def _get_max_id():
+    """The largest context id this worker can make (torch's: its rank's range)."""
+    return (_my_rank() << 48) | ((1 << 48) - 1)
+
+
+def _get_debug_info():
+    """torch's dist_autograd._get_debug_info()."""
+    return _debug_info()
 
 
 def _missing(cid):
@@ -192,7 +240,6 @@ def _sending(tensor):
     or None outside one, sender rank, send id)."""
     ctx = _current()
     send_id = next(_send_ids)
-    _kept[send_id] = tensor
     if ctx is not None:
         with ctx.lock:
             ctx.sends[send_id] = tensor
@@ -201,15 +248,9 @@ def _sending(tensor):
 
 def _received(tensor, meta, mode):
     """The tensor that arrives for a sent one that required grad. mode:
-    "call" (a callee's arguments: the context is created here if need be),
-    "result" (recorded only while the context lives here) or "local" (the
-    owner reading its RRef: a tensor it sent itself, still alive, is the
-    sent one, graph and all)."""
+    "call" (a callee's arguments: the context is created here if need be)
+    or "result" (recorded only while the context lives here)."""
     cid, sender, send_id = meta
-    if mode == "local" and sender == _my_rank():
-        kept = _kept.get(send_id)
-        if kept is not None:
-            return kept
     if cid is not None:
         if mode == "call":
             ctx = _get_or_create(cid)
@@ -415,11 +456,15 @@ def _rref_backward_on_owner(rref, context_id, retain_graph):
 
 
 def _rref_backward(rref, dist_autograd_ctx_id, retain_graph):
-    """RRef.backward: on the owner, or through a call to it."""
+    """RRef.backward: on the owner, or through a call to it; without a
+    context (-1) torch.autograd's local backward on the owner, as torch's."""
     if dist_autograd_ctx_id == -1:
-        raise NotImplementedError(
-            "RRef.backward without a distributed autograd context is not supported yet by shmrpc: "
-            "an RRef's value is kept pickled (its graph is cut); give dist_autograd_ctx_id")
+        if not rref.is_owner():
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        value = rref.local_value()
+        if not isinstance(value, _torch().Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        return _torch().autograd.backward(value, retain_graph=retain_graph)
     if rref.is_owner():
         return _rref_backward_on_owner(rref, dist_autograd_ctx_id, retain_graph)
     return _send(rref.owner().id, _shmrpc.RREF_BACKWARD_REQ, dist_autograd_ctx_id,

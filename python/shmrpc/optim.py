@@ -15,23 +15,17 @@ raises the first error. Steps on one worker are serialized, as torch's.
 
 Like torch's TorchScript optimizers (the default for SGD, Adam and the
 others torch has functional versions of), a step updates only the
-parameters that have a gradient in the context. The local optimizers live
-in a table on their owners rather than in RRefs (shmrpc keeps an RRef's
-value pickled: an optimizer's state would not survive a step); they are
-dropped when the DistributedOptimizer is.
+parameters that have a gradient in the context. Each local optimizer is
+the live value of an RRef its owner holds (remote()), as torch's: it goes
+when the DistributedOptimizer does.
 """
-import itertools
 import threading
-import weakref
 
-from . import autograd, rpc_async
+from . import autograd, remote, rpc_async
 
 __all__ = ["DistributedOptimizer"]
 
 _step_lock = threading.Lock()  # one step at a time on this worker (torch's global_lock)
-_lock = threading.Lock()
-_optimizers = {}  # key -> _LocalOptimizer, on the owner
-_keys = itertools.count()
 
 
 class _LocalOptimizer:
@@ -47,35 +41,8 @@ class _LocalOptimizer:
             self.optim.step()
 
 
-def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs):
-    """On the owner: a local optimizer over its parameters; its key."""
-    opt = _LocalOptimizer(optimizer_class, param_rrefs, args, kwargs)
-    with _lock:
-        key = next(_keys)
-        _optimizers[key] = opt
-    return key
-
-
-def _local_step(key, context_id):
-    with _lock:
-        opt = _optimizers[key]
-    opt.step(context_id)
-
-
-def _drop_local(keys):
-    with _lock:
-        for key in keys:
-            _optimizers.pop(key, None)
-
-
-def _drop(remote_optimizers):
-    """The DistributedOptimizer is gone: its owners drop their optimizers
-    (no wait; an owner already gone has nothing to drop)."""
-    for owner, key in remote_optimizers:
-        try:
-            rpc_async(owner, _drop_local, args=([key],))
-        except Exception:
-            pass
+def _local_step(optimizer_rref, context_id):
+    optimizer_rref.local_value().step(context_id)
 
 
 def _wait_for_all(futs):
@@ -101,15 +68,20 @@ class DistributedOptimizer:
         per_owner = {}
         for rref in params_rref:
             per_owner.setdefault(rref.owner(), []).append(rref)
-        futs = [rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
-                for owner, rrefs in per_owner.items()]
-        self.remote_optimizers = list(zip(per_owner, _wait_for_all(futs)))
-        # Not at exit: the job may be shut down by then.
-        weakref.finalize(self, _drop, self.remote_optimizers).atexit = False
+        self.remote_optimizers = [remote(owner, _LocalOptimizer,
+                                         args=(optimizer_class, rrefs, args, kwargs))
+                                  for owner, rrefs in per_owner.items()]
+        # The first error of any owner's construction, here, as torch's.
+        _wait_for_all([rpc_async(r.owner(), _built, args=(r,)) for r in self.remote_optimizers])
 
     def step(self, context_id):
         """One step of every owner's optimizer with the gradients of
         context_id; returns when all are done."""
         autograd._retrieve(context_id)  # the context must live here (torch's check)
-        _wait_for_all([rpc_async(owner, _local_step, args=(key, context_id))
-                       for owner, key in self.remote_optimizers])
+        _wait_for_all([rpc_async(r.owner(), _local_step, args=(r, context_id))
+                       for r in self.remote_optimizers])
+
+
+def _built(optimizer_rref):
+    """On the owner: raises the local optimizer's construction error."""
+    optimizer_rref.local_value()

@@ -570,7 +570,7 @@ def proxy_builtin_type():
                  lst.remote().__len__().to_here()))
 
 
-@case(known="local_value() returns a copy (README): a proxy's change to the value is not kept")
+@case
 def proxy_mutation():
     c = rpc.remote(PEER, Counter, args=(5,))
     c.rpc_sync().increment(10)

@@ -82,6 +82,17 @@ def boom(x):
     return Boom.apply(x * 3.0)
 
 
+def local_backward():
+    """On worker1: RRef.backward() of an owner RRef, no context: torch.autograd's
+    local backward from the live value, into .grad."""
+    w = W["W1"]
+    w.grad = None
+    rpc.RRef((w * 2).sum()).backward()
+    ok = w.grad is not None and torch.equal(w.grad, torch.full_like(w, 2.0))
+    w.grad = None
+    return ok
+
+
 def my_grads(cid):
     """This worker's gradients in context cid, by weight name."""
     grads = rpc.autograd.get_gradients(cid)
@@ -239,8 +250,9 @@ def test_rref_backward():
     (torch.relu(xr @ w1r) ** 2).sum().backward()
     assert close(gx, xr.grad), "RRef.backward: x's gradient on the caller"
     assert close(g1, w1r.grad), "RRef.backward: W1's gradient on the owner"
-    with pytest.raises(NotImplementedError):  # RRef.backward without a context
-        rr.backward()
+    with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
+        rr.backward()  # without a context: the owner's only, as torch's
+    assert rpc.rpc_sync("worker1", local_backward), "RRef.backward() on the owner: torch.autograd's"
 
 
 def test_errors():

@@ -56,7 +56,9 @@ def value_of(name):
 
 
 def num_optimizers():
-    return len(sys.modules["shmrpc.optim"]._optimizers)
+    """Local optimizers alive here: live values of RRefs this worker owns."""
+    local = sys.modules["shmrpc.optim"]._LocalOptimizer
+    return sum(isinstance(v, local) for v in list(rpc._owned.values()))
 
 
 def num_contexts():

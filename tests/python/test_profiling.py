@@ -54,7 +54,9 @@ def test_shmrpc_profiler():
     os.unlink(path)
     os.rmdir(os.path.dirname(path))
     assert sum(e["ph"] == "X" for e in trace) == len(names), "complete events in the trace"
-    assert sum(e["ph"] == "f" for e in trace) == 3, "flows in the trace"
+    # add's result is an int: the user reads the owner's pickle of it without a
+    # message (a value that cannot change); a live one would add the fetch's call.
+    assert sum(e["ph"] == "f" for e in trace) == 3, f"flows in the trace: {names}"
 
 
 def test_cuda_fallback():

@@ -1,0 +1,138 @@
+"""Running an unchanged torch.distributed.rpc program on shmrpc.
+
+    shmrun -n 2 -- python3 -m shmrpc.as_torch prog.py args...
+
+runs prog.py as __main__ after install(), which makes these names resolve
+to shmrpc, in sys.modules and as attributes of their parent packages:
+
+- torch.distributed.rpc          -> shmrpc
+- torch.distributed.rpc.functions, .constants, .backend_registry, .options
+                                 -> shmrpc's (shmrpc.functions, ...)
+- torch.distributed.autograd     -> shmrpc.autograd
+- torch.distributed.optim.DistributedOptimizer
+                                 -> shmrpc.optim.DistributedOptimizer
+- torch.futures.wait_all / collect_all: given shmrpc Futures (rpc_async's),
+  shmrpc's; given only torch Futures, torch's own. (`import shmrpc` does
+  this one by itself, whenever torch.futures is loaded.)
+
+Everything else of torch stays torch's. A program calls
+`shmrpc.install_as_torch()` itself to the same effect; either way it must
+run before the program binds the names (`import torch.distributed.rpc as
+rpc` after install() gets shmrpc). torch imports torch.distributed.rpc as
+part of `import torch`, so install() imports torch first.
+"""
+import os
+import runpy
+import sys
+
+_installed = False
+
+
+def patch_futures(torch_futures):
+    """torch.futures' wait_all and collect_all take shmrpc's Futures too
+    (shmrpc's do the work when any is shmrpc's; torch's own otherwise).
+    Done by `import shmrpc` as soon as torch.futures is imported, before or
+    after it (futures_hook)."""
+    if getattr(torch_futures.wait_all, "_shmrpc", False):
+        return
+    torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
+
+
+class _FuturesHook:
+    """A meta path finder that patches torch.futures once it is loaded."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch.futures":
+            return None
+        import importlib.machinery
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            patch_futures(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def futures_hook():
+    """Patches torch.futures now if it is loaded, else when it is."""
+    if "torch.futures" in sys.modules:
+        patch_futures(sys.modules["torch.futures"])
+    elif not any(isinstance(f, _FuturesHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FuturesHook())
+
+
+def _futures_patched(torch_futures):
+    """torch.futures' wait_all and collect_all, taking shmrpc's Futures too."""
+    import shmrpc
+
+    torch_wait_all, torch_collect_all = torch_futures.wait_all, torch_futures.collect_all
+
+    def ours(futures):
+        return any(isinstance(f, shmrpc.Future) for f in futures)
+
+    def wait_all(futures):
+        futures = list(futures)
+        return shmrpc.wait_all(futures) if ours(futures) else torch_wait_all(futures)
+
+    def collect_all(futures):
+        futures = list(futures)
+        return shmrpc.collect_all(futures) if ours(futures) else torch_collect_all(futures)
+
+    wait_all.__doc__ = torch_wait_all.__doc__
+    collect_all.__doc__ = torch_collect_all.__doc__
+    wait_all._shmrpc = collect_all._shmrpc = True
+    return wait_all, collect_all
+
+
+def install():
+    """Makes torch's RPC names resolve to shmrpc (above). Needs torch."""
+    global _installed
+    if _installed:
+        return
+    try:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.optim as dist_optim
+        import torch.futures as torch_futures
+    except ImportError as e:
+        raise ImportError(f"shmrpc.install_as_torch needs torch ({e}): install python3-torch") \
+            from None
+    import shmrpc
+    from shmrpc import autograd, backend_registry, constants, optim, options
+
+    replaced = {
+        "torch.distributed.rpc": shmrpc,
+        "torch.distributed.rpc.functions": shmrpc.functions,
+        "torch.distributed.rpc.constants": constants,
+        "torch.distributed.rpc.backend_registry": backend_registry,
+        "torch.distributed.rpc.options": options,
+        "torch.distributed.autograd": autograd,
+    }
+    for name, module in replaced.items():
+        sys.modules[name] = module
+    dist.rpc = shmrpc
+    dist.autograd = autograd
+    dist_optim.DistributedOptimizer = optim.DistributedOptimizer
+    patch_futures(torch_futures)
+    _installed = True
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        print("usage: python3 -m shmrpc.as_torch PROG.py [ARGS...]: runs PROG.py with "
+              "torch.distributed.rpc, .autograd and DistributedOptimizer resolving to shmrpc",
+              file=sys.stderr)
+        return 2
+    install()
+    sys.argv = argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
+    runpy.run_path(argv[1], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

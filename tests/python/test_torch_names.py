@@ -1,0 +1,101 @@
+# shmrun: -n 2 --pool-size 64M
+"""torch.distributed.rpc's and .autograd's other names that programs and
+torch's own tests use, on shmrpc: the backend options and types, the
+default timeout and its private setter, the current agent, RRef._get_type
+and _get_future, a call with kwargs and no args, and dist_autograd's
+private helpers.
+"""
+import time
+
+import pytest
+
+import shmrpc as rpc
+
+
+def add(a, b=0):
+    return a + b
+
+
+def slow(sec):
+    time.sleep(sec)
+    return sec
+
+
+class Box:
+    def __init__(self, n):
+        self.n = n
+
+
+def boom():
+    raise ValueError("no box")
+
+
+def rpc_init(rank):
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=20,
+                                           init_method="env://")
+    rpc.init_rpc(f"worker{rank}", backend=rpc.BackendType.TENSORPIPE, rpc_backend_options=opts)
+
+
+def test_options_and_constants():
+    o = rpc.TensorPipeRpcBackendOptions()
+    assert (o.num_worker_threads, o.rpc_timeout, o.init_method, o.device_maps, o.devices) == \
+        (16, 60.0, "env://", {}, [])
+    o.set_device_map("worker1", {0: 1})
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        o.set_device_map("worker1", {0: 2})
+    assert isinstance(o, rpc.RpcBackendOptions)
+    assert rpc.constants.DEFAULT_RPC_TIMEOUT_SEC == 60.0 and rpc.constants.UNSET_RPC_TIMEOUT == -1
+    assert rpc.backend_registry.backend_registered("TENSORPIPE")
+    assert rpc.is_available()
+
+
+def test_timeouts():
+    assert rpc.get_rpc_timeout() == 20.0, "the backend options' rpc_timeout"
+    rpc._set_rpc_timeout(0.2)
+    try:
+        assert rpc.get_rpc_timeout() == 0.2
+        with pytest.raises(RuntimeError):
+            rpc.rpc_sync("worker1", slow, args=(2,))  # the new default applies
+        assert rpc.rpc_sync("worker1", slow, args=(0.5,), timeout=5) == 0.5
+    finally:
+        rpc._set_rpc_timeout(20)
+
+
+def test_kwargs_without_args():
+    assert rpc.rpc_sync("worker1", add, kwargs={"a": 1, "b": 2}) == 3
+    assert rpc.rpc_async("worker1", add, kwargs={"a": 2}).wait() == 2
+    assert rpc.remote("worker1", add, kwargs={"a": 3, "b": 4}).to_here() == 7
+
+
+def test_current_agent():
+    agent = rpc._get_current_rpc_agent()
+    assert agent.get_worker_info().name == "worker0"
+    assert [w.name for w in agent.get_worker_infos()] == ["worker0", "worker1"]
+    assert "agent.thread_pool_size" in agent.get_debug_info()
+    assert rpc._is_current_rpc_agent_set()
+    rpc.enable_gil_profiling(True)
+
+
+def test_rref_type_and_future():
+    box = rpc.remote("worker1", Box, args=(1,))
+    assert box._get_type() is Box
+    assert box._get_type(blocking=False).wait() is Box
+    assert box._get_future().wait() is None
+    assert rpc.RRef(Box(2))._get_type() is Box
+    bad = rpc.remote("worker1", boom)
+    with pytest.raises(ValueError, match="no box"):
+        bad._get_future().wait()
+
+
+def test_dist_autograd_helpers():
+    pytest.importorskip("torch")
+    ag = rpc.autograd
+    with pytest.raises(RuntimeError, match="doesn't have a valid autograd context"):
+        ag._current_context()
+    with ag.context() as cid:
+        ctx = ag._current_context()
+        assert ctx._context_id() == cid and ag._is_valid_context(cid)
+        assert ag._retrieve_context(cid) is ctx
+        assert cid <= ag._get_max_id()
+    assert not ag._is_valid_context(cid)
+    assert "num_autograd_contexts" in ag._get_debug_info()
