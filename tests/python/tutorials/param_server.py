@@ -112,7 +112,7 @@ def run_ps(trainers):
     ps_rref = rpc.RRef(ps)
     before = [p.detach().clone() for p in ps.model.parameters()]
     futs = [rpc.rpc_async(trainer, run_trainer, args=(ps_rref,)) for trainer in trainers]
-    results = [fut.wait() for fut in futs]
+    results = torch.futures.wait_all(futs)
     result = {"losses": {}, "server_losses": {}}
     for trainer, (losses, server_losses) in zip(trainers, results):
         for step, (loss, server_loss) in enumerate(zip(losses, server_losses)):

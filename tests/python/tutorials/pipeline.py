@@ -82,7 +82,7 @@ class DistNet(nn.Module):
             y_rref = self.p1_rref.remote().forward(x_rref)
             z_fut = self.p2_rref.rpc_async().forward(y_rref)
             out_futures.append(z_fut)
-        return torch.cat([fut.wait() for fut in out_futures])
+        return torch.cat(torch.futures.wait_all(out_futures))
 
     def parameter_rrefs(self):
         remote_params = []

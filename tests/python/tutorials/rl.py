@@ -1,16 +1,14 @@
-"""Reinforcement learning with an agent and observers, in the pattern of
-PyTorch's RPC tutorial ("Getting Started with Distributed RPC Framework",
-REINFORCE on CartPole): the Agent on rank 0 makes RRef(self) in __init__ and
-one Observer per other rank with remote(); each episode the observers run
-at once, asking the agent for actions and reporting rewards through the
-agent's RRef; the agent records the rewards and trains its policy. A tiny
-deterministic environment stands in for gym's CartPole, and each observer
-samples from its own generator (the observers' calls interleave).
+"""An RL agent and observers as in PyTorch's RPC tutorial ("Getting Started
+with Distributed RPC Framework", REINFORCE): the Agent (rank 0) makes
+RRef(self) in __init__ and an Observer per other rank with remote(); the
+observers run each episode at once, getting actions from the agent and
+reporting rewards through its RRef; the agent records them and trains. A
+tiny deterministic walk stands in for gym's CartPole; each observer samples
+from a generator of its own (their calls interleave). Rank 0 prints each
+episode's rewards and loss, then "RESULT {json}".
 
     shmrun -n 3 -- python3 rl.py shmrpc
     RANK=r WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python3 rl.py torch
-
-Rank 0 prints each episode's rewards and loss and, last, "RESULT {json}".
 """
 import json
 import os
@@ -54,23 +52,21 @@ class Policy(nn.Module):
 
 
 class Env:
-    """A walk on a line: action 1 steps right, 0 left; reward 1 for a step
-    toward 0; the episode ends beyond +-3."""
+    """A walk: action 1 steps right, 0 left; reward 1 for a step toward 0;
+    the episode ends beyond +-3."""
 
     def __init__(self, start):
         self.start = start
 
     def reset(self):
         self.pos, self.t = self.start, 0
-        return self.state()
-
-    def state(self):
-        return [self.pos / 3.0, float(self.pos > 0), float(self.pos < 0), self.t / 10.0]
+        return [self.pos / 3.0, float(self.pos > 0), float(self.pos < 0), 0.0]
 
     def step(self, action):
         reward = float((action == 1) == (self.pos < 0))
         self.pos, self.t = self.pos + (1 if action == 1 else -1), self.t + 1
-        return self.state(), reward, abs(self.pos) > 3, {}
+        state = [self.pos / 3.0, float(self.pos > 0), float(self.pos < 0), self.t / 10.0]
+        return state, reward, abs(self.pos) > 3, {}
 
 
 class Observer:
@@ -103,8 +99,7 @@ class Agent:
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, Observer))
-            self.rewards[ob_info.id] = []
-            self.saved_log_probs[ob_info.id] = []
+            self.rewards[ob_info.id], self.saved_log_probs[ob_info.id] = [], []
             self.generators[ob_info.id] = torch.Generator().manual_seed(ob_info.id)
 
     def select_action(self, ob_id, state):
@@ -119,11 +114,10 @@ class Agent:
         self.rewards[ob_id].append(reward)
 
     def run_episode(self, n_steps=0):
-        futs = []
-        for ob_rref in self.ob_rrefs:
-            futs.append(rpc_async(ob_rref.owner(), _call_method,
-                                  args=(Observer.run_episode, ob_rref, self.agent_rref, n_steps)))
-        return [fut.wait() for fut in futs]
+        futs = [rpc_async(ob_rref.owner(), _call_method,
+                          args=(Observer.run_episode, ob_rref, self.agent_rref, n_steps))
+                for ob_rref in self.ob_rrefs]
+        return [fut.wait() for fut in futs]  # the observers' own sums of rewards
 
     def finish_episode(self):
         R, probs, rewards = 0, [], []
@@ -166,7 +160,7 @@ def run_agent():
     print("RESULT", json.dumps(result), flush=True)
 
 
-def main():
+if __name__ == "__main__":
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if RANK == 0:
@@ -175,7 +169,3 @@ def main():
     else:
         rpc.init_rpc(OBSERVER_NAME.format(RANK), rank=RANK, world_size=WORLD)
     rpc.shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,14 @@
-"""An RNN with a remote embedding table and decoder, in the pattern of
-PyTorch's RPC tutorial ("Distributed RNN using Distributed Autograd and
-Distributed Optimizer"): the trainer (rank 0) makes EmbeddingTable and
-Decoder on the parameter server "ps" with remote(), keeps the LSTM itself,
-runs the forward through the RRefs (_remote_method: rref.local_value() on
-the owner), gathers every parameter as an RRef (the remote ones made from
-rref.local_value().parameters() on the ps) for DistributedOptimizer, and
-trains with distributed autograd. The remote layers must change, and the
-ps's gradients must be keyed by its modules' own parameters.
+"""An RNN with a remote embedding table and decoder, as in PyTorch's RPC
+tutorial ("Distributed RNN using Distributed Autograd and Distributed
+Optimizer"): the trainer (rank 0) makes EmbeddingTable and Decoder on "ps"
+with remote() and keeps the LSTM; the forward goes through the RRefs
+(rref.local_value() on the owner); DistributedOptimizer gets every parameter
+as an RRef (the ps's from rref.local_value().parameters()). The remote
+layers must change, and the ps's gradients be keyed by its own parameters.
+Rank 0 prints each step's loss, then "RESULT {json}".
 
     shmrun -n 2 -- python3 rnn.py shmrpc
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python3 rnn.py torch
-
-Rank 0 prints each step's loss and, last, "RESULT {json}".
 """
 import json
 import os
@@ -149,7 +146,7 @@ def run_trainer():
     print("RESULT", json.dumps(result), flush=True)
 
 
-def main():
+if __name__ == "__main__":
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if RANK == 0:
@@ -158,7 +155,3 @@ def main():
     else:
         rpc.init_rpc("ps", rank=RANK, world_size=WORLD)
     rpc.shutdown()
-
-
-if __name__ == "__main__":
-    main()
