@@ -20,14 +20,21 @@ By hand: python3 tutorials/rnn.py torch needs RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT per rank; shmrun -n 2 -- python3 tutorials/rnn.py shmrpc.
 """
 import json
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import pytest
+import torch  # noqa: F401  (before the torch workers fork)
+import torch.distributed.autograd  # noqa: F401
+import torch.distributed.optim  # noqa: F401
+import torch.distributed.rpc  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.abspath(os.environ.get("SHMRPC_BUILD") or "build")
@@ -74,27 +81,50 @@ def free_port():
         return s.getsockname()[1]
 
 
+def torch_rank(path, rank, env, log_path):
+    """A torch worker, forked from this process (torch already imported:
+    a second of CPU less for each): the program as __main__, its output
+    to log_path; exits with its status."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    os.environ.update(env, RANK=str(rank))
+    sys.argv = [path, "torch"]
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def run_torch(program, n):
     """n torch workers, reaped (killed past LIMIT_S); their output, rank by rank."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(n))
-    logs = [tempfile.TemporaryFile("w+") for _ in range(n)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tutorials", program + ".py"),
-                               "torch"], env=dict(env, RANK=str(rank)), stdout=logs[rank],
-                              stderr=subprocess.STDOUT, text=True) for rank in range(n)]
-    deadline, rcs = time.monotonic() + LIMIT_S, []
-    for p in procs:
-        try:
-            rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            rcs.append(p.wait())
-    out = ""
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        out += f"---- torch rank {rank} (exit {rcs[rank]})\n" + log.read()
-        log.close()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+    path = os.path.join(HERE, "tutorials", program + ".py")
+    fork = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(n)]
+        procs = [fork.Process(target=torch_rank, args=(path, rank, env, logs[rank]))
+                 for rank in range(n)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + LIMIT_S
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.exitcode is None:  # past the limit: every rank goes
+                for q in procs:
+                    q.kill()
+                p.join()
+        rcs, out = [p.exitcode for p in procs], ""
+        for rank, log in enumerate(logs):
+            with open(log) as f:
+                out += f"---- torch rank {rank} (exit {rcs[rank]})\n" + f.read()
     return Run("torch", rcs, out)
 
 
