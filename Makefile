@@ -4,6 +4,7 @@
 #   make check             install what is missing, build, run every test
 #   make check SAN=address (or SAN=thread) the same under a sanitizer
 #   make bench             figures beside their peers (BENCH lines)
+#   make torch-suite       torch's own RPC test suites, run against shmrpc
 #   make install PREFIX=/usr/local
 
 CC       ?= gcc
@@ -70,12 +71,12 @@ PY_C_SRCS := $(wildcard python/*.c)
 PYTHON   := $(if $(and $(wildcard $(PY_INC)/Python.h),$(if $(SAN),,yes)),$(BUILD)/python/shmrpc/_shmrpc.abi3.so \
 		$(PY_MODS:python/%=$(BUILD)/python/%))
 
-.PHONY: all deps bench-deps check demo bench fuzz install clean help python
+.PHONY: all deps bench-deps check demo bench fuzz install clean help python torch-suite
 all: $(BUILD)/libshmrpc.a $(BUILD)/libshmrpc.so $(TESTS) $(BENCHES) $(EXAMPLES) $(TOOLS) $(LAUNCHER) $(RUNNER) $(FAKE_CUDA) $(PYTHON)
 python: $(PYTHON)
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,9p' Makefile | sed 's/^# \{0,1\}//'
 
 # Debian packages: apt-get update once, then install what is missing.
 deps:
@@ -121,9 +122,11 @@ $(BUILD)/obj/python/%.o: python/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -isystem $(PY_INC) $(CFLAGS) -MMD -MP -c -o $@ $<
 
-# The extension: its C files, and launcher/job_shm.c for the jobs that
-# shmrpc.data launches itself.
-$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o $(LIB_OBJS)
+# The extension: its C files, launcher/job_shm.c for the jobs that
+# shmrpc.data launches itself, and launcher/keeper.c for the keeper of a
+# job that processes join without shmrun.
+$(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o \
+		$(BUILD)/obj/launcher/keeper.o $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS)
 
@@ -153,6 +156,12 @@ check: deps
 	@fuzz=; if [ -z "$(SAN)" ] && sh .ci/has-fuzzer.sh "$(FUZZ_CC)"; then \
 		$(MAKE) --no-print-directory fuzz && fuzz="$(FUZZ_BIN)"; fi; \
 	SHMRPC_BUILD=$(BUILD) SHMRPC_FUZZ="$$fuzz" $(RUNNER) -t $(TEST_TIMEOUT) $(TESTS)
+
+# torch's own RPC suites against shmrpc (tests/torch_suite/run.py; long:
+# a spawned 4-process job per test). docs/COMPAT.md lists what fails, and why.
+torch-suite: deps
+	@$(MAKE) --no-print-directory python $(LAUNCHER)
+	@PYTHONPATH=$(BUILD)/python /usr/bin/python3 tests/torch_suite/run.py $(SUITE_ARGS)
 
 demo: deps
 	@$(MAKE) --no-print-directory all

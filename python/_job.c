@@ -433,7 +433,9 @@ int module_add_job(PyObject *m)
 {
 	PyObject *t = PyType_FromSpec(&job_spec);
 
-	if (!t || PyModule_AddFunctions(m, job_functions))
+	/* The join's functions (_join.c) come with the job's, so that the
+	 * module's init needs no line for them. */
+	if (!t || PyModule_AddFunctions(m, job_functions) || module_add_join(m))
 		return -1;
 	return PyModule_AddObject(m, "Job", t);
 }

@@ -1,6 +1,6 @@
 """pip install --no-build-isolation --no-index ./python: the package shmrpc
 with its C extension built from the repository's sources, as `make python`
-builds it (the Makefile's PY_* rules): python/*.c, launcher/job_shm.c and
+builds it (the Makefile's PY_* rules): python/*.c, launcher/job_shm.c, launcher/keeper.c and
 libshmrpc's objects (common, shm, ipc, worker), on the stable ABI (abi3,
 Python >= 3.9). It downloads nothing: Debian's python3-pip brings
 setuptools and wheel.
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(HERE)  # the C sources are beside python/, not in it
 
 def sources():
     found = []
-    for pattern in ("python/*.c", "launcher/job_shm.c", "common/*.c", "shm/*.c", "ipc/*.c",
+    for pattern in ("python/*.c", "launcher/job_shm.c", "launcher/keeper.c", "common/*.c", "shm/*.c", "ipc/*.c",
                     "worker/*.c"):
         found += sorted(glob.glob(os.path.join(ROOT, pattern)))
     return found

@@ -42,6 +42,8 @@ _timeout_override = False
 
 _state = threading.local()
 _initialized = False
+_joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
+_shut_down = False  # shutdown ran once in this process
 
 
 class WorkerInfo:
@@ -101,31 +103,65 @@ def _timeout_ms(timeout):
 
 
 def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options=None):
-    """Joins the job shmrun started: rank and world size come from it."""
-    global _initialized, _rpc_timeout, _timeout_override
+    """Joins the job. Under shmrun, rank and world size come from it.
+    Elsewhere (torch.multiprocessing.spawn, mp.Process, torchrun's
+    convention) the processes meet at rpc_backend_options.init_method
+    (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
+    tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
+    global _initialized, _joined, _rpc_timeout, _timeout_override
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
-    env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
-    env_world = int(os.environ.get("SHMRPC_WORLD_SIZE", "-1"))
-    if env_rank < 0:
-        raise RuntimeError("init_rpc: this process is not a shmrpc worker: start it with "
-                           "shmrun -n N -- python3 prog.py")
-    if rank is not None and rank != env_rank:
-        raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
-    if world_size is not None and world_size != env_world:
-        raise ValueError(f"init_rpc: world_size {world_size} given, but the job has {env_world} workers")
-    threads, timeout_ms, maps = 0, 0, []
-    if rpc_backend_options is not None:
-        threads = int(getattr(rpc_backend_options, "num_worker_threads", 0) or 0)
-        t = getattr(rpc_backend_options, "rpc_timeout", None)
-        if t is not None:
-            timeout_ms = -1 if t == 0 else int(t * 1000)
-            _rpc_timeout = float(t)
-        maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
-        _warn_ignored(rpc_backend_options)
-    _shmrpc.set_handler(_run_function)
-    _shmrpc.set_live_release(_release_owned)
-    _shmrpc.init(name, threads, timeout_ms, maps)
+    joined = None
+    if "SHMRPC_RANK" not in os.environ:
+        from . import _rendezvous
+        if _initialized:
+            raise RuntimeError("init_rpc: the RPC agent is already running")
+        joined = _rendezvous.join(name, rank, world_size, rpc_backend_options)
+    try:
+        env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
+        env_world = int(os.environ.get("SHMRPC_WORLD_SIZE", "-1"))
+        if env_rank < 0:
+            raise RuntimeError("init_rpc: this process is not a shmrpc worker: start it with "
+                               "shmrun -n N -- python3 prog.py")
+        if joined is None and _shut_down and not _fd_open(os.environ.get("SHMRPC_JOB_FD")):
+            # The agent closed what shmrun gave when it shut down.
+            raise RuntimeError("init_rpc after shutdown: a worker that shmrun started joins "
+                               "its job once. To start RPC again in one process, start the "
+                               "processes without shmrun: they meet at an init_method "
+                               "(env://, tcp://, file://) and each init_rpc makes a new job")
+        if rank is not None and rank != env_rank:
+            raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
+        if world_size is not None and world_size != env_world:
+            raise ValueError(f"init_rpc: world_size {world_size} given, but the job has {env_world} workers")
+        threads, timeout_ms, maps = 0, 0, []
+        if rpc_backend_options is not None:
+            threads = int(getattr(rpc_backend_options, "num_worker_threads", 0) or 0)
+            t = getattr(rpc_backend_options, "rpc_timeout", None)
+            if t is not None:
+                timeout_ms = -1 if t == 0 else int(t * 1000)
+                _rpc_timeout = float(t)
+            maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
+            _warn_ignored(rpc_backend_options, joined=joined is not None)
+        _shmrpc.set_handler(_run_function)
+        _shmrpc.set_live_release(_release_owned)
+        _shmrpc.init(name, threads, timeout_ms, maps)
+    except BaseException:
+        if joined is not None:
+            joined.leave()
+            joined.close_unused()
+        raise
+    finally:
+        if joined is not None:
+            _rendezvous.clear_env()
+    _joined = joined
     _initialized = True
+
+
+def _fd_open(fd):
+    try:
+        os.fstat(int(fd))
+        return True
+    except (TypeError, ValueError, OSError):
+        return False
 
 
 def is_available():
@@ -209,14 +245,16 @@ def _device_map_entries(device_maps):
             for to, m in device_maps.items() for k, v in m.items()]
 
 
-def _warn_ignored(opts):
+def _warn_ignored(opts, joined=False):
     """One warning naming the backend options set to something shmrpc does
-    not use: the workers meet through shmrun's shared memory, not a
-    rendezvous, and the rings are the only transport. torch's `devices`
+    not use: under shmrun the workers meet through shmrun's shared memory,
+    not a rendezvous (a process that joins without shmrun uses
+    init_method), and the rings are the only transport. torch's `devices`
     (the devices the agent may use) is not needed either: every device of
     the machine is reachable through CUDA IPC."""
     ignored = [name for name in ("init_method", "devices", "_transports", "_channels")
-               if getattr(opts, name, None) not in (None, "env://", [], ())]
+               if getattr(opts, name, None) not in (None, "env://", [], ())
+               and not (joined and name == "init_method")]
     if ignored:
         import warnings
         warnings.warn("shmrpc ignores rpc_backend_options " + ", ".join(ignored) + ": the "
@@ -226,9 +264,17 @@ def _warn_ignored(opts):
 
 def shutdown(graceful=True, timeout=0):
     """Graceful: waits until every worker is done, then all leave together."""
-    global _initialized
-    _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
-    _initialized = False
+    global _initialized, _joined, _shut_down
+    try:
+        _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
+    finally:
+        # The agent is gone either way: a process that joined leaves its
+        # keeper's job (the keeper releases what it still held there).
+        joined, _joined = _joined, None
+        if joined is not None:
+            joined.leave()
+        _initialized = False
+        _shut_down = True
 
 
 def _get_debug_info():
@@ -251,6 +297,13 @@ def _get_debug_info():
     info["agent.server_active_async_calls"] = str(_async_serving)
     info.update(autograd._debug_info())
     return info
+
+
+def _rref_context_get_debug_info():
+    """torch's RRef context counts for this worker, as strings."""
+    info = _shmrpc.debug_info()
+    return {k: str(info[k]) for k in ("num_owner_rrefs", "num_pending_futures", "num_forks",
+                                      "num_pending_users")}
 
 
 def get_worker_info(worker_name=None):
@@ -930,6 +983,15 @@ class RRef:
     object, kept under the RRef's id until the RRef is deleted everywhere
     (docs/RREF.md, "Python values"); local_value() and proxies act on it,
     and to_here() on a user pickles it as it is then."""
+
+    def __class_getitem__(cls, item):
+        """RRef[T] in annotations, as torch's RRef is generic. Where torch
+        is loaded, torch's own RRef[T], which TorchScript understands in a
+        scripted function's signature (shmrpc runs no TorchScript: such a
+        function cannot take a shmrpc RRef, but its module imports)."""
+        torch_api = sys.modules.get("torch.distributed.rpc.api")
+        torch_rref = getattr(torch_api, "RRef", None)
+        return torch_rref[item] if torch_rref is not None else cls
 
     def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:

@@ -15,7 +15,9 @@ to shmrpc, in sys.modules and as attributes of their parent packages:
   shmrpc's; given only torch Futures, torch's own. (`import shmrpc` does
   this one by itself, whenever torch.futures is loaded.)
 
-Everything else of torch stays torch's. A program calls
+Everything else of torch stays torch's, torch.distributed.rpc's other
+submodules (api, internal, ...) too: they become attributes of shmrpc so
+that code reaching them through the package finds them. A program calls
 `shmrpc.install_as_torch()` itself to the same effect; either way it must
 run before the program binds the names (`import torch.distributed.rpc as
 rpc` after install() gets shmrpc). torch imports torch.distributed.rpc as
@@ -112,6 +114,13 @@ def install():
         "torch.distributed.rpc.options": options,
         "torch.distributed.autograd": autograd,
     }
+    # torch's other submodules stay torch's, reachable as before from the
+    # package that replaces theirs (torch.distributed.rpc.api, .internal...).
+    for name, module in list(sys.modules.items()):
+        parent, _, child = name.rpartition(".")
+        if parent == "torch.distributed.rpc" and name not in replaced and \
+                not hasattr(shmrpc, child):
+            setattr(shmrpc, child, module)
     for name, module in replaced.items():
         sys.modules[name] = module
     dist.rpc = shmrpc

@@ -319,16 +319,47 @@ def _send(dst, msg_type, cid, name, obj=None, rref=None, retain_graph=False):
         return fut
 
 
+class _BackwardFailed:
+    """A backward pass's error on its way back to the caller: torch's text,
+    "Error on Node N: what", made once where it happened, so that it
+    arrives as it was, not nested in each hop's RemoteException."""
+
+    def __init__(self, text):
+        self.text = text
+
+
+def _node_error(e):
+    """e, raised by this worker's part of a backward pass, as torch's
+    RuntimeError("Error on Node N: ..."); one made on another node as it is."""
+    if isinstance(e, RuntimeError) and str(e).startswith("Error on Node "):
+        return e
+    return RuntimeError(f"Error on Node {_my_rank()}: {e}")
+
+
+def _outcome(fut):
+    """fut's value, a _BackwardFailed raised as its RuntimeError."""
+    value = fut.wait()
+    if isinstance(value, _BackwardFailed):
+        raise RuntimeError(value.text)
+    return value
+
+
 def _serve(msg_type, caller, cid, retain_graph, msg):
     """On the callee: the autograd request msg_type from caller (msg: the
-    C half's (pickle, [RRef], [Tensor])); its result."""
+    C half's (pickle, [RRef], [Tensor])); its result (a backward's error as
+    a _BackwardFailed)."""
     from . import RRef, _loads
-    if msg_type == _shmrpc.BACKWARD_AUTOGRAD_REQ:
-        return _backward_from_sends(cid, _loads(msg))
+    try:
+        if msg_type == _shmrpc.BACKWARD_AUTOGRAD_REQ:
+            return _backward_from_sends(cid, _loads(msg))
+        if msg_type == _shmrpc.RREF_BACKWARD_REQ:
+            return _rref_backward_on_owner(RRef(_c=msg[1][0]), cid, retain_graph)
+    except RuntimeError as e:
+        if str(e).startswith("Error on Node "):
+            return _BackwardFailed(str(e))
+        raise
     if msg_type == _shmrpc.CLEANUP_AUTOGRAD_CONTEXT_REQ:
         return _release(cid, caller)
-    if msg_type == _shmrpc.RREF_BACKWARD_REQ:
-        return _rref_backward_on_owner(RRef(_c=msg[1][0]), cid, retain_graph)
     raise RuntimeError(f"message type {msg_type} is not one of distributed autograd's")
 
 
@@ -339,7 +370,7 @@ def _wait_all(futs):
     errors = []
     for fut in futs:
         try:
-            fut.wait()
+            _outcome(fut)
         except Exception as e:
             errors.append(e)
             for rank in {int(r) for r in _DIED.findall(str(e))}:
@@ -395,8 +426,11 @@ def _run_backward(ctx, tensors, grad_outputs, retain_graph):
 
 def _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph):
     torch = _torch()
-    grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
-                                allow_unused=True)
+    try:
+        grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
+                                    allow_unused=True)
+    except Exception as e:
+        raise _node_error(e) from e
     back = {}
     for leaf, grad in zip(leaves, grads):
         if grad is None:
@@ -467,5 +501,5 @@ def _rref_backward(rref, dist_autograd_ctx_id, retain_graph):
         return _torch().autograd.backward(value, retain_graph=retain_graph)
     if rref.is_owner():
         return _rref_backward_on_owner(rref, dist_autograd_ctx_id, retain_graph)
-    return _send(rref.owner().id, _shmrpc.RREF_BACKWARD_REQ, dist_autograd_ctx_id,
-                 "_rref_backward_on_owner", rref=rref, retain_graph=retain_graph).wait()
+    return _outcome(_send(rref.owner().id, _shmrpc.RREF_BACKWARD_REQ, dist_autograd_ctx_id,
+                          "_rref_backward_on_owner", rref=rref, retain_graph=retain_graph))

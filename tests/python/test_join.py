@@ -1,0 +1,340 @@
+# shmrun: none
+"""init_rpc in processes that shmrun did not start (issue 19): each way
+torch's processes meet, on one machine. mp.Process children (fork and
+spawn), torchrun's convention (processes started with RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT and calling init_rpc(name) alone),
+file:// and tcp:// init methods; a SIGKILLed rank under each route fails
+the calls pending on it, naming it; world_size=1; duplicate names refused
+with torch's text, duplicate ranks refused; a rendezvous on another host
+refused with a sentence saying shmrpc is single-node; rank and world_size
+missing; init_rpc again after shutdown. After each case no process is left (children joined, the job's
+keeper gone) and nothing is left in /dev/shm or as a socket.
+(tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+import shmrpc as rpc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WAIT = 60  # seconds a child may take
+
+
+@pytest.fixture(autouse=True, scope="module")
+def stop_resource_tracker():
+    """The spawn start method starts multiprocessing's resource tracker,
+    which outlives the module otherwise (a process left behind)."""
+    yield
+    from multiprocessing import resource_tracker
+    resource_tracker._resource_tracker._stop()
+
+
+def add(a, b):
+    return a + b
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def opts(init_method):
+    return types.SimpleNamespace(init_method=init_method) if init_method else None
+
+
+def run_case(rank, world, init_method, case, q, name=None):
+    """One worker: joins, runs its case, says how it went on q."""
+    out = {"rank": rank}
+    try:
+        kwargs = {} if rank is None else {"rank": rank, "world_size": world}
+        rank = int(os.environ["RANK"]) if rank is None else rank
+        out["rank"] = rank
+        if case == "reinit":
+            # torch's tests init_rpc again after shutdown in one process:
+            # each round is a new job, with a new keeper.
+            out["rounds"] = []
+            for i in range(3):
+                rpc.init_rpc(f"w{rank}", rpc_backend_options=opts(init_method), **kwargs)
+                out["keeper"] = rpc._joined.keeper_pid
+                out["rounds"].append(rpc.rpc_sync(f"w{(rank + 1) % world}", add, args=(rank, i)))
+                rpc.shutdown()
+                out.setdefault("keepers", []).append(out["keeper"])
+            out["ok"] = True
+            q.put(out)
+            return
+        rpc.init_rpc(name or f"w{rank}", rpc_backend_options=opts(init_method), **kwargs)
+        out["keeper"] = rpc._joined.keeper_pid
+        out["env_clear"] = "SHMRPC_RANK" not in os.environ and "SHMRPC_JOB_FD" not in os.environ
+        if case == "ring":
+            out["result"] = rpc.rpc_sync(f"w{(rank + 1) % world}", add, args=(rank, 100))
+            out["info"] = (rpc.get_worker_info().name, rpc.get_worker_info().id)
+        elif case == "death" and rank == 0:
+            # Rank 1 kills itself serving this call: it fails, naming rank 1.
+            q.put({"rank": 0, "keeper": out["keeper"], "pending": True})
+            try:
+                rpc.rpc_sync("w1", die)
+                out["error"] = "no error"
+            except Exception as e:  # noqa: BLE001
+                out["error"] = str(e)
+        rpc.shutdown()
+        out["ok"] = True
+    except BaseException as e:  # noqa: BLE001
+        out["exc"] = f"{type(e).__name__}: {e}"
+    out["memfds"] = memfds()
+    q.put(out)
+
+
+def memfds():
+    """The job memfds this process still holds (none once it has left)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    return n
+
+
+def torchrun_main():
+    """A process started as torchrun starts one: everything in the environment."""
+    import json
+    q = types.SimpleNamespace(items=[], put=lambda x: q.items.append(x))
+    run_case(None, int(os.environ["WORLD_SIZE"]), None, os.environ["JOIN_CASE"], q)
+    print("RESULT " + json.dumps(q.items), flush=True)
+
+
+def keeper_gone(pid, timeout=10):
+    """The job's keeper exits once its last worker has gone."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True  # exited; its reaper collects it
+        except FileNotFoundError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def nothing_left(keepers):
+    for pid in keepers:
+        assert keeper_gone(pid), f"the job's keeper (pid {pid}) is still running"
+    with open("/proc/net/unix") as f:
+        socks = [line for line in f if f"@shmrpc-{os.getuid()}-" in line]
+    assert not socks, f"rendezvous sockets left: {socks}"
+    assert not [n for n in os.listdir("/dev/shm") if "shmrpc" in n]
+
+
+def run_procs(ctx, world, init_method, case, names=None):
+    """world mp.Process children; their reports by rank and exit codes."""
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run_case,
+                         args=(r, world, init_method, case, q, names[r] if names else None))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = []
+    try:
+        while len(reports) < world:
+            reports.append(q.get(timeout=WAIT))
+    finally:
+        for p in procs:
+            p.join(WAIT)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    return reports, [p.exitcode for p in procs]
+
+
+def final(reports):
+    """The last report of each rank."""
+    return {r["rank"]: r for r in reports}
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("init_method", [None, "tcp", "file"])
+def test_ring(start, init_method, tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    im = {None: None, "tcp": f"tcp://localhost:{port}",
+          "file": f"file://{tmp_path}/rendezvous"}[init_method]
+    reports, codes = run_procs(mp.get_context(start), 3, im, "ring")
+    got = final(reports)
+    assert codes == [0, 0, 0], (codes, reports)
+    for r in range(3):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["result"] == r + 100
+        assert got[r]["info"] == (f"w{r}", r)
+        assert got[r]["env_clear"]
+        assert got[r]["memfds"] == 0, got[r]
+    assert len({got[r]["keeper"] for r in range(3)}) == 1  # one keeper for the job
+    nothing_left({got[0]["keeper"]})
+
+
+@pytest.mark.parametrize("init_method", [None, "tcp", "file"])
+def test_death(init_method, tmp_path, monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    im = {None: None, "tcp": f"tcp://127.0.0.1:{port}",
+          "file": f"file://{tmp_path}/rendezvous"}[init_method]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run_case, args=(r, 3, im, "death", q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    reports = []
+    try:
+        # rank 0's "pending" and the final reports of ranks 0 and 2 (rank 1 dies)
+        while len(reports) < 3:
+            reports.append(q.get(timeout=WAIT))
+    finally:
+        for p in procs:
+            p.join(WAIT)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    got = {r["rank"]: r for r in reports if not r.get("pending")}
+    assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
+    assert got[0].get("ok") and got[2].get("ok"), reports
+    assert "worker 1 (w1)" in got[0]["error"] and "died" in got[0]["error"], got[0]
+    nothing_left({got[0]["keeper"]})
+
+
+def start_torchrun_style(world, port, case, extra_env=None):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               JOIN_CASE=case, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    procs = []
+    for r in range(world):
+        env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r), **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c",
+                                       "import test_join; test_join.torchrun_main()"],
+                                      env=env_r, stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def collect(procs):
+    import json
+    outs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        codes.append(p.returncode)
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                outs += json.loads(line[7:])
+    return outs, codes
+
+
+def test_torchrun_convention():
+    procs = start_torchrun_style(3, free_port(), "ring")
+    reports, codes = collect(procs)
+    got = final(reports)
+    assert codes == [0, 0, 0], (codes, reports)
+    for r in range(3):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["result"] == r + 100
+    nothing_left({got[0]["keeper"]})
+
+
+def test_torchrun_convention_death():
+    procs = start_torchrun_style(3, free_port(), "death")
+    reports, codes = collect(procs)
+    got = {r["rank"]: r for r in reports if not r.get("pending")}
+    assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
+    assert "worker 1 (w1)" in got[0]["error"], got[0]
+    nothing_left({got[0]["keeper"]})
+
+
+def test_world_size_one(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    reports, codes = run_procs(mp.get_context("fork"), 1, None, "ring")
+    assert codes == [0] and reports[0].get("ok") and reports[0]["result"] == 100, reports
+    nothing_left({reports[0]["keeper"]})
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_reinit_after_shutdown(start, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    reports, codes = run_procs(mp.get_context(start), 2, None, "reinit")
+    got = final(reports)
+    assert codes == [0, 0], (codes, reports)
+    for r in range(2):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["rounds"] == [r + i for i in range(3)], got[r]
+    nothing_left(set(got[0]["keepers"]) | set(got[1]["keepers"]))
+
+
+def test_duplicate_names(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    reports, codes = run_procs(mp.get_context("fork"), 2, None, "ring", names=["same", "same"])
+    excs = [r.get("exc", "") for r in reports]
+    assert all(excs), reports  # neither starts
+    assert [r["memfds"] for r in reports] == [0, 0], reports  # a failed init keeps none
+    assert any("RPC worker name same is not unique. Workers 0 and 1 share the same name." in e
+               or "Workers 1 and 0" in e for e in excs), excs
+    nothing_left(set())
+
+
+def test_duplicate_rank(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    # Two processes claim rank 0 of a job of 2; rank 1 comes too.
+    procs = [ctx.Process(target=run_case, args=(r, 2, None, "ring", q, f"n{i}"))
+             for i, r in enumerate([0, 0, 1])]
+    for p in procs:
+        p.start()
+    reports = [q.get(timeout=WAIT) for _ in procs]
+    for p in procs:
+        p.join(WAIT)
+    excs = [r.get("exc", "") for r in reports]
+    assert sum("has already joined this rendezvous" in e for e in excs) == 1, reports
+    nothing_left({r["keeper"] for r in reports if "keeper" in r})
+
+
+@pytest.mark.parametrize("how", ["env", "tcp"])
+def test_other_host(how, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")  # TEST-NET-1: never this machine
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    im = None if how == "env" else "tcp://192.0.2.7:29500"
+    with pytest.raises(RuntimeError, match="shmrpc is single-node") as e:
+        rpc.init_rpc("w0", rank=0, world_size=2, rpc_backend_options=opts(im))
+    assert "192.0.2.7" in str(e.value) and "TensorPipe" in str(e.value)
+    assert "SHMRPC_RANK" not in os.environ
+    nothing_left(set())
+
+
+def test_missing_rank(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match="rank and world_size are needed outside shmrun"):
+        rpc.init_rpc("w0")
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ValueError, match="MASTER_PORT expected, but not set"):
+        rpc.init_rpc("w0", rank=0, world_size=2)
+    nothing_left(set())
