@@ -10,14 +10,17 @@ both (the command-line switch `shmrpc` or `torch` picks the module):
     rnn.py           an RNN with a remote embedding table and decoder (2)
     pipeline.py      a two-stage pipeline with DistributedOptimizer (3)
 
-Each is run once under shmrun and once as torch workers this module starts
-(MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK and WORLD_SIZE). Rank 0
-prints "RESULT {json}": per-step losses (rewards for rl.py) and what the
-program saw of the remote state. test_NAME_torch checks the reference: it
-ran, and the model trained; test_NAME_shmrpc checks the same of shmrpc, and
-that its results are torch's (losses to 1e-5, rewards equal).
-By hand: python3 tutorials/rnn.py torch needs RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT per rank; shmrun -n 2 -- python3 tutorials/rnn.py shmrpc.
+Each is run once under shmrun and once as torch workers that this module
+forks (it has imported torch; MASTER_ADDR=127.0.0.1, a free MASTER_PORT,
+RANK and WORLD_SIZE). Rank 0 prints "RESULT {json}": per-step losses (for
+rl.py rewards too) and what the program saw of the remote state.
+test_torch[NAME] checks the reference: it ran, and the model trained;
+test_shmrpc[NAME] checks the same of shmrpc, and that its results are
+torch's (losses to 1e-5, rewards equal). By hand, from the top folder:
+
+    PYTHONPATH=build/python build/bin/shmrun -n 2 -- python3 tests/python/tutorials/rnn.py shmrpc
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python3 tests/python/tutorials/rnn.py torch    # for r in 0 1
 """
 import json
 import multiprocessing
@@ -55,7 +58,7 @@ class Run:
     def ok(self):
         return not any(self.rcs) and self.result is not None
 
-    def tail(self, n=60):
+    def tail(self, n=120):
         return "\n".join(self.out.splitlines()[-n:])
 
 
