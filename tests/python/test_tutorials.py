@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -84,10 +85,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torch_rank(path, rank, env, log_path):
+def torch_rank(path, rank, env, log_path, barrier):
     """A torch worker, forked from this process (torch already imported:
     a second of CPU less for each): the program as __main__, its output
-    to log_path; exits with its status."""
+    to log_path; exits with its status once every rank has run (a rank
+    gone at once can reset the connections of one still in torch's
+    rpc.shutdown(): "Connection reset by peer", 1 job in 60)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -103,6 +106,10 @@ def torch_rank(path, rank, env, log_path):
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
+    try:
+        barrier.wait(LIMIT_S)
+    except threading.BrokenBarrierError:
+        pass  # a rank failed or hung: its own status tells
     os._exit(code)
 
 
@@ -113,7 +120,8 @@ def run_torch(program, n):
     fork = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         logs = [os.path.join(tmp, f"rank{rank}.log") for rank in range(n)]
-        procs = [fork.Process(target=torch_rank, args=(path, rank, env, logs[rank]))
+        barrier = fork.Barrier(n)
+        procs = [fork.Process(target=torch_rank, args=(path, rank, env, logs[rank], barrier))
                  for rank in range(n)]
         for p in procs:
             p.start()
