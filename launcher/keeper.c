@@ -27,7 +27,7 @@
 #include "shm/exit_info.h"
 
 #define KEEPER_IDLE_NS (60ull * 1000000000ull) /* nobody joined: the starter died first */
-#define REQ_WAIT_MS 5000  /* a connected worker sends its request at once */
+#define REQ_WAIT_MS 2000  /* a connected worker sends its request at once */
 #define DYING_WAIT_MS 100 /* a closed connection, the pidfd not fired yet */
 
 struct member {
@@ -219,38 +219,33 @@ static void on_knock(struct keeper *k)
 		close(conn);
 		return;
 	}
-	if (req.version != JOIN_VERSION)
-		{
+	if (req.version != JOIN_VERSION) {
 		refuse(conn, -EPROTO, "this rendezvous is served by another version of "
-			      "shmrpc (protocol %u, this one speaks %u): use one shmrpc build for "
-			      "every process of the job", JOIN_VERSION, req.version);
+		       "shmrpc (protocol %u, this one speaks %u): use one shmrpc build for "
+		       "every process of the job", JOIN_VERSION, req.version);
 		return;
 	}
-	if (cred.uid != getuid())
-		{
+	if (cred.uid != getuid()) {
 		refuse(conn, -EACCES, "this rendezvous belongs to another user (uid %u): "
-			      "choose another MASTER_PORT or init_method", (unsigned)getuid());
+		       "choose another MASTER_PORT or init_method", (unsigned)getuid());
 		return;
 	}
 	req.name[SHM_NAME_MAX - 1] = '\0';
-	if (req.world != k->world)
-		{
+	if (req.world != k->world) {
 		refuse(conn, -EINVAL, "init_rpc: world_size %u, but the job at this "
-			      "rendezvous has %u workers: give every process the same world_size",
-			      req.world, k->world);
+		       "rendezvous has %u workers: give every process the same world_size",
+		       req.world, k->world);
 		return;
 	}
-	if (req.rank >= k->world)
-		{
+	if (req.rank >= k->world) {
 		refuse(conn, -EINVAL, "init_rpc: rank %u is out of range for world_size %u",
-			      req.rank, k->world);
+		       req.rank, k->world);
 		return;
 	}
-	if (k->m[req.rank].pid)
-		{
+	if (k->m[req.rank].pid) {
 		refuse(conn, -EEXIST, "init_rpc: rank %u has already joined this rendezvous "
-			      "(pid %d): give each process its own rank", req.rank,
-			      (int)k->m[req.rank].pid);
+		       "(pid %d): give each process its own rank", req.rank,
+		       (int)k->m[req.rank].pid);
 		return;
 	}
 	for (uint32_t r = 0; r < k->world; r++) {
@@ -266,11 +261,9 @@ static void on_knock(struct keeper *k)
 			job_ring_all(&k->shm);
 			close(k->lfd); /* the job cannot start: later comers make a new one */
 			k->lfd = -1;
-			{
-		refuse(conn, -EEXIST, "RPC worker name %s is not unique. Workers %u "
-				      "and %u share the same name.", req.name, r, req.rank);
-		return;
-	}
+			refuse(conn, -EEXIST, "RPC worker name %s is not unique. Workers %u and %u "
+			       "share the same name.", req.name, r, req.rank);
+			return;
 		}
 	}
 	pidfd = (int)syscall(SYS_pidfd_open, cred.pid, 0);

@@ -4,19 +4,25 @@
  * keeper at an abstract unix socket named after the rendezvous, starting
  * the keeper itself when there is none yet, and receives the job's memfds.
  *
- * The keeper is a fork of the first worker to find none: in a new session
- * (a Ctrl-C of that worker's terminal does not reach it), orphaned by a
- * second fork (it is not that worker's child: the worker may exit first,
- * and must not collect it), with every other fd closed (it must not hold
- * the worker's pipes, which its own parent may be waiting on). It runs C
- * only, never Python, and does not exec: nothing has to be found on PATH.
- * The worker binds the socket before the fork, so two first workers race
- * at bind: the loser (EADDRINUSE) connects to the winner's keeper.
+ * The first worker to find no keeper binds the socket (two first workers
+ * race at bind: the loser, EADDRINUSE, connects to the winner's keeper)
+ * and forks; the child starts a new session (a Ctrl-C at that worker's
+ * terminal does not reach the keeper), forks again (the keeper is not the
+ * worker's child: the worker may exit first, and must not collect it),
+ * keeps only stderr and the socket (it must not hold the worker's pipes,
+ * which a parent may be waiting on) and execs this same Python with this
+ * same extension loaded by its path, whose _keep runs the keeper: a fresh
+ * process, which holds none of the worker's memory (a fork that stayed
+ * would share the worker's pages copy-on-write for the whole job, and keep
+ * whatever the worker had mapped, a GPU's included, after the worker
+ * ended). The exec needs no shmrun on PATH (a pip-installed package has
+ * none). Should it fail, the forked child runs the keeper itself.
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -38,8 +44,24 @@
 
 #define RETRY_US 2000
 
+/* How the keeper is exec'd: `PYTHON -I -S -c KEEP_CODE EXTENSION WORLD POOL`. */
+static const char KEEP_CODE[] =
+	"import sys\n"
+	"from importlib.machinery import ExtensionFileLoader\n"
+	"from importlib.util import module_from_spec, spec_from_loader\n"
+	"loader = ExtensionFileLoader('shmrpc._shmrpc', sys.argv[1])\n"
+	"m = module_from_spec(spec_from_loader('shmrpc._shmrpc', loader))\n"
+	"loader.exec_module(m)\n"
+	"sys.exit(m._keep(3, int(sys.argv[2]), int(sys.argv[3])))\n";
+
+struct keeper_exec {
+	const char *python;    /* NULL: no exec, the forked child keeps */
+	char extension[4096];  /* this extension's file */
+	char world[16], pool[24];
+};
+
 /* In the keeper (the grandchild); never returns. */
-static void keeper_child(int lfd, uint32_t world, uint64_t pool_size)
+static void keeper_child(int lfd, uint32_t world, uint64_t pool_size, const struct keeper_exec *x)
 {
 	sigset_t none;
 	int null;
@@ -69,6 +91,13 @@ static void keeper_child(int lfd, uint32_t world, uint64_t pool_size)
 		lfd = 3;
 	}
 	syscall(SYS_close_range, 4u, ~0u, 0u);
+	if (x->python) {
+		char *argv[] = { (char *)x->python, "-I", "-S", "-c", (char *)KEEP_CODE,
+				 (char *)x->extension, (char *)x->world, (char *)x->pool, NULL };
+
+		fcntl(lfd, F_SETFD, 0); /* dup2 cleared it already; say so */
+		execv(x->python, argv);
+	}
 	prctl(PR_SET_NAME, "shmrpc-keeper");
 	_exit(keeper_run(lfd, world, pool_size));
 }
@@ -76,9 +105,11 @@ static void keeper_child(int lfd, uint32_t world, uint64_t pool_size)
 /* Binds the rendezvous's socket and forks its keeper; 0 also when
  * another process bound it first (its keeper answers). */
 static int start_keeper(const struct sockaddr_un *a, socklen_t alen, uint32_t world,
-			uint64_t pool_size)
+			uint64_t pool_size, const char *python)
 {
 	int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0), status;
+	struct keeper_exec x = { .python = python && *python ? python : NULL };
+	Dl_info dl;
 	pid_t pid;
 
 	if (lfd < 0)
@@ -93,6 +124,13 @@ static int start_keeper(const struct sockaddr_un *a, socklen_t alen, uint32_t wo
 		return shmrpc__fail(-err, "init_rpc: cannot bind the rendezvous socket @%s: %s",
 				    a->sun_path + 1, strerror(err));
 	}
+	/* Prepared here: the child only execs. */
+	if (x.python && (!dladdr((void *)keeper_run, &dl) || !dl.dli_fname ||
+			 snprintf(x.extension, sizeof(x.extension), "%s", dl.dli_fname) >=
+				 (int)sizeof(x.extension)))
+		x.python = NULL;
+	snprintf(x.world, sizeof(x.world), "%u", world);
+	snprintf(x.pool, sizeof(x.pool), "%llu", (unsigned long long)pool_size);
 	if ((pid = fork()) < 0) {
 		int err = errno;
 
@@ -101,7 +139,7 @@ static int start_keeper(const struct sockaddr_un *a, socklen_t alen, uint32_t wo
 				    strerror(err));
 	}
 	if (pid == 0)
-		keeper_child(lfd, world, pool_size);
+		keeper_child(lfd, world, pool_size, &x);
 	close(lfd);
 	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
 		;
@@ -175,7 +213,7 @@ static int knock(int c, const struct join_req *req, uint64_t deadline, int fds[3
 /* Connects to the rendezvous's keeper (starting one when there is none)
  * and joins; 0 with *conn and fds[3], or -errno said. */
 static int join(const char *key, const struct join_req *req, uint64_t pool_size,
-		uint64_t timeout_ms, int *conn, int fds[3])
+		uint64_t timeout_ms, const char *python, int *conn, int fds[3])
 {
 	struct sockaddr_un a;
 	socklen_t alen = (socklen_t)join_sockaddr(key, &a);
@@ -200,7 +238,7 @@ static int join(const char *key, const struct join_req *req, uint64_t pool_size,
 			}
 		} else if (errno == ECONNREFUSED || errno == ENOENT) {
 			/* No keeper (or one that closed its door): be the first. */
-			rc = start_keeper(&a, alen, req->world, pool_size);
+			rc = start_keeper(&a, alen, req->world, pool_size, python);
 			if (rc) {
 				close(c);
 				return rc;
@@ -219,11 +257,12 @@ static int join(const char *key, const struct join_req *req, uint64_t pool_size,
 	}
 }
 
-/* join(key, rank, world, name, pool_bytes, timeout_ms)
- *   -> (conn, segment_fd, pool_fd, rref_fd, keeper_pid) */
+/* join(key, rank, world, name, pool_bytes, timeout_ms, python)
+ *   -> (conn, segment_fd, pool_fd, rref_fd, keeper_pid); python: the
+ * interpreter that runs a keeper this process starts ("": none, fork only) */
 static PyObject *mod_join(PyObject *m, PyObject *args)
 {
-	const char *key, *name;
+	const char *key, *name, *python;
 	unsigned int rank, world;
 	unsigned long long pool_bytes, timeout_ms;
 	struct join_req req = { .magic = JOIN_MAGIC, .version = JOIN_VERSION };
@@ -232,8 +271,8 @@ static PyObject *mod_join(PyObject *m, PyObject *args)
 	int conn = -1, fds[3], rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "sIIsKK", &key, &rank, &world, &name, &pool_bytes,
-			      &timeout_ms))
+	if (!PyArg_ParseTuple(args, "sIIsKKs", &key, &rank, &world, &name, &pool_bytes,
+			      &timeout_ms, &python))
 		return NULL;
 	if (!*name || strlen(name) >= SHM_NAME_MAX) {
 		PyErr_Format(PyExc_ValueError, "init_rpc: a worker name has 1 to %d bytes",
@@ -249,7 +288,7 @@ static PyObject *mod_join(PyObject *m, PyObject *args)
 	req.world = world;
 	memcpy(req.name, name, strlen(name));
 	Py_BEGIN_ALLOW_THREADS
-	rc = join(key, &req, pool_bytes, timeout_ms, &conn, fds);
+	rc = join(key, &req, pool_bytes, timeout_ms, python, &conn, fds);
 	if (rc == 0)
 		getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &clen);
 	Py_END_ALLOW_THREADS
@@ -275,10 +314,29 @@ static PyObject *mod_leave(PyObject *m, PyObject *arg)
 	Py_RETURN_NONE;
 }
 
+/* _keep(fd, world, pool_bytes): in the exec'd keeper, runs it on the
+ * listening socket fd; returns its exit code. */
+static PyObject *mod_keep(PyObject *m, PyObject *args)
+{
+	int fd, rc;
+	unsigned int world;
+	unsigned long long pool_bytes;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "iIK", &fd, &world, &pool_bytes))
+		return NULL;
+	prctl(PR_SET_NAME, "shmrpc-keeper");
+	Py_BEGIN_ALLOW_THREADS
+	rc = keeper_run(fd, world, pool_bytes);
+	Py_END_ALLOW_THREADS
+	return PyLong_FromLong(rc);
+}
+
 static PyMethodDef join_functions[] = {
 	{ "join", mod_join, METH_VARARGS,
-	  "join(key, rank, world, name, pool_bytes, timeout_ms) -> (conn, seg, pool, rrefs, "
-	  "keeper_pid)" },
+	  "join(key, rank, world, name, pool_bytes, timeout_ms, python) -> (conn, seg, pool, "
+	  "rrefs, keeper_pid)" },
+	{ "_keep", mod_keep, METH_VARARGS, "_keep(fd, world, pool_bytes): runs a job's keeper" },
 	{ "leave", mod_leave, METH_O, "leave(conn): this worker leaves its keeper's job" },
 	{ NULL, NULL, 0, NULL },
 };

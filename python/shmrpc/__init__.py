@@ -114,7 +114,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     if "SHMRPC_RANK" not in os.environ:
         from . import _rendezvous
         if _initialized:
-            raise RuntimeError("init_rpc: the RPC agent is already running")
+            raise RuntimeError("RPC is already initialized")
         joined = _rendezvous.join(name, rank, world_size, rpc_backend_options)
     try:
         env_rank = int(os.environ.get("SHMRPC_RANK", "-1"))
@@ -306,18 +306,36 @@ def _rref_context_get_debug_info():
                                       "num_pending_users")}
 
 
+def _worker(who):
+    """(name, rank) of a worker name or rank (None: this worker); an unknown
+    name in torch's words too."""
+    if not _initialized:
+        raise _not_initialized()
+    try:
+        return _shmrpc.worker_info(who)
+    except RuntimeError as e:
+        if isinstance(who, str):
+            raise RuntimeError(f"could not find destination {who}: {e}") from None
+        raise
+
+
 def get_worker_info(worker_name=None):
-    name, rank = _shmrpc.worker_info(worker_name)
-    return WorkerInfo(name, rank)
+    return WorkerInfo(*_worker(worker_name))
+
+
+def _not_initialized():
+    return RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
 
 
 def _rank_of(to):
     if isinstance(to, WorkerInfo):
         return to.id
-    if isinstance(to, int):
+    if isinstance(to, int) and not isinstance(to, bool):
         return to
     if isinstance(to, str):
-        return _shmrpc.worker_info(to)[1]
+        return _worker(to)[1]
+    if isinstance(to, float):
+        raise ValueError(f"to {to}: a rank is a whole number")
     raise TypeError(f"to must be a worker name, a rank or a WorkerInfo, not {type(to).__name__}")
 
 
@@ -693,9 +711,9 @@ def _call(func, args, kwargs):
     torch_future = sys.modules.get("torch.futures")
     if not isinstance(result, Future) and not (torch_future is not None
                                                and isinstance(result, torch_future.Future)):
-        raise TypeError(
-            "Functions decorated with @rpc.functions.async_execution must return a "
-            "torch.futures.Future or shmrpc.Future object, but got "
+        raise RuntimeError(
+            "Functions decorated with @rpc.async_function must return a "
+            "torch.futures.Future object, but got "
             f"{type(result).__module__}.{type(result).__qualname__}")
     with _async_lock:
         _async_serving += 1
@@ -711,10 +729,12 @@ def _result(msg, grad_mode="result"):
     value = _loads(msg, grad_mode)
     if isinstance(value, RemoteException):
         exc_type = value.exception_type
+        # As torch's: the escapes of repr(e) in the text (newlines...) undone.
+        text = value.msg.encode("latin-1", "backslashreplace").decode("unicode_escape")
         try:
-            exc = exc_type(value.msg)
+            exc = exc_type(text)
         except Exception:
-            exc = RuntimeError(value.msg)
+            exc = RuntimeError(text)
         raise exc
     return value
 
@@ -751,7 +771,7 @@ class Future:
     def _finish(self, value, error):
         with self._cond:
             if self._have:
-                raise RuntimeError("this Future has a result already")
+                raise RuntimeError("Future can only be marked completed once")
             self._value, self._error, self._have = value, error, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
@@ -820,14 +840,20 @@ class Future:
             self._run(callback)
 
     def then(self, callback):
-        """A new Future holding callback(self)'s result (or its exception)."""
+        """A new Future holding callback(self)'s result, or its error as
+        torch's RuntimeError ("Got the following error when running the
+        callback: ...")."""
+        if not callable(callback):
+            raise TypeError("then(): incompatible function arguments. The callback must be "
+                            f"callable, not {type(callback).__name__}")
         nxt = Future()
 
         def chain(fut):
             try:
                 nxt.set_result(callback(fut))
             except BaseException as e:
-                nxt.set_exception(e)
+                nxt.set_exception(RuntimeError("Got the following error when running the "
+                                               f"callback: {type(e).__name__}: {e}"))
         self.add_done_callback(chain)
         return nxt
 
@@ -951,6 +977,8 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
     context a FORWARD_AUTOGRAD_REQ wrapping it (as torch, for every Python
     call made in a context); profiled for torch's profiler when it runs in
     this thread (shmrpc.profiler)."""
+    if not _initialized:
+        raise _not_initialized()
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
     torch_profile = profiler.torch_profiling()
@@ -1007,6 +1035,9 @@ class RRef:
         """The value: on the owner the object itself (as torch's), on a
         user a copy made by the owner now (PYTHON_RREF_FETCH_CALL), once
         the remote call has stored it."""
+        if not _initialized:
+            raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call to_here() "
+                               "on it after deletion.")
         if self._r.is_owner():
             return self._owned(timeout)
         msg = _c_wait(self._r.to_here, _timeout_ms(timeout))
@@ -1050,14 +1081,16 @@ class RRef:
             if self._r.is_owner():
                 t = type(self.local_value())
             elif not blocking:
-                fut = rpc_async(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+                fut = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
+                                timeout=timeout)
 
                 def keep(f):
                     self._type = f.wait()
                     return self._type
                 return fut.then(keep)
             else:
-                t = rpc_sync(self._r.owner(), _rref_type, args=(self,), timeout=timeout)
+                t = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
+                              timeout=timeout).wait()
             self._type = t
         if blocking:
             return t
@@ -1104,8 +1137,9 @@ class RRef:
 
     def __reduce__(self):
         # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
-        raise RuntimeError("RRef is only picklable inside an RPC call (as an argument or a result "
-                           "of rpc_sync, rpc_async or remote)")
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
+                           "when using RPC (as an argument or a result of rpc_sync, rpc_async "
+                           "or remote)")
 
     def __str__(self):
         return str(self._r)
@@ -1129,7 +1163,7 @@ def _release_owned(rref_id):
     _owned.pop(rref_id, None)
 
 
-def _rref_type(rref):
+def _rref_typeof_on_owner(rref):
     return type(rref.local_value())
 
 
@@ -1164,6 +1198,8 @@ class _Proxy:
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     """A PYTHON_REMOTE_CALL, or inside a distributed autograd context a
     FORWARD_AUTOGRAD_REQ wrapping it (as _send_call's)."""
+    if not _initialized:
+        raise _not_initialized()
     dst = _rank_of(to)
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)

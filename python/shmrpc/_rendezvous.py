@@ -9,6 +9,7 @@ the rendezvous as torch does, refuses one on another machine, and joins.
 import ipaddress
 import os
 import socket
+import sys
 import urllib.parse
 
 from . import _shmrpc
@@ -134,6 +135,13 @@ class Joined:
             self.conn = None
 
 
+def _python():
+    """The interpreter a keeper this process starts runs in (python/_join.c):
+    this one, when it is a file that can be run."""
+    exe = sys.executable or ""
+    return exe if os.path.isabs(exe) and os.access(exe, os.X_OK) else ""
+
+
 def _identity(fd):
     try:
         st = os.fstat(fd)
@@ -158,7 +166,7 @@ def join(name, rank, world_size, opts):
     if not 0 <= rank < world_size:
         raise ValueError(f"init_rpc: rank {rank} is out of range for world_size {world_size}")
     conn, seg, pool, rrefs, keeper = _shmrpc.join(key, rank, world_size, name, _pool_bytes(),
-                                                  _JOIN_TIMEOUT_MS)
+                                                  _JOIN_TIMEOUT_MS, _python())
     os.environ.update({"SHMRPC_RANK": str(rank), "SHMRPC_WORLD_SIZE": str(world_size),
                        "SHMRPC_JOB_FD": str(seg), "SHMRPC_POOL_FD": str(pool),
                        "SHMRPC_RREF_FD": str(rrefs)})

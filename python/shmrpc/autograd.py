@@ -136,6 +136,25 @@ def _current_context():
     return ctx
 
 
+def _new_context():
+    """torch's: a new context made current in this thread (leave it with
+    _release_context)."""
+    _torch()
+    if _current() is not None:
+        raise RuntimeError("Already have an autograd context id for this thread.")
+    ctx = _get_or_create((_my_rank() << 48) | next(_counter))
+    _tls.ctx = ctx
+    return ctx
+
+
+def _release_context(context_id):
+    """torch's: releases the context here and on the workers it reached."""
+    _retrieve(context_id)
+    if getattr(_current(), "id", None) == context_id:
+        _tls.ctx = None
+    _release(context_id, _my_rank())
+
+
 def _is_valid_context(context_id):
     with _lock:
         return context_id in _contexts
@@ -271,12 +290,8 @@ def _received(tensor, meta, mode):
 @contextlib.contextmanager
 def context():
     """A distributed autograd context: yields its id, unique in the job."""
-    _torch()
-    if _current() is not None:
-        raise RuntimeError("Already have an autograd context id for this thread.")
-    cid = (_my_rank() << 48) | next(_counter)
-    ctx = _get_or_create(cid)
-    _tls.ctx = ctx
+    ctx = _new_context()
+    cid = ctx.id
     try:
         yield cid
     finally:
@@ -463,6 +478,9 @@ def backward(context_id, roots, retain_graph=False):
     context's forward reached; the gradients accumulate in the context
     (get_gradients on each worker)."""
     torch = _torch()
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError("backward(): incompatible function arguments: roots must be a list "
+                        f"of tensors, not {type(roots).__name__}")
     ctx = _retrieve(context_id)
     roots = list(roots)
     for r in roots:

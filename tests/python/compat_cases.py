@@ -421,8 +421,7 @@ def async_error():
     return raised(lambda: rpc.rpc_async(PEER, raise_value, args=("async no",)).wait())
 
 
-@case(known="torch 1.13 raises a then() callback's error as RuntimeError('Got the following error "
-      "when running the callback: TypeError: ...'); shmrpc raises the error itself")
+@case
 def async_error_through_then():
     return raised(lambda: rpc.rpc_async(PEER, add, args=(1, "x")).then(lambda f: f.wait()).wait())
 
@@ -702,8 +701,7 @@ def async_exec_raise():
     return raised(lambda: rpc.rpc_sync(PEER, async_raise))
 
 
-@case(known="an async_execution function that returns no Future: torch 1.13 raises "
-      "RuntimeError, shmrpc TypeError (the text is torch's)")
+@case
 def async_exec_not_future():
     return raised(lambda: rpc.rpc_sync(PEER, async_not_future), remote=False)
 

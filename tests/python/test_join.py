@@ -7,7 +7,8 @@ file:// and tcp:// init methods; a SIGKILLed rank under each route fails
 the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
-missing; init_rpc again after shutdown. After each case no process is left (children joined, the job's
+missing; a world_size that is not the job's; init_rpc again after
+shutdown. After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
 (tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
 import multiprocessing as mp
@@ -129,13 +130,39 @@ def keeper_gone(pid, timeout=10):
     return False
 
 
-def nothing_left(keepers):
+def sock_name(key):
+    """The keeper's abstract socket for a rendezvous key (launcher/keeper.c)."""
+    h = 0xcbf29ce484222325
+    for b in key.encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xffffffffffffffff
+    return f"@shmrpc-{os.getuid()}-{h:016x}"
+
+
+def key_of(init_method, port, tmp_path=None):
+    if init_method == "file":
+        return f"file:{tmp_path}/rendezvous"
+    return f"tcp:{port}"
+
+
+def nothing_left(keepers, keys=()):
+    """The keepers have exited and no socket of these rendezvous is left
+    (other jobs may run on the machine meanwhile: only ours are looked at)."""
     for pid in keepers:
         assert keeper_gone(pid), f"the job's keeper (pid {pid}) is still running"
-    with open("/proc/net/unix") as f:
-        socks = [line for line in f if f"@shmrpc-{os.getuid()}-" in line]
+    # A keeper whose pid the case did not learn (a refused init) goes with
+    # its sockets, a moment after its last worker.
+    names = {sock_name(k) for k in keys}
+    end = time.monotonic() + 10
+    while True:
+        with open("/proc/net/unix") as f:
+            socks = [line for line in f if line.split()[-1] in names]
+        if not socks or time.monotonic() > end:
+            break
+        time.sleep(0.02)
     assert not socks, f"rendezvous sockets left: {socks}"
-    assert not [n for n in os.listdir("/dev/shm") if "shmrpc" in n]
+    # /dev/shm: the runner compares it before and after the module (other
+    # jobs on the machine may have files there meanwhile); the job's
+    # memory is memfds, and test cases check that no process holds one.
 
 
 def run_procs(ctx, world, init_method, case, names=None):
@@ -172,6 +199,7 @@ def test_ring(start, init_method, tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     im = {None: None, "tcp": f"tcp://localhost:{port}",
           "file": f"file://{tmp_path}/rendezvous"}[init_method]
+    keys = [key_of(init_method, port, tmp_path)]
     reports, codes = run_procs(mp.get_context(start), 3, im, "ring")
     got = final(reports)
     assert codes == [0, 0, 0], (codes, reports)
@@ -182,7 +210,7 @@ def test_ring(start, init_method, tmp_path, monkeypatch):
         assert got[r]["env_clear"]
         assert got[r]["memfds"] == 0, got[r]
     assert len({got[r]["keeper"] for r in range(3)}) == 1  # one keeper for the job
-    nothing_left({got[0]["keeper"]})
+    nothing_left({got[0]["keeper"]}, keys)
 
 
 @pytest.mark.parametrize("init_method", [None, "tcp", "file"])
@@ -192,6 +220,7 @@ def test_death(init_method, tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     im = {None: None, "tcp": f"tcp://127.0.0.1:{port}",
           "file": f"file://{tmp_path}/rendezvous"}[init_method]
+    keys = [key_of(init_method, port, tmp_path)]
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     procs = [ctx.Process(target=run_case, args=(r, 3, im, "death", q)) for r in range(3)]
@@ -213,7 +242,7 @@ def test_death(init_method, tmp_path, monkeypatch):
     assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
     assert got[0].get("ok") and got[2].get("ok"), reports
     assert "worker 1 (w1)" in got[0]["error"] and "died" in got[0]["error"], got[0]
-    nothing_left({got[0]["keeper"]})
+    nothing_left({got[0]["keeper"]}, keys)
 
 
 def start_torchrun_style(world, port, case, extra_env=None):
@@ -245,74 +274,85 @@ def collect(procs):
 
 
 def test_torchrun_convention():
-    procs = start_torchrun_style(3, free_port(), "ring")
+    port = free_port()
+    procs = start_torchrun_style(3, port, "ring")
     reports, codes = collect(procs)
     got = final(reports)
     assert codes == [0, 0, 0], (codes, reports)
     for r in range(3):
         assert got[r].get("ok"), got[r]
         assert got[r]["result"] == r + 100
-    nothing_left({got[0]["keeper"]})
+    nothing_left({got[0]["keeper"]}, [f"tcp:{port}"])
 
 
 def test_torchrun_convention_death():
-    procs = start_torchrun_style(3, free_port(), "death")
+    port = free_port()
+    procs = start_torchrun_style(3, port, "death")
     reports, codes = collect(procs)
     got = {r["rank"]: r for r in reports if not r.get("pending")}
     assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
     assert "worker 1 (w1)" in got[0]["error"], got[0]
-    nothing_left({got[0]["keeper"]})
+    nothing_left({got[0]["keeper"]}, [f"tcp:{port}"])
 
 
 def test_world_size_one(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
     reports, codes = run_procs(mp.get_context("fork"), 1, None, "ring")
     assert codes == [0] and reports[0].get("ok") and reports[0]["result"] == 100, reports
-    nothing_left({reports[0]["keeper"]})
+    nothing_left({reports[0]["keeper"]}, [f"tcp:{port}"])
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_reinit_after_shutdown(start, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
     reports, codes = run_procs(mp.get_context(start), 2, None, "reinit")
     got = final(reports)
     assert codes == [0, 0], (codes, reports)
     for r in range(2):
         assert got[r].get("ok"), got[r]
         assert got[r]["rounds"] == [r + i for i in range(3)], got[r]
-    nothing_left(set(got[0]["keepers"]) | set(got[1]["keepers"]))
+    nothing_left(set(got[0]["keepers"]) | set(got[1]["keepers"]), [f"tcp:{port}"])
 
 
 def test_duplicate_names(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
     reports, codes = run_procs(mp.get_context("fork"), 2, None, "ring", names=["same", "same"])
     excs = [r.get("exc", "") for r in reports]
     assert all(excs), reports  # neither starts
     assert [r["memfds"] for r in reports] == [0, 0], reports  # a failed init keeps none
     assert any("RPC worker name same is not unique. Workers 0 and 1 share the same name." in e
                or "Workers 1 and 0" in e for e in excs), excs
-    nothing_left(set())
+    nothing_left(set(), [f"tcp:{port}"])
 
 
 def test_duplicate_rank(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    # Two processes claim rank 0 of a job of 2; rank 1 comes too.
+    # Two processes claim rank 0 of a job of 2: the second is refused while
+    # the first waits for rank 1, which comes after that (had it come
+    # before, the job could be over by the time the second knocks, and a
+    # knock after a job is a new job's).
     procs = [ctx.Process(target=run_case, args=(r, 2, None, "ring", q, f"n{i}"))
              for i, r in enumerate([0, 0, 1])]
-    for p in procs:
-        p.start()
-    reports = [q.get(timeout=WAIT) for _ in procs]
+    procs[0].start()
+    procs[1].start()
+    reports = [q.get(timeout=WAIT)]
+    procs[2].start()
+    reports += [q.get(timeout=WAIT) for _ in range(2)]
     for p in procs:
         p.join(WAIT)
     excs = [r.get("exc", "") for r in reports]
     assert sum("has already joined this rendezvous" in e for e in excs) == 1, reports
-    nothing_left({r["keeper"] for r in reports if "keeper" in r})
+    nothing_left({r["keeper"] for r in reports if "keeper" in r}, [f"tcp:{port}"])
 
 
 @pytest.mark.parametrize("how", ["env", "tcp"])
@@ -324,7 +364,7 @@ def test_other_host(how, monkeypatch):
         rpc.init_rpc("w0", rank=0, world_size=2, rpc_backend_options=opts(im))
     assert "192.0.2.7" in str(e.value) and "TensorPipe" in str(e.value)
     assert "SHMRPC_RANK" not in os.environ
-    nothing_left(set())
+    nothing_left(set(), ["tcp:29500"])
 
 
 def test_missing_rank(monkeypatch):
@@ -337,4 +377,30 @@ def test_missing_rank(monkeypatch):
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(ValueError, match="MASTER_PORT expected, but not set"):
         rpc.init_rpc("w0", rank=0, world_size=2)
-    nothing_left(set())
+    nothing_left(set(), ["tcp:29500"])
+
+
+def test_world_size_mismatch(monkeypatch):
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    first = ctx.Process(target=run_case, args=(0, 2, None, "ring", q))
+    first.start()
+    try:
+        # Its keeper is up once the rendezvous's socket is.
+        end = time.monotonic() + WAIT
+        while time.monotonic() < end:
+            with open("/proc/net/unix") as f:
+                if any(line.split()[-1] == sock_name(f"tcp:{port}") for line in f):
+                    break
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="world_size 3, but the job at this rendezvous "
+                                               "has 2 workers"):
+            rpc.init_rpc("w1", rank=1, world_size=3)
+        assert "SHMRPC_RANK" not in os.environ
+    finally:
+        first.kill()  # it waits for a rank 1 that never comes
+        first.join()
+    nothing_left(set(), [f"tcp:{port}"])

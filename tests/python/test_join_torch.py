@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as tmp
 
 import shmrpc as rpc
-from test_join import WAIT, free_port, nothing_left, stop_resource_tracker  # noqa: F401
+from test_join import WAIT, free_port, key_of, nothing_left, stop_resource_tracker  # noqa: F401
 
 
 def add(a, b):
@@ -57,7 +57,8 @@ def test_spawn_ring(init_method, tmp_path, monkeypatch):
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    im = {None: None, "tcp": f"tcp://127.0.0.1:{port}", "file": f"file://{tmp_path}/rdv"}[init_method]
+    im = {None: None, "tcp": f"tcp://127.0.0.1:{port}",
+          "file": f"file://{tmp_path}/rendezvous"}[init_method]
     tmp.spawn(worker, args=(3, "ring", im, str(tmp_path)), nprocs=3, join=True)
     keepers = set()
     for r in range(3):
@@ -65,12 +66,13 @@ def test_spawn_ring(init_method, tmp_path, monkeypatch):
         assert lines[1] == "ok", lines
         keepers.add(lines[0])
     assert len(keepers) == 1
-    nothing_left({int(keepers.pop().split()[1])})
+    nothing_left({int(keepers.pop().split()[1])}, [key_of(init_method, port, tmp_path)])
 
 
 def test_spawn_death(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
     # join=False: spawn's own join stops every process at the first death.
     ctx = tmp.spawn(worker, args=(3, "death", None, str(tmp_path)), nprocs=3, join=False)
     for p in ctx.processes:
@@ -82,4 +84,4 @@ def test_spawn_death(tmp_path, monkeypatch):
     lines = said(tmp_path, 0)
     assert "worker 1 (w1)" in lines[1] and "died" in lines[1], lines
     assert said(tmp_path, 2)[0] == lines[0]
-    nothing_left({int(lines[0].split()[1])})
+    nothing_left({int(lines[0].split()[1])}, [f"tcp:{port}"])

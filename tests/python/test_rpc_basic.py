@@ -171,5 +171,5 @@ def test_rrefs(me, peer):
     assert lst.rpc_sync().count(2) == 2, "rpc_sync proxy"
     assert lst.rpc_async().index(3).wait() == 3, "rpc_async proxy"
     assert lst.remote().__len__().to_here() == 4, "remote proxy"
-    with pytest.raises(RuntimeError, match="only picklable inside an RPC"):
+    with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler"):
         pickle.dumps(rref)
