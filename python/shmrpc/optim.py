@@ -21,7 +21,7 @@ when the DistributedOptimizer does.
 """
 import threading
 
-from . import autograd, remote, rpc_async
+from . import autograd, rpc_async
 
 __all__ = ["DistributedOptimizer"]
 
@@ -39,6 +39,13 @@ class _LocalOptimizer:
             for p in self.params:
                 p.grad = grads.get(p)  # None: the optimizer leaves p alone
             self.optim.step()
+
+
+def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs):
+    """On the owner: the local optimizer, made here, in an RRef of its own
+    (torch's); its construction's error raised to the caller."""
+    from . import RRef
+    return RRef(_LocalOptimizer(optimizer_class, param_rrefs, args, kwargs))
 
 
 def _local_step(optimizer_rref, context_id):
@@ -68,11 +75,10 @@ class DistributedOptimizer:
         per_owner = {}
         for rref in params_rref:
             per_owner.setdefault(rref.owner(), []).append(rref)
-        self.remote_optimizers = [remote(owner, _LocalOptimizer,
-                                         args=(optimizer_class, rrefs, args, kwargs))
-                                  for owner, rrefs in per_owner.items()]
-        # The first error of any owner's construction, here, as torch's.
-        _wait_for_all([rpc_async(r.owner(), _built, args=(r,)) for r in self.remote_optimizers])
+        # The first error of any owner's construction is raised here, as torch's.
+        self.remote_optimizers = _wait_for_all(
+            [rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs, args, kwargs))
+             for owner, rrefs in per_owner.items()])
 
     def step(self, context_id):
         """One step of every owner's optimizer with the gradients of
@@ -80,8 +86,3 @@ class DistributedOptimizer:
         autograd._retrieve(context_id)  # the context must live here (torch's check)
         _wait_for_all([rpc_async(r.owner(), _local_step, args=(r, context_id))
                        for r in self.remote_optimizers])
-
-
-def _built(optimizer_rref):
-    """On the owner: raises the local optimizer's construction error."""
-    optimizer_rref.local_value()
