@@ -99,3 +99,21 @@ def test_dist_autograd_helpers():
         assert cid <= ag._get_max_id()
     assert not ag._is_valid_context(cid)
     assert "num_autograd_contexts" in ag._get_debug_info()
+
+
+def echo(x):
+    return x
+
+
+def test_non_contiguous_tensors_arrive_contiguous():
+    """A documented difference (docs/COMPAT.md): the pool hands over one
+    contiguous block, so a view arrives as a contiguous copy of its
+    elements (torch keeps the view's storage and strides); the values are
+    the same."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(24.0).reshape(4, 6)
+    view = t.narrow(1, 2, 3)
+    assert not view.is_contiguous()
+    got = rpc.rpc_sync("worker1", echo, args=(view,))
+    assert got.is_contiguous() and torch.equal(got, view)
+    assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t.t(),)), t.t())
