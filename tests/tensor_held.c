@@ -5,6 +5,7 @@
  * counts them and checks their bytes, then lets them all go; the pool
  * empties. Scaled down under the sanitizers.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,6 +19,9 @@
 #define SETTLE_NS 60000000000ull
 
 static const DLDataType i64 = { kDLInt, 64, 1 };
+/* Written by whichever executor threads run the calls, which other
+ * processes order: under a lock that ThreadSanitizer can see. */
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 static shmrpc_tensor **kept;
 static int nkept;
 
@@ -25,33 +29,40 @@ static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 {
 	const shmrpc_value *items = a[0].u.items;
 
+	int rc = 0;
+
 	(void)n, (void)u;
-	for (uint32_t i = 0; i < a[0].len; i++)
+	pthread_mutex_lock(&kept_lock);
+	for (uint32_t i = 0; i < a[0].len && rc == 0; i++)
 		if (shmrpc_tensor_retain(items[i].u.t, &kept[nkept++]))
-			return shmrpc_call_error(c, "RuntimeError", "keeping tensor %d: %s", nkept,
-						 shmrpc_errmsg());
+			rc = shmrpc_call_error(c, "RuntimeError", "keeping tensor %d: %s", nkept,
+					       shmrpc_errmsg());
 	*r = shmrpc_int(nkept);
-	return 0;
+	pthread_mutex_unlock(&kept_lock);
+	return rc;
 }
 
 /* Checks every kept tensor's value, then drops them all. */
 static int fn_release(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
-	int held = nkept;
+	int held, rc = 0;
 
 	(void)a, (void)n, (void)u;
+	pthread_mutex_lock(&kept_lock);
+	held = nkept;
 	/* Each a 64-byte block of its own, held by this worker alone. */
 	if (tl_pool_used() < (uint64_t)nkept * 64)
-		return shmrpc_call_error(c, "ValueError", "%llu bytes used for %d tensors",
-					 (unsigned long long)tl_pool_used(), nkept);
-	for (int i = 0; i < nkept; i++)
+		rc = shmrpc_call_error(c, "ValueError", "%llu bytes used for %d tensors",
+				       (unsigned long long)tl_pool_used(), nkept);
+	for (int i = 0; i < nkept && rc == 0; i++)
 		if (*(int64_t *)shmrpc_tensor_data(kept[i]) != i)
-			return shmrpc_call_error(c, "ValueError", "tensor %d holds %lld", i,
-						 (long long)*(int64_t *)shmrpc_tensor_data(kept[i]));
-	while (nkept > 0)
+			rc = shmrpc_call_error(c, "ValueError", "tensor %d holds %lld", i,
+					       (long long)*(int64_t *)shmrpc_tensor_data(kept[i]));
+	while (rc == 0 && nkept > 0)
 		shmrpc_tensor_free(kept[--nkept]);
+	pthread_mutex_unlock(&kept_lock);
 	*r = shmrpc_int(held);
-	return 0;
+	return rc;
 }
 
 static int worker(void)
