@@ -627,8 +627,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             context_id = None
         reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
-            return reply + (autograd._message_id(), bool(rref_id))
-        return reply + (0, True) if rref_id else reply
+            return reply + (autograd._message_id(), reply[0] == _LIVE)
+        return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
@@ -657,14 +657,14 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
 
 
 def _reply(result, rref_id):
-    """What the C half sends or stores for a result: its pickle; for a
-    remote call, whose result is kept here, the live mark, or the pickle of
-    a value no code can change (users read it without asking us, and it
-    cannot go stale)."""
-    if not rref_id:
+    """What the C half sends or stores for a result: its pickle, also for a
+    remote call's value that no code can change (everyone reads it from the
+    RRef table, and it cannot go stale); any other remote call's value is
+    kept here, live, and the RRef stores the live mark."""
+    if not rref_id or _immutable(result):
         return _dumps(result)
     _owned[rref_id] = result
-    return _dumps(result) if _immutable(result) else (_LIVE, [], [])
+    return _LIVE, [], []
 
 
 _IMMUTABLE_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))
@@ -1061,7 +1061,7 @@ class RRef:
         msg = _c_wait(self._r.to_here, _timeout_ms(timeout))  # waits; the error raised
         if msg[0] == _LIVE:
             return _owned[self._r.id()]
-        return _result(msg)  # a value the binding did not keep (a C function's)
+        return _result(msg)  # a value that cannot change (a copy), or a C function's
 
     def _fetch(self, timeout):
         """The owner's pickle of the value now: PYTHON_RREF_FETCH_CALL,
