@@ -11,6 +11,7 @@ import io
 import itertools
 import os
 import pickle
+import re
 import sys
 import threading
 import traceback
@@ -52,8 +53,21 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name, id):
+        # torch's check of a WorkerInfo made by hand (the job's own names
+        # are checked when workers join).
+        if not (0 < len(name) < 128) or not all(c.isascii() and (c.isalnum() or c in "-_:")
+                                                for c in name):
+            raise RuntimeError("Worker name must match ^[A-Za-z0-9-_:]*$, and must be "
+                               f"non-empty and shorter than 128 chars, but got {name}")
         self.name = name
         self.id = id
+
+    @classmethod
+    def _of(cls, name, id):
+        """A job's worker, as the job names it (no check)."""
+        info = cls.__new__(cls)
+        info.name, info.id = name, id
+        return info
 
     def __eq__(self, other):
         return isinstance(other, WorkerInfo) and (self.name, self.id) == (other.name, other.id)
@@ -320,7 +334,7 @@ def _worker(who):
 
 
 def get_worker_info(worker_name=None):
-    return WorkerInfo(*_worker(worker_name))
+    return WorkerInfo._of(*_worker(worker_name))
 
 
 def _not_initialized():
@@ -633,6 +647,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         me = get_worker_info()
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
         return _dumps(RemoteException(text, type(e)))
 
 
@@ -1048,7 +1063,10 @@ class RRef:
     def local_value(self):
         """The value, on the owner: the same object every time."""
         if not self._r.is_owner():
-            raise RuntimeError(f"For {self}, can't call localValue() on user "
+            # The RRef as torch's C++ prints it in this error.
+            ref = re.sub(r"UserRRef\(RRefId = (.*), ForkId = (.*)\)$",
+                         r"UserRRef(rref_id=\1, fork_id=\2)", str(self))
+            raise RuntimeError(f"For {ref}, can't call localValue() on user "
                                f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
         return self._owned(UNSET_RPC_TIMEOUT)
 
@@ -1097,6 +1115,11 @@ class RRef:
             return fut
         return rpc_async(_shmrpc.rank(), _rref_created, args=(self,))
 
+    def _get_profiling_future(self):
+        """torch's: completes once the remote() that made this RRef, and so
+        its profiled events, have completed."""
+        return self._get_future()
+
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
         """Backward from the value (a scalar tensor) on the owner: in the
         given distributed autograd context, or with -1 (on the owner only)
@@ -1104,7 +1127,7 @@ class RRef:
         return autograd._rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def owner(self):
-        return WorkerInfo(self._r.owner_name(), self._r.owner())
+        return WorkerInfo._of(self._r.owner_name(), self._r.owner())
 
     def owner_name(self):
         return self._r.owner_name()
