@@ -165,8 +165,9 @@ def nothing_left(keepers, keys=()):
     # memory is memfds, and test cases check that no process holds one.
 
 
-def run_procs(ctx, world, init_method, case, names=None):
-    """world mp.Process children; their reports by rank and exit codes."""
+def run_procs(ctx, world, init_method, case, names=None, reports_due=None):
+    """world mp.Process children; their reports (reports_due of them, one
+    per rank by default) and exit codes."""
     q = ctx.Queue()
     procs = [ctx.Process(target=run_case,
                          args=(r, world, init_method, case, q, names[r] if names else None))
@@ -175,7 +176,7 @@ def run_procs(ctx, world, init_method, case, names=None):
         p.start()
     reports = []
     try:
-        while len(reports) < world:
+        while len(reports) < (world if reports_due is None else reports_due):
             reports.append(q.get(timeout=WAIT))
     finally:
         for p in procs:
@@ -221,23 +222,8 @@ def test_death(init_method, tmp_path, monkeypatch):
     im = {None: None, "tcp": f"tcp://127.0.0.1:{port}",
           "file": f"file://{tmp_path}/rendezvous"}[init_method]
     keys = [key_of(init_method, port, tmp_path)]
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=run_case, args=(r, 3, im, "death", q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    reports = []
-    try:
-        # rank 0's "pending" and the final reports of ranks 0 and 2 (rank 1 dies)
-        while len(reports) < 3:
-            reports.append(q.get(timeout=WAIT))
-    finally:
-        for p in procs:
-            p.join(WAIT)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-    codes = [p.exitcode for p in procs]
+    # rank 0's "pending" and the final reports of ranks 0 and 2 (rank 1 dies)
+    reports, codes = run_procs(mp.get_context("fork"), 3, im, "death", reports_due=3)
     got = {r["rank"]: r for r in reports if not r.get("pending")}
     assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
     assert got[0].get("ok") and got[2].get("ok"), reports
