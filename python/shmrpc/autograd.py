@@ -55,6 +55,7 @@ re-creates it on its worker); tensors that go through the pickle rather
 than the pool (bool, bfloat16, empty) arrive without graph connection.
 """
 import contextlib
+import functools
 import itertools
 import re
 import threading
@@ -63,13 +64,15 @@ from . import _shmrpc
 
 __all__ = ["context", "backward", "get_gradients"]
 
-_tls = threading.local()  # .ctx: the current context (a _Context) of this thread
+_tls = threading.local()  # .ctx: this thread's context (a _Context); .outgoing: see _run_engine
 _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
-_backward_passes = 0  # _run_backward calls running here (under _lock)
+_backward_passes = 0  # backward passes running here (under _lock)
 _counter = itertools.count()
-_send_ids = itertools.count()
 _message_ids = itertools.count()
+# One local engine run at a time on this worker: each borrows the .grad of
+# the leaves it reaches (_run_engine).
+_engine_lock = threading.RLock()
 # The C half's text for a call to a worker that died (worker/agent.c).
 _DIED = re.compile(r"worker (\d+) \([^)]*\) died")
 
@@ -87,15 +90,78 @@ def _my_rank():
     return _shmrpc.worker_info(None)[1]
 
 
+_nodes = None  # (SendRpcBackward's Function, RecvRpcBackward's Function, anchor), made once
+
+
+def _graph_nodes():
+    """torch's two graph functions as torch.autograd.Functions (made on
+    first use: the package imports without torch). Their backward nodes
+    are named as torch's C++ ones (node.name(), the profiler's events).
+
+    Send: applied to the tensors that require grad in one message; its node's
+    next_functions are their gradient edges, its one output an empty tensor
+    to run the engine from, with the gradients received for the message
+    set on the node beforehand (node.grads).
+
+    Recv: makes the tensors received in one message its outputs, in place
+    (they arrive as plain tensors and become non-leaves whose grad_fn is
+    the node, as torch's). A Function needs an input that requires grad to
+    make a node: the anchor, an empty leaf that never gets a gradient. Its
+    backward hands the gradients to the engine run in progress (_tls.outgoing),
+    which sends them to the sender after the run."""
+    global _nodes
+    if _nodes is not None:
+        return _nodes
+    torch = _torch()
+
+    class SendRpc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *tensors):
+            ctx.grads = None
+            return torch.empty(0)
+
+        @staticmethod
+        def backward(ctx, _):
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError("SendRpcBackward ran without the gradients of its message: "
+                                   "only shmrpc.autograd.backward runs it")
+            return tuple(grads)
+
+    class RecvRpc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, anchor, *tensors):
+            ctx.mark_dirty(*tensors)
+            ctx.set_materialize_grads(False)
+            return tensors
+
+        @staticmethod
+        def backward(ctx, *grads):
+            outgoing = getattr(_tls, "outgoing", None)
+            if outgoing is None:
+                raise RuntimeError("a tensor received over RPC in a distributed autograd context "
+                                   "gets its gradient from shmrpc.autograd.backward(context_id, "
+                                   "roots) only, not from torch.autograd")
+            outgoing.setdefault(ctx.sender, []).append((ctx.message_id, list(grads)))
+            return (None,) * (1 + len(grads))
+
+    SendRpc._backward_cls.__name__ = "torch::distributed::autograd::SendRpcBackward"
+    RecvRpc._backward_cls.__name__ = "torch::distributed::autograd::RecvRpcBackward"
+    _nodes = (SendRpc, RecvRpc, torch.empty(0, requires_grad=True))
+    return _nodes
+
+
 class _Context:
     def __init__(self, cid):
         self.id = cid
         self.lock = threading.Lock()
-        self.sends = {}     # send id -> tensor (with its graph)
-        self.recvs = {}     # id(leaf) -> (leaf, sender rank, send id)
+        self.done = threading.Condition(self.lock)  # notified as sends run (_backward_pass)
+        self.sends = {}     # autograd message id -> SendRpcBackward's output (grad_fn: the node)
+        self.recvs = {}     # autograd message id -> RecvRpcBackward node
         self.grads = {}     # id(tensor) -> (tensor, accumulated gradient)
         self.known = set()  # ranks this context reached or came from
         self.pending = []   # rpc_async futures made in the context
+        self.unrun = None   # in a backward pass started here: the sends not run yet
 
     def accumulate(self, tensor, grad):
         with self.lock:
@@ -112,11 +178,11 @@ class _Context:
 
     def _send_functions(self):
         with self.lock:
-            return dict(self.sends)
+            return {k: out.grad_fn for k, out in self.sends.items()}
 
     def _recv_functions(self):
         with self.lock:
-            return {k: v[0] for k, v in self.recvs.items()}
+            return dict(self.recvs)
 
 
 DistAutogradContext = _Context
@@ -254,35 +320,74 @@ def _called(fut):
             ctx.pending.append(fut)
 
 
-def _sending(tensor):
-    """tensor requires grad and is being pickled: its metadata (context id
-    or None outside one, sender rank, send id)."""
-    ctx = _current()
-    send_id = next(_send_ids)
-    if ctx is not None:
+class _Outgoing:
+    """The tensors that require grad in one message being pickled (the
+    package's pickler makes one at the first of them): each travels with
+    (context id or None outside one, sender rank, autograd message id);
+    sent() records them, in a context, as one SendRpcBackward under that
+    id, as torch does for each message."""
+
+    def __init__(self):
+        self.ctx = _current()
+        self.meta = (None if self.ctx is None else self.ctx.id, _my_rank(), _message_id())
+        self.tensors = []
+
+    def add(self, tensor):
+        self.tensors.append(tensor)
+        return self.meta
+
+    def sent(self):
+        if self.ctx is None:
+            return
+        torch = _torch()
+        with torch.enable_grad():  # a node even where the sender turned grad mode off
+            out = _graph_nodes()[0].apply(*self.tensors)
+        with self.ctx.lock:
+            self.ctx.sends[self.meta[2]] = out
+
+
+class _Incoming:
+    """The tensors that required grad in one message being unpickled (the
+    package's unpickler makes one at the first of them). mode: "call" (a
+    callee's arguments: the context is created here if need be) or
+    "result" (a reply: attached only while the context lives here)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.meta = None
+        self.tensors = []
+
+    def add(self, tensor, meta):
+        """The tensor as the program gets it: not a view (RecvRpcBackward
+        makes it its output in place, which a view's autograd forbids)."""
+        tensor = tensor.detach()
+        self.meta = meta
+        self.tensors.append(tensor)
+        return tensor
+
+    def received(self):
+        """The message is unpickled: in a context, its tensors become one
+        RecvRpcBackward's outputs, recorded under the sender's message id;
+        outside one, leaves that require grad (torch 1.13's)."""
+        cid, sender, message_id = self.meta
+        ctx = None
+        if cid is not None:
+            if self.mode == "call":
+                ctx = _get_or_create(cid)
+            else:
+                with _lock:
+                    ctx = _contexts.get(cid)
+        if ctx is None:
+            for t in self.tensors:
+                t.requires_grad_(True)
+            return
+        _, recv, anchor = _graph_nodes()
+        with _torch().enable_grad():
+            node = recv.apply(anchor, *self.tensors)[0].grad_fn
+        node.sender, node.message_id = sender, message_id
         with ctx.lock:
-            ctx.sends[send_id] = tensor
-    return (None if ctx is None else ctx.id, _my_rank(), send_id)
-
-
-def _received(tensor, meta, mode):
-    """The tensor that arrives for a sent one that required grad. mode:
-    "call" (a callee's arguments: the context is created here if need be)
-    or "result" (recorded only while the context lives here)."""
-    cid, sender, send_id = meta
-    if cid is not None:
-        if mode == "call":
-            ctx = _get_or_create(cid)
-        else:
-            with _lock:
-                ctx = _contexts.get(cid)
-        if ctx is not None:
-            with ctx.lock:
-                leaf = tensor.requires_grad_(True)
-                ctx.recvs[id(leaf)] = (leaf, sender, send_id)
-                ctx.known.add(sender)
-                return leaf
-    return tensor.requires_grad_(True)
+            ctx.recvs[message_id] = node
+            ctx.known.add(sender)
 
 
 # The user's API.
@@ -401,9 +506,9 @@ def _orphaned_by(rank):
         _release(cid, rank)
 
 
-def _leaves(roots):
+def _leaves(roots, anchor):
     """The leaves (tensors that require grad and have no grad_fn) that the
-    graphs of roots reach."""
+    graphs of roots reach, but the anchor."""
     leaves, seen, stack = {}, set(), []
     for r in roots:
         if r.grad_fn is None:
@@ -416,79 +521,133 @@ def _leaves(roots):
             continue
         seen.add(fn)
         var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf's
-        if var is not None:
+        if var is not None and var is not anchor:
             leaves[id(var)] = var
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return list(leaves.values())
 
 
-def _run_backward(ctx, tensors, grad_outputs, retain_graph):
-    """Backward from tensors (with grad_outputs) over this worker's graph;
-    then the gradients of recv leaves go back to their senders."""
-    global _backward_passes
+def _unshared(seen, grad):
+    """A leaf's last hook in an engine run: a gradient that another leaf of
+    the run got too is copied. torch's distributed engine holds every
+    gradient it captured until all are accumulated, so such a gradient is
+    copied for each leaf; the local engine would let the last leaf keep it."""
+    key = (grad._values() if grad.is_sparse else grad).data_ptr()
+    if key in seen:
+        return grad.clone()
+    seen.add(key)
+    return None
+
+
+def _run_engine(ctx, tensors, grads, retain_graph):
+    """One run of torch's engine on this worker, from tensors with grads.
+    The gradients of the leaves it reaches accumulate in ctx, as torch's
+    distributed engine does it: through each leaf's AccumulateGrad, so that
+    the leaf's hooks and the node's post hooks run and a gradient is kept
+    without a copy where torch keeps it; .grad is borrowed for the run (put
+    back after it, hence one run at a time here). Returns what the
+    RecvRpcBackward nodes it ran handed back: {sender rank: [(message id,
+    gradients)]}."""
     torch = _torch()
-    leaves = _leaves(tensors)
-    if not leaves:
-        return
+    leaves = _leaves(tensors, _graph_nodes()[2])
+    with _engine_lock:
+        saved = [leaf.grad for leaf in leaves]
+        seen = set()
+        handles = [leaf.register_hook(functools.partial(_unshared, seen)) for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        outer, _tls.outgoing = getattr(_tls, "outgoing", None), {}
+        try:
+            torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        except Exception as e:
+            raise _node_error(e) from e
+        finally:
+            outgoing, _tls.outgoing = _tls.outgoing, outer
+            for h in handles:
+                h.remove()
+            got = [leaf.grad for leaf in leaves]
+            for leaf, old in zip(leaves, saved):
+                leaf.grad = old
+    for leaf, grad in zip(leaves, got):
+        if grad is not None:
+            ctx.accumulate(leaf, grad)
+    return outgoing
+
+
+def _backward_pass(ctx, tensors, grads, retain_graph):
+    """This worker's part of a backward pass (torch's FAST mode): a local
+    engine run, then the gradients of the received tensors it reached go
+    to their senders, each of which does the same with them; returns when
+    all of those returned."""
+    global _backward_passes
     with _lock:
         _backward_passes += 1
     try:
-        _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph)
+        outgoing = _run_engine(ctx, tensors, grads, retain_graph)
+        futs = [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
+                for w, items in outgoing.items()]
+        errors = _wait_all(futs)  # all of them, then the first error
+        if errors:
+            raise errors[0]
     finally:
         with _lock:
             _backward_passes -= 1
 
 
-def _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph):
-    torch = _torch()
-    try:
-        grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
-                                    allow_unused=True)
-    except Exception as e:
-        raise _node_error(e) from e
-    back = {}
-    for leaf, grad in zip(leaves, grads):
-        if grad is None:
-            continue
-        with ctx.lock:
-            recv = ctx.recvs.get(id(leaf))
-        if recv is None:
-            ctx.accumulate(leaf, grad)
-        else:
-            back.setdefault(recv[1], []).append((recv[2], grad))
-    futs = [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
-            for w, items in back.items()]
-    errors = _wait_all(futs)  # all of them, then the first error
-    if errors:
-        raise errors[0]
-
-
 def _backward_from_sends(cid, items):
-    """On a sender: gradients [(send id, gradient)] for its sends in
-    context cid; the backward goes on from the sent tensors."""
+    """On a sender: the gradients [(message id, gradients)] of its sends in
+    context cid; the backward pass goes on from their SendRpcBackward nodes."""
+    torch = _torch()
     ctx = _retrieve(cid)
     with ctx.lock:
-        tensors = [ctx.sends[send_id] for send_id, _ in items]
-    # Retained: another call may bring gradients for sends that share it.
-    _run_backward(ctx, tensors, [g for _, g in items], retain_graph=True)
+        outs = [ctx.sends.get(message_id) for message_id, _ in items]
+    for out, (message_id, grads) in zip(outs, items):
+        if out is None:
+            raise RuntimeError(f"Error on Node {_my_rank()}: gradients came for message "
+                               f"{message_id}, which this worker did not send in context {cid}")
+        out.grad_fn.grads = grads
+    # Retained: another request may bring gradients for sends that share it.
+    _backward_pass(ctx, outs, [torch.empty(0)] * len(outs), retain_graph=True)
+    with ctx.lock:
+        if ctx.unrun is not None:
+            ctx.unrun.difference_update(message_id for message_id, _ in items)
+            ctx.done.notify_all()
 
 
 def backward(context_id, roots, retain_graph=False):
     """Runs the backward pass from roots (scalars) across every worker the
     context's forward reached; the gradients accumulate in the context
-    (get_gradients on each worker)."""
+    (get_gradients on each worker). As torch's FAST mode, it returns once
+    every send this worker made in the context got its gradients: one whose
+    result the roots do not use never does, and backward() waits forever."""
     torch = _torch()
-    if not isinstance(roots, (list, tuple)):
-        raise TypeError("backward(): incompatible function arguments: roots must be a list "
-                        f"of tensors, not {type(roots).__name__}")
+    if not isinstance(context_id, int) or not isinstance(roots, (list, tuple)):
+        raise TypeError("backward(): incompatible function arguments. The following argument "
+                        "types are supported: (context_id: int, roots: List[Tensor], "
+                        f"retain_graph: bool = False); got {type(context_id).__name__}, "
+                        f"{type(roots).__name__}")
     ctx = _retrieve(context_id)
     roots = list(roots)
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
     for r in roots:
         if not isinstance(r, torch.Tensor) or not r.requires_grad:
             raise RuntimeError("requires_grad not set on root")
         if r.numel() != 1:
-            raise RuntimeError(f"{r} is not a scalar, all roots need to be scalar")
-    _run_backward(ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)
+            raise RuntimeError(" is not a scalar, all roots need to be scalar")
+        if r.grad_fn is None:
+            raise RuntimeError(" does not have a valid gradient function.")
+    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
+        with ctx.lock:
+            ctx.unrun = set(ctx.sends)
+        try:
+            _backward_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)
+            with ctx.lock:
+                while ctx.unrun:
+                    ctx.done.wait()
+        finally:
+            with ctx.lock:
+                ctx.unrun = None
 
 
 def get_gradients(context_id):
