@@ -67,7 +67,7 @@ __all__ = ["context", "backward", "get_gradients"]
 _tls = threading.local()  # .ctx: this thread's context (a _Context); .outgoing: see _run_engine
 _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
-_backward_passes = 0  # backward passes running here (under _lock)
+_backward_passes = 0  # contexts with a backward pass running here (under _lock)
 _counter = itertools.count()
 _message_ids = itertools.count()
 # One local engine run at a time on this worker: each borrows the .grad of
@@ -155,13 +155,16 @@ class _Context:
     def __init__(self, cid):
         self.id = cid
         self.lock = threading.Lock()
-        self.done = threading.Condition(self.lock)  # notified as sends run (_backward_pass)
+        self.done = threading.Condition(self.lock)  # notified as a pass moves on (_serve_pass)
         self.sends = {}     # autograd message id -> SendRpcBackward's output (grad_fn: the node)
         self.recvs = {}     # autograd message id -> RecvRpcBackward node
         self.grads = {}     # id(tensor) -> (tensor, accumulated gradient)
         self.known = set()  # ranks this context reached or came from
         self.pending = []   # rpc_async futures made in the context
         self.unrun = None   # in a backward pass started here: the sends not run yet
+        self.passes = 0     # requests and backward() calls of its passes running here (under _lock)
+        self.inbox = None   # in a backward pass started here: _Arrivals for its thread to run
+        self.server = None  # in a backward pass started here: that thread's ident
 
     def accumulate(self, tensor, grad):
         with self.lock:
@@ -574,44 +577,128 @@ def _run_engine(ctx, tensors, grads, retain_graph):
     return outgoing
 
 
-def _backward_pass(ctx, tensors, grads, retain_graph):
-    """This worker's part of a backward pass (torch's FAST mode): a local
-    engine run, then the gradients of the received tensors it reached go
-    to their senders, each of which does the same with them; returns when
-    all of those returned."""
+@contextlib.contextmanager
+def _pass_running(ctx):
+    """Counts ctx's backward pass as running here (_debug_info: torch
+    counts one per context, however many requests it takes here)."""
     global _backward_passes
     with _lock:
-        _backward_passes += 1
+        ctx.passes += 1
+        _backward_passes += ctx.passes == 1
     try:
-        outgoing = _run_engine(ctx, tensors, grads, retain_graph)
-        futs = [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
-                for w, items in outgoing.items()]
-        errors = _wait_all(futs)  # all of them, then the first error
-        if errors:
-            raise errors[0]
+        yield
     finally:
         with _lock:
-            _backward_passes -= 1
+            ctx.passes -= 1
+            _backward_passes -= ctx.passes == 0
+
+
+def _engine_step(ctx, tensors, grads, retain_graph):
+    """A local engine run, then the gradients of the received tensors it
+    reached on their way to their senders, each of which does the same
+    with them (torch's FAST mode): the futures of those requests."""
+    outgoing = _run_engine(ctx, tensors, grads, retain_graph)
+    return [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
+            for w, items in outgoing.items()]
+
+
+def _raise_first(futs):
+    errors = _wait_all(futs)  # all of them, then the first error
+    if errors:
+        raise errors[0]
+
+
+class _Arrival:
+    """A request's gradients [(message id, gradients)] for sends of a
+    context: its engine step, run by the thread that serves the context's
+    backward pass here if there is one (_serve_pass), else by the request's."""
+
+    def __init__(self, items):
+        self.items = items
+        self.ran = threading.Event()
+        self.futs = None
+        self.error = None
+
+    def run(self, ctx):
+        try:
+            torch = _torch()
+            with ctx.lock:
+                outs = [ctx.sends.get(message_id) for message_id, _ in self.items]
+            for out, (message_id, grads) in zip(outs, self.items):
+                if out is None:
+                    raise RuntimeError(f"Error on Node {_my_rank()}: gradients came for message "
+                                       f"{message_id}, which this worker did not send in "
+                                       f"context {ctx.id}")
+                out.grad_fn.grads = grads
+            # Retained: another request may bring gradients for sends that share it.
+            self.futs = _engine_step(ctx, outs, [torch.empty(0)] * len(outs), True)
+            with ctx.lock:
+                if ctx.unrun is not None:
+                    ctx.unrun.difference_update(message_id for message_id, _ in self.items)
+                    ctx.done.notify_all()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.ran.set()
 
 
 def _backward_from_sends(cid, items):
     """On a sender: the gradients [(message id, gradients)] of its sends in
     context cid; the backward pass goes on from their SendRpcBackward nodes."""
-    torch = _torch()
     ctx = _retrieve(cid)
-    with ctx.lock:
-        outs = [ctx.sends.get(message_id) for message_id, _ in items]
-    for out, (message_id, grads) in zip(outs, items):
-        if out is None:
-            raise RuntimeError(f"Error on Node {_my_rank()}: gradients came for message "
-                               f"{message_id}, which this worker did not send in context {cid}")
-        out.grad_fn.grads = grads
-    # Retained: another request may bring gradients for sends that share it.
-    _backward_pass(ctx, outs, [torch.empty(0)] * len(outs), retain_graph=True)
-    with ctx.lock:
-        if ctx.unrun is not None:
-            ctx.unrun.difference_update(message_id for message_id, _ in items)
+    job = _Arrival(items)
+    with _pass_running(ctx):
+        with ctx.lock:
+            handed = ctx.inbox is not None and ctx.server != threading.get_ident()
+            if handed:
+                ctx.inbox.append(job)
+                ctx.done.notify_all()
+        if handed:
+            job.ran.wait()
+        else:
+            job.run(ctx)
+        if job.error is not None:
+            raise job.error
+        _raise_first(job.futs)
+
+
+def _serve_pass(ctx, futs):
+    """The rest of a backward pass started on this thread: waits for futs,
+    running meanwhile the engine steps of the requests that bring gradients
+    for this worker's sends in ctx (handed over by _backward_from_sends),
+    so that this worker's whole part of the pass runs on this thread,
+    under its profiler and thread-local state, as torch's engine does. As
+    torch's FAST mode, it also waits until each of those sends ran: one
+    whose result the roots do not use never does, and it waits forever."""
+    def wake(_):
+        with ctx.lock:
             ctx.done.notify_all()
+
+    for fut in futs:
+        fut.add_done_callback(wake)
+    on_executor = _shmrpc.on_executor()
+    while True:
+        with ctx.lock:
+            jobs, ctx.inbox = ctx.inbox, []
+            settled = all(f.done() for f in futs)
+            if not jobs and settled and not ctx.unrun:
+                break
+        if jobs:
+            for job in jobs:
+                job.run(ctx)
+                for fut in job.futs or ():  # waited for by the job's own request too
+                    fut.add_done_callback(wake)
+                    futs.append(fut)
+            continue
+        if settled:
+            if _wait_all(futs):
+                break  # failed: the sends left will not run
+        elif on_executor and _shmrpc.help_once():
+            continue  # what we wait for may be queued behind us (Future.wait's reason)
+        with ctx.lock:
+            if not ctx.inbox and not (all(f.done() for f in futs) and not ctx.unrun):
+                ctx.done.wait(0.001 if on_executor and not settled else None)
+    _raise_first(futs)
 
 
 def backward(context_id, roots, retain_graph=False):
@@ -637,17 +724,23 @@ def backward(context_id, roots, retain_graph=False):
             raise RuntimeError(" is not a scalar, all roots need to be scalar")
         if r.grad_fn is None:
             raise RuntimeError(" does not have a valid gradient function.")
-    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
+    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"), \
+            _pass_running(ctx):
         with ctx.lock:
-            ctx.unrun = set(ctx.sends)
+            if ctx.inbox is not None:
+                raise RuntimeError("a distributed backward pass is already running in context "
+                                   f"{context_id} on this worker: run one at a time")
+            ctx.unrun, ctx.inbox, ctx.server = set(ctx.sends), [], threading.get_ident()
         try:
-            _backward_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)
-            with ctx.lock:
-                while ctx.unrun:
-                    ctx.done.wait()
+            _serve_pass(ctx, _engine_step(ctx, roots, [torch.ones_like(r) for r in roots],
+                                          retain_graph))
         finally:
             with ctx.lock:
-                ctx.unrun = None
+                left, ctx.unrun, ctx.inbox, ctx.server = ctx.inbox, None, None, None
+            for job in left:  # handed over as the pass failed: their requests wait for them
+                job.error = RuntimeError(f"Error on Node {_my_rank()}: the backward pass of "
+                                         f"context {context_id} failed here")
+                job.ran.set()
 
 
 def get_gradients(context_id):
