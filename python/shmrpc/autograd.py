@@ -593,11 +593,10 @@ def _pass_running(ctx):
             _backward_passes -= ctx.passes == 0
 
 
-def _engine_step(ctx, tensors, grads, retain_graph):
-    """A local engine run, then the gradients of the received tensors it
-    reached on their way to their senders, each of which does the same
-    with them (torch's FAST mode): the futures of those requests."""
-    outgoing = _run_engine(ctx, tensors, grads, retain_graph)
+def _send_back(ctx, outgoing):
+    """The gradients an engine run got for received tensors on their way to
+    their senders, each of which goes on with them (torch's FAST mode): the
+    futures of those requests."""
     return [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
             for w, items in outgoing.items()]
 
@@ -624,14 +623,20 @@ class _Arrival:
             torch = _torch()
             with ctx.lock:
                 outs = [ctx.sends.get(message_id) for message_id, _ in self.items]
-            for out, (message_id, grads) in zip(outs, self.items):
+            for out, (message_id, _) in zip(outs, self.items):
                 if out is None:
                     raise RuntimeError(f"Error on Node {_my_rank()}: gradients came for message "
                                        f"{message_id}, which this worker did not send in "
                                        f"context {ctx.id}")
-                out.grad_fn.grads = grads
-            # Retained: another request may bring gradients for sends that share it.
-            self.futs = _engine_step(ctx, outs, [torch.empty(0)] * len(outs), True)
+            # A send may get gradients from several requests (a receiver
+            # whose engine runs reached its RecvRpcBackward more than once):
+            # each sets them and runs, the two under the engine lock.
+            with _engine_lock:
+                for out, (_, grads) in zip(outs, self.items):
+                    out.grad_fn.grads = grads
+                # Retained: another request may bring gradients for sends that share it.
+                outgoing = _run_engine(ctx, outs, [torch.empty(0)] * len(outs), True)
+            self.futs = _send_back(ctx, outgoing)
             with ctx.lock:
                 if ctx.unrun is not None:
                     ctx.unrun.difference_update(message_id for message_id, _ in self.items)
@@ -663,42 +668,60 @@ def _backward_from_sends(cid, items):
 
 
 def _serve_pass(ctx, futs):
-    """The rest of a backward pass started on this thread: waits for futs,
-    running meanwhile the engine steps of the requests that bring gradients
-    for this worker's sends in ctx (handed over by _backward_from_sends),
-    so that this worker's whole part of the pass runs on this thread,
-    under its profiler and thread-local state, as torch's engine does. As
-    torch's FAST mode, it also waits until each of those sends ran: one
-    whose result the roots do not use never does, and it waits forever."""
+    """The rest of a backward pass started on this thread: waits for futs.
+    As torch's FAST mode, it also waits until each of this worker's sends
+    in ctx ran: one whose result the roots do not use never does, and it
+    waits forever. A thread of the program (not an executor's) runs
+    meanwhile the engine steps of the requests that bring gradients for
+    those sends (handed over by _backward_from_sends), so that this
+    worker's whole part of the pass runs on it, under its profiler and
+    thread-local state, as torch's engine does."""
+    if ctx.inbox is None:  # on an executor: the requests run their steps
+        _raise_first(futs)
+        with ctx.lock:
+            while ctx.unrun:
+                ctx.done.wait()
+        return
+
     def wake(_):
         with ctx.lock:
             ctx.done.notify_all()
 
     for fut in futs:
         fut.add_done_callback(wake)
-    on_executor = _shmrpc.on_executor()
     while True:
         with ctx.lock:
             jobs, ctx.inbox = ctx.inbox, []
             settled = all(f.done() for f in futs)
-            if not jobs and settled and not ctx.unrun:
+            unrun = bool(ctx.unrun)
+        if not jobs:
+            # (_failed may complete a Future here, running wake: not under ctx.lock.)
+            if settled and (not unrun or _failed(futs)):
                 break
-        if jobs:
-            for job in jobs:
-                job.run(ctx)
-                for fut in job.futs or ():  # waited for by the job's own request too
-                    fut.add_done_callback(wake)
-                    futs.append(fut)
+            with ctx.lock:
+                if (not ctx.inbox and all(f.done() for f in futs) == settled
+                        and bool(ctx.unrun) == unrun):
+                    # wake needs an executor to run: look again now and
+                    # then should none be free.
+                    ctx.done.wait(None if settled else 0.05)
             continue
-        if settled:
-            if _wait_all(futs):
-                break  # failed: the sends left will not run
-        elif on_executor and _shmrpc.help_once():
-            continue  # what we wait for may be queued behind us (Future.wait's reason)
-        with ctx.lock:
-            if not ctx.inbox and not (all(f.done() for f in futs) and not ctx.unrun):
-                ctx.done.wait(0.001 if on_executor and not settled else None)
+        for job in jobs:
+            job.run(ctx)
+            for fut in job.futs or ():  # waited for by the job's own request too
+                fut.add_done_callback(wake)
+                futs.append(fut)
     _raise_first(futs)
+
+
+def _failed(futs):
+    """Whether one of the completed futs failed (without waiting, nor
+    _wait_all's cleanup: that comes once the pass ends)."""
+    for fut in futs:
+        try:
+            _outcome(fut)
+        except Exception:
+            return True
+    return False
 
 
 def backward(context_id, roots, retain_graph=False):
@@ -727,16 +750,21 @@ def backward(context_id, roots, retain_graph=False):
     with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"), \
             _pass_running(ctx):
         with ctx.lock:
-            if ctx.inbox is not None:
+            if ctx.unrun is not None:
                 raise RuntimeError("a distributed backward pass is already running in context "
                                    f"{context_id} on this worker: run one at a time")
-            ctx.unrun, ctx.inbox, ctx.server = set(ctx.sends), [], threading.get_ident()
+            ctx.unrun = set(ctx.sends)
+            # An executor thread may be busy helping with a request that
+            # waits for something else (Future.wait): the requests run
+            # their steps themselves then.
+            if not _shmrpc.on_executor():
+                ctx.inbox, ctx.server = [], threading.get_ident()
         try:
-            _serve_pass(ctx, _engine_step(ctx, roots, [torch.ones_like(r) for r in roots],
-                                          retain_graph))
+            _serve_pass(ctx, _send_back(ctx, _run_engine(
+                ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)))
         finally:
             with ctx.lock:
-                left, ctx.unrun, ctx.inbox, ctx.server = ctx.inbox, None, None, None
+                left, ctx.unrun, ctx.inbox, ctx.server = ctx.inbox or [], None, None, None
             for job in left:  # handed over as the pass failed: their requests wait for them
                 job.error = RuntimeError(f"Error on Node {_my_rank()}: the backward pass of "
                                          f"context {context_id} failed here")
