@@ -1,5 +1,6 @@
 """Distributed autograd over shmrpc (issue 10): torch.distributed.autograd's
-FAST mode, in Python on top of the package.
+FAST mode, in Python on top of the package, over torch's own graph and
+engine.
 
     with shmrpc.autograd.context() as cid:
         loss = rpc.rpc_sync("worker1", layer1, args=(x,)).sum()
@@ -7,15 +8,30 @@ FAST mode, in Python on top of the package.
         grads = shmrpc.autograd.get_gradients(cid)   # {tensor: gradient} here
 
 Every call made inside a context carries its id; the callee runs the
-function inside the same id (so calls it makes carry it on). A tensor that
-requires grad, sent inside a context (argument or result), is recorded on
-the sender as a "send" (the tensor with its graph, under a send id) and
-travels detached with (context id, sender rank, send id); the receiver
-makes a leaf that requires grad and records it as a "recv". backward()
-computes, on each worker, the gradients of the local graph's leaves: those
-of recv leaves go back to their sender, which continues from the recorded
-send tensors with them (and so on across workers); those of other leaves
-accumulate in the context's gradient table on that worker (not in .grad).
+function inside the same id (so calls it makes carry it on). The graph is
+torch's: the tensors that require grad in one message sent inside a
+context (a call's arguments, a result) get one SendRpcBackward node whose
+next_functions are their gradient edges, recorded in the sender's context
+under the message's autograd message id (_send_functions()); they travel
+detached with (context id, sender rank, that id), and on the receiver
+they become the outputs of one RecvRpcBackward node (they are not leaves:
+their grad_fn is it), recorded under the same id (_recv_functions()). Both
+are torch.autograd.Functions whose nodes carry torch's names.
+
+backward() runs torch's engine (torch.autograd.backward) on each worker:
+from the roots on the caller; a RecvRpcBackward it reaches hands its
+gradients over, and after the run they go to the sender, which runs the
+engine from that message's SendRpcBackward with them (and so on across
+workers). A leaf's gradient goes through its AccumulateGrad node as in a
+local backward, so its hooks and the node's post hooks run and torch's
+rules for keeping a gradient without a copy hold; .grad is borrowed for
+the run and put back, the gradient kept in the context's table on that
+worker (not in .grad). As torch's FAST mode, backward() on a worker
+returns once every send it made in the context ran: one whose result the
+roots do not use never does, and backward() waits forever, as torch's.
+On a program's thread (not an executor's), the runs that requests bring
+for that worker's sends are handed to the thread that called backward(),
+so its whole part runs there, under its profiler and thread-local state.
 Leaving the context releases it here and on every worker it reached.
 
 The messages are torch's (docs/PROTOCOL.md): a call made inside a context
@@ -23,11 +39,11 @@ goes as FORWARD_AUTOGRAD_REQ [context id, autograd message id, PYTHON_CALL]
 and is answered FORWARD_AUTOGRAD_RESP wrapping the PYTHON_RET likewise; a
 remote() made there as FORWARD_AUTOGRAD_REQ wrapping the PYTHON_REMOTE_CALL,
 answered FORWARD_AUTOGRAD_RESP wrapping REMOTE_RET (the owner stores the
-result, its tensors recorded as sends there, and to_here() receives them
-as it would an rpc_sync's result); the gradients of a worker's sends go to
-it as BACKWARD_AUTOGRAD_REQ, leaving a context as
+result; a to_here() in the context fetches it as a message of the owner's
+in that context, with its SendRpcBackward there); the gradients of a
+worker's sends go to it as BACKWARD_AUTOGRAD_REQ, leaving a context as
 CLEANUP_AUTOGRAD_CONTEXT_REQ, RRef.backward on a user as RREF_BACKWARD_REQ.
-Each sent tensor's send id travels in the pickle beside it.
+A message's autograd message id travels in the pickle beside its tensors.
 
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).
@@ -35,8 +51,6 @@ requires grad, cut from the sender's graph (as torch 1.13 does).
 An RRef's value is its owner's live object (as torch's), so a parameter
 behind an RRef is the tensor the owner's model uses: its gradients in a
 context, and an optimizer stepping it (shmrpc.optim), are that tensor's.
-A user's to_here() inside a context fetches the value in that context:
-its tensors that require grad are recorded as the owner's sends.
 
 A worker that dies fails the backward passes that need it, with an error
 naming it ("worker 2 (worker2) died: ..."); leaving a context skips the
@@ -46,13 +60,16 @@ made, here and on the workers they reached: nobody else would.
 
 Differences from torch: calls made inside a context carry it even without
 tensors that require grad (torch only propagates it with such tensors);
-the senders' graphs are always retained until the context is left (a
-worker may receive gradients for its sends in several calls), so only the
-graph of the worker that calls backward() honours retain_graph=False;
-leaving a context waits for the rpc_async calls made in it, but not for
-remote() calls still running (one that starts after the context was left
-re-creates it on its worker); tensors that go through the pickle rather
-than the pool (bool, bfloat16, empty) arrive without graph connection.
+a worker other than the caller runs the engine once per request that
+brings gradients (torch runs one graph task per pass there, with all its
+sends as roots), so a node two sends share runs once for each, the
+senders' graphs are always retained until the context is left, and only
+the caller's run honours retain_graph=False; one engine run at a time per
+worker (the borrowed .grad); leaving a context waits for the rpc_async
+calls made in it, but not for remote() calls still running (one that
+starts after the context was left re-creates it on its worker); tensors
+that go through the pickle rather than the pool (bool, bfloat16, empty)
+arrive without graph connection.
 """
 import contextlib
 import functools
