@@ -93,6 +93,20 @@ def local_backward():
     return ok
 
 
+SEND = "torch::distributed::autograd::SendRpcBackward"
+RECV = "torch::distributed::autograd::RecvRpcBackward"
+
+
+def graph_here(cid):
+    """This worker's part of context cid's graph, by node names: for each
+    send (in the order made) the names of its next functions, for each
+    receive its name."""
+    ctx = rpc.autograd._retrieve_context(cid)
+    sends = [(node.name(), [nxt.name() for nxt, _ in node.next_functions])
+             for node in ctx._send_functions().values()]
+    return sends, [node.name() for node in ctx._recv_functions().values()]
+
+
 def my_grads(cid):
     """This worker's gradients in context cid, by weight name."""
     grads = rpc.autograd.get_gradients(cid)
@@ -158,6 +172,76 @@ def test_model_parallel_mlp():
     assert close(got.get(w2), w2r.grad), "MLP: W2's gradient (local layer)"
     assert close(remote.get("W1"), w1r.grad), f"MLP: W1's gradient on worker1: {remote}"
     assert len(got) == 2, f"worker0's table holds x and W2 only: {len(got)} entries"
+
+
+def test_graph_nodes():
+    """The context records torch's graph: a SendRpcBackward per message sent
+    with tensors that require grad, whose next functions are their
+    gradient edges, and a RecvRpcBackward per such message received, whose
+    outputs the received tensors are (worker0 -> worker1 -> worker2 and back)."""
+    x = weights(3, 5, 0.4)
+    with rpc.autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", nested, args=(x,))
+        ctx = rpc.autograd._current_context()
+        (send,) = ctx._send_functions().values()
+        (recv,) = ctx._recv_functions().values()
+        assert send.name() == SEND and len(send.next_functions) == 1, \
+            f"one send for x's message: {send.name()} {send.next_functions}"
+        accumulate = send.next_functions[0][0]
+        assert accumulate.name() == "torch::autograd::AccumulateGrad" and accumulate.variable is x, \
+            "the send's next function is x's AccumulateGrad"
+        assert y.grad_fn is recv and recv.name() == RECV and not y.is_leaf, \
+            f"the result is its RecvRpcBackward's output: {y.grad_fn}"
+        on1 = rpc.rpc_sync("worker1", graph_here, args=(cid,))
+        on2 = rpc.rpc_sync("worker2", graph_here, args=(cid,))
+        rpc.autograd.backward(cid, [(y ** 2).sum()])
+        got = rpc.autograd.get_gradients(cid)
+    assert on1 == ([(SEND, ["MulBackward0"]), (SEND, ["AddBackward0"])], [RECV, RECV]), \
+        f"worker1 sent layer1(x) * 2 on and its result back, received x and layer3's: {on1}"
+    assert on2 == ([(SEND, ["TanhBackward0"])], [RECV]), f"worker2: {on2}"
+    xr, w1r, w3r = weights(3, 5, 0.4), weights(5, 6, 0.3), weights(6, 2, 0.8)
+    ((torch.tanh((torch.relu(xr @ w1r) * 2.0) @ w3r) + xr.sum()) ** 2).sum().backward()
+    assert close(got.get(x), xr.grad), "the gradient through those nodes"
+
+
+class KeepGrad(torch.autograd.Function):
+    """Identity whose backward notes where its gradient's data is."""
+    ptr = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        KeepGrad.ptr = grad.data_ptr()
+        return grad
+
+
+def test_hooks_and_accumulation():
+    """Leaves accumulate through their AccumulateGrad as torch's distributed
+    engine does: tensor hooks and the node's post hooks run, the gradient
+    goes to the context (not .grad) without a copy where torch keeps it."""
+    x = weights(4, 5, 0.5)
+    x.grad = torch.full_like(x, 7.0)
+    hook = x.register_hook(lambda g: g * 3.0)
+    posts = []
+    accumulate = (x * 1.0).grad_fn.next_functions[0][0]
+    accumulate.register_hook(lambda grads_in, grads_out: posts.append(1))
+    try:
+        with rpc.autograd.context() as cid:
+            h = rpc.rpc_sync("worker1", double, args=(x,))
+            rpc.autograd.backward(cid, [h.sum()])
+            got = rpc.autograd.get_gradients(cid)[x]
+        assert torch.equal(got, torch.full_like(x, 6.0)), f"the hook tripled 2: {got}"
+        assert posts == [1], f"the AccumulateGrad's post hook ran once: {posts}"
+        assert torch.equal(x.grad, torch.full_like(x, 7.0)), ".grad is left as it was"
+    finally:
+        hook.remove()
+    with rpc.autograd.context() as cid:
+        rpc.autograd.backward(cid, [KeepGrad.apply(x)[1][0]])
+        got = rpc.autograd.get_gradients(cid)[x]
+    assert got.data_ptr() == KeepGrad.ptr, "a gradient nobody else holds is kept, not copied"
 
 
 def test_sent_twice():
