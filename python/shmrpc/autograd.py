@@ -180,8 +180,7 @@ class _Context:
         self.pending = []   # rpc_async futures made in the context
         self.unrun = None   # in a backward pass started here: the sends not run yet
         self.passes = 0     # requests and backward() calls of its passes running here (under _lock)
-        self.inbox = None   # in a backward pass started here: _Arrivals for its thread to run
-        self.server = None  # in a backward pass started here: that thread's ident
+        self.inbox = None   # in a backward pass started here on a program thread: _Arrivals for it
 
     def accumulate(self, tensor, grad):
         with self.lock:
@@ -528,13 +527,8 @@ def _orphaned_by(rank):
 
 def _leaves(roots, anchor):
     """The leaves (tensors that require grad and have no grad_fn) that the
-    graphs of roots reach, but the anchor."""
-    leaves, seen, stack = {}, set(), []
-    for r in roots:
-        if r.grad_fn is None:
-            leaves[id(r)] = r
-        else:
-            stack.append(r.grad_fn)
+    graphs of roots (non-leaves) reach, but the anchor."""
+    leaves, seen, stack = {}, set(), [r.grad_fn for r in roots]  # roots have one (backward())
     while stack:
         fn = stack.pop()
         if fn in seen:
@@ -671,7 +665,7 @@ def _backward_from_sends(cid, items):
     job = _Arrival(items)
     with _pass_running(ctx):
         with ctx.lock:
-            handed = ctx.inbox is not None and ctx.server != threading.get_ident()
+            handed = ctx.inbox is not None  # never this thread's own: an executor's
             if handed:
                 ctx.inbox.append(job)
                 ctx.done.notify_all()
@@ -775,13 +769,13 @@ def backward(context_id, roots, retain_graph=False):
             # waits for something else (Future.wait): the requests run
             # their steps themselves then.
             if not _shmrpc.on_executor():
-                ctx.inbox, ctx.server = [], threading.get_ident()
+                ctx.inbox = []
         try:
             _serve_pass(ctx, _send_back(ctx, _run_engine(
                 ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)))
         finally:
             with ctx.lock:
-                left, ctx.unrun, ctx.inbox, ctx.server = ctx.inbox or [], None, None, None
+                left, ctx.unrun, ctx.inbox = ctx.inbox or [], None, None
             for job in left:  # handed over as the pass failed: their requests wait for them
                 job.error = RuntimeError(f"Error on Node {_my_rank()}: the backward pass of "
                                          f"context {context_id} failed here")
