@@ -763,7 +763,8 @@ def backward(context_id, roots, retain_graph=False):
         with ctx.lock:
             if ctx.unrun is not None:
                 raise RuntimeError("a distributed backward pass is already running in context "
-                                   f"{context_id} on this worker: run one at a time")
+                                   f"{context_id} on this worker: two at once in one context "
+                                   "are not supported yet; run them one after the other")
             ctx.unrun = set(ctx.sends)
             # An executor thread may be busy helping with a request that
             # waits for something else (Future.wait): the requests run
