@@ -759,6 +759,14 @@ class Future:
     made by user code (set_result / set_exception), e.g. for
     @functions.async_execution."""
 
+    def __new__(cls, *args, **kwargs):
+        # Once torch.futures is loaded, a Future is also a
+        # torch.futures.Future (_TorchFuture): torch's C++ code that takes
+        # one (the profiler's end callbacks, torch.jit) then takes ours.
+        if cls is Future and _TorchFuture is not None:
+            cls = _TorchFuture
+        return super().__new__(cls)
+
     def __init__(self, _c=None):
         self._cond = threading.Condition()
         self._have = False
@@ -790,8 +798,12 @@ class Future:
             self._value, self._error, self._have = value, error, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
+        self._settle_torch(value, error)
         for cb in callbacks:
             self._run(cb)
+
+    def _settle_torch(self, value, error):
+        """Completes the torch.futures.Future this one also is (_TorchFuture)."""
 
     def _run(self, cb):
         try:
@@ -871,6 +883,45 @@ class Future:
                                                f"callback: {type(e).__name__}: {e}"))
         self.add_done_callback(chain)
         return nxt
+
+
+_TorchFuture = None  # Future's torch.futures.Future form, once torch.futures is loaded
+
+
+def _adopt_torch_futures(torch_futures):
+    """From now on a new Future is also a torch.futures.Future: a subclass of
+    both, completing its torch side as torch's set_result/set_exception do
+    (about 2 µs a Future here: made only once torch.futures is loaded, so a
+    program that never loads torch pays nothing)."""
+    global _TorchFuture
+    if _TorchFuture is not None:
+        return
+    torch_c_future = torch_futures.Future.__mro__[1]  # torch._C.Future
+
+    def raise_error(error):
+        raise error
+
+    class TorchFuture(Future, torch_futures.Future):
+        __doc__ = Future.__doc__
+
+        def __init__(self, _c=None):
+            Future.__init__(self, _c)
+            torch_c_future.__init__(self, [])
+            if _c is not None:
+                # torch's C++ code waits on the torch side without asking
+                # us: the call must complete it by itself.
+                self._hooked = True
+                _c.add_done_callback(self._from_call)
+
+        def _settle_torch(self, value, error):
+            if error is not None:
+                torch_c_future._set_unwrap_func(self, raise_error)
+                value = error
+            torch_c_future.set_result(self, value)
+
+    TorchFuture.__name__ = TorchFuture.__qualname__ = "Future"
+    TorchFuture.__module__ = __name__
+    _TorchFuture = TorchFuture
 
 
 def wait_all(futures):

@@ -1,6 +1,8 @@
 """Running an unchanged torch.distributed.rpc program on shmrpc.
 
     shmrun -n 2 -- python3 -m shmrpc.as_torch prog.py args...
+    shmrun -n 2 --as-torch -- python3 prog.py args...     (the same)
+    python3 -m shmrpc.as_torch -m package.module args...
 
 runs prog.py as __main__ after install(), which makes these names resolve
 to shmrpc, in sys.modules and as attributes of their parent packages:
@@ -13,7 +15,8 @@ to shmrpc, in sys.modules and as attributes of their parent packages:
                                  -> shmrpc.optim.DistributedOptimizer
 - torch.futures.wait_all / collect_all: given shmrpc Futures (rpc_async's),
   shmrpc's; given only torch Futures, torch's own. (`import shmrpc` does
-  this one by itself, whenever torch.futures is loaded.)
+  this one by itself, whenever torch.futures is loaded, and from then on
+  shmrpc's Futures are torch.futures.Futures too: shmrpc.Future.)
 
 Everything else of torch stays torch's, torch.distributed.rpc's other
 submodules (api, internal, ...) too: they become attributes of shmrpc so
@@ -37,6 +40,8 @@ def patch_futures(torch_futures):
     after it (futures_hook)."""
     if getattr(torch_futures.wait_all, "_shmrpc", False):
         return
+    import shmrpc
+    shmrpc._adopt_torch_futures(torch_futures)
     torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
 
 
@@ -131,12 +136,18 @@ def install():
 
 
 def main(argv):
-    if len(argv) < 2 or argv[1] in ("-h", "--help"):
-        print("usage: python3 -m shmrpc.as_torch PROG.py [ARGS...]: runs PROG.py with "
-              "torch.distributed.rpc, .autograd and DistributedOptimizer resolving to shmrpc",
-              file=sys.stderr)
+    if len(argv) < 2 or argv[1] in ("-h", "--help") or (argv[1] == "-m" and len(argv) < 3):
+        print("usage: python3 -m shmrpc.as_torch PROG.py [ARGS...] | -m MODULE [ARGS...]: "
+              "runs the program with torch.distributed.rpc, .autograd and "
+              "DistributedOptimizer resolving to shmrpc", file=sys.stderr)
         return 2
     install()
+    if argv[1] == "-m":
+        # As `python3 -m MODULE`: sys.argv[0] becomes the module's file.
+        sys.argv = argv[2:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        return 0
     sys.argv = argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
     runpy.run_path(argv[1], run_name="__main__")

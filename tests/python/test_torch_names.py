@@ -2,8 +2,8 @@
 """torch.distributed.rpc's and .autograd's other names that programs and
 torch's own tests use, on shmrpc: the backend options and types, the
 default timeout and its private setter, the current agent, RRef._get_type
-and _get_future, a call with kwargs and no args, and dist_autograd's
-private helpers.
+and _get_future, a call with kwargs and no args, dist_autograd's
+private helpers, and Futures that are torch.futures.Futures.
 """
 import time
 
@@ -117,3 +117,24 @@ def test_non_contiguous_tensors_arrive_contiguous():
     got = rpc.rpc_sync("worker1", echo, args=(view,))
     assert got.is_contiguous() and torch.equal(got, view)
     assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t.t(),)), t.t())
+
+
+def test_futures_are_torch_futures():
+    # Once torch.futures is loaded, rpc_async's Futures (and the ones
+    # shmrpc makes) are torch.futures.Futures whose torch side completes
+    # by itself: torch's C++ code waits on it without asking shmrpc.
+    import torch
+
+    fut = rpc.rpc_async("worker1", add, args=(1, 2))
+    assert isinstance(fut, torch.futures.Future) and isinstance(fut, rpc.Future)
+    assert torch._C.Future.wait(fut) == 3 and fut.wait() == 3
+    bad = rpc.rpc_async("worker1", boom)
+    with pytest.raises(ValueError, match="no box"):
+        torch._C.Future.wait(bad)
+    assert isinstance(fut.then(lambda f: f.wait()), torch.futures.Future)
+    with torch.autograd.profiler.profile() as prof:
+        with torch.autograd.profiler.record_function("outer") as rf:
+            ended = rf._call_end_callbacks_on_future(rpc.rpc_async("worker1", slow, args=(0.2,)))
+        assert torch._C.Future.wait(ended) == 0.2
+    outer = [e for e in prof.function_events if e.name == "outer"]
+    assert outer and outer[0].time_range.elapsed_us() >= 0.2e6
