@@ -1190,16 +1190,36 @@ static uint64_t deadline_of(struct agent *ag, int64_t timeout_ms)
 	return timeout_ms > 0 ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
 }
 
+/* remote()'s request failed, or ran past its deadline (the loop fails it
+ * soon): the RRef fails too, and stays failed even if the owner stores a
+ * value later (as torch's, whose words these are for a timeout). 0 when the
+ * request has not failed. */
+static int creation_failed(shmrpc_rref *r, uint64_t now)
+{
+	shmrpc_future *f = r->created;
+	bool done = f && shmrpc_future_done(f);
+
+	if (!f || (done && !f->err) || (!done && !(f->deadline_ns && now >= f->deadline_ns)))
+		return 0;
+	if (done && f->err != -ETIMEDOUT)
+		return shmrpc__fail(f->err, "%s", f->errmsg);
+	return shmrpc__fail(-ETIMEDOUT, "RRef creation via rpc.remote() timed out, and it is "
+			    "possible that the RRef on the owner node has not been created: RPC "
+			    "ran for more than the set timeout (%lld ms)", (long long)f->timeout_ms);
+}
+
 /* Waits for r's entry to leave PENDING, watching remote()'s request too: a
  * request that failed (timeout, lost) leaves the entry pending for ever. */
 static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 {
 	for (;;) {
-		uint64_t slice = shmrpc_now_ns() + 50000000u; /* 50 ms */
-		int st;
+		uint64_t now = shmrpc_now_ns(), slice = now + 50000000u; /* 50 ms */
+		int st = creation_failed(r, now);
 
-		if (r->created && shmrpc_future_done(r->created) && r->created->err)
-			return shmrpc__fail(r->created->err, "%s", r->created->errmsg);
+		if (st)
+			return st;
+		if (r->created && r->created->deadline_ns > now && r->created->deadline_ns < slice)
+			slice = r->created->deadline_ns;
 		st = wait_ready(ag, r->slot, r->id, deadline_ns && deadline_ns < slice ? deadline_ns
 											: slice);
 		if (st != -ETIMEDOUT)
@@ -1214,6 +1234,8 @@ static int read_value(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms, shmr
 	int st = wait_value(ag, r, deadline_of(ag, timeout_ms));
 	char rs[160];
 
+	if (st == -ETIMEDOUT && creation_failed(r, shmrpc_now_ns()))
+		return st; /* creation_failed() said why */
 	if (st == -ETIMEDOUT) {
 		shmrpc_rref_str(r, rs, sizeof(rs));
 		return shmrpc__fail(-ETIMEDOUT, "the value of %s was not ready within %lld ms "
@@ -1271,8 +1293,16 @@ int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 	if (timeout_ms < 0 && timeout_ms != SHMRPC_TIMEOUT_DEFAULT)
 		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
 				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
-	if (r->owner != ag->rank && ag->rref_fetch_by_message)
-		return fetch_by_message(ag, r, timeout_ms, out);
+	if (r->owner != ag->rank && ag->rref_fetch_by_message) {
+		/* The owner answers once it has stored; remote()'s request may
+		 * have failed before or meanwhile (wait_value's rule). */
+		rc = creation_failed(r, shmrpc_now_ns()) ?: fetch_by_message(ag, r, timeout_ms, out);
+		if (!rc && (rc = creation_failed(r, shmrpc_now_ns()))) {
+			future_unref(*out);
+			*out = NULL;
+		}
+		return rc;
+	}
 	if (!(f = future_new()))
 		return shmrpc__fail(-ENOMEM, "out of memory making a future");
 	rc = read_value(ag, r, timeout_ms, f);

@@ -1160,11 +1160,20 @@ class RRef:
     def _get_future(self):
         """A Future completed (with None) once the owner has stored the
         value, or with the remote call's error, as torch's."""
+        fut = Future()
         if self._r.is_owner() and self._r.confirmed_by_owner():
-            fut = Future()
             fut.set_result(None)
             return fut
-        return rpc_async(_shmrpc.rank(), _rref_created, args=(self,))
+
+        def wait():  # this RRef itself: on its creator it knows remote()'s request
+            try:
+                _rref_created(self)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+        threading.Thread(target=wait, name="shmrpc-rref-future", daemon=True).start()
+        return fut
 
     def _get_profiling_future(self):
         """torch's: completes once the remote() that made this RRef, and so

@@ -138,3 +138,14 @@ def test_futures_are_torch_futures():
         assert torch._C.Future.wait(ended) == 0.2
     outer = [e for e in prof.function_events if e.name == "outer"]
     assert outer and outer[0].time_range.elapsed_us() >= 0.2e6
+
+
+def test_remote_timeout_fails_the_rref():
+    # As torch's: remote()'s own timeout fails the RRef, for good, even
+    # once the owner has stored the value.
+    r = rpc.remote("worker1", slow, args=(0.5,), timeout=0.05)
+    with pytest.raises(RuntimeError, match="RPC ran for more than"):
+        r._get_future().wait()
+    time.sleep(0.6)
+    with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out"):
+        r.to_here()
