@@ -688,8 +688,11 @@ static void agent_free(struct agent *ag)
 /* A child forked from a worker (torch's DataLoader forks its workers so)
  * is not that worker: when it frees its copies of our handles, nothing of
  * the job's shared counts may change, and it cannot call. */
+static bool forked_from_agent; /* this process was forked while an agent ran */
+
 static void forget_agent_in_child(void)
 {
+	forked_from_agent = forked_from_agent || worker_agent;
 	worker_agent = NULL;
 	own_forget();
 	executor_poll_rings(NULL); /* a pool it starts must not poll ours */
@@ -713,6 +716,12 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	if (worker_agent)
 		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
 	pthread_once(&forks_watched, watch_forks);
+	/* The executor's threads, and the state they kept, did not come along. */
+	if (forked_from_agent)
+		return shmrpc__fail(-ENOTSUP, "shmrpc_init: this process was forked from a worker "
+				    "whose RPC agent was running, and cannot start one: start it with "
+				    "multiprocessing's spawn or forkserver method (as "
+				    "torch.multiprocessing.spawn does), or fork before init_rpc");
 	if (rank < 0 || world <= 0 || !getenv(SHMRPC_ENV_JOB_FD))
 		return shmrpc__fail(-EINVAL, "shmrpc_init: SHMRPC_RANK, SHMRPC_WORLD_SIZE and %s are "
 				    "not set: start the program with shmrun -n N -- PROG",
@@ -737,6 +746,15 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	ag->rank = (uint32_t)rank;
 	ag->world = (uint32_t)world;
 	ag->self = shm_worker(&ag->seg, ag->rank);
+	/* Acquire: pairs with set_agent_state's release; a process the worker
+	 * started (forked before either joined) inherited its variables. */
+	if (agent_state(ag, ag->rank) != SHM_AGENT_NONE) {
+		rc = shmrpc__fail(-EEXIST, "shmrpc_init: worker %ld of this job has joined already "
+				  "(pid %u): a process that a worker started is not that worker; "
+				  "start it with shmrun, or have it meet others at an init_method",
+				  rank, atomic_load_explicit(&ag->self->pid, memory_order_relaxed));
+		goto fail;
+	}
 	trace_open(&ag->seg, ag->rank);
 	ag->default_timeout_ns = o.timeout_ms < 0 ? 0
 				 : (uint64_t)(o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS) * 1000000u;

@@ -45,6 +45,7 @@ _state = threading.local()
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
 _shut_down = False  # shutdown ran once in this process
+_init_pid = None  # the process that joined (a child forked from it has not)
 
 
 class WorkerInfo:
@@ -122,9 +123,18 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     convention) the processes meet at rpc_backend_options.init_method
     (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
-    global _initialized, _joined, _rpc_timeout, _timeout_override
+    global _initialized, _joined, _rpc_timeout, _timeout_override, _init_pid
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
+    if _initialized and _init_pid != os.getpid():
+        # The C init refuses it too, in its words for C programs.
+        raise RuntimeError("init_rpc: this process was forked from a worker whose RPC agent "
+                           "was running, and cannot start one: start it with "
+                           "multiprocessing's spawn or forkserver method (as "
+                           "torch.multiprocessing.spawn does), or fork before init_rpc")
+    if "SHMRPC_RANK" in os.environ and not _started_by_shmrun():
+        from . import _rendezvous
+        _rendezvous.clear_env()  # a worker's, inherited: not this process's
     if "SHMRPC_RANK" not in os.environ:
         from . import _rendezvous
         if _initialized:
@@ -168,6 +178,24 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _rendezvous.clear_env()
     _joined = joined
     _initialized = True
+    _init_pid = os.getpid()
+
+
+def _started_by_shmrun():
+    """Whether shmrun's variables in the environment are this process's:
+    a process a worker starts (multiprocessing, a shell) inherits them, but
+    is not that worker. Started with its fds closed (mp's spawn), it holds
+    another file at SHMRPC_JOB_FD, or none; forked from a worker that had
+    joined, init_rpc refuses it; forked before, the C init refuses the
+    second of the two to join (its slot is taken). A worker after its
+    shutdown counts as started by shmrun (it joins once)."""
+    if _shut_down:
+        return True
+    try:
+        st = os.fstat(int(os.environ["SHMRPC_JOB_FD"]))
+    except (KeyError, ValueError, OSError):
+        return False
+    return str(st.st_ino) == os.environ.get("SHMRPC_JOB_INO")
 
 
 def _fd_open(fd):
