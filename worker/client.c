@@ -295,13 +295,12 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	shmrpc_future *f = NULL;
 	const char *kind, *name;
 	char why[256];
-	unsigned asks; /* of a profiled call's callee: PROFILE_ bits */
-	bool torch;
+	unsigned asks, torch; /* of a profiled call's callee: PROFILE_ bits */
 	int rc;
 
 	*out = NULL;
 	profile_take_names(&kind, &name, &torch);
-	asks = (profile_on() ? PROFILE_CALLS : 0u) | (torch ? PROFILE_TORCH : 0u);
+	asks = (profile_on() ? PROFILE_CALLS : 0u) | torch;
 	if (dst < 0 || (uint32_t)dst >= ag->world)
 		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
 				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);

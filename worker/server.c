@@ -339,7 +339,8 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 		run_call(call, type, buf, len, fn, result);
 	}
 	if (timed)
-		profile_events_add(call->profile, *fn, start, shmrpc_now_ns(), 0, PROFILE_HERE);
+		profile_events_add(call->profile, *fn, start, shmrpc_now_ns(), 0, PROFILE_HERE, NULL,
+				   0);
 }
 
 /* A call answered with its result (in: a Python request decoded already). */
@@ -596,7 +597,7 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 
 	if (profile_unwrap(rq->payload, rq->len, &call->arena, &type, &buf, &len, &what) ||
 	    what.type != SHMRPC_INT || what.u.i <= 0 ||
-	    what.u.i > (PROFILE_CALLS | PROFILE_TORCH) ||
+	    what.u.i > PROFILE_ALL ||
 	    type == MSG_RUN_WITH_PROFILING_REQ || !worker_msg_is_request(type)) {
 		reply_exception(rq, "RuntimeError", "a malformed RUN_WITH_PROFILING_REQ came in", NULL);
 		return;
@@ -608,7 +609,7 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len };
 	memcpy(inner->payload, buf, len);
 	call->profile = &events;
-	call->profile_what = (unsigned)what.u.i;
+	call->profile_what = events.what = (unsigned)what.u.i;
 	dispatch(inner, call);
 	call->profile = NULL;
 	call->profile_what = 0;

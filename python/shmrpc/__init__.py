@@ -641,14 +641,15 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
-                  ops, rref_id):
+                  ops, rref_id, profile):
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
     FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
     stores a remote call's result in its RRef), its result pickled inside
     it too, and for a call profiled for torch's profiler (ops, a list, not
-    None) under that profiler (profiler.torch_ops); a remote call's result
+    None; profile, what its caller's profiler asks) under that profiler
+    (profiler.torch_ops); a remote call's result
     (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
     PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
@@ -667,7 +668,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
-        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
             return reply + (autograd._message_id(), reply[0] == _LIVE)
         return reply + (0, True) if reply[0] == _LIVE else reply
@@ -685,7 +686,7 @@ _async_serving = 0
 _async_lock = threading.Lock()
 
 
-def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
+def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0, profile=0):
     """The pickled result of a call served here: run inside the caller's
     autograd context, under torch's profiler when ops is a list. A remote
     call's (rref_id) is kept live instead, under its RRef's id."""
@@ -694,7 +695,7 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
         # context managers would cost more than the rest of the handler.
         return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
-        with profiler.torch_ops(ops):
+        with profiler.torch_ops(ops, profile):
             result = _call(func, args, kwargs)
         return _reply(result, rref_id)
 
@@ -1320,12 +1321,12 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 from . import autograd  # noqa: E402  (it uses the functions above)
 
 
-def _hook_torch_futures():
+def _hook_torch():
     from . import as_torch
-    as_torch.futures_hook()
+    as_torch.torch_hooks()
 
 
-_hook_torch_futures()
+_hook_torch()
 
 
 def install_as_torch():

@@ -37,7 +37,7 @@ def patch_futures(torch_futures):
     """torch.futures' wait_all and collect_all take shmrpc's Futures too
     (shmrpc's do the work when any is shmrpc's; torch's own otherwise).
     Done by `import shmrpc` as soon as torch.futures is imported, before or
-    after it (futures_hook)."""
+    after it (torch_hooks)."""
     if getattr(torch_futures.wait_all, "_shmrpc", False):
         return
     import shmrpc
@@ -45,11 +45,23 @@ def patch_futures(torch_futures):
     torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
 
 
-class _FuturesHook:
-    """A meta path finder that patches torch.futures once it is loaded."""
+def _patch_profiler(legacy):
+    from . import profiler
+    profiler.watch_torch_profiles(legacy)
+
+
+# What `import shmrpc` patches in torch's modules, once each is loaded.
+_PATCHES = {"torch.futures": patch_futures,
+            "torch.autograd.profiler_legacy": _patch_profiler}
+
+
+class _TorchHook:
+    """A meta path finder that patches torch's modules (_PATCHES) as they
+    are loaded."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch.futures":
+        patch = _PATCHES.get(fullname)
+        if patch is None:
             return None
         import importlib.machinery
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -59,17 +71,19 @@ class _FuturesHook:
 
         def exec_module(module):
             real(module)
-            patch_futures(module)
+            patch(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
-def futures_hook():
-    """Patches torch.futures now if it is loaded, else when it is."""
-    if "torch.futures" in sys.modules:
-        patch_futures(sys.modules["torch.futures"])
-    elif not any(isinstance(f, _FuturesHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _FuturesHook())
+def torch_hooks():
+    """Patches torch's modules (_PATCHES) now where they are loaded, and the
+    others when they are."""
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _TorchHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchHook())
 
 
 def _futures_patched(torch_futures):
