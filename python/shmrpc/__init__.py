@@ -1077,20 +1077,34 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
     torch_profile = profiler.torch_profiling()
-    if cid is None:
-        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
-                            _func_name(func), torch_profile=torch_profile)
-    else:
-        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
-                            _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
-                            autograd._message_id(), torch_profile=torch_profile)
+    try:
+        if cid is None:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), torch_profile=torch_profile)
+        else:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
+                                autograd._message_id(), torch_profile=torch_profile)
+    except RuntimeError as e:
+        raise _NotSent(str(e)) from None
     if torch_profile:
         profiler.torch_called(call)
     return call
 
 
+class _NotSent(RuntimeError):
+    """A call the C half could not send (its worker has left the job or
+    died, the message cannot be made): rpc_async gives it through its
+    Future, as torch's agent does; the arguments' own errors are raised."""
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    try:
+        fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    except _NotSent as e:
+        fut = Future()
+        fut.set_exception(e)
+        return fut
     autograd._called(fut)
     return fut
 
