@@ -555,10 +555,16 @@ class _Pickler(pickle.Pickler):
             return ("rref", len(self.rrefs) - 1)
         kind = _tensor_kind(obj)
         if kind:
-            self.tensors.append(_to_pool(kind, obj))
             # Any DLPack producer may be sent: it may have no .shape.
             shape = getattr(obj, "shape", None)
             shape = None if shape is None else tuple(shape)
+            data = obj
+            if kind == "torch" and not obj.is_contiguous():
+                # As torch's: a view's whole storage and its strides (a
+                # .contiguous() or .clone() sends only its elements).
+                shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
+                data = obj.detach().new_empty(0).set_(obj.storage())
+            self.tensors.append(_to_pool(kind, data))
             if kind != "np" and getattr(obj, "requires_grad", False):
                 return (kind, len(self.tensors) - 1, shape, autograd._sending(obj))
             return (kind, len(self.tensors) - 1, shape)
@@ -582,7 +588,9 @@ class _Unpickler(pickle.Unpickler):
                 raise _not_supported("receiving a CUDA tensor that requires grad where torch "
                                      "has no CUDA")
             return t
-        if pid[2] is not None:
+        if isinstance(pid[2], dict):  # a view, sent with its storage (_Pickler)
+            t = t.as_strided(pid[2]["size"], pid[2]["stride"], pid[2]["offset"])
+        elif pid[2] is not None:
             t = t.reshape(pid[2])
         if len(pid) > 3:
             t = autograd._received(t, pid[3], self.grad_mode)

@@ -105,18 +105,25 @@ def echo(x):
     return x
 
 
-def test_non_contiguous_tensors_arrive_contiguous():
-    """A documented difference (docs/COMPAT.md): the pool hands over one
-    contiguous block, so a view arrives as a contiguous copy of its
-    elements (torch keeps the view's storage and strides); the values are
-    the same."""
+def test_non_contiguous_tensors_keep_their_strides():
+    """As torch's: a view travels with its whole storage and its strides
+    and offset (a .contiguous() or .clone() sends only its elements)."""
     torch = pytest.importorskip("torch")
     t = torch.arange(24.0).reshape(4, 6)
-    view = t.narrow(1, 2, 3)
-    assert not view.is_contiguous()
-    got = rpc.rpc_sync("worker1", echo, args=(view,))
-    assert got.is_contiguous() and torch.equal(got, view)
-    assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t.t(),)), t.t())
+    for view in (t.narrow(1, 2, 3), t.t(), t[1:, ::2]):
+        assert not view.is_contiguous()
+        got = rpc.rpc_sync("worker1", echo, args=(view,))
+        assert torch.equal(got, view)
+        assert (got.stride(), got.storage_offset()) == (view.stride(), view.storage_offset())
+        assert got.storage().size() == t.numel()
+    got = rpc.rpc_sync("worker1", echo, args=(t.narrow(1, 2, 3).contiguous(),))
+    assert got.is_contiguous() and got.storage().size() == 12
+    w = torch.ones(3, 4, requires_grad=True)
+    with rpc.autograd.context() as cid:
+        got = rpc.rpc_sync("worker1", echo, args=(w.t(),))
+        assert got.stride() == (1, 4) and got.requires_grad
+        rpc.autograd.backward(cid, [got.sum()])
+        assert torch.equal(rpc.autograd.get_gradients(cid)[w], torch.ones(3, 4))
 
 
 def test_futures_are_torch_futures():
