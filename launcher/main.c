@@ -71,7 +71,7 @@ int main(int argc, char **argv)
 		j.procs[r].pidfd = -1;
 		j.procs[r].out[0].fd = j.procs[r].out[1].fd = -1;
 	}
-	if (raise_fd_limit(&o) || watch_init(&j))
+	if (raise_fd_limit(&o) || orphans_adopt() || watch_init(&j))
 		goto out;
 	jp = (struct job_shm_params){ .world = o.nproc, .ring_size = o.ring_size,
 				      .trace_records = o.trace_records, .seg_flags = o.seg_flags,
@@ -85,6 +85,7 @@ int main(int argc, char **argv)
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
+	orphans_end(&j);
 	/* A failed job's trace is the one most wanted; a failed write only
 	 * turns a success into a failure. */
 	if (o.trace_path && trace_json_write(&j, o.trace_path) && !rc)
