@@ -445,6 +445,13 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 	while (ipc_port_take_dead(&ag->port, &peer))
 		if (!ag->gone[peer] && !ag->dying_since[peer])
 			ag->dying_since[peer] = now;
+	/* A peer without a pidfd: the launcher's word in its slot (it rings
+	 * our doorbell with it) is the news of its end. */
+	for (peer = 0; peer < ag->world; peer++)
+		if (ag->unwatched[peer] && !ag->gone[peer] && !ag->dying_since[peer] &&
+		    (worker_state(ag, peer) == SHM_WORKER_DEAD ||
+		     worker_state(ag, peer) == SHM_WORKER_EXITED))
+			ag->dying_since[peer] = now;
 	for (peer = 0; peer < ag->world; peer++) {
 		char why[160];
 		uint32_t st, pid;
@@ -490,18 +497,38 @@ static bool any_dying(const struct agent *ag)
 	return false;
 }
 
+/* A pidfd per peer; one without (fd exhaustion) is watched through its
+ * slot instead (settle_deaths), and said once. */
+static void watch_peers(struct agent *ag)
+{
+	uint32_t unwatched = 0, first = 0;
+	char why[160] = "";
+
+	for (uint32_t r = 0; r < ag->world; r++) {
+		/* Acquire pairs with the peer's release of its pid, before its READY. */
+		if (r == ag->rank ||
+		    !ipc_port_watch(&ag->port, r,
+				    (pid_t)atomic_load_explicit(&shm_worker(&ag->seg, r)->pid,
+								memory_order_acquire)))
+			continue;
+		if (!unwatched++) {
+			first = r;
+			snprintf(why, sizeof(why), "%s", shmrpc_errmsg());
+		}
+		ag->unwatched[r] = true;
+	}
+	if (unwatched)
+		fprintf(stderr, "shmrpc: worker %u: cannot watch %u worker%s (worker %u: %s): their "
+			"ends are noticed by the launcher's word instead, up to 100 ms later (raise "
+			"ulimit -n for pidfds)\n", ag->rank, unwatched, unwatched == 1 ? "" : "s",
+			first, why);
+}
+
 static void *loop_main(void *arg)
 {
 	struct agent *ag = arg;
 
-	for (uint32_t r = 0; r < ag->world; r++)
-		/* Acquire pairs with the peer's release of its pid, before its READY. */
-		if (r != ag->rank &&
-		    ipc_port_watch(&ag->port, r,
-				   (pid_t)atomic_load_explicit(&shm_worker(&ag->seg, r)->pid,
-							       memory_order_acquire)))
-			fprintf(stderr, "shmrpc: worker %u: cannot watch worker %u: %s\n", ag->rank, r,
-				shmrpc_errmsg());
+	watch_peers(ag);
 	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */
 	while (!atomic_load_explicit(&ag->stop, memory_order_relaxed)) {
 		uint64_t now, next, next_reap, sleep_ns;
@@ -681,6 +708,7 @@ static void agent_free(struct agent *ag)
 	devmap_free(ag);
 	free(ag->dying_since);
 	free(ag->gone);
+	free(ag->unwatched);
 	pthread_mutex_destroy(&ag->poll_lock);
 	free(ag);
 }
@@ -760,7 +788,8 @@ int shmrpc_init(const struct shmrpc_options *opts)
 				 : (uint64_t)(o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS) * 1000000u;
 	ag->dying_since = calloc(ag->world, sizeof(*ag->dying_since));
 	ag->gone = calloc(ag->world, sizeof(*ag->gone));
-	if (!ag->dying_since || !ag->gone) {
+	ag->unwatched = calloc(ag->world, sizeof(*ag->unwatched));
+	if (!ag->dying_since || !ag->gone || !ag->unwatched) {
 		rc = shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
 		goto fail;
 	}

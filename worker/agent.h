@@ -59,6 +59,7 @@ struct agent {
 	 * 0 once their calls were failed). */
 	uint64_t *dying_since;
 	bool *gone;
+	bool *unwatched; /* no pidfd for this peer: its slot's state tells its end */
 	/* The device maps that concern us (worker/devmap.h), by peer, its
 	 * requests then its replies; NULL when no worker of the job has one.
 	 * Set in shmrpc_init, read-only after. */
