@@ -685,7 +685,10 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
-        return _dumps(RemoteException(text, type(e)))
+        try:
+            return _dumps(RemoteException(text, type(e)))
+        except Exception:  # noqa: BLE001  a type pickle cannot name (a function's own class)
+            return _dumps(RemoteException(text, RuntimeError))  # its words still go
 
 
 # async_execution functions whose Future this worker is waiting for
