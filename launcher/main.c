@@ -93,6 +93,8 @@ int main(int argc, char **argv)
 	if (!o.quiet)
 		report_summary(&j);
 	report_leaks(&j);
+	if (report_corrupt(&j) && !rc)
+		rc = SHMRUN_EXIT_FAILED; /* frames were lost: a success would be a lie */
 	job_shm_close(&j.shm);
 out:
 	watch_free(&j);

@@ -143,6 +143,8 @@ void report_trace(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
 /* After the job: says so on stderr if the RRef table is not empty. */
 void report_leaks(const struct job *j);
+/* After the job: names the workers that received corrupt frames; how many. */
+int report_corrupt(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);
 

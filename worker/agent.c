@@ -111,6 +111,10 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 		snprintf(buf, len, "worker %u (%s) died: %s", r, name, cause);
 	} else if (st == SHM_WORKER_EXITED || agent_state(ag, r) == SHM_AGENT_GONE) {
 		snprintf(buf, len, "worker %u (%s) has left the job", r, name);
+	} else if (ipc_port_ring_broken(&ag->port, r)) {
+		snprintf(buf, len, "the ring from worker %u (%s) is corrupt and is no longer read: "
+			 "its replies are lost (the job's memory was written outside shmrpc)", r,
+			 name);
 	} else {
 		snprintf(buf, len, "worker %u (%s) died", r, name);
 	}
@@ -445,6 +449,16 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 	while (ipc_port_take_dead(&ag->port, &peer))
 		if (!ag->gone[peer] && !ag->dying_since[peer])
 			ag->dying_since[peer] = now;
+	/* A peer whose ring to us broke: no reply of its will come. */
+	for (peer = 0; peer < ag->world; peer++) {
+		char why[200];
+
+		if (ag->gone[peer] || !ipc_port_ring_broken(&ag->port, peer))
+			continue;
+		agent_peer_gone_text(ag, peer, why, sizeof(why));
+		client_fail_peer(ag, peer, why);
+		ag->gone[peer] = true;
+	}
 	/* A peer without a pidfd: the launcher's word in its slot (it rings
 	 * our doorbell with it) is the news of its end. */
 	for (peer = 0; peer < ag->world; peer++)
