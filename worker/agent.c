@@ -10,6 +10,7 @@
  * call in flight, so nobody can send another request, and all leave.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -662,6 +663,7 @@ static int attach_pool(struct agent *ag)
 	rc = pool_attach_fd(&ag->pool, (int)fd, false);
 	if (rc)
 		return rc;
+	(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* programs we exec need not inherit it */
 	/* Acquire pairs with the launcher's release when it set up the slot. */
 	rc = pool_join(&ag->pool, ag->rank,
 		       atomic_load_explicit(&ag->self->generation, memory_order_acquire)) ?:
@@ -688,6 +690,8 @@ static int attach_rrefs(struct agent *ag)
 	if (fd < 0)
 		return 0;
 	rc = rref_table_attach_fd(&ag->rrefs, (int)fd, false);
+	if (rc == 0)
+		(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* as the segment's and the pool's */
 	if (rc == 0 && ag->rrefs.world != ag->world) {
 		rref_table_detach(&ag->rrefs);
 		rc = shmrpc__fail(-SHMRPC_EBADSEG, "the RRef table is for %u workers, the job has %u",

@@ -62,3 +62,11 @@ def test_forked_from_a_running_worker_is_refused(tmp_path):
     assert p.exitcode == 0
     assert "forked from a worker whose RPC agent was running" in said, said
     assert "spawn or forkserver" in said
+
+
+def test_programs_a_worker_runs_hold_none_of_the_job():
+    # The job's fds are close-on-exec once the agent has attached them.
+    import subprocess
+    out = subprocess.run(["sh", "-c", "ls -l /proc/self/fd"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "memfd:" not in out, out
