@@ -26,10 +26,12 @@ static void keep_std_fds_open(void)
 		close(fd);
 }
 
-/* The launcher holds a pidfd per worker, and two pipes with --tag-output. */
+/* The launcher holds a pidfd per worker, and two pipes with --tag-output;
+ * each worker a pidfd per peer beside its own files (the limit is
+ * inherited). */
 static int raise_fd_limit(const struct shmrun_opts *o)
 {
-	rlim_t need = (rlim_t)o->nproc * (o->tag_output ? 3 : 1) + 16;
+	rlim_t need = (rlim_t)o->nproc * (o->tag_output ? 3 : 1) + 256;
 	struct rlimit rl;
 
 	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= need)
