@@ -274,8 +274,11 @@ SHMRPC_API int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *arg
 SHMRPC_API int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 			       int64_t timeout_ms, shmrpc_future **out);
 
-/* Waits up to timeout_ms (<0: for ever). 0 when it succeeded, -ETIMEDOUT when
- * still pending, or the call's error (the text in shmrpc_errmsg()). */
+/* Waits up to timeout_ms (<0: for ever). 0 when it succeeded, or the call's
+ * error (the text in shmrpc_errmsg()), or -ETIMEDOUT when it is still
+ * pending after timeout_ms. A call that ran out of its own time fails with
+ * -ETIMEDOUT too: shmrpc_future_done() tells the two apart (0: still
+ * pending, wait again; 1: the call timed out, for good). */
 SHMRPC_API int shmrpc_future_wait(shmrpc_future *f, int64_t timeout_ms);
 SHMRPC_API int shmrpc_future_done(shmrpc_future *f);
 /* The result, valid until shmrpc_future_free; NULL unless it succeeded. */
