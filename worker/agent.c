@@ -117,7 +117,8 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 			 "its replies are lost (the job's memory was written outside shmrpc)", r,
 			 name);
 	} else {
-		snprintf(buf, len, "worker %u (%s) died", r, name);
+		snprintf(buf, len, "worker %u (%s) died: its process ended, and its launcher has "
+			 "not recorded how", r, name);
 	}
 }
 
