@@ -86,7 +86,7 @@ static int worker(void)
 			      (long long)depth + 1, (long long)got);
 		}
 	}
-	CHECK_OK(shmrpc_shutdown(1, 60000));
+	CHECK_OK(shmrpc_shutdown(1, 600000));
 	return 0;
 }
 

@@ -20,7 +20,12 @@
 #define EXECUTOR_MAX_SPIN_NS 100000u
 
 /* A thread waiting for a call of its own (executor_help_until): the jobs
- * that call needs (struct job's needed_by) are handed to it. */
+ * that call needs (struct job's needed_by) are handed to it. Found by the
+ * call's id in WAITER_BUCKETS lists, newest first: in a chain of nested
+ * calls the waiter looked for is the newest, and one list of them all
+ * made a chain of n calls cost n^2. */
+#define WAITER_BUCKETS 256
+
 struct waiter {
 	struct waiter *next;
 	shmrpc_future *f;
@@ -43,9 +48,9 @@ static struct {
 	int tagged; /* jobs in the queue with a needed_by */
 	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
 	bool spawn_failed; /* said so on stderr once */
-	struct waiter *waiters;
+	struct waiter *waiters[WAITER_BUCKETS];
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
-	_Atomic int helpers; /* waiters in the list, for executor_kick's look without the lock */
+	_Atomic int helpers; /* waiters in the lists, for executor_kick's look without the lock */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
 	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
 	struct shm_worker *gauges;
@@ -387,9 +392,14 @@ void executor_stop(void)
 
 /* Hands j to the thread waiting for the call that needs it, if that thread
  * takes such jobs now; ex.lock held. */
+static struct waiter **bucket(uint64_t msg_id)
+{
+	return &ex.waiters[msg_id % WAITER_BUCKETS];
+}
+
 static bool hand_to_waiter(struct job *j)
 {
-	for (struct waiter *w = ex.waiters; w; w = w->next) {
+	for (struct waiter *w = *bucket(j->needed_by); w; w = w->next) {
 		if (!w->helps || w->f->msg_id != j->needed_by || w->f->dst != j->src)
 			continue;
 		j->next = NULL;
@@ -427,7 +437,8 @@ static void enqueue(struct job *j)
 static void push(struct job *head, struct job *tail, int n)
 {
 	pthread_mutex_lock(&ex.lock);
-	if (!ex.waiters) {
+	/* Relaxed: it changes under the lock, which we hold. */
+	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed)) {
 		if (ex.tail)
 			ex.tail->next = head;
 		else
@@ -513,7 +524,7 @@ void executor_kick(shmrpc_future *f)
 	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed))
 		return;
 	pthread_mutex_lock(&ex.lock);
-	for (struct waiter *w = ex.waiters; w; w = w->next)
+	for (struct waiter *w = *bucket(f->msg_id); w; w = w->next)
 		if (w->f == f)
 			pthread_cond_signal(&w->cond);
 	pthread_mutex_unlock(&ex.lock);
@@ -582,8 +593,8 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	pthread_mutex_lock(&ex.lock);
 	/* Not busy while it waits (busy_add): requests must ring to be served. */
 	busy_release();
-	w.next = ex.waiters;
-	ex.waiters = &w;
+	w.next = *bucket(f->msg_id);
+	*bucket(f->msg_id) = &w;
 	/* Counted before done is read, with a seq_cst fence between: pairs
 	 * with executor_kick (a completion either sees us or we see done).
 	 * Relaxed: the count changes under the lock, which we hold. */
@@ -625,7 +636,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 		ts = (struct timespec){ (time_t)(until / 1000000000u), (long)(until % 1000000000u) };
 		pthread_cond_timedwait(&w.cond, &ex.lock, &ts);
 	}
-	for (struct waiter **at = &ex.waiters;; at = &(*at)->next)
+	for (struct waiter **at = bucket(f->msg_id);; at = &(*at)->next)
 		if (*at == &w) {
 			*at = w.next;
 			break;
