@@ -97,6 +97,6 @@ int main(void)
 	if (tl_job_test(worker, "-n", "2", NULL))
 		return 1;
 	if (tl_scale() < 1)
-		return tl_skip("a chain scaled down under sanitizers does not reach the limit");
+		return tl_skip("scaled down under sanitizers, the chain does not reach the limit");
 	return 0;
 }
