@@ -297,8 +297,7 @@ static void *thread_main(void *arg)
 	return NULL;
 }
 
-/* Starts one more thread; ex.lock held. 0 or -errno (said once on stderr
- * past the first threads: the pool goes on with those it has). */
+/* Starts one more thread; ex.lock held. 0 or -errno. */
 static int spawn(void)
 {
 	int rc;
@@ -339,7 +338,7 @@ static void maybe_spawn(void)
 	if (rc && !ex.spawn_failed) {
 		ex.spawn_failed = true;
 		fprintf(stderr, "shmrpc: cannot start executor thread %d (%s): queued requests wait "
-			"for one of the %d running (%d of them waiting for calls); raise the "
+			"for one of the %d running (%d of them blocked in a wait); raise the "
 			"process or thread limit (ulimit -u, kernel.threads-max)\n",
 			ex.nthreads + 1, strerror(-rc), ex.nthreads, ex.blocked);
 	}
