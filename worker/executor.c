@@ -43,6 +43,9 @@ static struct {
 	int size; /* threads asked for: the pool keeps this many that are not blocked */
 	int busy; /* threads running a job, less those waiting (help_until, block_begin) */
 	int blocked; /* threads counted out of the pool while they wait (maybe_spawn) */
+	int retired; /* threads beyond the pool's size, asleep on retire_cond (retire) */
+	int unretire; /* of those, how many were told to come back */
+	pthread_cond_t retire_cond;
 	int idle;
 	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
 	int tagged; /* jobs in the queue with a needed_by */
@@ -258,12 +261,37 @@ static bool spin_work(void *arg)
 	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
+/* Threads that take jobs: not retired, or told to come back. */
+static int active(void)
+{
+	return ex.nthreads - ex.retired + ex.unretire;
+}
+
+/* A thread beyond the pool's size (more threads not blocked than asked
+ * for: one started while others waited, theirs over) sleeps until
+ * maybe_spawn needs it, so that a pool of N never runs more than N jobs at
+ * once but for those blocked in a wait. ex.lock held. */
+static void retire(void)
+{
+	busy_release();
+	ex.retired++;
+	while (!ex.unretire && !ex.stop)
+		pthread_cond_wait(&ex.retire_cond, &ex.lock);
+	if (ex.unretire)
+		ex.unretire--;
+	ex.retired--;
+}
+
 static void *thread_main(void *arg)
 {
 	(void)arg;
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
+		if (active() - ex.blocked > ex.size && !ex.stop) {
+			retire();
+			continue;
+		}
 		if (run_next())
 			continue;
 		if (ex.stop)
@@ -324,15 +352,21 @@ static int spawn(void)
 }
 
 /* Keeps ex.size threads that are not blocked while jobs are queued: a
- * queued job that no thread can take gets a new one, up to
- * EXECUTOR_MAX_THREADS (then it waits for a thread to finish). ex.lock
- * held. */
+ * queued job that no thread can take gets a retired thread back, or a new
+ * one, up to EXECUTOR_MAX_THREADS (then it waits for a thread to finish).
+ * ex.lock held. */
 static void maybe_spawn(void)
 {
 	int rc;
 
-	if (!ex.head || ex.idle || ex.stop || ex.nthreads - ex.blocked >= ex.size ||
-	    ex.nthreads >= EXECUTOR_MAX_THREADS)
+	if (!ex.head || ex.idle || ex.stop || active() - ex.blocked >= ex.size)
+		return;
+	if (ex.retired > ex.unretire) {
+		ex.unretire++;
+		pthread_cond_signal(&ex.retire_cond);
+		return;
+	}
+	if (ex.nthreads >= EXECUTOR_MAX_THREADS)
 		return;
 	rc = spawn();
 	if (rc && !ex.spawn_failed) {
@@ -353,8 +387,11 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	ex.idle = 0;
 	ex.busy = 0;
 	ex.blocked = 0;
+	ex.retired = 0;
+	ex.unretire = 0;
 	ex.spawn_failed = false;
 	ex.size = nthreads;
+	pthread_cond_init(&ex.retire_cond, NULL);
 	pthread_mutex_lock(&ex.lock);
 	while (ex.nthreads < nthreads && !(rc = spawn()))
 		;
@@ -378,6 +415,7 @@ void executor_stop(void)
 	 * pairs with the acquire loads of the spinners and sleepers. */
 	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_release);
 	wake_idle(INT_MAX);
+	pthread_cond_broadcast(&ex.retire_cond);
 	/* No thread starts after stop (maybe_spawn), so n is all of them. */
 	n = ex.nthreads;
 	pthread_mutex_unlock(&ex.lock);
@@ -387,6 +425,7 @@ void executor_stop(void)
 	ex.threads = NULL;
 	ex.nthreads = 0;
 	ex.room = 0;
+	pthread_cond_destroy(&ex.retire_cond);
 }
 
 /* Hands j to the thread waiting for the call that needs it, if that thread

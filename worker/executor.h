@@ -38,7 +38,9 @@
 #define EXECUTOR_HELP_LEVELS 64
 /* Threads at most: enough for a chain of SHMRPC_MAX_NESTING calls to
  * ourselves at EXECUTOR_HELP_LEVELS per thread. Threads started beyond the
- * pool's size stay (asleep when idle) until shutdown. */
+ * pool's size stay until shutdown: when more than `size` are not blocked,
+ * those that finish a job sleep (retire) until the pool needs them again,
+ * so no more than `size` run jobs at once but for those blocked. */
 #define EXECUTOR_MAX_THREADS 2048
 /* How long a thread waits for a call before it is counted out of the pool. */
 #define EXECUTOR_GRACE_NS 100000u
