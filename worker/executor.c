@@ -650,7 +650,14 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 			w.mail = j->next;
 			if (!w.mail)
 				w.mail_tail = NULL;
+			/* The thread runs again: a wait inside the job counts it
+			 * out if need be, and this one starts its grace anew. */
+			if (blocked) {
+				blocked = false;
+				ex.blocked--;
+			}
 			run_for(&w, j);
+			grace = shmrpc_now_ns() + EXECUTOR_GRACE_NS;
 			continue;
 		}
 		now = shmrpc_now_ns();
