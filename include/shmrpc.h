@@ -264,6 +264,11 @@ typedef struct shmrpc_future shmrpc_future;
 
 #define SHMRPC_TIMEOUT_DEFAULT (-1) /* the timeout given to shmrpc_init */
 #define SHMRPC_TIMEOUT_NONE 0
+/* How deep calls may nest: a call made by a function serving a call at
+ * depth d is at depth d + 1 (a call made outside any is at depth 1); one
+ * deeper fails at once with -SHMRPC_ENESTING (docs/ARCHITECTURE.md). */
+#define SHMRPC_MAX_NESTING 100000
+#define SHMRPC_ENESTING ELOOP
 
 /* Calls fn on worker dst. timeout_ms: SHMRPC_TIMEOUT_DEFAULT, SHMRPC_TIMEOUT_NONE or ms.
  * rpc_async: *out is a future to wait on and free. rpc_sync: waits; on

@@ -140,6 +140,8 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 		.src = (uint16_t)p->rank,
 		.dst = (uint16_t)dst,
 		.src_gen = p->generation,
+		.needed_by = m->needed_by,
+		.depth = m->depth,
 	};
 	at = (uint8_t *)(h + 1);
 	for (int i = 0; i < m->iovcnt; i++) {

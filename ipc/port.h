@@ -32,6 +32,8 @@ struct ipc_msg {
 	uint16_t flags; /* IPC_FRAME_F_MORE only; checksum flags are the port's */
 	uint8_t kind; /* enum ipc_frame_kind: when the receiver need not be woken */
 	uint64_t msg_id;
+	uint64_t needed_by; /* a request's: the frame header's (ipc/frame.h) */
+	uint32_t depth;
 	const struct iovec *iov;
 	int iovcnt;
 };

@@ -997,9 +997,11 @@ static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 	profile_name_next(kind, fn);
 	if (torch)
 		profile_torch_next(PROFILE_TORCH | (torch & (PROFILE_SHAPES | PROFILE_MEMORY)));
+	client_sync_next(kind && !strcmp(kind, "rpc_sync"));
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_request_async(dst, &rq, (int64_t)timeout, &f);
 	profile_forget_next(); /* a request refused before it went */
+	client_sync_next(false);
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
@@ -1187,20 +1189,23 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 	return new_ref(Py_None);
 }
 
-/* help_once() -> bool: on an executor thread, runs one queued job (the
- * GIL released); a thread that waits for a Python Future calls it so that
- * what it waits for can run (worker/executor.h). */
-static PyObject *mod_help_once(PyObject *m, PyObject *unused)
+/* blocking(on): around a wait for a Python Future, which on an executor
+ * thread counts it out of the pool meanwhile, so that what completes the
+ * Future runs on another (worker/executor.h); nothing on other threads. */
+static PyObject *mod_blocking(PyObject *m, PyObject *on)
 {
-	bool ran = false;
+	int v = PyObject_IsTrue(on);
 
-	(void)m, (void)unused;
-	if (executor_on_worker_thread()) {
-		Py_BEGIN_ALLOW_THREADS
-		ran = executor_help_once();
-		Py_END_ALLOW_THREADS
-	}
-	return PyBool_FromLong(ran);
+	(void)m;
+	if (v < 0)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	if (v)
+		executor_block_begin();
+	else
+		executor_block_end();
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
 }
 
 /* take_replies(on): replies taken by the threads that wait for them
@@ -1333,7 +1338,7 @@ static PyMethodDef mod_methods[] = {
 	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
-	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
+	{ "blocking", mod_blocking, METH_O, "around a Future's wait: count an executor thread out" },
 	{ "take_replies", mod_take_replies, METH_O,
 	  "take_replies(on): replies wake nobody while no thread waits; waiters poll" },
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms, device_maps): shmrpc_init" },

@@ -122,11 +122,12 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 	}
 }
 
-int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, const void *payload,
-	       size_t len)
+int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, uint64_t needed_by,
+	       uint32_t depth, const void *payload, size_t len)
 {
 	struct iovec iov = { (void *)payload, len };
-	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1,
+	struct ipc_msg m = { .type = type, .msg_id = msg_id, .needed_by = needed_by,
+			     .depth = depth, .iov = &iov, .iovcnt = 1,
 			     .kind = worker_msg_is_request(type) ? IPC_FRAME_REQUEST
 				     : type == MSG_TENSOR_ACK    ? IPC_FRAME_OTHER
 								 : IPC_FRAME_REPLY };
@@ -150,8 +151,8 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 	if (f->hdr.type == MSG_TENSOR_ACK)
 		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
 	else if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
-		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->payload,
-			      f->hdr.payload_len);
+		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->hdr.needed_by,
+			      f->hdr.depth, f->payload, f->hdr.payload_len);
 	else
 		client_on_reply(ag, f);
 }
@@ -426,7 +427,7 @@ static void collect_rrefs(struct agent *ag, bool after_death)
 			"freed later\n", ag->rank);
 		return;
 	}
-	*c = (struct collect_job){ { NULL, run_collect }, ag, after_death };
+	*c = (struct collect_job){ { .run = run_collect }, ag, after_death };
 	executor_submit(&c->base);
 }
 

@@ -238,7 +238,7 @@ static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t 
 			owner);
 		return;
 	}
-	*d = (struct delete_job){ { NULL, run_delete }, ag, id, slot, owner };
+	*d = (struct delete_job){ { .run = run_delete }, ag, id, slot, owner };
 	executor_submit(&d->base);
 }
 
@@ -710,7 +710,7 @@ int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out)
 	if (p) /* Relaxed: a gauge (pending_users_open). */
 		atomic_fetch_add_explicit(&pending_users_open, 1, memory_order_relaxed);
 	if (fj) { /* from an executor thread: this may be the loop thread */
-		*fj = (struct fork_job){ { NULL, run_fork_job }, ag, p, w.parent, w.fork_id };
+		*fj = (struct fork_job){ { .run = run_fork_job }, ag, p, w.parent, w.fork_id };
 		executor_submit(&fj->base);
 	}
 	*out = r;
@@ -939,41 +939,28 @@ static bool looked_settled(void *arg)
 	return l->st != -ETIMEDOUT;
 }
 
-/* Waits for id to leave PENDING: on an executor thread it serves queued
- * jobs meanwhile (the owner's run of the value may be one of them);
- * elsewhere it spins first as long as a hand-off does (worker_handoff_spin),
- * since the owner's store wakes a futex sleeper only with a syscall. */
+/* Waits for id to leave PENDING. An executor thread is counted out of its
+ * pool meanwhile (executor_block_begin), which runs the owner's job for
+ * the value, if queued, on another thread: run here, it could wait for
+ * what a frame below produces. Elsewhere the wait spins first as long as a
+ * hand-off does (worker_handoff_spin), since the owner's store wakes a
+ * futex sleeper only with a syscall. */
 static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
-	if (!executor_on_worker_thread()) {
-		struct look l = { &ag->rrefs, slot, id, 0 };
-		bool came;
+	struct look l = { &ag->rrefs, slot, id, 0 };
+	bool came;
 
-		if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
-			return l.st;
-		came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
-		worker_handoff_spun(came);
-		return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
+		return l.st;
+	if (executor_on_worker_thread()) {
+		executor_block_begin();
+		l.st = rref_wait(&ag->rrefs, slot, id, deadline_ns);
+		executor_block_end();
+		return l.st;
 	}
-	for (;;) {
-		uint64_t now = shmrpc_now_ns();
-		/* A look first (a deadline already passed does not sleep). */
-		int st = rref_wait(&ag->rrefs, slot, id, now);
-
-		if (st != -ETIMEDOUT)
-			return st;
-		if (deadline_ns && now >= deadline_ns)
-			return -ETIMEDOUT;
-		/* Then a queued job, or a short sleep: a job queued meanwhile
-		 * waits at most 1 ms for us. */
-		if (!executor_help_once()) {
-			now += 1000000u;
-			st = rref_wait(&ag->rrefs, slot, id,
-				       deadline_ns && deadline_ns < now ? deadline_ns : now);
-			if (st != -ETIMEDOUT)
-				return st;
-		}
-	}
+	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
+	worker_handoff_spun(came);
+	return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
 }
 
 int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,

@@ -868,16 +868,16 @@ class Future:
                 pass  # _from_call raises it below
             self._from_call()
         with self._cond:
-            while not self._have:
+            if not self._have:
                 # On an executor thread, what completes us may be queued
-                # behind us: serve it (help_once), else nap 1 ms at most.
-                self._cond.release()
+                # behind us: the pool runs it on another thread while this
+                # one is counted out (worker/executor.h).
+                _shmrpc.blocking(True)
                 try:
-                    ran = _shmrpc.help_once()
+                    while not self._have:
+                        self._cond.wait()
                 finally:
-                    self._cond.acquire()
-                if not ran and not self._have:
-                    self._cond.wait(0.001 if _shmrpc.on_executor() else None)
+                    _shmrpc.blocking(False)
         if self._error is not None:
             raise self._error
         return self._value
