@@ -19,6 +19,16 @@
  * CUDA (rpc with a device map; the queue's handoff and an ack).
  * The issue's target: 1 GiB warm echo at most 20 µs on the H100 box.
  * Without CUDA those lines are left out, with a note on stderr.
+ *
+ * Small tensors, inline against the pool (docs/ARCHITECTURE.md, where the
+ * inline threshold comes from): the same echo of a tensor taken from
+ * malloc'd memory (shmrpc_tensor_from_dlpack: its bytes travel in the
+ * frame both ways; this bench raises SHMRPC_INLINE_MAX and the ring size
+ * so that every size here goes inline) and of a pool tensor
+ * (shmrpc_tensor_alloc: by reference, pinned, acknowledged):
+ *   BENCH tensor_handoff path=pool size=S median_ns=
+ *   BENCH tensor_handoff path=inline size=S median_ns= vs_pool=
+ * vs_pool below 1: inline is cheaper at that size.
  */
 #include <stdbool.h>
 #include <stdio.h>
@@ -56,10 +66,9 @@ static int cuda_counts(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc
 	return 0;
 }
 
-/* Median round trip of n echoes of x (the first tenth and one more untimed). */
-static uint64_t echo_median(shmrpc_tensor *x, int n)
+/* Round trips of n echoes of x into t (the first tenth and one more untimed). */
+static void echo_times(shmrpc_tensor *x, int n, uint64_t *t)
 {
-	uint64_t *t = malloc((size_t)n * sizeof(*t)), med;
 	shmrpc_value v = shmrpc_tensor_value(x);
 	shmrpc_future *f;
 
@@ -72,9 +81,93 @@ static uint64_t echo_median(shmrpc_tensor *x, int n)
 			t[i] = shmrpc_now_ns() - t0;
 		shmrpc_future_free(f);
 	}
+}
+
+/* Median round trip of n echoes of x. */
+static uint64_t echo_median(shmrpc_tensor *x, int n)
+{
+	uint64_t *t = malloc((size_t)n * sizeof(*t)), med;
+
+	if (!t)
+		die("malloc");
+	echo_times(x, n, t);
 	med = bench_median(t, n);
 	free(t);
 	return med;
+}
+
+struct plain {
+	DLManagedTensor m;
+	int64_t shape[1];
+};
+
+static void plain_delete(DLManagedTensor *m)
+{
+	free(m->dl_tensor.data);
+	free(m);
+}
+
+/* A tensor of size bytes taken from malloc'd memory: it travels inline. */
+static shmrpc_tensor *plain_tensor(uint64_t size)
+{
+	struct plain *p = calloc(1, sizeof(*p));
+	shmrpc_tensor *t;
+
+	if (!p || !(p->m.dl_tensor.data = calloc(1, size)))
+		die("calloc");
+	p->shape[0] = (int64_t)size;
+	p->m.dl_tensor.device = (DLDevice){ kDLCPU, 0 };
+	p->m.dl_tensor.ndim = 1;
+	p->m.dl_tensor.dtype = (DLDataType){ kDLUInt, 8, 1 };
+	p->m.dl_tensor.shape = p->shape;
+	p->m.deleter = plain_delete;
+	if (shmrpc_tensor_from_dlpack(&p->m, &t))
+		die("a tensor from DLPack");
+	if (shmrpc_tensor_pool_offset(t) != UINT64_MAX) {
+		fprintf(stderr, "bench/tensor_handoff: a %llu-byte tensor went to the pool, not "
+			"inline\n", (unsigned long long)size);
+		exit(1);
+	}
+	return t;
+}
+
+/* Both paths measured in turns (ROUNDS of each), so that the machine's
+ * noise falls on both alike. */
+#define ROUNDS 10
+
+static void measure_inline(bool quick)
+{
+	static const uint64_t sizes[] = { 16, 1u << 10, 2u << 10, 4u << 10, 8u << 10, 16u << 10,
+					  64u << 10 };
+	const int per = quick ? 50 : 500;
+	uint64_t *tp = malloc(ROUNDS * per * sizeof(*tp)), *ti = malloc(ROUNDS * per * sizeof(*ti));
+
+	if (!tp || !ti)
+		die("malloc");
+	for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+		const DLDataType u8 = { kDLUInt, 8, 1 };
+		int64_t shape[1] = { (int64_t)sizes[i] };
+		shmrpc_tensor *x, *y = plain_tensor(sizes[i]);
+		uint64_t pool, inl;
+
+		if (shmrpc_tensor_alloc(u8, 1, shape, &x))
+			die("alloc");
+		for (int r = 0; r < ROUNDS; r++) {
+			echo_times(x, per, tp + r * per);
+			echo_times(y, per, ti + r * per);
+		}
+		pool = bench_median(tp, ROUNDS * per);
+		inl = bench_median(ti, ROUNDS * per);
+		shmrpc_tensor_free(x);
+		shmrpc_tensor_free(y);
+		printf("BENCH tensor_handoff path=pool size=%llu median_ns=%llu\n",
+		       (unsigned long long)sizes[i], (unsigned long long)pool);
+		printf("BENCH tensor_handoff path=inline size=%llu median_ns=%llu vs_pool=%.3g\n",
+		       (unsigned long long)sizes[i], (unsigned long long)inl,
+		       (double)inl / (double)pool);
+	}
+	free(tp);
+	free(ti);
 }
 
 static uint64_t handoff(uint64_t size, int n)
@@ -191,6 +284,7 @@ static void measure(bool quick)
 		printf("\n");
 	}
 	printf("BENCH tensor_handoff ratio_1GiB_vs_1KiB=%.3g\n", (double)med[3] / (double)med[0]);
+	measure_inline(quick);
 	measure_cuda(quick);
 }
 
@@ -199,7 +293,10 @@ int main(int argc, char **argv)
 	bool quick = argc > 1 && strcmp(argv[1], "-q") == 0;
 
 	if (!getenv("SHMRPC_RANK"))
-		return bench_run_self("-n 2 --quiet --pool-size 1100M", quick);
+		return bench_run_self("-n 2 --quiet --pool-size 1100M --ring-size 524288", quick);
+	/* Every size of measure_inline inline (the ring's half frame bounds
+	 * a message's inline bytes). */
+	setenv("SHMRPC_INLINE_MAX", "65536", 1);
 	if (shmrpc_register("echo", "t", echo, NULL) ||
 	    shmrpc_register("cuda_counts", "", cuda_counts, NULL) || shmrpc_init(NULL))
 		die("init");
