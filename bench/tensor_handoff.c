@@ -21,11 +21,13 @@
  * Without CUDA those lines are left out, with a note on stderr.
  *
  * Small tensors, inline against the pool (docs/ARCHITECTURE.md, where the
- * inline threshold comes from): the same echo of a tensor taken from
- * malloc'd memory (shmrpc_tensor_from_dlpack: its bytes travel in the
+ * inline threshold comes from): the echo of a user's tensor in memory of
+ * its own (as a plain torch tensor), taken afresh for each send as a
+ * program sends it, with one copy either way: inline
+ * (shmrpc_tensor_from_dlpack into this process's memory, its bytes in the
  * frame both ways; this bench raises SHMRPC_INLINE_MAX and the ring size
- * so that every size here goes inline) and of a pool tensor
- * (shmrpc_tensor_alloc: by reference, pinned, acknowledged):
+ * so that every size here goes inline) or by the pool (what from_dlpack
+ * did before: a block, the copy, pinned and acknowledged):
  *   BENCH tensor_handoff path=pool size=S median_ns=
  *   BENCH tensor_handoff path=inline size=S median_ns= vs_pool=
  * vs_pool below 1: inline is cheaper at that size.
@@ -96,39 +98,52 @@ static uint64_t echo_median(shmrpc_tensor *x, int n)
 	return med;
 }
 
+/* The user's tensor, in memory of its own (a plain torch tensor's). */
 struct plain {
 	DLManagedTensor m;
 	int64_t shape[1];
 };
 
-static void plain_delete(DLManagedTensor *m)
+/* One send of the user's plain tensor p, as shmrpc_tensor_from_dlpack
+ * takes it (one copy of its bytes, into the pool or, inline, our memory):
+ * pool forces the pool, with the copy from_dlpack would make. */
+static shmrpc_tensor *take_plain(struct plain *p, bool pool)
 {
-	free(m->dl_tensor.data);
-	free(m);
-}
-
-/* A tensor of size bytes taken from malloc'd memory: it travels inline. */
-static shmrpc_tensor *plain_tensor(uint64_t size)
-{
-	struct plain *p = calloc(1, sizeof(*p));
 	shmrpc_tensor *t;
 
-	if (!p || !(p->m.dl_tensor.data = calloc(1, size)))
-		die("calloc");
-	p->shape[0] = (int64_t)size;
-	p->m.dl_tensor.device = (DLDevice){ kDLCPU, 0 };
-	p->m.dl_tensor.ndim = 1;
-	p->m.dl_tensor.dtype = (DLDataType){ kDLUInt, 8, 1 };
-	p->m.dl_tensor.shape = p->shape;
-	p->m.deleter = plain_delete;
+	if (pool) {
+		if (shmrpc_tensor_alloc(p->m.dl_tensor.dtype, 1, p->shape, &t))
+			die("alloc");
+		memcpy(shmrpc_tensor_data(t), p->m.dl_tensor.data, (size_t)p->shape[0]);
+		return t;
+	}
+	/* No deleter: the bytes stay the user's for the next send. */
 	if (shmrpc_tensor_from_dlpack(&p->m, &t))
 		die("a tensor from DLPack");
 	if (shmrpc_tensor_pool_offset(t) != UINT64_MAX) {
 		fprintf(stderr, "bench/tensor_handoff: a %llu-byte tensor went to the pool, not "
-			"inline\n", (unsigned long long)size);
+			"inline\n", (unsigned long long)p->shape[0]);
 		exit(1);
 	}
 	return t;
+}
+
+/* Round trips of n sends of p into t, each taking it afresh. */
+static void plain_times(struct plain *p, bool pool, int n, uint64_t *t)
+{
+	for (int i = -n / 10 - 1; i < n; i++) { /* the first ones warm up */
+		uint64_t t0 = shmrpc_now_ns();
+		shmrpc_tensor *x = take_plain(p, pool);
+		shmrpc_value v = shmrpc_tensor_value(x);
+		shmrpc_future *f;
+
+		if (shmrpc_rpc_sync(1, "echo", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
+			die("echo");
+		shmrpc_future_free(f);
+		shmrpc_tensor_free(x);
+		if (i >= 0)
+			t[i] = shmrpc_now_ns() - t0;
+	}
 }
 
 /* Both paths measured in turns (ROUNDS of each), so that the machine's
@@ -145,21 +160,20 @@ static void measure_inline(bool quick)
 	if (!tp || !ti)
 		die("malloc");
 	for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
-		const DLDataType u8 = { kDLUInt, 8, 1 };
-		int64_t shape[1] = { (int64_t)sizes[i] };
-		shmrpc_tensor *x, *y = plain_tensor(sizes[i]);
+		struct plain p = { .shape = { (int64_t)sizes[i] } };
 		uint64_t pool, inl;
 
-		if (shmrpc_tensor_alloc(u8, 1, shape, &x))
-			die("alloc");
+		p.m.dl_tensor = (DLTensor){ .data = calloc(1, sizes[i]), .device = { kDLCPU, 0 },
+					    .ndim = 1, .dtype = { kDLUInt, 8, 1 }, .shape = p.shape };
+		if (!p.m.dl_tensor.data)
+			die("calloc");
 		for (int r = 0; r < ROUNDS; r++) {
-			echo_times(x, per, tp + r * per);
-			echo_times(y, per, ti + r * per);
+			plain_times(&p, true, per, tp + r * per);
+			plain_times(&p, false, per, ti + r * per);
 		}
 		pool = bench_median(tp, ROUNDS * per);
 		inl = bench_median(ti, ROUNDS * per);
-		shmrpc_tensor_free(x);
-		shmrpc_tensor_free(y);
+		free(p.m.dl_tensor.data);
 		printf("BENCH tensor_handoff path=pool size=%llu median_ns=%llu\n",
 		       (unsigned long long)sizes[i], (unsigned long long)pool);
 		printf("BENCH tensor_handoff path=inline size=%llu median_ns=%llu vs_pool=%.3g\n",

@@ -102,7 +102,7 @@ SHMRPC_API const char *shmrpc_type_name(uint32_t type);
  * Contiguous tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
  *
  * Small tensors from outside the pool are the exception: a CPU tensor of
- * at most SHMRPC_INLINE_MAX bytes (environment; 4096 by default, 0: none)
+ * at most SHMRPC_INLINE_MAX bytes (environment; 1024 by default, 0: none)
  * that shmrpc_tensor_from_dlpack copies is kept in this process's memory
  * and its bytes travel inside the message; the receiver gets a copy of its
  * own (no pool block, no shmrpc_tensor_pool_offset). A tensor in the pool

@@ -157,7 +157,7 @@ SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
 /* The default of shmrpc_init's inline_max (SHMRPC_INLINE_MAX): CPU
  * tensors up to this many bytes travel inside the frame. Measured with
  * bench/tensor_handoff's inline lines (docs/ARCHITECTURE.md). */
-#define TENSOR_INLINE_MAX_DEFAULT 4096u
+#define TENSOR_INLINE_MAX_DEFAULT 1024u
 
 /* Appends t's descriptor (with its bytes, for a heap tensor that fits the
  * message's inline budget) to a message being packed, and t to sent. */

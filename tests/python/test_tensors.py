@@ -90,7 +90,7 @@ def test_forked_child_drop():
     assert bool((kept == 7).all()), "a forked child's drop freed the parent's pool block"
 
 
-INLINE_MAX = 4096  # worker/tensor.h's TENSOR_INLINE_MAX_DEFAULT: these jobs set no other
+INLINE_MAX = 1024  # worker/tensor.h's TENSOR_INLINE_MAX_DEFAULT: these jobs set no other
 NOT_IN_POOL = (1 << 64) - 1
 
 
