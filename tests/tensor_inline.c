@@ -6,6 +6,9 @@
  *  - several dtypes and shapes, and zero-size tensors, echo intact;
  *  - a pool tensor (shmrpc_tensor_alloc) of a few bytes is still handed
  *    over by reference: what the callee writes, the caller sees;
+ *  - a message whose small tensors pass half a frame sends the rest by the
+ *    pool (copies made at send time), in a call, its reply and an RRef's
+ *    value, all intact, the copies freed after;
  *  - 1,000,000 small tensors received and kept live in one worker (500 a
  *    call), with no pool block or holder record used on either side;
  *  - a corrupt inline descriptor (length, device, shape, dimensions) fails
@@ -106,6 +109,24 @@ static int fn_write(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 	(void)c, (void)n, (void)u;
 	memset(shmrpc_tensor_data(a[0].u.t), 0x5a, shmrpc_tensor_nbytes(a[0].u.t));
 	*r = shmrpc_nil();
+	return 0;
+}
+
+/* [the argument, a list, and how many of its tensors came in the pool] */
+static int fn_count_pool(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
+{
+	shmrpc_value *items = shmrpc_call_alloc(c, 2 * sizeof(*items));
+	int64_t k = 0;
+
+	(void)n, (void)u;
+	if (!items)
+		return shmrpc_call_error(c, "RuntimeError", "out of memory");
+	for (uint32_t i = 0; i < a[0].len; i++)
+		k += in_pool(a[0].u.items[i].u.t);
+	items[0] = a[0];
+	items[1] = shmrpc_int(k);
+	*r = shmrpc_list(items, 2);
 	return 0;
 }
 
@@ -245,6 +266,84 @@ static void by_reference(void)
 	shmrpc_tensor_free(t);
 }
 
+/* BUDGET_N tensors of inline_max bytes: more than half a frame. */
+#define BUDGET_N 40
+
+/* BUDGET_N plain tensors of inline_max bytes made here, tensor i as
+ * plain_tensor(..., i) makes it. */
+static int fn_make_plain(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
+{
+	const DLDataType u8 = { kDLUInt, 8, 1 };
+	int64_t shape[1] = { worker_agent->inline_max };
+	shmrpc_value *items = shmrpc_call_alloc(c, BUDGET_N * sizeof(*items));
+
+	(void)a, (void)n, (void)u;
+	if (!items)
+		return shmrpc_call_error(c, "RuntimeError", "out of memory");
+	for (int i = 0; i < BUDGET_N; i++)
+		items[i] = shmrpc_tensor_value(plain_tensor(u8, 1, shape, i));
+	*r = shmrpc_list(items, BUDGET_N);
+	return 0;
+}
+
+static void check_list(const shmrpc_value *got, shmrpc_tensor *const *sent, const char *what)
+{
+	CHECK(got->type == SHMRPC_LIST && got->len == BUDGET_N, "%s: a list of %u", what, got->len);
+	for (int i = 0; i < BUDGET_N; i++)
+		CHECK(same(sent[i], got->u.items[i].u.t), "%s: tensor %d differs", what, i);
+}
+
+static void budget(void)
+{
+	const DLDataType u8 = { kDLUInt, 8, 1 };
+	int64_t shape[1] = { worker_agent->inline_max };
+	uint64_t half = ipc_port_max_payload(&worker_agent->port) / 2;
+	int64_t fit = (int64_t)(half / (uint64_t)shape[0]);
+	shmrpc_tensor *t[BUDGET_N];
+	shmrpc_value items[BUDGET_N], v;
+	const shmrpc_value *res;
+	shmrpc_future *f;
+	shmrpc_rref *rr;
+
+	CHECK(fit < BUDGET_N, "%d tensors of %lld bytes fit half a frame (%llu bytes)", BUDGET_N,
+	      (long long)shape[0], (unsigned long long)half);
+	for (int i = 0; i < BUDGET_N; i++) {
+		t[i] = plain_tensor(u8, 1, shape, i);
+		items[i] = shmrpc_tensor_value(t[i]);
+	}
+	v = shmrpc_list(items, BUDGET_N);
+	CHECK(shmrpc_rpc_sync(1, "count_pool", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f) == 0,
+	      "count_pool: %s", shmrpc_errmsg());
+	res = shmrpc_future_value(f);
+	CHECK(res->u.items[1].u.i == BUDGET_N - fit, "%lld of %d tensors of %lld bytes came by the "
+	      "pool, want %lld (half a frame: %llu bytes)", (long long)res->u.items[1].u.i,
+	      BUDGET_N, (long long)shape[0], (long long)(BUDGET_N - fit), (unsigned long long)half);
+	check_list(&res->u.items[0], t, "past the budget, echoed");
+	shmrpc_future_free(f);
+	CHECK_OK(shmrpc_remote(1, "echo", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &rr));
+	CHECK(shmrpc_rref_to_here(rr, SHMRPC_TIMEOUT_DEFAULT, &f) == 0, "to_here: %s",
+	      shmrpc_errmsg());
+	check_list(shmrpc_future_value(f), t, "past the budget, in an RRef");
+	shmrpc_future_free(f);
+	shmrpc_rref_free(rr);
+	/* Made by the callee: its result and an RRef's value past the budget. */
+	CHECK(shmrpc_rpc_sync(1, "make_plain", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f) == 0,
+	      "make_plain: %s", shmrpc_errmsg());
+	check_list(shmrpc_future_value(f), t, "past the budget, a result");
+	shmrpc_future_free(f);
+	CHECK_OK(shmrpc_remote(1, "make_plain", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &rr));
+	for (int round = 0; round < 2; round++) { /* the value read twice: still there */
+		CHECK(shmrpc_rref_to_here(rr, SHMRPC_TIMEOUT_DEFAULT, &f) == 0, "to_here: %s",
+		      shmrpc_errmsg());
+		check_list(shmrpc_future_value(f), t, "past the budget, an RRef's value");
+		shmrpc_future_free(f);
+	}
+	shmrpc_rref_free(rr);
+	for (int i = 0; i < BUDGET_N; i++)
+		shmrpc_tensor_free(t[i]);
+}
+
 static void million(void)
 {
 	const DLDataType i64 = { kDLInt, 64, 1 };
@@ -346,9 +445,11 @@ static int worker(void)
 	kept = calloc(TOTAL, sizeof(*kept));
 	CHECK(kept, "calloc");
 	CHECK_OK(shmrpc_register("where", "t", fn_where, NULL));
-	CHECK_OK(shmrpc_register("echo", "t", fn_echo, NULL));
+	CHECK_OK(shmrpc_register("echo", "v", fn_echo, NULL));
 	CHECK_OK(shmrpc_register("write", "t", fn_write, NULL));
 	CHECK_OK(shmrpc_register("keep", "l", fn_keep, NULL));
+	CHECK_OK(shmrpc_register("count_pool", "l", fn_count_pool, NULL));
+	CHECK_OK(shmrpc_register("make_plain", "", fn_make_plain, NULL));
 	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	CHECK(worker_agent->inline_max == TENSOR_INLINE_MAX_DEFAULT, "inline_max %u",
@@ -357,6 +458,7 @@ static int worker(void)
 		boundary();
 		dtypes();
 		by_reference();
+		budget();
 		corrupt_frames();
 		million();
 		CHECK(tl_wait_empty(SETTLE_NS), "the pool did not empty: %llu bytes used",

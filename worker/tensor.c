@@ -810,6 +810,22 @@ void tensor_list_forget(struct tensor_list *l)
 	*l = (struct tensor_list){ 0 };
 }
 
+int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held)
+{
+	int rc = 0;
+
+	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
+		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
+
+		if (s->heap)
+			continue; /* went inline: its bytes are in the message */
+		rc = shmrpc_tensor_retain(s, &t);
+		if (rc == 0 && (rc = tensor_list_add(held, t)))
+			shmrpc_tensor_free(t);
+	}
+	return rc;
+}
+
 uint32_t tensor_list_by_ref(const struct tensor_list *l)
 {
 	uint32_t n = l->nmade;
@@ -906,6 +922,7 @@ static int heap_to_pool(const shmrpc_tensor *t, struct tensor_list *sent, shmrpc
 int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 {
 	const shmrpc_tensor *d = t; /* whose bytes the descriptor names */
+	shmrpc_tensor *copy;
 	struct tensor_wire w;
 	struct tensor_wire_cuda wc;
 	int rc;
@@ -922,9 +939,10 @@ int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 			return pack_ext(pk, t, VALUE_EXT_TENSOR_INLINE, &w, NULL) ?:
 			       tensor_list_add(sent, t);
 		}
-		rc = heap_to_pool(t, sent, (shmrpc_tensor **)&d);
+		rc = heap_to_pool(t, sent, &copy);
 		if (rc)
 			return rc;
+		d = copy;
 	}
 	w = (struct tensor_wire){ d->off, d->nbytes, d->dl.dtype.code, d->dl.dtype.bits,
 				  d->dl.dtype.lanes, d->dl.ndim, d->dl.device.device_type,
@@ -1143,20 +1161,13 @@ static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
 int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct tensor_list *sent)
 {
 	struct pin *pin = calloc(1, sizeof(*pin));
-	int rc = 0;
+	int rc;
 
 	if (!pin)
 		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
-	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
-		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
-
-		if (s->heap)
-			continue; /* went inline: the receiver copied it out of the frame */
-		rc = shmrpc_tensor_retain(s, &t);
-		if (rc == 0 && (rc = tensor_list_add(&pin->held, t)))
-			shmrpc_tensor_free(t);
-	}
+	rc = tensor_list_hold(sent, &pin->held);
+	/* Nothing by reference (all inline): nothing to wait for. */
 	if (rc || !pin->held.n) {
 		tensor_list_free(&pin->held);
 		free(pin);

@@ -150,6 +150,9 @@ SHMRPC_HIDDEN bool tensor_list_has(const struct tensor_list *l, const shmrpc_ten
 SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t n,
 					  const shmrpc_tensor *t);
 
+/* Adds to held a reference of ours to each tensor of sent that went by
+ * reference (not inline; the pool copies the encoding made included). */
+SHMRPC_HIDDEN int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held);
 /* Handles of l whose bytes went by reference (pool or CUDA), so that the
  * sender pinned them and, for a reply, waits for a TENSOR_ACK. */
 SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
