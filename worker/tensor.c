@@ -919,6 +919,14 @@ static int heap_to_pool(const shmrpc_tensor *t, struct tensor_list *sent, shmrpc
 	return 0;
 }
 
+/* The bytes of the message packed so far: every packer of ours writes
+ * into an sbuffer (another never takes inline bytes). */
+static size_t packed_so_far(const msgpack_packer *pk)
+{
+	return pk->callback == msgpack_sbuffer_write ? ((const msgpack_sbuffer *)pk->data)->size
+						     : SIZE_MAX;
+}
+
 int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 {
 	const shmrpc_tensor *d = t; /* whose bytes the descriptor names */
@@ -928,14 +936,17 @@ int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 	int rc;
 
 	if (t->heap) {
-		/* Half a frame for the inline bytes of a message: the rest (its
-		 * pickle, the other descriptors) fits as it did without them. */
-		uint64_t budget = worker_agent ? ipc_port_max_payload(&worker_agent->port) / 2 : 0;
+		/* Inline while the message, these bytes included, stays within
+		 * half a frame: what follows (more descriptors, the rest of the
+		 * arguments) has the other half, and a message that starts with
+		 * half a frame or more (a Python message's large pickle) takes
+		 * none, as before. */
+		size_t half = worker_agent ? ipc_port_max_payload(&worker_agent->port) / 2 : 0;
+		size_t so_far = packed_so_far(pk);
 
-		if (t->nbytes <= budget && sent->inline_bytes <= budget - t->nbytes) {
+		if (so_far <= half && t->nbytes <= half - so_far) {
 			w = (struct tensor_wire){ 0, t->nbytes, t->dl.dtype.code, t->dl.dtype.bits,
 						  t->dl.dtype.lanes, t->dl.ndim, kDLCPU, 0 };
-			sent->inline_bytes += t->nbytes;
 			return pack_ext(pk, t, VALUE_EXT_TENSOR_INLINE, &w, NULL) ?:
 			       tensor_list_add(sent, t);
 		}

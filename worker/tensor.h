@@ -21,10 +21,10 @@
  * copies them into memory of its own. No pool block, holder record, pin or
  * TENSOR_ACK. A tensor already in the pool (shmrpc_tensor_alloc,
  * shmrpc.empty, one received by reference) is always handed over by
- * reference, whatever its size: the callee sees the caller's bytes. The
- * inline bytes of one message stay under half a frame's payload; a heap
- * tensor beyond that is copied into a pool block at send time
- * (tensor_list.made) and goes by reference.
+ * reference, whatever its size: the callee sees the caller's bytes. A
+ * heap tensor goes inline while its message, its bytes included, stays
+ * within half a frame's payload; one beyond that is copied into a pool
+ * block at send time (tensor_list.made) and goes by reference.
  *
  * CUDA device tensors (kDLCUDA) travel through CUDA IPC (worker/cuda.h),
  * never copied; their handles share a struct tensor_dev. Lifetime, with no
@@ -125,10 +125,8 @@ struct tensor_list {
 	/* When decoding: where received CUDA tensors land (devmap_landing();
 	 * NULL: on the sender's ordinal). */
 	const struct devmap_landing *land;
-	/* When encoding: the inline bytes packed so far, and the pool copies
-	 * of heap tensors that did not fit (the list's own, pinned with the
-	 * others, freed with the list). */
-	uint64_t inline_bytes;
+	/* When encoding: the pool copies of heap tensors that did not fit
+	 * (the list's own, pinned with the others, freed with the list). */
 	shmrpc_tensor **made;
 	uint32_t nmade, madecap;
 };
