@@ -9,7 +9,7 @@
  *  - a message whose small tensors pass half a frame sends the rest by the
  *    pool (copies made at send time), in a call, its reply and an RRef's
  *    value, all intact, the copies freed after;
- *  - 1,000,000 small tensors received and kept live in one worker (500 a
+ *  - 1,000,000 small tensors received and kept live in one worker (250 a
  *    call), with no pool block or holder record used on either side;
  *  - a corrupt inline descriptor (length, device, shape, dimensions) fails
  *    the call with a sentence, and the callee goes on serving.
@@ -28,7 +28,7 @@
 #include "worker/msg.h"
 #include "worker/value.h"
 
-#define PER_CALL 500
+#define PER_CALL 250
 #define TOTAL 1000000
 #define SETTLE_NS 60000000000ull
 

@@ -919,12 +919,12 @@ static int heap_to_pool(const shmrpc_tensor *t, struct tensor_list *sent, shmrpc
 	return 0;
 }
 
-/* The bytes of the message packed so far: every packer of ours writes
- * into an sbuffer (another never takes inline bytes). */
+/* The bytes of the message packed so far: pk packs into an sbuffer
+ * (value_pack's contract; msgpack_sbuffer_write is static inline, so its
+ * address cannot tell). */
 static size_t packed_so_far(const msgpack_packer *pk)
 {
-	return pk->callback == msgpack_sbuffer_write ? ((const msgpack_sbuffer *)pk->data)->size
-						     : SIZE_MAX;
+	return ((const msgpack_sbuffer *)pk->data)->size;
 }
 
 int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)

@@ -161,7 +161,8 @@ SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
 #define TENSOR_INLINE_MAX_DEFAULT 1024u
 
 /* Appends t's descriptor (with its bytes, for a heap tensor that fits the
- * message's inline budget) to a message being packed, and t to sent. */
+ * message's inline budget) to a message being packed into a
+ * msgpack_sbuffer (pk's data), and t to sent. */
 SHMRPC_HIDDEN int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent);
 /* An inline tensor received (ext VALUE_EXT_TENSOR_INLINE): a new handle
  * owning a copy of its bytes. */

@@ -26,7 +26,8 @@ struct tensor_list;
 
 /* Appends v; -EINVAL (with errmsg) for an unknown type or too deep nesting.
  * Each tensor met is added to sent (the caller pins them); with sent NULL a
- * tensor is refused. */
+ * tensor is refused. pk packs into a msgpack_sbuffer (its data): a small
+ * tensor goes inline by how much the message holds so far (tensor.h). */
 SHMRPC_HIDDEN int value_pack(msgpack_packer *pk, const shmrpc_value *v, struct tensor_list *sent);
 /* Decodes one value from [buf, buf+len) into out, allocating from a;
  * *used gets the bytes taken. -EBADMSG with errmsg on malformed input.
