@@ -313,7 +313,8 @@ static PyType_Slot tensor_slots[] = {
 	{ Py_tp_dealloc, tensor_dealloc },
 	{ Py_tp_methods, tensor_methods },
 	{ Py_tp_getset, tensor_getset },
-	{ Py_tp_doc, "A tensor in the job's pool or in CUDA device memory (shmrpc_tensor); "
+	{ Py_tp_doc, "A tensor in the job's pool, in CUDA device memory, or (small, sent "
+		     "inside the message) in this process's memory (shmrpc_tensor); "
 		     "numpy.asarray (host only), torch.from_dlpack and cupy.from_dlpack view "
 		     "it without a copy." },
 	{ 0, NULL },
@@ -1042,8 +1043,9 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 /* from_dlpack(obj) -> Tensor: obj's bytes in the pool (taken without a copy
- * when they are a whole pool block already, copied once otherwise), or
- * CUDA device memory as it is. obj speaks DLPack, or is the capsule its
+ * when they are a whole pool block already, copied once otherwise; up to
+ * SHMRPC_INLINE_MAX bytes copied into this process's memory instead, to
+ * travel inline), or CUDA device memory as it is. obj speaks DLPack, or is the capsule its
  * __dlpack__ gave (for a caller that passes the stream argument). */
 static PyObject *mod_from_dlpack(PyObject *m, PyObject *obj)
 {

@@ -658,8 +658,14 @@ static int check_names(struct agent *ag)
 static int attach_pool(struct agent *ag)
 {
 	long fd = env_long(SHMRPC_ENV_POOL_FD, -1);
+	long inline_max = env_long("SHMRPC_INLINE_MAX", TENSOR_INLINE_MAX_DEFAULT);
 	int rc;
 
+	if (inline_max < 0 || inline_max > UINT32_MAX)
+		return shmrpc__fail(-EINVAL, "SHMRPC_INLINE_MAX=%s: give the largest tensor, in "
+				    "bytes, to send inside the frame (0: none)",
+				    getenv("SHMRPC_INLINE_MAX"));
+	ag->inline_max = (uint32_t)inline_max;
 	if (fd < 0)
 		return 0;
 	rc = pool_attach_fd(&ag->pool, (int)fd, false);

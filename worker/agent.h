@@ -40,6 +40,9 @@ struct agent {
 	struct ipc_port port;
 	struct shm_pool pool;
 	bool has_pool; /* the job has a tensor pool (shmrun makes one) */
+	/* CPU tensors up to this many bytes from outside the pool travel in
+	 * the frame (worker/tensor.h); SHMRPC_INLINE_MAX, 0: none. */
+	uint32_t inline_max;
 	struct tensor_view *view; /* the pool's mapping, shared with the tensor handles */
 	struct rref_table rrefs;
 	bool has_rrefs; /* the job has an RRef table (shmrun makes one) */

@@ -104,7 +104,7 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 		f->errmsg = strdup(shmrpc_errmsg());
 	}
 	/* Counted now: after finish() the future may be freed by its owner. */
-	ntensors = f->tensors.n;
+	ntensors = tensor_list_by_ref(&f->tensors);
 	finish(f);
 	return ntensors;
 }

@@ -853,8 +853,9 @@ int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot)
 	return 0;
 }
 
-/* Encodes v into a new pool block; the tensors and RRefs it holds get
- * references of ours in held, and are listed in sent. */
+/* Encodes v into a new pool block; the tensors (by reference: an inline
+ * one's bytes are in the block) and RRefs it holds get references of ours
+ * in held, and are listed in sent. */
 static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, uint64_t *len,
 		       struct tensor_list *held, struct tensor_list *sent)
 {
@@ -864,12 +865,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = value_pack(&pk, v, sent);
-	for (uint32_t i = 0; i < sent->n && rc == 0; i++) {
-		shmrpc_tensor *t;
-
-		rc = shmrpc_tensor_retain(sent->t[i], &t) ?: tensor_list_add(held, t);
-	}
+	rc = value_pack(&pk, v, sent) ?: tensor_list_hold(sent, held);
 	for (uint32_t i = 0; i < sent->nr && rc == 0; i++) {
 		shmrpc_rref *r;
 
@@ -1140,9 +1136,14 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 	f->tensors.land = devmap_landing(ag, r->owner, true);
 	rc = value_unpack(copy, len, &f->arena, &f->value, &used, &f->tensors);
 	free(copy);
-	if (rc)
+	if (rc) {
+		char why[512];
+
+		/* Copied first: the error's own buffer is where it is written. */
+		snprintf(why, sizeof(why), "%s", shmrpc_errmsg());
 		return shmrpc__fail(-EBADMSG, "the stored value of RRef %#" PRIx64 " cannot be "
-				    "decoded: %s", r->id, shmrpc_errmsg());
+				    "decoded: %s", r->id, why);
+	}
 	return 0;
 }
 

@@ -149,12 +149,14 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 
 	*fn = "?";
 	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
-	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
-	    req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
+	/* What the decoder refused (a corrupt tensor descriptor...) is said. */
+	rc = value_unpack(buf, len, &call->arena, &req, &used, &call->tensors);
+	if (rc || used != len || req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
 	    (items = req.u.items)[0].type != SHMRPC_STR ||
 	    items[req.len - 1].type != SHMRPC_LIST ||
 	    (req.len == 3 && items[1].type != SHMRPC_INT)) {
-		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+		snprintf(msg, sizeof(msg), "a malformed %s request came in%s%s",
+			 worker_msg_name(type), rc ? ": " : "", rc ? shmrpc_errmsg() : "");
 		call_fail(call, "RuntimeError", msg);
 		return;
 	}
@@ -218,13 +220,15 @@ static bool python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, 
 {
 	shmrpc_value req;
 	size_t used;
-	char msg[256];
+	char msg[400];
+	int rc;
 
 	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
-	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) == 0 && used == len &&
-	    python_request_of(type, &req, &call->arena, in) == 0)
+	rc = value_unpack(buf, len, &call->arena, &req, &used, &call->tensors);
+	if (rc == 0 && used == len && python_request_of(type, &req, &call->arena, in) == 0)
 		return true;
-	snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+	snprintf(msg, sizeof(msg), "a malformed %s request came in%s%s", worker_msg_name(type),
+		 rc ? ": " : "", rc ? shmrpc_errmsg() : "");
 	call_fail(call, "RuntimeError", msg);
 	return false;
 }

@@ -439,7 +439,8 @@ def _tensor_kind(obj):
 def _to_pool(kind, obj):
     """obj's bytes as a tensor handle: a pool block (without a copy when obj
     already views a whole pool block, as what came from shmrpc does, else
-    copied once), or CUDA device memory as it is (CUDA IPC, no copy)."""
+    copied once; a small one copied into this process's memory instead, to
+    travel inline), or CUDA device memory as it is (CUDA IPC, no copy)."""
     if kind == "np":
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
@@ -538,7 +539,8 @@ class _Pickler(pickle.Pickler):
     """torch's default RPC pickler: functions by reference. RRefs and
     tensors go beside the pickle (which names them by index): the agent
     forks an RRef (the receiver gets a reference of its own) and hands a
-    tensor over through the pool (the receiver sees the same bytes). A
+    tensor over through the pool (the receiver sees the same bytes), or a
+    small one not in the pool inside the message (a copy of its own). A
     tensor that requires grad travels detached, with its autograd metadata
     (shmrpc.autograd)."""
 
