@@ -62,8 +62,11 @@ static void left_running(const char *dir)
 static void deaf_to_sigterm(const char *dir)
 {
 	pid_t pids[2];
-	double s = run("1", "sh -c 'trap \"\" TERM; sleep 300; :' & echo $! > \"$0/$SHMRPC_RANK\"",
-		       dir);
+	/* The worker ends once its child ignores SIGTERM (the .ready file). */
+	double s = run("1", "sh -c 'trap \"\" TERM; : > \"$0.ready\"; sleep 300; :' \"$0/$SHMRPC_RANK\" "
+			    "& echo $! > \"$0/$SHMRPC_RANK\"; "
+			    "while [ ! -e \"$0/$SHMRPC_RANK.ready\" ]; do sleep 0.01; done; "
+			    "rm \"$0/$SHMRPC_RANK.ready\"", dir);
 
 	CHECK(s >= 0.9 && s < 5, "%.2f s: not stopped by SIGKILL after the 1 s grace", s);
 	read_pids(dir, pids);
