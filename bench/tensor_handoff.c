@@ -19,6 +19,18 @@
  * CUDA (rpc with a device map; the queue's handoff and an ack).
  * The issue's target: 1 GiB warm echo at most 20 µs on the H100 box.
  * Without CUDA those lines are left out, with a note on stderr.
+ *
+ * Small tensors, inline against the pool (docs/ARCHITECTURE.md, where the
+ * inline threshold comes from): the echo of a user's tensor in memory of
+ * its own (as a plain torch tensor), taken afresh for each send as a
+ * program sends it, with one copy either way: inline
+ * (shmrpc_tensor_from_dlpack into this process's memory, its bytes in the
+ * frame both ways; this bench raises SHMRPC_INLINE_MAX and the ring size
+ * so that every size here goes inline) or by the pool (what from_dlpack
+ * did before: a block, the copy, pinned and acknowledged):
+ *   BENCH tensor_handoff path=pool size=S median_ns=
+ *   BENCH tensor_handoff path=inline size=S median_ns= vs_pool=
+ * vs_pool below 1: inline is cheaper at that size.
  */
 #include <stdbool.h>
 #include <stdio.h>
@@ -56,10 +68,9 @@ static int cuda_counts(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc
 	return 0;
 }
 
-/* Median round trip of n echoes of x (the first tenth and one more untimed). */
-static uint64_t echo_median(shmrpc_tensor *x, int n)
+/* Round trips of n echoes of x into t (the first tenth and one more untimed). */
+static void echo_times(shmrpc_tensor *x, int n, uint64_t *t)
 {
-	uint64_t *t = malloc((size_t)n * sizeof(*t)), med;
 	shmrpc_value v = shmrpc_tensor_value(x);
 	shmrpc_future *f;
 
@@ -72,9 +83,105 @@ static uint64_t echo_median(shmrpc_tensor *x, int n)
 			t[i] = shmrpc_now_ns() - t0;
 		shmrpc_future_free(f);
 	}
+}
+
+/* Median round trip of n echoes of x. */
+static uint64_t echo_median(shmrpc_tensor *x, int n)
+{
+	uint64_t *t = malloc((size_t)n * sizeof(*t)), med;
+
+	if (!t)
+		die("malloc");
+	echo_times(x, n, t);
 	med = bench_median(t, n);
 	free(t);
 	return med;
+}
+
+/* The user's tensor, in memory of its own (a plain torch tensor's). */
+struct plain {
+	DLManagedTensor m;
+	int64_t shape[1];
+};
+
+/* One send of the user's plain tensor p, as shmrpc_tensor_from_dlpack
+ * takes it (one copy of its bytes, into the pool or, inline, our memory):
+ * pool forces the pool, with the copy from_dlpack would make. */
+static shmrpc_tensor *take_plain(struct plain *p, bool pool)
+{
+	shmrpc_tensor *t;
+
+	if (pool) {
+		if (shmrpc_tensor_alloc(p->m.dl_tensor.dtype, 1, p->shape, &t))
+			die("alloc");
+		memcpy(shmrpc_tensor_data(t), p->m.dl_tensor.data, (size_t)p->shape[0]);
+		return t;
+	}
+	/* No deleter: the bytes stay the user's for the next send. */
+	if (shmrpc_tensor_from_dlpack(&p->m, &t))
+		die("a tensor from DLPack");
+	if (shmrpc_tensor_pool_offset(t) != UINT64_MAX) {
+		fprintf(stderr, "bench/tensor_handoff: a %llu-byte tensor went to the pool, not "
+			"inline\n", (unsigned long long)p->shape[0]);
+		exit(1);
+	}
+	return t;
+}
+
+/* Round trips of n sends of p into t, each taking it afresh. */
+static void plain_times(struct plain *p, bool pool, int n, uint64_t *t)
+{
+	for (int i = -n / 10 - 1; i < n; i++) { /* the first ones warm up */
+		uint64_t t0 = shmrpc_now_ns();
+		shmrpc_tensor *x = take_plain(p, pool);
+		shmrpc_value v = shmrpc_tensor_value(x);
+		shmrpc_future *f;
+
+		if (shmrpc_rpc_sync(1, "echo", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
+			die("echo");
+		shmrpc_future_free(f);
+		shmrpc_tensor_free(x);
+		if (i >= 0)
+			t[i] = shmrpc_now_ns() - t0;
+	}
+}
+
+/* Both paths measured in turns (ROUNDS of each), so that the machine's
+ * noise falls on both alike. */
+#define ROUNDS 10
+
+static void measure_inline(bool quick)
+{
+	static const uint64_t sizes[] = { 16, 1u << 10, 2u << 10, 4u << 10, 8u << 10, 16u << 10,
+					  64u << 10 };
+	const int per = quick ? 50 : 500;
+	uint64_t *tp = malloc(ROUNDS * per * sizeof(*tp)), *ti = malloc(ROUNDS * per * sizeof(*ti));
+
+	if (!tp || !ti)
+		die("malloc");
+	for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+		struct plain p = { .shape = { (int64_t)sizes[i] } };
+		uint64_t pool, inl;
+
+		p.m.dl_tensor = (DLTensor){ .data = calloc(1, sizes[i]), .device = { kDLCPU, 0 },
+					    .ndim = 1, .dtype = { kDLUInt, 8, 1 }, .shape = p.shape };
+		if (!p.m.dl_tensor.data)
+			die("calloc");
+		for (int r = 0; r < ROUNDS; r++) {
+			plain_times(&p, true, per, tp + r * per);
+			plain_times(&p, false, per, ti + r * per);
+		}
+		pool = bench_median(tp, ROUNDS * per);
+		inl = bench_median(ti, ROUNDS * per);
+		free(p.m.dl_tensor.data);
+		printf("BENCH tensor_handoff path=pool size=%llu median_ns=%llu\n",
+		       (unsigned long long)sizes[i], (unsigned long long)pool);
+		printf("BENCH tensor_handoff path=inline size=%llu median_ns=%llu vs_pool=%.3g\n",
+		       (unsigned long long)sizes[i], (unsigned long long)inl,
+		       (double)inl / (double)pool);
+	}
+	free(tp);
+	free(ti);
 }
 
 static uint64_t handoff(uint64_t size, int n)
@@ -191,6 +298,7 @@ static void measure(bool quick)
 		printf("\n");
 	}
 	printf("BENCH tensor_handoff ratio_1GiB_vs_1KiB=%.3g\n", (double)med[3] / (double)med[0]);
+	measure_inline(quick);
 	measure_cuda(quick);
 }
 
@@ -199,7 +307,10 @@ int main(int argc, char **argv)
 	bool quick = argc > 1 && strcmp(argv[1], "-q") == 0;
 
 	if (!getenv("SHMRPC_RANK"))
-		return bench_run_self("-n 2 --quiet --pool-size 1100M", quick);
+		return bench_run_self("-n 2 --quiet --pool-size 1100M --ring-size 524288", quick);
+	/* Every size of measure_inline inline (the ring's half frame bounds
+	 * a message's inline bytes). */
+	setenv("SHMRPC_INLINE_MAX", "65536", 1);
 	if (shmrpc_register("echo", "t", echo, NULL) ||
 	    shmrpc_register("cuda_counts", "", cuda_counts, NULL) || shmrpc_init(NULL))
 		die("init");

@@ -5,7 +5,9 @@
  * nor accept a frame whose checksums do not hold; and whatever a payload
  * holds, the value decoder (worker/value.c) must neither read past it nor
  * allocate more than it can back. The input is [8-byte tail][ring bytes];
- * the ring is 4 KiB; the bytes after the tail are also decoded as a value.
+ * the ring is 4 KiB; the bytes after the tail are also decoded as a value,
+ * and as an inline tensor's extension body (worker/tensor.h), which must
+ * hold no more bytes than the input.
  */
 #include <stdint.h>
 #include <string.h>
@@ -13,6 +15,7 @@
 #include "ipc/frame.h"
 #include "ipc/ring.h"
 #include "worker/arena.h"
+#include "worker/tensor.h"
 #include "worker/value.h"
 
 #define FUZZ_RING 4096u
@@ -55,6 +58,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (value_unpack(data, size, &a, &v, &used, NULL) == 0 && used > size)
 			__builtin_trap();
 		arena_free(&a);
+	}
+	/* An inline tensor (it needs no agent: its bytes become our own). */
+	{
+		shmrpc_tensor *t;
+
+		if (tensor_unpack_inline((const char *)data, (uint32_t)size, &t) == 0) {
+			if (shmrpc_tensor_nbytes(t) > size)
+				__builtin_trap();
+			shmrpc_tensor_free(t);
+		}
 	}
 	/* The ring walk, record after record, as a consumer does. */
 	for (int n = 0; n < 1024 && ipc_ring_peek(&r, &rec, &len) == 1; n++) {

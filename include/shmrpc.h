@@ -101,6 +101,14 @@ SHMRPC_API const char *shmrpc_type_name(uint32_t type);
  * to the call or the future: shmrpc_tensor_retain() keeps it longer.
  * Contiguous tensors of up to SHMRPC_TENSOR_MAX_DIMS dimensions.
  *
+ * Small tensors from outside the pool are the exception: a CPU tensor of
+ * at most SHMRPC_INLINE_MAX bytes (environment; 1024 by default, 0: none)
+ * that shmrpc_tensor_from_dlpack copies is kept in this process's memory
+ * and its bytes travel inside the message; the receiver gets a copy of its
+ * own (no pool block, no shmrpc_tensor_pool_offset). A tensor in the pool
+ * (shmrpc_tensor_alloc, or a whole pool block taken from DLPack) is always
+ * handed over by reference, whatever its size.
+ *
  * CUDA device tensors (kDLCUDA, taken with shmrpc_tensor_from_dlpack) are
  * handed over through CUDA IPC, not copied either: the receiver maps the
  * producer's allocation (once per allocation while it holds tensors of it)
@@ -141,7 +149,8 @@ SHMRPC_API uint64_t shmrpc_tensor_nbytes(const shmrpc_tensor *t);
  * handle lives. NULL as shmrpc_tensor_data. */
 SHMRPC_API const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t);
 /* Where the bytes are in the pool (the same number in every process).
- * UINT64_MAX for a CUDA tensor, which is not in the pool (shmrpc_errmsg()). */
+ * UINT64_MAX for a CUDA tensor or a small one that travels inline, which
+ * are not in the pool (shmrpc_errmsg()). */
 SHMRPC_API uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t);
 /* The CUstream (as an integer; 0: the legacy default stream) on which the
  * last writes of CUDA tensor t were queued: each later send of t, by any
@@ -163,8 +172,9 @@ SHMRPC_API int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream);
 /* DLPack out: *out owns t's reference (t is consumed); its deleter drops it. */
 SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
 /* DLPack in. A tensor that is a whole block of this job's pool is taken
- * without a copy; other contiguous host memory is copied into the pool
- * once (counted in the worker's dlpack_copies); for both, m is consumed on
+ * without a copy; other contiguous host memory is copied once (counted in
+ * the worker's dlpack_copies): into the pool, or up to SHMRPC_INLINE_MAX
+ * bytes into this process's memory (sent inline); for both, m is consumed on
  * success (its deleter is called). Contiguous CUDA device memory
  * (kDLCUDA; allocated with cuMemAlloc / cudaMalloc, as torch's caching
  * allocator does, not with cuMemCreate or a memory pool) is taken as it
@@ -264,6 +274,11 @@ typedef struct shmrpc_future shmrpc_future;
 
 #define SHMRPC_TIMEOUT_DEFAULT (-1) /* the timeout given to shmrpc_init */
 #define SHMRPC_TIMEOUT_NONE 0
+/* How deep calls may nest: a call made by a function serving a call at
+ * depth d is at depth d + 1 (a call made outside any is at depth 1); one
+ * deeper fails at once with -SHMRPC_ENESTING (docs/ARCHITECTURE.md). */
+#define SHMRPC_MAX_NESTING 100000
+#define SHMRPC_ENESTING ELOOP
 
 /* Calls fn on worker dst. timeout_ms: SHMRPC_TIMEOUT_DEFAULT, SHMRPC_TIMEOUT_NONE or ms.
  * rpc_async: *out is a future to wait on and free. rpc_sync: waits; on
@@ -274,8 +289,11 @@ SHMRPC_API int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *arg
 SHMRPC_API int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 			       int64_t timeout_ms, shmrpc_future **out);
 
-/* Waits up to timeout_ms (<0: for ever). 0 when it succeeded, -ETIMEDOUT when
- * still pending, or the call's error (the text in shmrpc_errmsg()). */
+/* Waits up to timeout_ms (<0: for ever). 0 when it succeeded, or the call's
+ * error (the text in shmrpc_errmsg()), or -ETIMEDOUT when it is still
+ * pending after timeout_ms. A call that ran out of its own time fails with
+ * -ETIMEDOUT too: shmrpc_future_done() tells the two apart (0: still
+ * pending, wait again; 1: the call timed out, for good). */
 SHMRPC_API int shmrpc_future_wait(shmrpc_future *f, int64_t timeout_ms);
 SHMRPC_API int shmrpc_future_done(shmrpc_future *f);
 /* The result, valid until shmrpc_future_free; NULL unless it succeeded. */

@@ -1,6 +1,6 @@
 /*
- * Frames: what travels in a ring record. A fixed 40-byte header, then the
- * payload. The header carries an XXH3 checksum of its first 32 bytes,
+ * Frames: what travels in a ring record. A fixed 56-byte header, then the
+ * payload. The header carries an XXH3 checksum of its first 48 bytes,
  * always; the payload's XXH3 checksum can be switched off per job
  * (SHM_F_NO_PAYLOAD_CSUM), and the frame says so in its flags.
  * docs/PROTOCOL.md describes the format field by field.
@@ -26,11 +26,14 @@ struct ipc_frame_hdr {
 	uint16_t src;         /* sender's rank */
 	uint16_t dst;         /* receiver's rank */
 	uint32_t src_gen;     /* sender's generation, to recognise stale frames */
+	uint64_t needed_by;   /* a request: the receiver's call that waits for it, or 0 */
+	uint32_t depth;       /* a request: its nesting depth (1: not made inside a request) */
+	uint32_t reserved;    /* 0 */
 	uint64_t payload_csum;
-	uint64_t hdr_csum;    /* XXH3-64 of bytes [0, 32) */
+	uint64_t hdr_csum;    /* XXH3-64 of bytes [0, 48) */
 };
-_Static_assert(sizeof(struct ipc_frame_hdr) == 40, "frame header is 40 bytes");
-_Static_assert(offsetof(struct ipc_frame_hdr, hdr_csum) == 32, "hdr_csum covers [0, 32)");
+_Static_assert(sizeof(struct ipc_frame_hdr) == 56, "frame header is 56 bytes");
+_Static_assert(offsetof(struct ipc_frame_hdr, hdr_csum) == 48, "hdr_csum covers [0, 48)");
 
 /* A decoded frame; payload points into the ring and is valid only until
  * the record is consumed. */

@@ -87,7 +87,15 @@ bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer)
 	/* Acquire pairs with the launcher's release store of DEAD. */
 	uint32_t st = atomic_load_explicit(&shm_worker(p->seg, peer)->state, memory_order_acquire);
 
-	return st != SHM_WORKER_DEAD && !ipc_waiter_is_dead(&p->waiter, peer);
+	return st != SHM_WORKER_DEAD && !ipc_waiter_is_dead(&p->waiter, peer) &&
+	       !ipc_port_ring_broken(p, peer);
+}
+
+bool ipc_port_ring_broken(const struct ipc_port *p, uint32_t peer)
+{
+	/* Relaxed: set once by the poller; a sender that misses it fails
+	 * with the peer's other calls (the agent's loop reads it too). */
+	return atomic_load_explicit(&p->in_broken[peer], memory_order_relaxed);
 }
 
 static size_t iov_bytes(const struct ipc_msg *m)
@@ -132,6 +140,8 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 		.src = (uint16_t)p->rank,
 		.dst = (uint16_t)dst,
 		.src_gen = p->generation,
+		.needed_by = m->needed_by,
+		.depth = m->depth,
 	};
 	at = (uint8_t *)(h + 1);
 	for (int i = 0; i < m->iovcnt; i++) {

@@ -32,6 +32,8 @@ struct ipc_msg {
 	uint16_t flags; /* IPC_FRAME_F_MORE only; checksum flags are the port's */
 	uint8_t kind; /* enum ipc_frame_kind: when the receiver need not be woken */
 	uint64_t msg_id;
+	uint64_t needed_by; /* a request's: the frame header's (ipc/frame.h) */
+	uint32_t depth;
 	const struct iovec *iov;
 	int iovcnt;
 };
@@ -112,7 +114,10 @@ SHMRPC_HIDDEN int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns);
 SHMRPC_HIDDEN int ipc_port_watch(struct ipc_port *p, uint32_t peer, pid_t pid);
 /* Loop thread: pops a peer whose death was not reported yet. */
 SHMRPC_HIDDEN bool ipc_port_take_dead(struct ipc_port *p, uint32_t *peer);
-/* Any thread: false once peer is known dead (slot state or pidfd). */
+/* Any thread: false once peer is known dead (slot state or pidfd), or its
+ * ring to us is broken (its frames, replies included, are lost). */
 SHMRPC_HIDDEN bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer);
+/* Any thread: whether the ring from peer went bad and is no longer read. */
+SHMRPC_HIDDEN bool ipc_port_ring_broken(const struct ipc_port *p, uint32_t peer);
 
 #endif

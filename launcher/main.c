@@ -26,10 +26,12 @@ static void keep_std_fds_open(void)
 		close(fd);
 }
 
-/* The launcher holds a pidfd per worker, and two pipes with --tag-output. */
+/* The launcher holds a pidfd per worker, and two pipes with --tag-output;
+ * each worker a pidfd per peer beside its own files (the limit is
+ * inherited). */
 static int raise_fd_limit(const struct shmrun_opts *o)
 {
-	rlim_t need = (rlim_t)o->nproc * (o->tag_output ? 3 : 1) + 16;
+	rlim_t need = (rlim_t)o->nproc * (o->tag_output ? 3 : 1) + 256;
 	struct rlimit rl;
 
 	if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur >= need)
@@ -71,7 +73,7 @@ int main(int argc, char **argv)
 		j.procs[r].pidfd = -1;
 		j.procs[r].out[0].fd = j.procs[r].out[1].fd = -1;
 	}
-	if (raise_fd_limit(&o) || watch_init(&j))
+	if (raise_fd_limit(&o) || orphans_adopt() || watch_init(&j))
 		goto out;
 	jp = (struct job_shm_params){ .world = o.nproc, .ring_size = o.ring_size,
 				      .trace_records = o.trace_records, .seg_flags = o.seg_flags,
@@ -85,6 +87,7 @@ int main(int argc, char **argv)
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
+	orphans_end(&j);
 	/* A failed job's trace is the one most wanted; a failed write only
 	 * turns a success into a failure. */
 	if (o.trace_path && trace_json_write(&j, o.trace_path) && !rc)
@@ -92,6 +95,8 @@ int main(int argc, char **argv)
 	if (!o.quiet)
 		report_summary(&j);
 	report_leaks(&j);
+	if (report_corrupt(&j) && !rc)
+		rc = SHMRUN_EXIT_FAILED; /* frames were lost: a success would be a lie */
 	job_shm_close(&j.shm);
 out:
 	watch_free(&j);

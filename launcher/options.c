@@ -32,6 +32,7 @@ enum {
 	OPT_DUMP_ON_FAILURE,
 	OPT_NO_CSUM,
 	OPT_QUIET,
+	OPT_AS_TORCH,
 	OPT_VERSION,
 };
 
@@ -55,6 +56,7 @@ static const struct option long_opts[] = {
 	{ "dump-on-failure", no_argument, NULL, OPT_DUMP_ON_FAILURE },
 	{ "no-payload-checksum", no_argument, NULL, OPT_NO_CSUM },
 	{ "quiet", no_argument, NULL, OPT_QUIET },
+	{ "as-torch", no_argument, NULL, OPT_AS_TORCH },
 	{ "version", no_argument, NULL, OPT_VERSION },
 	{ "help", no_argument, NULL, 'h' },
 	{ NULL, 0, NULL, 0 },
@@ -113,6 +115,10 @@ static void usage(FILE *f)
 		"                          messages (shmrpc-inspect --trace shows them live)\n"
 		"  --no-payload-checksum   frames carry no payload checksum\n"
 		"  --quiet                 no summary line at the end\n"
+		"  --as-torch              PROG is a Python interpreter: run its program with\n"
+		"                          torch.distributed.rpc, .autograd and\n"
+		"                          DistributedOptimizer resolving to shmrpc\n"
+		"                          (python3 -m shmrpc.as_torch PROG.py ...)\n"
 		"  --version               print the version and exit\n"
 		"  -h, --help              print this help and exit\n"
 		"\n"
@@ -201,8 +207,46 @@ static bool has_rank_field(const char *fmt)
 	return strstr(fmt, "{rank}") || strstr(fmt, "{local_rank}");
 }
 
+/* --as-torch: PYTHON [ITS OPTIONS] PROG ARGS... becomes PYTHON [ITS OPTIONS]
+ * -m shmrpc.as_torch PROG ARGS... (PROG may be `-m MODULE`). The program
+ * is not changed, so the words run as they would on torch; only a Python
+ * command can be run so. Returns -1 to go on, or 2. */
+static int as_torch_argv(struct shmrun_opts *o)
+{
+	static char mod_opt[] = "-m", mod[] = "shmrpc.as_torch";
+	const char *base = strrchr(o->argv[0], '/');
+	size_t n = 0, at = 1;
+	char **argv;
+
+	base = base ? base + 1 : o->argv[0];
+	if (strncmp(base, "python", 6))
+		return bad("--as-torch runs a Python program: the command must start with a Python "
+			   "interpreter (python3 prog.py), not '%s'; a script that starts Python "
+			   "itself can run python3 -m shmrpc.as_torch prog.py", o->argv[0]);
+	/* Python's own options come first; -W and -X take the next word. */
+	while (o->argv[at] && o->argv[at][0] == '-' && strcmp(o->argv[at], "-m") &&
+	       strcmp(o->argv[at], "-c") && strcmp(o->argv[at], "-"))
+		at += (!strcmp(o->argv[at], "-W") || !strcmp(o->argv[at], "-X")) && o->argv[at + 1]
+			      ? 2 : 1;
+	if (!o->argv[at] || !strcmp(o->argv[at], "-c") || !strcmp(o->argv[at], "-"))
+		return bad("--as-torch needs the program Python runs, a file or -m MODULE (not "
+			   "%s)", o->argv[at] ? (o->argv[at][1] ? "-c" : "stdin") : "nothing");
+	while (o->argv[n])
+		n++;
+	argv = calloc(n + 3, sizeof(*argv));
+	if (!argv)
+		return bad("--as-torch: out of memory");
+	memcpy(argv, o->argv, at * sizeof(*argv));
+	argv[at] = mod_opt;
+	argv[at + 1] = mod;
+	memcpy(argv + at + 2, o->argv + at, (n - at + 1) * sizeof(*argv));
+	o->argv = argv; /* lives as long as the launcher */
+	return -1;
+}
+
 int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 {
+	bool as_torch = false;
 	uint64_t v;
 	int c;
 
@@ -296,6 +340,9 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 		case OPT_QUIET:
 			o->quiet = true;
 			break;
+		case OPT_AS_TORCH:
+			as_torch = true;
+			break;
 		case OPT_VERSION:
 			printf("shmrun (shmrpc) %s\n", shmrpc_version());
 			return 0;
@@ -316,5 +363,7 @@ int shmrun_parse_options(int argc, char **argv, struct shmrun_opts *o)
 		return bad("--name-format '%s' gives every worker the same name: put {rank} in it",
 			   o->name_format);
 	o->argv = argv + optind;
+	if (as_torch)
+		return as_torch_argv(o);
 	return -1;
 }

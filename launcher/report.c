@@ -141,3 +141,24 @@ void report_leaks(const struct job *j)
 		fprintf(stderr, "shmrun: %u RRef(s) were left in the RRef table when the job ended, "
 			"%s\n", left, first);
 }
+
+int report_corrupt(const struct job *j)
+{
+	int bad = 0;
+
+	for (uint32_t r = 0; r < j->o->nproc; r++) {
+		/* Relaxed: a statistic, and every worker has ended. */
+		uint64_t n = atomic_load_explicit(&shm_worker(&j->shm.seg, r)->corrupt_frames,
+						  memory_order_relaxed);
+		char who[SHM_NAME_MAX + 32];
+
+		if (!n)
+			continue;
+		report_worker(j, r, who, sizeof(who));
+		fprintf(stderr, "shmrun: %s received %llu corrupt frame%s: the job's memory was "
+			"written outside shmrpc (the job fails)\n", who, (unsigned long long)n,
+			n == 1 ? "" : "s");
+		bad++;
+	}
+	return bad;
+}

@@ -128,6 +128,14 @@ void output_pump(struct out_stream *s);
 /* The worker is gone: takes what is left in the pipe, flushes, closes. */
 void output_finish(struct out_stream *s);
 
+/* orphans.c: the processes the workers start. Makes shmrun their child
+ * subreaper (0, or -1 said on stderr); reaps those that have ended (on
+ * SIGCHLD); once every worker is reaped, stops the rest (SIGTERM, the
+ * grace, SIGKILL), reaps them and says so on stderr. */
+int orphans_adopt(void);
+void orphans_reap(const struct job *j);
+void orphans_end(const struct job *j);
+
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);
 /* The last records of rank's flight recorder, on stderr (--dump-on-failure). */
@@ -135,6 +143,8 @@ void report_trace(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
 /* After the job: says so on stderr if the RRef table is not empty. */
 void report_leaks(const struct job *j);
+/* After the job: names the workers that received corrupt frames; how many. */
+int report_corrupt(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);
 

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -57,6 +58,8 @@ static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 {
 	const struct shmrun_opts *o = j->o;
 	const char *name = shm_worker(&j->shm.seg, rank)->name;
+	char ino[24];
+	struct stat st;
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != j->launcher_pid)
 		_exit(SHMRUN_EXIT_FAILED);
@@ -79,6 +82,10 @@ static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 	    fcntl(j->shm.rrefs.fd, F_SETFD, 0) < 0)
 		_exit(SHMRUN_EXIT_FAILED);
 	set_env_u32(SHMRPC_ENV_JOB_FD, (uint32_t)j->shm.seg.fd);
+	if (fstat(j->shm.seg.fd, &st) < 0)
+		_exit(SHMRUN_EXIT_FAILED);
+	snprintf(ino, sizeof(ino), "%llu", (unsigned long long)st.st_ino);
+	setenv(SHMRPC_ENV_JOB_INO, ino, 1);
 	set_env_u32(SHMRPC_ENV_POOL_FD, (uint32_t)j->shm.pool.fd);
 	set_env_u32(SHMRPC_ENV_RREF_FD, (uint32_t)j->shm.rrefs.fd);
 	set_env_u32("SHMRPC_RANK", rank);

@@ -1,5 +1,6 @@
 /*
- * Watching the job: one poll() over a signalfd (SIGINT, SIGTERM, SIGHUP),
+ * Watching the job: one poll() over a signalfd (SIGINT, SIGTERM, SIGHUP;
+ * SIGCHLD for the workers' orphans),
  * a pidfd per worker and the --tag-output pipes, with the job's timeout
  * and the SIGKILL that follows a stop as poll's timeout.
  *
@@ -43,6 +44,7 @@ int watch_init(struct job *j)
 	sigaddset(&set, SIGINT);
 	sigaddset(&set, SIGTERM);
 	sigaddset(&set, SIGHUP);
+	sigaddset(&set, SIGCHLD); /* the workers' orphans ended: orphans_reap */
 	if (sigprocmask(SIG_BLOCK, &set, &j->worker_sigmask) < 0 ||
 	    (j->sigfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)) < 0) {
 		fprintf(stderr, "shmrun: cannot set up signal handling: %s\n", strerror(errno));
@@ -121,8 +123,12 @@ static void on_signal(struct job *j)
 {
 	struct signalfd_siginfo si;
 
-	while (read(j->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
-		watch_stop(j, STOP_SIGNAL, (int)si.ssi_signo);
+	while (read(j->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+		if (si.ssi_signo == SIGCHLD)
+			orphans_reap(j); /* a worker's end comes by its pidfd */
+		else
+			watch_stop(j, STOP_SIGNAL, (int)si.ssi_signo);
+	}
 }
 
 /* poll's timeout: until the earlier of the two deadlines (0: none), rounded up. */

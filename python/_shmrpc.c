@@ -313,7 +313,8 @@ static PyType_Slot tensor_slots[] = {
 	{ Py_tp_dealloc, tensor_dealloc },
 	{ Py_tp_methods, tensor_methods },
 	{ Py_tp_getset, tensor_getset },
-	{ Py_tp_doc, "A tensor in the job's pool or in CUDA device memory (shmrpc_tensor); "
+	{ Py_tp_doc, "A tensor in the job's pool, in CUDA device memory, or (small, sent "
+		     "inside the message) in this process's memory (shmrpc_tensor); "
 		     "numpy.asarray (host only), torch.from_dlpack and cupy.from_dlpack view "
 		     "it without a copy." },
 	{ 0, NULL },
@@ -519,28 +520,31 @@ static int msg_copy(const struct python_msg *view, struct python_msg *out)
 }
 
 /* The ops the handler appended to list, (name, start_ns, end_ns, thread,
- * rank or -1 for this worker) each, into ops (a malformed one is left
- * out: the handler is ours). */
+ * rank or -1 for this worker[, input shapes as JSON or None, bytes of
+ * memory]) each, into ops (a malformed one is left out: the handler is
+ * ours). */
 static void ops_add(PyObject *list, struct profile_events *ops)
 {
 	for (Py_ssize_t i = 0; i < PyList_Size(list); i++) {
 		unsigned long long start, end, thread;
-		const char *name;
+		const char *name, *shapes = NULL;
+		long long mem = 0;
 		int rank;
 
-		if (PyArg_ParseTuple(PyList_GetItem(list, i), "sKKKi", &name, &start, &end, &thread,
-				     &rank))
+		if (PyArg_ParseTuple(PyList_GetItem(list, i), "sKKKi|zL", &name, &start, &end, &thread,
+				     &rank, &shapes, &mem))
 			profile_events_add(ops, name, start, end, thread,
-					   rank < 0 ? PROFILE_HERE : (uint32_t)rank);
+					   rank < 0 ? PROFILE_HERE : (uint32_t)rank, shapes, mem);
 		else
 			PyErr_Clear();
 	}
 }
 
 /* The Python handler's arguments: (caller, type, context_id, message_id,
- * retain_graph, pickle, [RRef...], [Tensor...], ops, rref_id), ops being a
- * list to append the ops torch's profiler recorded to, or None
- * (python_handler_fn), rref_id a remote call's RRef (0 for other requests);
+ * retain_graph, pickle, [RRef...], [Tensor...], ops, rref_id, profile),
+ * ops being a list to append the ops torch's profiler recorded to, or None
+ * (python_handler_fn), profile what the caller's profiler asks (PROFILE_
+ * bits: with PROFILE_TORCH, SHAPES and MEMORY are its options), rref_id a remote call's RRef (0 for other requests);
  * it returns (pickle, [RRef...], [Tensor...]) or, answering a
  * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id, and
  * for a remote call whose result it keeps live (worker/python.h) the same
@@ -560,11 +564,12 @@ static int run_handler(uint32_t caller, const struct python_request *in, struct 
 	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
 	op_list = ops ? PyList_New(0) : new_ref(Py_None);
 	if (rrefs && tensors && op_list && handler)
-		res = PyObject_CallFunction(handler, "IHLLOy#OOOK", caller, in->type,
+		res = PyObject_CallFunction(handler, "IHLLOy#OOOKI", caller, in->type,
 					    (long long)in->context_id, (long long)in->message_id,
 					    in->retain_graph ? Py_True : Py_False,
 					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors,
-					    op_list, (unsigned long long)in->rref_id);
+					    op_list, (unsigned long long)in->rref_id,
+					    ops ? ops->what : 0u);
 	if (res && ops)
 		ops_add(op_list, ops);
 	Py_XDECREF(rrefs);
@@ -637,9 +642,10 @@ static PyObject *profiled_call(shmrpc_future *f)
 	list = PyList_New(pe ? pe->n : 0);
 	for (uint32_t i = 0; list && pe && i < pe->n; i++) {
 		const struct profile_event_rec *e = &pe->ev[i];
-		PyObject *t = Py_BuildValue("(sKKIK)", e->name, (unsigned long long)e->start_ns,
+		PyObject *t = Py_BuildValue("(sKKIKzL)", e->name, (unsigned long long)e->start_ns,
 					    (unsigned long long)e->end_ns, e->rank,
-					    (unsigned long long)e->thread);
+					    (unsigned long long)e->thread, e->shapes,
+					    (long long)e->cpu_mem);
 
 		if (!t)
 			Py_CLEAR(list);
@@ -962,10 +968,11 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 
 /* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None,
  * type=PYTHON_CALL, context_id=-1, message_id=0, retain_graph=False, *,
- * torch_profile=False) -> Future; kind and fn name it for the profiler;
+ * torch_profile=0) -> Future; kind and fn name it for the profiler;
  * type is PYTHON_CALL or one of distributed autograd's requests
  * (worker/python.h says which of the other arguments each one carries);
- * torch_profile: profiled for torch's profiler (Future.profiled). */
+ * torch_profile: profiled for torch's profiler (Future.profiled) when
+ * nonzero, with its profile's options as PROFILE_SHAPES, PROFILE_MEMORY. */
 static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "dst", "pickle", "rrefs", "tensors", "timeout_ms", "kind", "fn",
@@ -976,10 +983,11 @@ static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 	PyObject *pickled, *rrefs, *tensors;
 	const char *kind = NULL, *fn = NULL;
 	long long timeout, context_id = -1, message_id = 0;
-	int dst, retain = 0, torch = 0, rc;
+	unsigned torch = 0;
+	int dst, retain = 0, rc;
 
 	(void)m;
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zzHLLp$p", names, &dst, &pickled, &rrefs,
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zzHLLp$I", names, &dst, &pickled, &rrefs,
 					 &tensors, &timeout, &kind, &fn, &rq.type, &context_id,
 					 &message_id, &retain, &torch) ||
 	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
@@ -989,17 +997,19 @@ static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 	rq.retain_graph = retain;
 	profile_name_next(kind, fn);
 	if (torch)
-		profile_torch_next();
+		profile_torch_next(PROFILE_TORCH | (torch & (PROFILE_SHAPES | PROFILE_MEMORY)));
+	client_sync_next(kind && !strcmp(kind, "rpc_sync"));
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_request_async(dst, &rq, (int64_t)timeout, &f);
 	profile_forget_next(); /* a request refused before it went */
+	client_sync_next(false);
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
 
 /* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None,
  * type=PYTHON_REMOTE_CALL, context_id=-1, message_id=0, *,
- * torch_profile=False) -> RRef; type is PYTHON_REMOTE_CALL or, inside a
+ * torch_profile=0) -> RRef; type is PYTHON_REMOTE_CALL or, inside a
  * distributed autograd context (context_id, message_id), FORWARD_AUTOGRAD_REQ
  * wrapping one; torch_profile as call()'s (RRef.profiled). */
 static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
@@ -1012,10 +1022,11 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 	PyObject *pickled, *rrefs, *tensors;
 	const char *fn = NULL;
 	long long timeout, context_id = -1, message_id = 0;
-	int dst, torch = 0, rc;
+	unsigned torch = 0;
+	int dst, rc;
 
 	(void)m;
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zHLL$p", names, &dst, &pickled, &rrefs,
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "iSOOL|zHLL$I", names, &dst, &pickled, &rrefs,
 					 &tensors, &timeout, &fn, &rq.type, &context_id,
 					 &message_id, &torch) ||
 	    msg_from_py(pickled, rrefs, tensors, &rq.msg))
@@ -1024,7 +1035,7 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 	rq.message_id = (int64_t)message_id;
 	profile_name_next("rpc_remote", fn);
 	if (torch)
-		profile_torch_next();
+		profile_torch_next(PROFILE_TORCH | (torch & (PROFILE_SHAPES | PROFILE_MEMORY)));
 	rc = python_remote(dst, &rq, (int64_t)timeout, &r);
 	profile_forget_next(); /* a request refused before it went */
 	msg_free(&rq.msg);
@@ -1032,8 +1043,9 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 }
 
 /* from_dlpack(obj) -> Tensor: obj's bytes in the pool (taken without a copy
- * when they are a whole pool block already, copied once otherwise), or
- * CUDA device memory as it is. obj speaks DLPack, or is the capsule its
+ * when they are a whole pool block already, copied once otherwise; up to
+ * SHMRPC_INLINE_MAX bytes copied into this process's memory instead, to
+ * travel inline), or CUDA device memory as it is. obj speaks DLPack, or is the capsule its
  * __dlpack__ gave (for a caller that passes the stream argument). */
 static PyObject *mod_from_dlpack(PyObject *m, PyObject *obj)
 {
@@ -1179,20 +1191,23 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 	return new_ref(Py_None);
 }
 
-/* help_once() -> bool: on an executor thread, runs one queued job (the
- * GIL released); a thread that waits for a Python Future calls it so that
- * what it waits for can run (worker/executor.h). */
-static PyObject *mod_help_once(PyObject *m, PyObject *unused)
+/* blocking(on): around a wait for a Python Future, which on an executor
+ * thread counts it out of the pool meanwhile, so that what completes the
+ * Future runs on another (worker/executor.h); nothing on other threads. */
+static PyObject *mod_blocking(PyObject *m, PyObject *on)
 {
-	bool ran = false;
+	int v = PyObject_IsTrue(on);
 
-	(void)m, (void)unused;
-	if (executor_on_worker_thread()) {
-		Py_BEGIN_ALLOW_THREADS
-		ran = executor_help_once();
-		Py_END_ALLOW_THREADS
-	}
-	return PyBool_FromLong(ran);
+	(void)m;
+	if (v < 0)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	if (v)
+		executor_block_begin();
+	else
+		executor_block_end();
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
 }
 
 /* take_replies(on): replies taken by the threads that wait for them
@@ -1325,7 +1340,7 @@ static PyMethodDef mod_methods[] = {
 	{ "on_executor", mod_on_executor, METH_NOARGS, "whether this is an executor thread" },
 	{ "profile_start", mod_profile_start, METH_NOARGS, "profile this process's calls" },
 	{ "profile_stop", mod_profile_stop, METH_NOARGS, "stop; the events recorded" },
-	{ "help_once", mod_help_once, METH_NOARGS, "run one queued executor job, if on one" },
+	{ "blocking", mod_blocking, METH_O, "around a Future's wait: count an executor thread out" },
 	{ "take_replies", mod_take_replies, METH_O,
 	  "take_replies(on): replies wake nobody while no thread waits; waiters poll" },
 	{ "init", mod_init, METH_VARARGS, "init(name, num_threads, timeout_ms, device_maps): shmrpc_init" },
@@ -1338,10 +1353,10 @@ static PyMethodDef mod_methods[] = {
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
 	{ "call", (PyCFunction)(void (*)(void))mod_call, METH_VARARGS | METH_KEYWORDS,
 	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
-	  "message_id, retain_graph, *, torch_profile=False) -> Future" },
+	  "message_id, retain_graph, *, torch_profile=0) -> Future" },
 	{ "remote", (PyCFunction)(void (*)(void))mod_remote, METH_VARARGS | METH_KEYWORDS,
 	  "remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn, type, context_id, "
-	  "message_id, *, torch_profile=False) -> RRef" },
+	  "message_id, *, torch_profile=0) -> RRef" },
 	{ "from_dlpack", mod_from_dlpack, METH_O,
 	  "from_dlpack(obj or capsule) -> Tensor in the pool or on a CUDA device" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
@@ -1379,6 +1394,9 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 	    PyModule_AddObject(m, "Tensor", new_ref(TensorType)) ||
 	    PyModule_AddObject(m, "RRef", new_ref(RRefType)) || module_add_job(m) ||
 	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT) ||
+	    PyModule_AddIntConstant(m, "PROFILE_TORCH", PROFILE_TORCH) ||
+	    PyModule_AddIntConstant(m, "PROFILE_SHAPES", PROFILE_SHAPES) ||
+	    PyModule_AddIntConstant(m, "PROFILE_MEMORY", PROFILE_MEMORY) ||
 	    add_types(m)) {
 		Py_DECREF(m);
 		return NULL;

@@ -169,7 +169,8 @@ struct shm_worker {
 	_Atomic uint64_t errors;       /* requests answered with an EXCEPTION */
 	_Atomic uint64_t timeouts;     /* calls of ours that timed out */
 	_Atomic uint64_t late_replies; /* replies that came after their timeout */
-	_Atomic uint64_t dlpack_copies; /* DLPack imports that had to copy into the pool */
+	_Atomic uint64_t dlpack_copies; /* DLPack imports that had to copy (into the pool, or
+					 * for a small tensor sent inline, our memory) */
 	/* CUDA IPC (worker/cuda.c): how many of each this process has open
 	 * now, stored whole (relaxed) by whichever of its threads changed
 	 * one, under its CUDA lock; 0 in a worker that never used CUDA. */

@@ -15,6 +15,10 @@
 #include "shm/layout.h"
 
 #define SHMRPC_ENV_JOB_FD "SHMRPC_JOB_FD"
+/* The segment memfd's inode number: a process that inherited the variables
+ * but not the descriptors (started with its fds closed) sees another file
+ * at SHMRPC_JOB_FD, or none. */
+#define SHMRPC_ENV_JOB_INO "SHMRPC_JOB_INO"
 
 struct shm_seg {
 	int fd;

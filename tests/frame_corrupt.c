@@ -169,8 +169,8 @@ static void test_decode(void)
 	      shmrpc_errmsg());
 	CHECK(f.hdr.msg_id == 77 && f.payload == rec.payload, "decoded wrongly");
 
-	refused(sizeof(struct ipc_frame_hdr) - 1, 0, 1, "39 bytes, shorter than a header");
-	refused(sizeof(rec) - 8, 0, 1, "32 payload bytes in a 64-byte record");
+	refused(sizeof(struct ipc_frame_hdr) - 1, 0, 1, "55 bytes, shorter than a header");
+	refused(sizeof(rec) - 8, 0, 1, "32 payload bytes in a 80-byte record");
 	refused(sizeof(rec), 2, 1, "header says 0 -> 1");
 	refused(sizeof(rec), 0, 2, "header says 0 -> 1");
 

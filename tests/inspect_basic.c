@@ -4,8 +4,9 @@
  * (its parent) and checks what the text, --json and --check say, the RRef
  * table included, and the CUDA IPC gauges (0: no worker used CUDA; then
  * set in rank 1's slot through a writable mapping of the segment, shown
- * in text and JSON), that the job list names the launcher, and the
- * errors: a
+ * in text and JSON), that --check names rank 1 while it is stopped
+ * (SIGSTOP) and says "ok" once it runs again, that the job list names the
+ * launcher, and the errors: a
  * pid with no process, a worker's pid instead of the launcher's (exit 1),
  * a bad option and a JOB that is no pid (exit 2). Then, through its own
  * mapping of the job's RRef table, it makes an RRef whose counts are wrong,
@@ -87,10 +88,28 @@ static void watch_twice(const char *job)
 	CHECK(tables >= 2, "--watch drew %d tables", tables);
 }
 
+/* The state letter of /proc/PID/stat ('T': stopped). */
+static char process_state(pid_t pid)
+{
+	char path[32], buf[512], *paren;
+	FILE *f;
+	size_t n;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	if (!(f = fopen(path, "r")))
+		return 0;
+	n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = '\0';
+	paren = strrchr(buf, ')');
+	return paren && paren[1] == ' ' ? paren[2] : 0;
+}
+
 static void inspect_job(const char *job)
 {
 	char self[16], line[64];
 	const char *w1;
+	pid_t peer;
 	int rc;
 
 	snprintf(self, sizeof(self), "%d", (int)getpid());
@@ -139,9 +158,20 @@ static void inspect_job(const char *job)
 	CHECK(strstr(out, "{\"rank\":1,\"pid\":") && strstr(out, "\"state\":\"live\""),
 	      "the pool's holders are not listed");
 
+	peer = (pid_t)tl_json_num(w1, "pid");
 	watch_twice(job);
 	rc = inspect("--check", job);
 	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check exited %d: %s", rc, out);
+	/* A stopped worker is an anomaly: calls to it wait. */
+	CHECK(peer > 0 && kill(peer, SIGSTOP) == 0, "SIGSTOP rank 1 (%d)", (int)peer);
+	for (int i = 0; i < 1000 && process_state(peer) != 'T'; i++)
+		usleep(1000);
+	rc = inspect("--check", job);
+	CHECK(kill(peer, SIGCONT) == 0, "SIGCONT");
+	CHECK(rc == 1 && strstr(out, "rank 1 (worker1) is stopped"), "--check of a stopped worker "
+	      "exited %d: %s", rc, out);
+	rc = inspect("--check", job);
+	CHECK(rc == 0 && strcmp(out, "ok\n") == 0, "--check after SIGCONT exited %d: %s", rc, out);
 
 	rc = inspect(NULL, NULL);
 	CHECK(rc == 0, "the job list exited %d", rc);

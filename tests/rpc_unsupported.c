@@ -46,11 +46,13 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 	msgpack_unpacked_destroy(&u);
 }
 
-/* Sends one raw request to rank 1 and waits for the frame that answers it. */
-static struct reply ask(struct ipc_port *p, uint16_t type, uint64_t id, const void *payload, size_t len)
+/* Sends one raw request at nesting depth `depth` to rank 1 and waits for
+ * the frame that answers it. */
+static struct reply ask_at(struct ipc_port *p, uint16_t type, uint64_t id, uint32_t depth,
+			   const void *payload, size_t len)
 {
 	struct iovec iov = { (void *)payload, len };
-	struct ipc_msg m = { .type = type, .msg_id = id, .iov = &iov, .iovcnt = 1 };
+	struct ipc_msg m = { .type = type, .msg_id = id, .depth = depth, .iov = &iov, .iovcnt = 1 };
 	struct reply r = { 0 };
 
 	CHECK_OK(ipc_port_send(p, 1, &m, 5000000000ull));
@@ -61,6 +63,12 @@ static struct reply ask(struct ipc_port *p, uint16_t type, uint64_t id, const vo
 	CHECK(r.msg_id == id, "answer carries id %llu, want %llu", (unsigned long long)r.msg_id,
 	      (unsigned long long)id);
 	return r;
+}
+
+/* ... at depth 1, as a request not made inside another. */
+static struct reply ask(struct ipc_port *p, uint16_t type, uint64_t id, const void *payload, size_t len)
+{
+	return ask_at(p, type, id, 1, payload, len);
 }
 
 /* Well-formed requests of the Python package's autograd (docs/PROTOCOL.md). */
@@ -107,6 +115,14 @@ static int raw_worker(void)
 		CHECK(r.type == MSG_EXCEPTION && strstr(r.text, want), "%s: type %u, \"%s\"",
 		      worker_msg_name(autograd_reqs[i].type), r.type, r.text);
 	}
+	/* A depth no sender of ours writes (frame header): refused. */
+	r = ask_at(&port, MSG_SCRIPT_CALL, 40, 0, call, sizeof(call) - 1);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "a request at nesting depth 0 came in from "
+							  "worker 0 (1 to 100000 are valid)"),
+	      "depth 0: type %u \"%s\"", r.type, r.text);
+	r = ask_at(&port, MSG_SCRIPT_CALL, 41, SHMRPC_MAX_NESTING + 1, call, sizeof(call) - 1);
+	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "a request at nesting depth 100001 came in"),
+	      "depth 100001: type %u \"%s\"", r.type, r.text);
 	r = ask(&port, 999, 8, "", 0);
 	CHECK(r.type == MSG_EXCEPTION && strstr(r.text, "unknown message type 999"), "type 999: \"%s\"",
 	      r.text);

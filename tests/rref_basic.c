@@ -191,6 +191,19 @@ static void errors(int me)
 	CHECK(to_here_int(r) == 2000, "the value after the timeout");
 	shmrpc_rref_free(r);
 
+	/* remote()'s own timeout passed: the RRef has failed, and stays failed
+	 * once the owner has stored the value (torch's rule and words). */
+	one = shmrpc_int(200);
+	CHECK_OK(shmrpc_remote(dst, "sleep", &one, 1, 20, &r));
+	for (int i = 0; i < 2; i++) {
+		rc = shmrpc_rref_to_here(r, SHMRPC_TIMEOUT_DEFAULT, &f);
+		CHECK(rc == -ETIMEDOUT && !f && strstr(shmrpc_errmsg(), "RRef creation via "
+						       "rpc.remote() timed out"),
+		      "creation timeout (%d): %d %s", i, rc, shmrpc_errmsg());
+		usleep(300000); /* the owner stores it meanwhile */
+	}
+	shmrpc_rref_free(r);
+
 	rc = shmrpc_remote(NWORKERS, "add", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &r);
 	CHECK(rc == -EINVAL && strstr(shmrpc_errmsg(), "the job has 4 workers"), "bad rank: %s",
 	      shmrpc_errmsg());

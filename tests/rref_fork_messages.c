@@ -155,8 +155,9 @@ static int fn_park(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	int rc;
 
 	(void)a, (void)n, (void)u;
-	/* Not waited for until let go: waiting on an executor thread runs
-	 * queued jobs meanwhile (the child's request among them). */
+	/* Not waited for until let go: a thread waiting for a call is counted
+	 * out of the pool, which then runs queued jobs (the child's request
+	 * among them) on another (worker/executor.h). */
 	if (shmrpc_rpc_async(PARENT, "owner_parked", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f))
 		return shmrpc_call_error(c, "RuntimeError", "park: %s", shmrpc_errmsg());
 	gate_wait(&gate.parked); /* on the owner, "parked" means "let go" */

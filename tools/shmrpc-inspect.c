@@ -21,7 +21,8 @@
  * (the text shows 20, the JSON 1000), each with its owner and who holds it.
  *
  * --check reports a dead worker, one still RUNNING whose process is gone
- * (the launcher has not reaped it), corrupt frames, a dead holder of pool
+ * (the launcher has not reaped it), one stopped (SIGSTOP) or whose agent's
+ * heartbeat is older than 5 s (stuck), corrupt frames, a dead holder of pool
  * references (or a live one whose process is gone), a pool or RRef table
  * the job has but this tool cannot read (it would hide anything wrong in
  * it; the text and JSON say why where the part would be), and three RRef
@@ -112,6 +113,7 @@
 #define RR_NSTATES (RREF_OWNER_DEAD + 1)
 #define RR_READS 8                 /* tries at a settled read of a busy entry */
 #define RR_RECHECK_NS 100000000u   /* pause before an RRef anomaly is read again */
+#define STUCK_NS 5000000000u       /* a READY agent stamps its heartbeat every 100 ms at most */
 
 #define EXIT_ANOMALY 1
 #define EXIT_USAGE 2
@@ -209,7 +211,9 @@ static int fail(const char *fmt, ...)
  * has not reaped yet (it holds no fds any more). A pid taken again by
  * another process reads as alive: the slot's pid is all there is to go by.
  */
-static bool process_gone(uint32_t pid)
+/* The state letter of /proc/PID/stat ('R', 'S', 'T'...), or 0 when the
+ * process is gone. */
+static char process_state(uint32_t pid)
 {
 	char path[32], buf[512], *paren;
 	ssize_t n;
@@ -218,15 +222,22 @@ static bool process_gone(uint32_t pid)
 	snprintf(path, sizeof(path), "/proc/%u/stat", pid);
 	fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return errno == ENOENT || errno == ESRCH;
+		return errno == ENOENT || errno == ESRCH ? 0 : '?';
 	n = read(fd, buf, sizeof(buf) - 1);
 	close(fd);
 	if (n <= 0)
-		return n == 0 || errno == ESRCH;
+		return n == 0 || errno == ESRCH ? 0 : '?';
 	buf[n] = '\0';
 	/* "PID (COMM) S ...": the name may hold spaces and parentheses. */
 	paren = strrchr(buf, ')');
-	return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+	return paren && paren[1] == ' ' ? paren[2] : '?';
+}
+
+static bool process_gone(uint32_t pid)
+{
+	char st = process_state(pid);
+
+	return !st || st == 'Z' || st == 'X';
 }
 
 static void usage(FILE *f)
@@ -241,6 +252,7 @@ static void usage(FILE *f)
 	      "             no JOB, the job list as one\n"
 	      "  --check    print \"ok\", or the anomalies found and exit 1: a DEAD\n"
 	      "             worker (or one whose process is gone, not yet reaped),\n"
+	      "             a stopped one, one whose heartbeat is older than 5 s,\n"
 	      "             corrupt frames, pool references of a dead holder,\n"
 	      "             an RRef of a DEAD owner not marked owner-dead, an RRef\n"
 	      "             counted below its holders' references (corrupt) or above\n"
@@ -927,6 +939,17 @@ static int check(const struct shm_seg *seg, const struct wsnap *ws)
 			 * nothing it held was swept and its peers wait on it. */
 			printf("rank %u (%s) is RUNNING, but its process %u is gone: the launcher has "
 			       "not seen it end\n", r, printable(s->name, pbuf), s->pid);
+			bad++;
+		} else if (s->state == SHM_WORKER_RUNNING && s->pid &&
+			   (process_state(s->pid) == 'T' || process_state(s->pid) == 't')) {
+			printf("rank %u (%s) is stopped (process %u: SIGSTOP or a debugger): calls to "
+			       "it wait\n", r, printable(s->name, pbuf), s->pid);
+			bad++;
+		} else if (s->state == SHM_WORKER_RUNNING && s->agent == SHM_AGENT_READY &&
+			   s->hb_age_ns != UINT64_MAX && s->hb_age_ns > STUCK_NS) {
+			/* Its loop thread stamps at least every 100 ms. */
+			printf("rank %u (%s) has not stamped its heartbeat for %.1f s: its agent's loop "
+			       "thread is stuck\n", r, printable(s->name, pbuf), (double)s->hb_age_ns / 1e9);
 			bad++;
 		}
 		if (s->val[CORRUPT_FRAMES]) {

@@ -10,6 +10,7 @@
  * call in flight, so nobody can send another request, and all leave.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,16 +112,22 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 		snprintf(buf, len, "worker %u (%s) died: %s", r, name, cause);
 	} else if (st == SHM_WORKER_EXITED || agent_state(ag, r) == SHM_AGENT_GONE) {
 		snprintf(buf, len, "worker %u (%s) has left the job", r, name);
+	} else if (ipc_port_ring_broken(&ag->port, r)) {
+		snprintf(buf, len, "the ring from worker %u (%s) is corrupt and is no longer read: "
+			 "its replies are lost (the job's memory was written outside shmrpc)", r,
+			 name);
 	} else {
-		snprintf(buf, len, "worker %u (%s) died", r, name);
+		snprintf(buf, len, "worker %u (%s) died: its process ended, and its launcher has "
+			 "not recorded how", r, name);
 	}
 }
 
-int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, const void *payload,
-	       size_t len)
+int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, uint64_t needed_by,
+	       uint32_t depth, const void *payload, size_t len)
 {
 	struct iovec iov = { (void *)payload, len };
-	struct ipc_msg m = { .type = type, .msg_id = msg_id, .iov = &iov, .iovcnt = 1,
+	struct ipc_msg m = { .type = type, .msg_id = msg_id, .needed_by = needed_by,
+			     .depth = depth, .iov = &iov, .iovcnt = 1,
 			     .kind = worker_msg_is_request(type) ? IPC_FRAME_REQUEST
 				     : type == MSG_TENSOR_ACK    ? IPC_FRAME_OTHER
 								 : IPC_FRAME_REPLY };
@@ -144,8 +151,8 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 	if (f->hdr.type == MSG_TENSOR_ACK)
 		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
 	else if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
-		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->payload,
-			      f->hdr.payload_len);
+		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->hdr.needed_by,
+			      f->hdr.depth, f->payload, f->hdr.payload_len);
 	else
 		client_on_reply(ag, f);
 }
@@ -420,7 +427,7 @@ static void collect_rrefs(struct agent *ag, bool after_death)
 			"freed later\n", ag->rank);
 		return;
 	}
-	*c = (struct collect_job){ { NULL, run_collect }, ag, after_death };
+	*c = (struct collect_job){ { .run = run_collect }, ag, after_death };
 	executor_submit(&c->base);
 }
 
@@ -444,6 +451,23 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 
 	while (ipc_port_take_dead(&ag->port, &peer))
 		if (!ag->gone[peer] && !ag->dying_since[peer])
+			ag->dying_since[peer] = now;
+	/* A peer whose ring to us broke: no reply of its will come. */
+	for (peer = 0; peer < ag->world; peer++) {
+		char why[200];
+
+		if (ag->gone[peer] || !ipc_port_ring_broken(&ag->port, peer))
+			continue;
+		agent_peer_gone_text(ag, peer, why, sizeof(why));
+		client_fail_peer(ag, peer, why);
+		ag->gone[peer] = true;
+	}
+	/* A peer without a pidfd: the launcher's word in its slot (it rings
+	 * our doorbell with it) is the news of its end. */
+	for (peer = 0; peer < ag->world; peer++)
+		if (ag->unwatched[peer] && !ag->gone[peer] && !ag->dying_since[peer] &&
+		    (worker_state(ag, peer) == SHM_WORKER_DEAD ||
+		     worker_state(ag, peer) == SHM_WORKER_EXITED))
 			ag->dying_since[peer] = now;
 	for (peer = 0; peer < ag->world; peer++) {
 		char why[160];
@@ -490,18 +514,38 @@ static bool any_dying(const struct agent *ag)
 	return false;
 }
 
+/* A pidfd per peer; one without (fd exhaustion) is watched through its
+ * slot instead (settle_deaths), and said once. */
+static void watch_peers(struct agent *ag)
+{
+	uint32_t unwatched = 0, first = 0;
+	char why[160] = "";
+
+	for (uint32_t r = 0; r < ag->world; r++) {
+		/* Acquire pairs with the peer's release of its pid, before its READY. */
+		if (r == ag->rank ||
+		    !ipc_port_watch(&ag->port, r,
+				    (pid_t)atomic_load_explicit(&shm_worker(&ag->seg, r)->pid,
+								memory_order_acquire)))
+			continue;
+		if (!unwatched++) {
+			first = r;
+			snprintf(why, sizeof(why), "%s", shmrpc_errmsg());
+		}
+		ag->unwatched[r] = true;
+	}
+	if (unwatched)
+		fprintf(stderr, "shmrpc: worker %u: cannot watch %u worker%s (worker %u: %s): their "
+			"ends are noticed by the launcher's word instead, up to 100 ms later (raise "
+			"ulimit -n for pidfds)\n", ag->rank, unwatched, unwatched == 1 ? "" : "s",
+			first, why);
+}
+
 static void *loop_main(void *arg)
 {
 	struct agent *ag = arg;
 
-	for (uint32_t r = 0; r < ag->world; r++)
-		/* Acquire pairs with the peer's release of its pid, before its READY. */
-		if (r != ag->rank &&
-		    ipc_port_watch(&ag->port, r,
-				   (pid_t)atomic_load_explicit(&shm_worker(&ag->seg, r)->pid,
-							       memory_order_acquire)))
-			fprintf(stderr, "shmrpc: worker %u: cannot watch worker %u: %s\n", ag->rank, r,
-				shmrpc_errmsg());
+	watch_peers(ag);
 	/* Relaxed: the flag is set before the doorbell that wakes us to see it. */
 	while (!atomic_load_explicit(&ag->stop, memory_order_relaxed)) {
 		uint64_t now, next, next_reap, sleep_ns;
@@ -614,13 +658,20 @@ static int check_names(struct agent *ag)
 static int attach_pool(struct agent *ag)
 {
 	long fd = env_long(SHMRPC_ENV_POOL_FD, -1);
+	long inline_max = env_long("SHMRPC_INLINE_MAX", TENSOR_INLINE_MAX_DEFAULT);
 	int rc;
 
+	if (inline_max < 0 || inline_max > UINT32_MAX)
+		return shmrpc__fail(-EINVAL, "SHMRPC_INLINE_MAX=%s: give the largest tensor, in "
+				    "bytes, to send inside the frame (0: none)",
+				    getenv("SHMRPC_INLINE_MAX"));
+	ag->inline_max = (uint32_t)inline_max;
 	if (fd < 0)
 		return 0;
 	rc = pool_attach_fd(&ag->pool, (int)fd, false);
 	if (rc)
 		return rc;
+	(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* programs we exec need not inherit it */
 	/* Acquire pairs with the launcher's release when it set up the slot. */
 	rc = pool_join(&ag->pool, ag->rank,
 		       atomic_load_explicit(&ag->self->generation, memory_order_acquire)) ?:
@@ -647,6 +698,8 @@ static int attach_rrefs(struct agent *ag)
 	if (fd < 0)
 		return 0;
 	rc = rref_table_attach_fd(&ag->rrefs, (int)fd, false);
+	if (rc == 0)
+		(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* as the segment's and the pool's */
 	if (rc == 0 && ag->rrefs.world != ag->world) {
 		rref_table_detach(&ag->rrefs);
 		rc = shmrpc__fail(-SHMRPC_EBADSEG, "the RRef table is for %u workers, the job has %u",
@@ -681,6 +734,7 @@ static void agent_free(struct agent *ag)
 	devmap_free(ag);
 	free(ag->dying_since);
 	free(ag->gone);
+	free(ag->unwatched);
 	pthread_mutex_destroy(&ag->poll_lock);
 	free(ag);
 }
@@ -688,8 +742,11 @@ static void agent_free(struct agent *ag)
 /* A child forked from a worker (torch's DataLoader forks its workers so)
  * is not that worker: when it frees its copies of our handles, nothing of
  * the job's shared counts may change, and it cannot call. */
+static bool forked_from_agent; /* this process was forked while an agent ran */
+
 static void forget_agent_in_child(void)
 {
+	forked_from_agent = forked_from_agent || worker_agent;
 	worker_agent = NULL;
 	own_forget();
 	executor_poll_rings(NULL); /* a pool it starts must not poll ours */
@@ -713,6 +770,12 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	if (worker_agent)
 		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
 	pthread_once(&forks_watched, watch_forks);
+	/* The executor's threads, and the state they kept, did not come along. */
+	if (forked_from_agent)
+		return shmrpc__fail(-ENOTSUP, "shmrpc_init: this process was forked from a worker "
+				    "whose RPC agent was running, and cannot start one: start it with "
+				    "multiprocessing's spawn or forkserver method (as "
+				    "torch.multiprocessing.spawn does), or fork before init_rpc");
 	if (rank < 0 || world <= 0 || !getenv(SHMRPC_ENV_JOB_FD))
 		return shmrpc__fail(-EINVAL, "shmrpc_init: SHMRPC_RANK, SHMRPC_WORLD_SIZE and %s are "
 				    "not set: start the program with shmrun -n N -- PROG",
@@ -737,12 +800,22 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	ag->rank = (uint32_t)rank;
 	ag->world = (uint32_t)world;
 	ag->self = shm_worker(&ag->seg, ag->rank);
+	/* Acquire: pairs with set_agent_state's release; a process the worker
+	 * started (forked before either joined) inherited its variables. */
+	if (agent_state(ag, ag->rank) != SHM_AGENT_NONE) {
+		rc = shmrpc__fail(-EEXIST, "shmrpc_init: worker %ld of this job has joined already "
+				  "(pid %u): a process that a worker started is not that worker; "
+				  "start it with shmrun, or have it meet others at an init_method",
+				  rank, atomic_load_explicit(&ag->self->pid, memory_order_relaxed));
+		goto fail;
+	}
 	trace_open(&ag->seg, ag->rank);
 	ag->default_timeout_ns = o.timeout_ms < 0 ? 0
 				 : (uint64_t)(o.timeout_ms ? o.timeout_ms : DEFAULT_TIMEOUT_MS) * 1000000u;
 	ag->dying_since = calloc(ag->world, sizeof(*ag->dying_since));
 	ag->gone = calloc(ag->world, sizeof(*ag->gone));
-	if (!ag->dying_since || !ag->gone) {
+	ag->unwatched = calloc(ag->world, sizeof(*ag->unwatched));
+	if (!ag->dying_since || !ag->gone || !ag->unwatched) {
 		rc = shmrpc__fail(-ENOMEM, "out of memory starting the RPC agent");
 		goto fail;
 	}

@@ -40,6 +40,9 @@ struct agent {
 	struct ipc_port port;
 	struct shm_pool pool;
 	bool has_pool; /* the job has a tensor pool (shmrun makes one) */
+	/* CPU tensors up to this many bytes from outside the pool travel in
+	 * the frame (worker/tensor.h); SHMRPC_INLINE_MAX, 0: none. */
+	uint32_t inline_max;
 	struct tensor_view *view; /* the pool's mapping, shared with the tensor handles */
 	struct rref_table rrefs;
 	bool has_rrefs; /* the job has an RRef table (shmrun makes one) */
@@ -59,6 +62,7 @@ struct agent {
 	 * 0 once their calls were failed). */
 	uint64_t *dying_since;
 	bool *gone;
+	bool *unwatched; /* no pidfd for this peer: its slot's state tells its end */
 	/* The device maps that concern us (worker/devmap.h), by peer, its
 	 * requests then its replies; NULL when no worker of the job has one.
 	 * Set in shmrpc_init, read-only after. */
@@ -131,9 +135,10 @@ SHMRPC_HIDDEN int agent_wait_all(struct agent *ag, uint64_t deadline,
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);
 /* "worker 3 (worker3) died: killed by signal 9 (SIGKILL)" and similar. */
 SHMRPC_HIDDEN void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len);
-/* Sends a frame from a non-loop thread; the text of a failure in errmsg. */
+/* Sends a frame from a non-loop thread; the text of a failure in errmsg.
+ * needed_by, depth: a request's (ipc/frame.h); 0 for other frames. */
 SHMRPC_HIDDEN int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id,
-			     const void *payload, size_t len);
+			     uint64_t needed_by, uint32_t depth, const void *payload, size_t len);
 
 /* client.c: the table of calls waiting for their reply (loop thread side). */
 SHMRPC_HIDDEN void client_on_reply(struct agent *ag, const struct ipc_frame *f);
@@ -166,8 +171,20 @@ SHMRPC_HIDDEN int client_sync_wait(shmrpc_future *f, shmrpc_future **out);
 
 /* server.c: tells peer that the tensors of its reply msg_id are ours now. */
 SHMRPC_HIDDEN void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id);
-/* server.c: a request, copied out of the ring, run on an executor thread. */
+/* server.c: a request, copied out of the ring, run on an executor thread.
+ * needed_by, depth: the frame header's (ipc/frame.h). */
 SHMRPC_HIDDEN void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
-				 const void *payload, size_t len);
+				 uint64_t needed_by, uint32_t depth, const void *payload,
+				 size_t len);
+/* server.c: the request this thread serves (its innermost, if it helps
+ * with another while it waits): its caller, id and depth; false on a
+ * thread that serves none. */
+SHMRPC_HIDDEN bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth);
+
+/* client.c: on, the next request this thread sends is an rpc_sync (it will
+ * wait for it before anything else), which lets the caller of the request
+ * it serves run it while waiting (worker/executor.h); off after the send,
+ * for a call refused before it. */
+SHMRPC_HIDDEN void client_sync_next(bool on);
 
 #endif

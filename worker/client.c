@@ -288,6 +288,14 @@ static int profile_wrap(struct agent *ag, int dst, const char *kind, const char 
 	return 0;
 }
 
+/* client_sync_next was called for the next request this thread sends. */
+static _Thread_local bool sync_next;
+
+void client_sync_next(bool on)
+{
+	sync_next = on;
+}
+
 int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
 		   struct tensor_list *sent, int64_t timeout_ms, const char *what,
 		   shmrpc_future **out)
@@ -295,14 +303,25 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	shmrpc_future *f = NULL;
 	const char *kind, *name;
 	char why[256];
-	unsigned asks; /* of a profiled call's callee: PROFILE_ bits */
-	bool torch;
+	unsigned asks, torch; /* of a profiled call's callee: PROFILE_ bits */
+	bool sync = sync_next, nested;
+	uint32_t caller = 0, depth = 0;
+	uint64_t served = 0, needed_by;
 	int rc;
 
 	*out = NULL;
+	sync_next = false;
 	profile_take_names(&kind, &name, &torch);
-	asks = (profile_on() ? PROFILE_CALLS : 0u) | (torch ? PROFILE_TORCH : 0u);
-	if (dst < 0 || (uint32_t)dst >= ag->world)
+	asks = (profile_on() ? PROFILE_CALLS : 0u) | torch;
+	nested = server_serving(&caller, &served, &depth);
+	depth++;
+	if (depth > SHMRPC_MAX_NESTING)
+		rc = shmrpc__fail(-SHMRPC_ENESTING, "cannot %s on worker %d: it would be the "
+				  "%u-th call nested inside one another (each made by the function "
+				  "serving the one before), beyond shmrpc's limit of %u "
+				  "(SHMRPC_MAX_NESTING): make the chain shorter, e.g. turn the "
+				  "recursion into a loop", what, dst, depth, SHMRPC_MAX_NESTING);
+	else if (dst < 0 || (uint32_t)dst >= ag->world)
 		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
 				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);
 	else if ((uint32_t)dst != ag->rank && !ipc_port_peer_alive(&ag->port, (uint32_t)dst))
@@ -342,6 +361,13 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		return rc;
 	}
 	f->dst = (uint32_t)dst;
+	/* Who may run the request while waiting for a call of its own
+	 * (worker/executor.h): for a call to ourselves, whoever waits for it;
+	 * for an rpc_sync made while serving a call of dst's, dst's thread
+	 * waiting for that call (we answer it only after this one). */
+	needed_by = (uint32_t)dst == ag->rank		 ? f->msg_id
+		    : sync && nested && caller == (uint32_t)dst ? served
+								 : 0;
 	f->tensors.land = devmap_landing(ag, (uint32_t)dst, true);
 	f->timeout_ms = timeout_ms;
 	f->deadline_ns = timeout_ms ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
@@ -351,10 +377,11 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	pending_add(f);
 	trace_rec(SHM_TRACE_SENT, f->dst, type, f->msg_id, sb->size, SHM_TRACE_OK);
 	if ((uint32_t)dst == ag->rank) {
-		server_submit(ag, ag->rank, type, f->msg_id, sb->data, sb->size);
+		server_submit(ag, ag->rank, type, f->msg_id, needed_by, depth, sb->data, sb->size);
 		rc = 0;
 	} else {
-		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, sb->data, sb->size);
+		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, sb->data,
+				sb->size);
 	}
 	if (rc) {
 		char msg[1024];
@@ -424,7 +451,9 @@ int shmrpc_rpc_sync(int dst, const char *fn, const shmrpc_value *args, uint32_t 
 		return shmrpc__fail(-EINVAL, "shmrpc_rpc_sync: out must be given");
 	*out = NULL;
 	profile_name_next("rpc_sync", NULL);
+	client_sync_next(true);
 	rc = shmrpc_rpc_async(dst, fn, args, nargs, timeout_ms, &f);
+	client_sync_next(false); /* a call refused before client_request */
 	return rc ? rc : client_sync_wait(f, out);
 }
 

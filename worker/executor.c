@@ -2,7 +2,9 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "common/clock.h"
@@ -17,25 +19,49 @@
  * per process spinning for ever would starve everything else of CPU. */
 #define EXECUTOR_MAX_SPIN_NS 100000u
 
+/* A thread waiting for a call of its own (executor_help_until): the jobs
+ * that call needs (struct job's needed_by) are handed to it. Found by the
+ * call's id in WAITER_BUCKETS lists, newest first: in a chain of nested
+ * calls the waiter looked for is the newest, and one list of them all
+ * made a chain of n calls cost n^2. */
+#define WAITER_BUCKETS 256
+
+struct waiter {
+	struct waiter *next;
+	shmrpc_future *f;
+	bool helps; /* takes f's jobs now: below EXECUTOR_HELP_LEVELS, not running one */
+	struct job *mail, *mail_tail; /* handed to it, not run yet */
+	pthread_cond_t cond; /* signalled with ex.lock held: mail, or f done */
+};
+
 static struct {
 	pthread_mutex_t lock;
-	pthread_cond_t cond;
 	struct job *head, *tail;
 	pthread_t *threads;
-	int nthreads;
-	int size; /* threads asked for */
-	int busy; /* threads running a job, less those waiting in executor_help_* */
+	int nthreads; /* started; at most EXECUTOR_MAX_THREADS */
+	int room; /* threads[] has room for this many */
+	int size; /* threads asked for: the pool keeps this many that are not blocked */
+	int busy; /* threads running a job, less those waiting (help_until, block_begin) */
+	int blocked; /* threads counted out of the pool while they wait (maybe_spawn) */
+	int retired; /* threads beyond the pool's size, asleep on retire_cond (retire) */
+	int unretire; /* of those, how many were told to come back */
+	pthread_cond_t retire_cond;
 	int idle;
 	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
+	int tagged; /* jobs in the queue with a needed_by */
 	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
+	bool spawn_failed; /* said so on stderr once */
+	struct waiter *waiters[WAITER_BUCKETS];
 	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
-	_Atomic int helpers; /* threads waiting on a future inside executor_help_until */
+	_Atomic int helpers; /* waiters in the lists, for executor_kick's look without the lock */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
 	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
 	struct shm_worker *gauges;
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
+/* Jobs this thread runs for the calls it waits for, one inside another. */
+static _Thread_local int help_levels;
 /* This executor thread is counted busy: from the job it takes until it
  * finds the queue empty after one (busy_add), so a pool with jobs queued
  * stays all busy rather than saying so again at each job. */
@@ -72,15 +98,15 @@ static void set_idle(int delta)
  * rings can be polled (executor_poll_rings) are all ever said busy. */
 static bool busy_add(int delta)
 {
-	bool was_all = ex.busy == ex.size;
+	bool was_all = ex.busy == ex.nthreads;
 
 	ex.busy += delta;
 	/* seq_cst stores, in one order with the senders' fences (doorbell.h);
 	 * acquire pairs with executor_poll_rings' release. */
-	if (ex.busy == ex.size && !was_all &&
+	if (ex.busy == ex.nthreads && !was_all &&
 	    atomic_load_explicit(&ex.poll_agent, memory_order_acquire))
 		atomic_store_explicit(&ex.gauges->servers_busy, 1, memory_order_seq_cst);
-	else if (was_all && ex.busy != ex.size &&
+	else if (was_all && ex.busy != ex.nthreads &&
 		 atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed)) {
 		atomic_store_explicit(&ex.gauges->servers_busy, 0, memory_order_seq_cst);
 		return true;
@@ -188,6 +214,7 @@ static struct job *pop(void)
 		ex.head = j->next;
 		if (!ex.head)
 			ex.tail = NULL;
+		ex.tagged -= j->needed_by != 0;
 		/* Relaxed: a hint for spinners; the queue itself is under the lock. */
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
@@ -234,12 +261,37 @@ static bool spin_work(void *arg)
 	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
+/* Threads that take jobs: not retired, or told to come back. */
+static int active(void)
+{
+	return ex.nthreads - ex.retired + ex.unretire;
+}
+
+/* A thread beyond the pool's size (more threads not blocked than asked
+ * for: one started while others waited, theirs over) sleeps until
+ * maybe_spawn needs it, so that a pool of N never runs more than N jobs at
+ * once but for those blocked in a wait. ex.lock held. */
+static void retire(void)
+{
+	busy_release();
+	ex.retired++;
+	while (!ex.unretire && !ex.stop)
+		pthread_cond_wait(&ex.retire_cond, &ex.lock);
+	if (ex.unretire)
+		ex.unretire--;
+	ex.retired--;
+}
+
 static void *thread_main(void *arg)
 {
 	(void)arg;
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
+		if (active() - ex.blocked > ex.size && !ex.stop) {
+			retire();
+			continue;
+		}
 		if (run_next())
 			continue;
 		if (ex.stop)
@@ -273,73 +325,177 @@ static void *thread_main(void *arg)
 	return NULL;
 }
 
+/* Starts one more thread; ex.lock held. 0 or -errno. */
+static int spawn(void)
+{
+	int rc;
+
+	if (ex.nthreads == ex.room) {
+		int room = ex.room ? 2 * ex.room : 8;
+		pthread_t *t;
+
+		if (room > EXECUTOR_MAX_THREADS)
+			room = EXECUTOR_MAX_THREADS;
+		if (!(t = realloc(ex.threads, (size_t)room * sizeof(*t))))
+			return -ENOMEM;
+		ex.threads = t;
+		ex.room = room;
+	}
+	rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main, NULL);
+	if (rc)
+		return -rc;
+	ex.nthreads++;
+	/* Relaxed: a gauge. */
+	atomic_store_explicit(&ex.gauges->thread_pool_size, (uint32_t)ex.nthreads,
+			      memory_order_relaxed);
+	return 0;
+}
+
+/* Keeps ex.size threads that are not blocked while jobs are queued: a
+ * queued job that no thread can take gets a retired thread back, or a new
+ * one, up to EXECUTOR_MAX_THREADS (then it waits for a thread to finish).
+ * ex.lock held. */
+static void maybe_spawn(void)
+{
+	int rc;
+
+	if (!ex.head || ex.idle || ex.stop || active() - ex.blocked >= ex.size)
+		return;
+	if (ex.retired > ex.unretire) {
+		ex.unretire++;
+		pthread_cond_signal(&ex.retire_cond);
+		return;
+	}
+	if (ex.nthreads >= EXECUTOR_MAX_THREADS)
+		return;
+	rc = spawn();
+	if (rc && !ex.spawn_failed) {
+		ex.spawn_failed = true;
+		fprintf(stderr, "shmrpc: cannot start executor thread %d (%s): queued requests wait "
+			"for one of the %d running (%d of them blocked in a wait); raise the "
+			"process or thread limit (ulimit -u, kernel.threads-max)\n",
+			ex.nthreads + 1, strerror(-rc), ex.nthreads, ex.blocked);
+	}
+}
+
 int executor_start(int nthreads, struct shm_worker *gauges)
 {
-	pthread_condattr_t ca;
+	int rc = 0;
 
-	pthread_condattr_init(&ca);
-	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-	pthread_cond_init(&ex.cond, &ca);
-	pthread_condattr_destroy(&ca);
 	ex.gauges = gauges;
 	ex.stop = false;
 	ex.idle = 0;
 	ex.busy = 0;
+	ex.blocked = 0;
+	ex.retired = 0;
+	ex.unretire = 0;
+	ex.spawn_failed = false;
 	ex.size = nthreads;
-	ex.threads = calloc((size_t)nthreads, sizeof(*ex.threads));
-	if (!ex.threads)
-		return shmrpc__fail(-ENOMEM, "out of memory starting %d executor threads", nthreads);
-	for (ex.nthreads = 0; ex.nthreads < nthreads; ex.nthreads++) {
-		int rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main, NULL);
-
-		if (rc) {
-			executor_stop();
-			return shmrpc__fail(-rc, "cannot start executor thread %d of %d", ex.nthreads + 1,
-					    nthreads);
-		}
+	pthread_cond_init(&ex.retire_cond, NULL);
+	pthread_mutex_lock(&ex.lock);
+	while (ex.nthreads < nthreads && !(rc = spawn()))
+		;
+	pthread_mutex_unlock(&ex.lock);
+	if (rc) {
+		executor_stop();
+		return shmrpc__fail(rc, "cannot start executor thread %d of %d", ex.nthreads + 1,
+				    nthreads);
 	}
-	/* Relaxed: a gauge. */
-	atomic_store_explicit(&gauges->thread_pool_size, (uint32_t)nthreads, memory_order_relaxed);
 	return 0;
 }
 
 void executor_stop(void)
 {
+	int n;
+
 	pthread_mutex_lock(&ex.lock);
 	ex.stop = true;
 	/* Before the wake-ups: a thread woken from the bell takes no request
 	 * of an agent that is going (sleep_idle reads it again). Release:
 	 * pairs with the acquire loads of the spinners and sleepers. */
 	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_release);
-	pthread_cond_broadcast(&ex.cond);
 	wake_idle(INT_MAX);
+	pthread_cond_broadcast(&ex.retire_cond);
+	/* No thread starts after stop (maybe_spawn), so n is all of them. */
+	n = ex.nthreads;
 	pthread_mutex_unlock(&ex.lock);
-	for (int i = 0; i < ex.nthreads; i++)
+	for (int i = 0; i < n; i++)
 		pthread_join(ex.threads[i], NULL);
 	free(ex.threads);
 	ex.threads = NULL;
 	ex.nthreads = 0;
-	pthread_cond_destroy(&ex.cond);
+	ex.room = 0;
+	pthread_cond_destroy(&ex.retire_cond);
 }
 
-/* Queues the chain head..tail of n jobs. One thread is woken, and only if
+/* Hands j to the thread waiting for the call that needs it, if that thread
+ * takes such jobs now; ex.lock held. */
+static struct waiter **bucket(uint64_t msg_id)
+{
+	return &ex.waiters[msg_id % WAITER_BUCKETS];
+}
+
+static bool hand_to_waiter(struct job *j)
+{
+	for (struct waiter *w = *bucket(j->needed_by); w; w = w->next) {
+		if (!w->helps || w->f->msg_id != j->needed_by || w->f->dst != j->src)
+			continue;
+		j->next = NULL;
+		if (w->mail_tail)
+			w->mail_tail->next = j;
+		else
+			w->mail = j;
+		w->mail_tail = j;
+		pthread_cond_signal(&w->cond);
+		return true;
+	}
+	return false;
+}
+
+/* Appends j to the queue; ex.lock held. */
+static void enqueue(struct job *j)
+{
+	j->next = NULL;
+	if (ex.tail)
+		ex.tail->next = j;
+	else
+		ex.head = j;
+	ex.tail = j;
+	ex.tagged += j->needed_by != 0;
+	/* Relaxed: a hint for spinners; the queue itself is under the lock. */
+	atomic_fetch_add_explicit(&ex.queued, 1, memory_order_relaxed);
+}
+
+/* Queues the chain head..tail of n jobs; a job that a waiting thread needs
+ * goes to that thread (hand_to_waiter). One thread is woken, and only if
  * none is idle and awake (spinning): a thread that takes a job and sees
- * more wakes the next (pop), so a burst wakes threads as it needs them,
- * not one per job. Helpers are all woken: any of them may take it. */
+ * more wakes the next (pop), so a burst wakes threads as it needs them, not
+ * one per job; when none is idle and the pool is short of threads that are
+ * not blocked, one is started (maybe_spawn). */
 static void push(struct job *head, struct job *tail, int n)
 {
 	pthread_mutex_lock(&ex.lock);
-	if (ex.tail)
-		ex.tail->next = head;
-	else
-		ex.head = head;
-	ex.tail = tail;
-	atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
-	/* Relaxed: helpers changes under the lock, which we hold. */
-	if (atomic_load_explicit(&ex.helpers, memory_order_relaxed))
-		pthread_cond_broadcast(&ex.cond);
-	if (ex.sleeping && ex.idle == ex.sleeping)
+	/* Relaxed: it changes under the lock, which we hold. */
+	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed)) {
+		if (ex.tail)
+			ex.tail->next = head;
+		else
+			ex.head = head;
+		ex.tail = tail;
+		for (struct job *j = head; j; j = j->next)
+			ex.tagged += j->needed_by != 0;
+		/* Relaxed: a hint for spinners; the queue itself is under the lock. */
+		atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
+	} else {
+		for (struct job *j = head, *next; j; j = next) {
+			next = j->next;
+			if (!j->needed_by || !hand_to_waiter(j))
+				enqueue(j);
+		}
+	}
+	if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
 		wake_idle(1);
+	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
 }
 
@@ -392,21 +548,23 @@ int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void 
 	if (!c)
 		return shmrpc__fail(-ENOMEM, "out of memory queueing a future callback");
 	future_ref(f);
-	*c = (struct callback_job){ { NULL, run_callback }, f, fn, arg };
+	*c = (struct callback_job){ { .run = run_callback }, f, fn, arg };
 	executor_submit(&c->base);
 	return 0;
 }
 
-void executor_kick(void)
+void executor_kick(shmrpc_future *f)
 {
 	/* seq_cst fence: after the completer's store of done, before reading
-	 * helpers; pairs with the fence in executor_help_until (a helper
+	 * helpers; pairs with the fence in executor_help_until (a waiter
 	 * counted after this load sees done; one counted before is woken). */
 	atomic_thread_fence(memory_order_seq_cst);
 	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed))
 		return;
 	pthread_mutex_lock(&ex.lock);
-	pthread_cond_broadcast(&ex.cond);
+	for (struct waiter *w = *bucket(f->msg_id); w; w = w->next)
+		if (w->f == f)
+			pthread_cond_signal(&w->cond);
 	pthread_mutex_unlock(&ex.lock);
 }
 
@@ -421,45 +579,153 @@ bool executor_on_worker_thread(void)
 	return on_executor;
 }
 
+/* Moves the queued jobs that w's call needs to w; ex.lock held. A queue
+ * holds such jobs only when they came before w began to wait (a call to
+ * ourselves, queued as it was made), so the walk is rare. */
+static void take_queued(struct waiter *w)
+{
+	for (struct job **at = &ex.head, *j, *last = NULL; (j = *at);) {
+		if (j->needed_by != w->f->msg_id || j->src != w->f->dst) {
+			last = j;
+			at = &j->next;
+			continue;
+		}
+		*at = j->next;
+		if (ex.tail == j)
+			ex.tail = last;
+		ex.tagged--;
+		/* Relaxed: a hint for spinners, as in pop. */
+		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
+		hand_to_waiter(j);
+	}
+}
+
+/* Runs j, which w's call needs, on this thread; ex.lock held on entry and
+ * on return. Meanwhile w takes no more (a second job for the same call
+ * cannot come before this one is done: see executor.h), and the thread is
+ * busy. */
+static void run_for(struct waiter *w, struct job *j)
+{
+	w->helps = false;
+	busy_take();
+	help_levels++;
+	pthread_mutex_unlock(&ex.lock);
+	j->run(j);
+	pthread_mutex_lock(&ex.lock);
+	help_levels--;
+	busy_release();
+	w->helps = true;
+}
+
 int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 {
-	struct timespec ts = { (time_t)(deadline_ns / 1000000000u), (long)(deadline_ns % 1000000000u) };
+	struct waiter w = { .f = f, .helps = help_levels < EXECUTOR_HELP_LEVELS };
+	uint64_t grace = shmrpc_now_ns() + EXECUTOR_GRACE_NS;
+	bool blocked = false;
+	pthread_condattr_t ca;
 
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&w.cond, &ca);
+	pthread_condattr_destroy(&ca);
 	pthread_mutex_lock(&ex.lock);
-	/* Not busy while it waits: requests must wake us to be served. */
+	/* Not busy while it waits (busy_add): requests must ring to be served. */
 	busy_release();
+	w.next = *bucket(f->msg_id);
+	*bucket(f->msg_id) = &w;
 	/* Counted before done is read, with a seq_cst fence between: pairs
-	 * with executor_kick (a completion either sees us or we see done). */
+	 * with executor_kick (a completion either sees us or we see done).
+	 * Relaxed: the count changes under the lock, which we hold. */
 	atomic_fetch_add_explicit(&ex.helpers, 1, memory_order_relaxed);
 	atomic_thread_fence(memory_order_seq_cst);
+	if (w.helps && ex.tagged)
+		take_queued(&w);
 	/* Acquire pairs with the completer's release of done. */
 	while (!atomic_load_explicit(&f->done, memory_order_acquire)) {
-		if (run_next())
+		struct job *j = w.mail;
+		uint64_t now, until;
+		struct timespec ts;
+
+		if (j) {
+			w.mail = j->next;
+			if (!w.mail)
+				w.mail_tail = NULL;
+			/* The thread runs again: a wait inside the job counts it
+			 * out if need be, and this one starts its grace anew. */
+			if (blocked) {
+				blocked = false;
+				ex.blocked--;
+			}
+			run_for(&w, j);
+			grace = shmrpc_now_ns() + EXECUTOR_GRACE_NS;
 			continue;
-		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
+		}
+		now = shmrpc_now_ns();
+		if (deadline_ns && now >= deadline_ns)
 			break;
-		if (deadline_ns)
-			pthread_cond_timedwait(&ex.cond, &ex.lock, &ts);
-		else
-			pthread_cond_wait(&ex.cond, &ex.lock);
+		/* Past its grace, a wait is counted out of the pool, which
+		 * then starts a thread for what is queued: most nested calls
+		 * are answered within it, and a burst of them would otherwise
+		 * start a thread each. */
+		if (!blocked && now >= grace) {
+			blocked = true;
+			ex.blocked++;
+			maybe_spawn();
+			continue;
+		}
+		until = blocked ? deadline_ns : deadline_ns && deadline_ns < grace ? deadline_ns : grace;
+		if (!until) {
+			pthread_cond_wait(&w.cond, &ex.lock);
+			continue;
+		}
+		ts = (struct timespec){ (time_t)(until / 1000000000u), (long)(until % 1000000000u) };
+		pthread_cond_timedwait(&w.cond, &ex.lock, &ts);
 	}
+	for (struct waiter **at = bucket(f->msg_id);; at = &(*at)->next)
+		if (*at == &w) {
+			*at = w.next;
+			break;
+		}
 	atomic_fetch_sub_explicit(&ex.helpers, 1, memory_order_relaxed);
+	/* Jobs handed over after a timeout or failure: anyone's now, first. */
+	if (w.mail) {
+		int n = 0;
+
+		for (struct job *j = w.mail; j; j = j->next)
+			n++, ex.tagged++;
+		w.mail_tail->next = ex.head;
+		ex.head = w.mail;
+		if (!ex.tail)
+			ex.tail = w.mail_tail;
+		atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
+		wake_idle(1);
+	}
+	if (blocked)
+		ex.blocked--;
 	busy_take(); /* for the job it is in */
+	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
+	pthread_cond_destroy(&w.cond);
 	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
 
-bool executor_help_once(void)
+void executor_block_begin(void)
 {
-	bool ran;
-
-	/* A thread of ours leaves the busy ones meanwhile, and so takes
-	 * what waits unannounced; another thread takes only queued jobs. */
+	if (!on_executor)
+		return;
 	pthread_mutex_lock(&ex.lock);
 	busy_release();
-	ran = run_next();
-	if (on_executor)
-		busy_take(); /* for the job it is in */
+	ex.blocked++;
+	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
-	return ran;
+}
+
+void executor_block_end(void)
+{
+	if (!on_executor)
+		return;
+	pthread_mutex_lock(&ex.lock);
+	ex.blocked--;
+	busy_take();
+	pthread_mutex_unlock(&ex.lock);
 }

@@ -73,7 +73,7 @@ static void finish(shmrpc_future *f)
 	atomic_store_explicit(&f->done, 1, memory_order_release);
 	pthread_cond_broadcast(&f->cond);
 	pthread_mutex_unlock(&f->lock);
-	executor_kick();
+	executor_kick(f);
 	agent_future_done();
 	while (cbs) {
 		struct future_cb *next = cbs->next;
@@ -104,7 +104,7 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 		f->errmsg = strdup(shmrpc_errmsg());
 	}
 	/* Counted now: after finish() the future may be freed by its owner. */
-	ntensors = f->tensors.n;
+	ntensors = tensor_list_by_ref(&f->tensors);
 	finish(f);
 	return ntensors;
 }
@@ -165,8 +165,8 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 	struct timespec ts;
 	int rc = 0;
 
-	/* An executor thread must serve queued work rather than spin: the
-	 * reply it waits for may depend on it. */
+	/* An executor thread runs what the call needs rather than spin: the
+	 * reply it waits for may depend on it (executor.h). */
 	if (executor_on_worker_thread())
 		return executor_help_until(f, deadline_ns);
 	if (is_done(f) || spin_wait(f, deadline_ns)) /* done before: nothing to learn */

@@ -1,9 +1,9 @@
 /*
  * Futures: the result of a call, completed once by the loop thread (a
  * reply, a timeout, a death) or by the caller (a failed send). Waiters are
- * user threads (condition variable) or executor threads, which run queued
- * work while they wait (executor.h) so that nested calls cannot starve the
- * pool.
+ * user threads (condition variable) or executor threads, which run what
+ * the call needs while they wait (executor.h) so that nested calls cannot
+ * starve the pool.
  */
 #ifndef SHMRPC_WORKER_FUTURE_H
 #define SHMRPC_WORKER_FUTURE_H
@@ -53,13 +53,14 @@ SHMRPC_HIDDEN shmrpc_future *future_new(void);
 SHMRPC_HIDDEN void future_ref(shmrpc_future *f);
 SHMRPC_HIDDEN void future_unref(shmrpc_future *f);
 /* Completes with a MessagePack value: decoded into the future's arena.
- * Returns how many tensors it received (the sender waits for an ack). */
+ * Returns how many tensors it received by reference (the sender pinned
+ * them and waits for an ack; inline ones need none). */
 SHMRPC_HIDDEN uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len);
 /* Completes with an error; type and backtrace may be NULL. */
 SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, const char *msg,
 			       const char *backtrace);
-/* Waits until done or deadline_ns (0: none); an executor thread runs
- * queued work meanwhile. 0, or -ETIMEDOUT. */
+/* Waits until done or deadline_ns (0: none); an executor thread runs what
+ * the call needs meanwhile (executor.h). 0, or -ETIMEDOUT. */
 SHMRPC_HIDDEN int future_wait_until(shmrpc_future *f, uint64_t deadline_ns);
 
 #endif

@@ -30,7 +30,7 @@ static _Atomic uint32_t in_flight;
 
 static _Thread_local const char *next_kind;
 static _Thread_local const char *next_fn;
-static _Thread_local bool next_torch;
+static _Thread_local unsigned next_torch; /* PROFILE_ bits, 0: none */
 
 void profile_call_begin(void)
 {
@@ -45,7 +45,7 @@ void profile_call_end(void)
 void profile_forget_next(void)
 {
 	next_kind = next_fn = NULL;
-	next_torch = false;
+	next_torch = 0;
 }
 
 bool profile_on(void)
@@ -61,12 +61,12 @@ void profile_name_next(const char *kind, const char *fn)
 		next_fn = fn;
 }
 
-void profile_torch_next(void)
+void profile_torch_next(unsigned what)
 {
-	next_torch = true;
+	next_torch = what;
 }
 
-void profile_take_names(const char **kind, const char **fn, bool *torch)
+void profile_take_names(const char **kind, const char **fn, unsigned *torch)
 {
 	*kind = next_kind;
 	*fn = next_fn;
@@ -148,8 +148,11 @@ int profile_unwrap(const void *buf, size_t len, struct arena *a, uint16_t *type,
 }
 
 void profile_events_add(struct profile_events *pe, const char *name, uint64_t start_ns,
-			uint64_t end_ns, uint64_t thread, uint32_t rank)
+			uint64_t end_ns, uint64_t thread, uint32_t rank, const char *shapes,
+			int64_t cpu_mem)
 {
+	char *shapes_copy = NULL;
+
 	if (pe->n == pe->cap) {
 		uint32_t cap = pe->cap ? 2 * pe->cap : 4;
 		struct profile_event_rec *n = realloc(pe->ev, cap * sizeof(*n));
@@ -159,6 +162,10 @@ void profile_events_add(struct profile_events *pe, const char *name, uint64_t st
 		pe->ev = n;
 		pe->cap = cap;
 	}
+	if (shapes && !(shapes_copy = strdup(shapes)))
+		return;
+	pe->ev[pe->n].shapes = shapes_copy;
+	pe->ev[pe->n].cpu_mem = cpu_mem;
 	snprintf(pe->ev[pe->n].name, sizeof(pe->ev[pe->n].name), "%s", name);
 	pe->ev[pe->n].start_ns = start_ns;
 	pe->ev[pe->n].end_ns = end_ns;
@@ -168,6 +175,8 @@ void profile_events_add(struct profile_events *pe, const char *name, uint64_t st
 
 void profile_events_free(struct profile_events *pe)
 {
+	for (uint32_t i = 0; i < pe->n; i++)
+		free(pe->ev[i].shapes);
 	free(pe->ev);
 	*pe = (struct profile_events){ 0 };
 }
@@ -182,13 +191,18 @@ int profile_wrap_reply(uint16_t type, const void *buf, size_t len, const struct 
 	rc = len > UINT32_MAX || msgpack_pack_array(&pk, 3) || msgpack_pack_uint16(&pk, type) ||
 	     msgpack_pack_bin_with_body(&pk, buf, len) || msgpack_pack_array(&pk, pe->n);
 	for (uint32_t i = 0; rc == 0 && i < pe->n; i++) {
-		size_t n = strlen(pe->ev[i].name);
+		const struct profile_event_rec *e = &pe->ev[i];
+		bool more = e->shapes || e->cpu_mem;
 
-		rc = msgpack_pack_array(&pk, 5) || msgpack_pack_str_with_body(&pk, pe->ev[i].name, n) ||
-		     msgpack_pack_uint64(&pk, pe->ev[i].start_ns) ||
-		     msgpack_pack_uint64(&pk, pe->ev[i].end_ns) ||
-		     msgpack_pack_uint32(&pk, pe->ev[i].rank == PROFILE_HERE ? rank : pe->ev[i].rank) ||
-		     msgpack_pack_uint64(&pk, pe->ev[i].thread);
+		rc = msgpack_pack_array(&pk, more ? 7 : 5) ||
+		     msgpack_pack_str_with_body(&pk, e->name, strlen(e->name)) ||
+		     msgpack_pack_uint64(&pk, e->start_ns) || msgpack_pack_uint64(&pk, e->end_ns) ||
+		     msgpack_pack_uint32(&pk, e->rank == PROFILE_HERE ? rank : e->rank) ||
+		     msgpack_pack_uint64(&pk, e->thread);
+		if (rc == 0 && more)
+			rc = msgpack_pack_str_with_body(&pk, e->shapes ? e->shapes : "",
+							e->shapes ? strlen(e->shapes) : 0) ||
+			     msgpack_pack_int64(&pk, e->cpu_mem);
 	}
 	return rc ? shmrpc__fail(-ENOMEM, "out of memory wrapping a profiled reply") : 0;
 }
@@ -199,10 +213,11 @@ static const shmrpc_value *event_at(const shmrpc_value *events, uint32_t i)
 {
 	const shmrpc_value *e = &events->u.items[i], *f = e->u.items;
 
-	if (e->type != SHMRPC_LIST || e->len != 5 || f[0].type != SHMRPC_STR ||
+	if (e->type != SHMRPC_LIST || (e->len != 5 && e->len != 7) || f[0].type != SHMRPC_STR ||
 	    f[1].type != SHMRPC_INT || f[2].type != SHMRPC_INT || f[1].u.i < 0 ||
 	    f[2].u.i < f[1].u.i || f[3].type != SHMRPC_INT || f[3].u.i < 0 ||
-	    f[3].u.i > UINT32_MAX || f[4].type != SHMRPC_INT)
+	    f[3].u.i > UINT32_MAX || f[4].type != SHMRPC_INT ||
+	    (e->len == 7 && (f[5].type != SHMRPC_STR || f[6].type != SHMRPC_INT)))
 		return NULL;
 	return f;
 }
@@ -231,7 +246,9 @@ struct profile_events *profile_events_of(const shmrpc_value *events)
 
 		if (f)
 			profile_events_add(pe, f[0].u.s, (uint64_t)f[1].u.i, (uint64_t)f[2].u.i,
-					   (uint64_t)f[4].u.i, (uint32_t)f[3].u.i);
+					   (uint64_t)f[4].u.i, (uint32_t)f[3].u.i,
+					   events->u.items[i].len == 7 && f[5].len ? f[5].u.s : NULL,
+					   events->u.items[i].len == 7 ? f[6].u.i : 0);
 	}
 	return pe;
 }

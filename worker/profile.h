@@ -34,6 +34,9 @@
 enum {
 	PROFILE_CALLS = 1u, /* shmrpc's profiler: time the function */
 	PROFILE_TORCH = 2u, /* torch's legacy profiler: the ops a Python function ran */
+	PROFILE_SHAPES = 4u, /* with PROFILE_TORCH: the ops' input shapes (record_shapes) */
+	PROFILE_MEMORY = 8u, /* with PROFILE_TORCH: their memory use (profile_memory) */
+	PROFILE_ALL = 15u,
 };
 
 /* Whether this process profiles its calls now. */
@@ -41,11 +44,13 @@ SHMRPC_HIDDEN bool profile_on(void);
 /* Names the next request this thread sends: kind "rpc_sync", "rpc_async"
  * (the default) or "rpc_remote", and the function (NULL: keep). */
 SHMRPC_HIDDEN void profile_name_next(const char *kind, const char *fn);
-/* The next request this thread sends is profiled for torch's profiler. */
-SHMRPC_HIDDEN void profile_torch_next(void);
+/* The next request this thread sends is profiled for torch's profiler:
+ * what, PROFILE_TORCH and the options of torch's profile (SHAPES, MEMORY). */
+SHMRPC_HIDDEN void profile_torch_next(unsigned what);
 /* The names given for the request this thread sends now (NULL if none)
- * and whether it is profiled for torch; the next request starts without. */
-SHMRPC_HIDDEN void profile_take_names(const char **kind, const char **fn, bool *torch);
+ * and what torch's profiler asks of it (0: not profiled for torch); the
+ * next request starts without. */
+SHMRPC_HIDDEN void profile_take_names(const char **kind, const char **fn, unsigned *torch);
 /* Forgets what was given for the next request (one refused before it went). */
 SHMRPC_HIDDEN void profile_forget_next(void);
 /* "rpc_sync#fn(caller -> callee)" in buf. */
@@ -68,11 +73,14 @@ SHMRPC_HIDDEN int profile_unwrap(const void *buf, size_t len, struct arena *a, u
  * brought for torch's profiler (caller). */
 struct profile_events {
 	uint32_t n, cap;
+	unsigned what; /* on the callee: what the caller asked (PROFILE_ bits) */
 	struct profile_event_rec {
 		char name[256];
 		uint64_t start_ns, end_ns;
 		uint64_t thread; /* torch's id of the thread it ran on; 0 for the function's time */
 		uint32_t rank;   /* the worker it ran on; PROFILE_HERE: the callee */
+		int64_t cpu_mem; /* bytes allocated (PROFILE_MEMORY), else 0 */
+		char *shapes;    /* its inputs' shapes as JSON (PROFILE_SHAPES), or NULL; owned */
 	} *ev;
 };
 
@@ -83,7 +91,7 @@ struct profile_events {
 
 SHMRPC_HIDDEN void profile_events_add(struct profile_events *pe, const char *name,
 				      uint64_t start_ns, uint64_t end_ns, uint64_t thread,
-				      uint32_t rank);
+				      uint32_t rank, const char *shapes, int64_t cpu_mem);
 SHMRPC_HIDDEN void profile_events_free(struct profile_events *pe);
 /* A reply's events (as checked as everything received: malformed ones are
  * left out), in a new list; NULL if out of memory. */

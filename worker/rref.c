@@ -238,7 +238,7 @@ static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t 
 			owner);
 		return;
 	}
-	*d = (struct delete_job){ { NULL, run_delete }, ag, id, slot, owner };
+	*d = (struct delete_job){ { .run = run_delete }, ag, id, slot, owner };
 	executor_submit(&d->base);
 }
 
@@ -710,7 +710,7 @@ int rref_unpack(const char *data, uint32_t len, bool take, shmrpc_rref **out)
 	if (p) /* Relaxed: a gauge (pending_users_open). */
 		atomic_fetch_add_explicit(&pending_users_open, 1, memory_order_relaxed);
 	if (fj) { /* from an executor thread: this may be the loop thread */
-		*fj = (struct fork_job){ { NULL, run_fork_job }, ag, p, w.parent, w.fork_id };
+		*fj = (struct fork_job){ { .run = run_fork_job }, ag, p, w.parent, w.fork_id };
 		executor_submit(&fj->base);
 	}
 	*out = r;
@@ -853,8 +853,9 @@ int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot)
 	return 0;
 }
 
-/* Encodes v into a new pool block; the tensors and RRefs it holds get
- * references of ours in held, and are listed in sent. */
+/* Encodes v into a new pool block; the tensors (by reference: an inline
+ * one's bytes are in the block) and RRefs it holds get references of ours
+ * in held, and are listed in sent. */
 static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, uint64_t *len,
 		       struct tensor_list *held, struct tensor_list *sent)
 {
@@ -864,12 +865,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = value_pack(&pk, v, sent);
-	for (uint32_t i = 0; i < sent->n && rc == 0; i++) {
-		shmrpc_tensor *t;
-
-		rc = shmrpc_tensor_retain(sent->t[i], &t) ?: tensor_list_add(held, t);
-	}
+	rc = value_pack(&pk, v, sent) ?: tensor_list_hold(sent, held);
 	for (uint32_t i = 0; i < sent->nr && rc == 0; i++) {
 		shmrpc_rref *r;
 
@@ -939,41 +935,28 @@ static bool looked_settled(void *arg)
 	return l->st != -ETIMEDOUT;
 }
 
-/* Waits for id to leave PENDING: on an executor thread it serves queued
- * jobs meanwhile (the owner's run of the value may be one of them);
- * elsewhere it spins first as long as a hand-off does (worker_handoff_spin),
- * since the owner's store wakes a futex sleeper only with a syscall. */
+/* Waits for id to leave PENDING. An executor thread is counted out of its
+ * pool meanwhile (executor_block_begin), which runs the owner's job for
+ * the value, if queued, on another thread: run here, it could wait for
+ * what a frame below produces. Elsewhere the wait spins first as long as a
+ * hand-off does (worker_handoff_spin), since the owner's store wakes a
+ * futex sleeper only with a syscall. */
 static int wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
-	if (!executor_on_worker_thread()) {
-		struct look l = { &ag->rrefs, slot, id, 0 };
-		bool came;
+	struct look l = { &ag->rrefs, slot, id, 0 };
+	bool came;
 
-		if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
-			return l.st;
-		came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
-		worker_handoff_spun(came);
-		return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
+		return l.st;
+	if (executor_on_worker_thread()) {
+		executor_block_begin();
+		l.st = rref_wait(&ag->rrefs, slot, id, deadline_ns);
+		executor_block_end();
+		return l.st;
 	}
-	for (;;) {
-		uint64_t now = shmrpc_now_ns();
-		/* A look first (a deadline already passed does not sleep). */
-		int st = rref_wait(&ag->rrefs, slot, id, now);
-
-		if (st != -ETIMEDOUT)
-			return st;
-		if (deadline_ns && now >= deadline_ns)
-			return -ETIMEDOUT;
-		/* Then a queued job, or a short sleep: a job queued meanwhile
-		 * waits at most 1 ms for us. */
-		if (!executor_help_once()) {
-			now += 1000000u;
-			st = rref_wait(&ag->rrefs, slot, id,
-				       deadline_ns && deadline_ns < now ? deadline_ns : now);
-			if (st != -ETIMEDOUT)
-				return st;
-		}
-	}
+	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
+	worker_handoff_spun(came);
+	return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
 }
 
 int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
@@ -1153,9 +1136,14 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 	f->tensors.land = devmap_landing(ag, r->owner, true);
 	rc = value_unpack(copy, len, &f->arena, &f->value, &used, &f->tensors);
 	free(copy);
-	if (rc)
+	if (rc) {
+		char why[512];
+
+		/* Copied first: the error's own buffer is where it is written. */
+		snprintf(why, sizeof(why), "%s", shmrpc_errmsg());
 		return shmrpc__fail(-EBADMSG, "the stored value of RRef %#" PRIx64 " cannot be "
-				    "decoded: %s", r->id, shmrpc_errmsg());
+				    "decoded: %s", r->id, why);
+	}
 	return 0;
 }
 
@@ -1190,16 +1178,36 @@ static uint64_t deadline_of(struct agent *ag, int64_t timeout_ms)
 	return timeout_ms > 0 ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
 }
 
+/* remote()'s request failed, or ran past its deadline (the loop fails it
+ * soon): the RRef fails too, and stays failed even if the owner stores a
+ * value later (as torch's, whose words these are for a timeout). 0 when the
+ * request has not failed. */
+static int creation_failed(shmrpc_rref *r, uint64_t now)
+{
+	shmrpc_future *f = r->created;
+	bool done = f && shmrpc_future_done(f);
+
+	if (!f || (done && !f->err) || (!done && !(f->deadline_ns && now >= f->deadline_ns)))
+		return 0;
+	if (done && f->err != -ETIMEDOUT)
+		return shmrpc__fail(f->err, "%s", f->errmsg);
+	return shmrpc__fail(-ETIMEDOUT, "RRef creation via rpc.remote() timed out, and it is "
+			    "possible that the RRef on the owner node has not been created: RPC "
+			    "ran for more than the set timeout (%lld ms)", (long long)f->timeout_ms);
+}
+
 /* Waits for r's entry to leave PENDING, watching remote()'s request too: a
  * request that failed (timeout, lost) leaves the entry pending for ever. */
 static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 {
 	for (;;) {
-		uint64_t slice = shmrpc_now_ns() + 50000000u; /* 50 ms */
-		int st;
+		uint64_t now = shmrpc_now_ns(), slice = now + 50000000u; /* 50 ms */
+		int st = creation_failed(r, now);
 
-		if (r->created && shmrpc_future_done(r->created) && r->created->err)
-			return shmrpc__fail(r->created->err, "%s", r->created->errmsg);
+		if (st)
+			return st;
+		if (r->created && r->created->deadline_ns > now && r->created->deadline_ns < slice)
+			slice = r->created->deadline_ns;
 		st = wait_ready(ag, r->slot, r->id, deadline_ns && deadline_ns < slice ? deadline_ns
 											: slice);
 		if (st != -ETIMEDOUT)
@@ -1214,6 +1222,8 @@ static int read_value(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms, shmr
 	int st = wait_value(ag, r, deadline_of(ag, timeout_ms));
 	char rs[160];
 
+	if (st == -ETIMEDOUT && creation_failed(r, shmrpc_now_ns()))
+		return st; /* creation_failed() said why */
 	if (st == -ETIMEDOUT) {
 		shmrpc_rref_str(r, rs, sizeof(rs));
 		return shmrpc__fail(-ETIMEDOUT, "the value of %s was not ready within %lld ms "
@@ -1271,8 +1281,16 @@ int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 	if (timeout_ms < 0 && timeout_ms != SHMRPC_TIMEOUT_DEFAULT)
 		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
 				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
-	if (r->owner != ag->rank && ag->rref_fetch_by_message)
-		return fetch_by_message(ag, r, timeout_ms, out);
+	if (r->owner != ag->rank && ag->rref_fetch_by_message) {
+		/* The owner answers once it has stored; remote()'s request may
+		 * have failed before or meanwhile (wait_value's rule). */
+		rc = creation_failed(r, shmrpc_now_ns()) ?: fetch_by_message(ag, r, timeout_ms, out);
+		if (!rc && (rc = creation_failed(r, shmrpc_now_ns()))) {
+			future_unref(*out);
+			*out = NULL;
+		}
+		return rc;
+	}
 	if (!(f = future_new()))
 		return shmrpc__fail(-ENOMEM, "out of memory making a future");
 	rc = read_value(ag, r, timeout_ms, f);

@@ -33,8 +33,13 @@ struct request_job {
 	uint64_t msg_id;
 	struct profile_events *profile; /* a profiled request's events; NULL otherwise */
 	size_t len;
+	uint32_t depth; /* nesting depth (ipc/frame.h), checked when it runs */
 	uint8_t payload[];
 };
+
+/* The request this thread runs: the innermost, when it runs one while it
+ * waits inside another (worker/executor.h). */
+static _Thread_local const struct request_job *serving;
 
 struct shmrpc_call {
 	struct arena arena;
@@ -80,7 +85,7 @@ static void send_reply(struct request_job *rq, uint16_t type, const void *buf, s
 		return;
 	}
 	/* A caller that died needs no answer; anything else is ours to report. */
-	rc = agent_send(ag, rq->src, type, rq->msg_id, buf, len);
+	rc = agent_send(ag, rq->src, type, rq->msg_id, 0, 0, buf, len);
 	if (rc && rc != -SHMRPC_EPEERDEAD)
 		fprintf(stderr, "shmrpc: worker %u: cannot answer worker %u: %s\n", ag->rank,
 			rq->src, shmrpc_errmsg());
@@ -144,12 +149,14 @@ static void run_call(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_
 
 	*fn = "?";
 	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
-	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) || used != len ||
-	    req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
+	/* What the decoder refused (a corrupt tensor descriptor...) is said. */
+	rc = value_unpack(buf, len, &call->arena, &req, &used, &call->tensors);
+	if (rc || used != len || req.type != SHMRPC_LIST || (req.len != 2 && req.len != 3) ||
 	    (items = req.u.items)[0].type != SHMRPC_STR ||
 	    items[req.len - 1].type != SHMRPC_LIST ||
 	    (req.len == 3 && items[1].type != SHMRPC_INT)) {
-		snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+		snprintf(msg, sizeof(msg), "a malformed %s request came in%s%s",
+			 worker_msg_name(type), rc ? ": " : "", rc ? shmrpc_errmsg() : "");
 		call_fail(call, "RuntimeError", msg);
 		return;
 	}
@@ -213,13 +220,15 @@ static bool python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, 
 {
 	shmrpc_value req;
 	size_t used;
-	char msg[256];
+	char msg[400];
+	int rc;
 
 	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
-	if (value_unpack(buf, len, &call->arena, &req, &used, &call->tensors) == 0 && used == len &&
-	    python_request_of(type, &req, &call->arena, in) == 0)
+	rc = value_unpack(buf, len, &call->arena, &req, &used, &call->tensors);
+	if (rc == 0 && used == len && python_request_of(type, &req, &call->arena, in) == 0)
 		return true;
-	snprintf(msg, sizeof(msg), "a malformed %s request came in", worker_msg_name(type));
+	snprintf(msg, sizeof(msg), "a malformed %s request came in%s%s", worker_msg_name(type),
+		 rc ? ": " : "", rc ? shmrpc_errmsg() : "");
 	call_fail(call, "RuntimeError", msg);
 	return false;
 }
@@ -339,7 +348,8 @@ static void run_any(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t
 		run_call(call, type, buf, len, fn, result);
 	}
 	if (timed)
-		profile_events_add(call->profile, *fn, start, shmrpc_now_ns(), 0, PROFILE_HERE);
+		profile_events_add(call->profile, *fn, start, shmrpc_now_ns(), 0, PROFILE_HERE, NULL,
+				   0);
 }
 
 /* A call answered with its result (in: a Python request decoded already). */
@@ -569,11 +579,23 @@ static void run_request(struct job *j)
 	struct request_job *rq = (struct request_job *)j;
 	struct agent *ag = rq->ag;
 	shmrpc_call call = { .caller = rq->src };
+	const struct request_job *outer = serving;
 
 	trace_rec(SHM_TRACE_STARTED, rq->src, rq->type, rq->msg_id, rq->len, SHM_TRACE_OK);
 	count(&ag->self->num_pending_futures, -1);
 	count(&ag->self->server_active_calls, 1);
-	dispatch(rq, &call);
+	serving = rq;
+	if (rq->depth == 0 || rq->depth > SHMRPC_MAX_NESTING) {
+		char msg[160];
+
+		/* Our own sends never make one: the peer's memory is corrupt. */
+		snprintf(msg, sizeof(msg), "a request at nesting depth %u came in from worker %u "
+			 "(1 to %u are valid)", rq->depth, rq->src, SHMRPC_MAX_NESTING);
+		reply_exception(rq, "RuntimeError", msg, NULL);
+	} else {
+		dispatch(rq, &call);
+	}
+	serving = outer;
 	count(&ag->self->server_active_calls, -1);
 	count(&ag->self->calls_served, 1);
 	arena_free(&call.arena);
@@ -596,7 +618,7 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 
 	if (profile_unwrap(rq->payload, rq->len, &call->arena, &type, &buf, &len, &what) ||
 	    what.type != SHMRPC_INT || what.u.i <= 0 ||
-	    what.u.i > (PROFILE_CALLS | PROFILE_TORCH) ||
+	    what.u.i > PROFILE_ALL ||
 	    type == MSG_RUN_WITH_PROFILING_REQ || !worker_msg_is_request(type)) {
 		reply_exception(rq, "RuntimeError", "a malformed RUN_WITH_PROFILING_REQ came in", NULL);
 		return;
@@ -605,10 +627,11 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 		reply_exception(rq, "RuntimeError", "out of memory running a profiled request", NULL);
 		return;
 	}
-	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len };
+	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len,
+				       rq->depth };
 	memcpy(inner->payload, buf, len);
 	call->profile = &events;
-	call->profile_what = (unsigned)what.u.i;
+	call->profile_what = events.what = (unsigned)what.u.i;
 	dispatch(inner, call);
 	call->profile = NULL;
 	call->profile_what = 0;
@@ -677,7 +700,7 @@ struct ack_job {
 static void run_ack(struct job *j)
 {
 	struct ack_job *a = (struct ack_job *)j;
-	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, NULL, 0);
+	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, 0, 0, NULL, 0);
 
 	/* A peer that died has had its pins released by its own sweep. */
 	if (rc && rc != -SHMRPC_EPEERDEAD)
@@ -714,12 +737,22 @@ void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 			"keeps them until it ends\n", ag->rank, peer);
 		return;
 	}
-	*a = (struct ack_job){ { NULL, run_ack }, ag, peer, msg_id };
+	*a = (struct ack_job){ { .run = run_ack }, ag, peer, msg_id };
 	executor_submit(&a->base);
 }
 
+bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth)
+{
+	if (!serving)
+		return false;
+	*caller = serving->src;
+	*msg_id = serving->msg_id;
+	*depth = serving->depth;
+	return true;
+}
+
 void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
-		   const void *payload, size_t len)
+		   uint64_t needed_by, uint32_t depth, const void *payload, size_t len)
 {
 	struct request_job *rq = malloc(sizeof(*rq) + len);
 
@@ -730,7 +763,8 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 			ag->rank, src);
 		return;
 	}
-	*rq = (struct request_job){ { NULL, run_request }, ag, src, type, msg_id, NULL, len };
+	*rq = (struct request_job){ { .run = run_request, .needed_by = needed_by, .src = src },
+				    ag, src, type, msg_id, NULL, len, depth };
 	memcpy(rq->payload, payload, len);
 	count(&ag->self->num_pending_futures, 1);
 	executor_submit(&rq->base);

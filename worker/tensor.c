@@ -1,6 +1,7 @@
 /* Tensor handles, descriptors and pins; see tensor.h. */
 #include <errno.h>
 #include <pthread.h>
+#include <stdalign.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -67,6 +68,14 @@ struct tensor_dev {
 	struct tensor_dev *source;
 	void *copy;
 	int32_t copy_device;
+};
+
+/* A small CPU tensor's bytes in this process's memory (tensor.h: sent
+ * inline), shared by its handles. */
+struct tensor_heap {
+	_Atomic uint32_t refs;
+	/* As a pool block's: what vectorised readers (torch) expect. */
+	alignas(64) unsigned char bytes[];
 };
 
 /* The producer's sources that receivers may hold (a reference each). */
@@ -171,23 +180,53 @@ static int new_handle(DLDataType dtype, int32_t ndim, const int64_t *shape, shmr
 	return 0;
 }
 
-/* Fills a handle for the block at off; checks shape and size. */
-static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32_t ndim,
-		       const int64_t *shape, shmrpc_tensor **out)
+/* Points t, a new handle, at the pool block at off. */
+static void handle_at(struct shm_pool *p, shmrpc_tensor *t, uint64_t off)
 {
-	shmrpc_tensor *t;
-	int rc = new_handle(dtype, ndim, shape, &t);
-
-	if (rc)
-		return rc;
 	t->view = worker_agent->view;
-	/* Relaxed: the agent's own reference keeps the count above zero here. */
+	/* Relaxed: the agent's own reference keeps the count above zero. */
 	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
 	t->off = off;
 	t->dl.data = pool_at(p, off, t->nbytes);
 	t->dl.device = (DLDevice){ kDLCPU, 0 };
-	*out = t;
+}
+
+/* Fills a handle for the block at off; checks shape and size. */
+static int make_handle(struct shm_pool *p, uint64_t off, DLDataType dtype, int32_t ndim,
+		       const int64_t *shape, shmrpc_tensor **out)
+{
+	int rc = new_handle(dtype, ndim, shape, out);
+
+	if (rc == 0)
+		handle_at(p, *out, off);
+	return rc;
+}
+
+/* ---- tensors in our memory (sent inline) ---- */
+
+/* Gives t, a new handle, bytes of its own: a copy of src (nbytes of it). */
+static int heap_fill(shmrpc_tensor *t, const void *src)
+{
+	size_t size = (sizeof(struct tensor_heap) + t->nbytes + 63) & ~(size_t)63;
+	struct tensor_heap *h = aligned_alloc(64, size);
+
+	if (!h)
+		return shmrpc__fail(-ENOMEM, "out of memory for a tensor of %llu bytes",
+				    (unsigned long long)t->nbytes);
+	atomic_init(&h->refs, 1);
+	if (t->nbytes)
+		memcpy(h->bytes, src, t->nbytes);
+	t->heap = h;
+	t->dl.data = h->bytes;
+	t->dl.device = (DLDevice){ kDLCPU, 0 };
 	return 0;
+}
+
+static void heap_put(struct tensor_heap *h)
+{
+	/* acq_rel: the last one out sees every other holder's use of the bytes done. */
+	if (atomic_fetch_sub_explicit(&h->refs, 1, memory_order_acq_rel) == 1)
+		free(h);
 }
 
 /* ---- device tensors ---- */
@@ -613,6 +652,17 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 			atomic_fetch_add_explicit(&t->dev->refs, 1, memory_order_relaxed);
 		return rc;
 	}
+	if (t->heap) {
+		rc = new_handle(t->dl.dtype, t->dl.ndim, t->shape, out);
+		if (rc == 0) {
+			(*out)->heap = t->heap;
+			(*out)->dl.data = t->dl.data;
+			(*out)->dl.device = t->dl.device;
+			/* Relaxed: t's own reference keeps the count above zero. */
+			atomic_fetch_add_explicit(&t->heap->refs, 1, memory_order_relaxed);
+		}
+		return rc;
+	}
 	p = pool_or_fail();
 	if (!p)
 		return -ENOTSUP;
@@ -633,8 +683,11 @@ void shmrpc_tensor_free(shmrpc_tensor *t)
 
 	if (!t)
 		return;
-	if (t->dev) {
-		dev_put(t->dev);
+	if (t->dev || t->heap) {
+		if (t->dev)
+			dev_put(t->dev);
+		else
+			heap_put(t->heap);
 		free(t);
 		return;
 	}
@@ -663,9 +716,10 @@ const DLTensor *shmrpc_tensor_dl(const shmrpc_tensor *t)
 
 uint64_t shmrpc_tensor_pool_offset(const shmrpc_tensor *t)
 {
-	if (t->dev)
-		return shmrpc__fail(-EINVAL, "a CUDA tensor is not in the pool: it has no pool "
-				    "offset"),
+	if (t->dev || t->heap)
+		return shmrpc__fail(-EINVAL, "%s is not in the pool: it has no pool offset",
+				    t->dev ? "a CUDA tensor"
+					   : "a small tensor sent inside the frame (SHMRPC_INLINE_MAX)"),
 		       UINT64_MAX;
 	return t->off;
 }
@@ -748,9 +802,37 @@ void tensor_list_free(struct tensor_list *l)
 
 void tensor_list_forget(struct tensor_list *l)
 {
+	for (uint32_t i = 0; i < l->nmade; i++)
+		shmrpc_tensor_free(l->made[i]);
+	free(l->made);
 	free(l->t);
 	free(l->r);
 	*l = (struct tensor_list){ 0 };
+}
+
+int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held)
+{
+	int rc = 0;
+
+	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
+		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
+
+		if (s->heap)
+			continue; /* went inline: its bytes are in the message */
+		rc = shmrpc_tensor_retain(s, &t);
+		if (rc == 0 && (rc = tensor_list_add(held, t)))
+			shmrpc_tensor_free(t);
+	}
+	return rc;
+}
+
+uint32_t tensor_list_by_ref(const struct tensor_list *l)
+{
+	uint32_t n = l->nmade;
+
+	for (uint32_t i = 0; i < l->n; i++)
+		n += !l->t[i]->heap;
+	return n;
 }
 
 bool tensor_list_has_before(const struct tensor_list *l, uint32_t n, const shmrpc_tensor *t)
@@ -798,27 +880,88 @@ static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uin
 	return rc ? rc : cuda_export(t->dl.data, t->nbytes, stream, &wc->ipc);
 }
 
-int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t)
+/* t's descriptor and, for an inline one, its bytes (ext type). */
+static int pack_ext(msgpack_packer *pk, const shmrpc_tensor *t, int8_t type,
+		    const struct tensor_wire *w, const struct tensor_wire_cuda *wc)
 {
-	size_t len = sizeof(struct tensor_wire) + (size_t)t->dl.ndim * sizeof(int64_t);
-	struct tensor_wire w = { t->off, t->nbytes, t->dl.dtype.code, t->dl.dtype.bits,
-				 t->dl.dtype.lanes, t->dl.ndim, t->dl.device.device_type,
-				 t->dl.device.device_id };
+	size_t shape = (size_t)t->dl.ndim * sizeof(int64_t);
+	size_t bytes = type == VALUE_EXT_TENSOR_INLINE ? t->nbytes : 0;
+
+	if (msgpack_pack_ext(pk, sizeof(*w) + shape + (wc ? sizeof(*wc) : 0) + bytes, type) ||
+	    msgpack_pack_ext_body(pk, w, sizeof(*w)) ||
+	    msgpack_pack_ext_body(pk, t->shape, shape) ||
+	    (wc && msgpack_pack_ext_body(pk, wc, sizeof(*wc))) ||
+	    (bytes && msgpack_pack_ext_body(pk, t->dl.data, bytes)))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a tensor");
+	return 0;
+}
+
+/* A pool copy of t (a heap tensor past its message's inline budget),
+ * kept by sent until the message's pins hold it. */
+static int heap_to_pool(const shmrpc_tensor *t, struct tensor_list *sent, shmrpc_tensor **out)
+{
+	int rc;
+
+	if (sent->nmade == sent->madecap) {
+		uint32_t cap = sent->madecap ? 2 * sent->madecap : 4;
+		shmrpc_tensor **n = realloc(sent->made, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
+		sent->made = n;
+		sent->madecap = cap;
+	}
+	rc = shmrpc_tensor_alloc(t->dl.dtype, t->dl.ndim, t->shape, out);
+	if (rc)
+		return rc;
+	memcpy((*out)->dl.data, t->dl.data, t->nbytes);
+	sent->made[sent->nmade++] = *out;
+	return 0;
+}
+
+/* The bytes of the message packed so far: pk packs into an sbuffer
+ * (value_pack's contract; msgpack_sbuffer_write is static inline, so its
+ * address cannot tell). */
+static size_t packed_so_far(const msgpack_packer *pk)
+{
+	return ((const msgpack_sbuffer *)pk->data)->size;
+}
+
+int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
+{
+	const shmrpc_tensor *d = t; /* whose bytes the descriptor names */
+	shmrpc_tensor *copy;
+	struct tensor_wire w;
 	struct tensor_wire_cuda wc;
 	int rc;
 
-	if (t->dev) {
-		rc = dev_describe(t, &wc, &w.off);
+	if (t->heap) {
+		/* Inline while the message, these bytes included, stays within
+		 * half a frame: what follows (more descriptors, the rest of the
+		 * arguments) has the other half, and a message that starts with
+		 * half a frame or more (a Python message's large pickle) takes
+		 * none, as before. */
+		size_t half = worker_agent ? ipc_port_max_payload(&worker_agent->port) / 2 : 0;
+		size_t so_far = packed_so_far(pk);
+
+		if (so_far <= half && t->nbytes <= half - so_far) {
+			w = (struct tensor_wire){ 0, t->nbytes, t->dl.dtype.code, t->dl.dtype.bits,
+						  t->dl.dtype.lanes, t->dl.ndim, kDLCPU, 0 };
+			return pack_ext(pk, t, VALUE_EXT_TENSOR_INLINE, &w, NULL) ?:
+			       tensor_list_add(sent, t);
+		}
+		rc = heap_to_pool(t, sent, &copy);
 		if (rc)
 			return rc;
-		len += sizeof(wc);
+		d = copy;
 	}
-	if (msgpack_pack_ext(pk, len, VALUE_EXT_TENSOR) ||
-	    msgpack_pack_ext_body(pk, &w, sizeof(w)) ||
-	    msgpack_pack_ext_body(pk, t->shape, (size_t)t->dl.ndim * sizeof(int64_t)) ||
-	    (t->dev && msgpack_pack_ext_body(pk, &wc, sizeof(wc))))
-		return shmrpc__fail(-ENOMEM, "out of memory encoding a tensor");
-	return 0;
+	w = (struct tensor_wire){ d->off, d->nbytes, d->dl.dtype.code, d->dl.dtype.bits,
+				  d->dl.dtype.lanes, d->dl.ndim, d->dl.device.device_type,
+				  d->dl.device.device_id };
+	if (d->dev && (rc = dev_describe(d, &wc, &w.off)))
+		return rc;
+	return pack_ext(pk, d, VALUE_EXT_TENSOR, &w, d->dev ? &wc : NULL) ?:
+	       tensor_list_add(sent, t);
 }
 
 /* A CUDA descriptor received (w and its shape checked): a handle mapping
@@ -957,6 +1100,47 @@ int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *l
 	return rc;
 }
 
+int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_tensor **out)
+{
+	struct tensor_wire w;
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	size_t head;
+	int rc;
+
+	if (len < sizeof(w))
+		return shmrpc__fail(-EBADMSG, "an inline tensor of %u bytes is too short for its "
+				    "descriptor", len);
+	memcpy(&w, data, sizeof(w));
+	if (w.off != 0 || w.device_type != kDLCPU || w.device_id != 0)
+		return shmrpc__fail(-EBADMSG, "an inline tensor names pool offset %llu on DLPack "
+				    "device %d:%d: it can only be a CPU tensor without a block",
+				    (unsigned long long)w.off, (int)w.device_type, (int)w.device_id);
+	if (w.ndim < 0 || w.ndim > SHMRPC_TENSOR_MAX_DIMS)
+		return shmrpc__fail(-EBADMSG, "an inline tensor with %d dimensions", w.ndim);
+	head = sizeof(w) + (size_t)w.ndim * sizeof(int64_t);
+	/* Nothing from another process is trusted: the length it claims must
+	 * be the bytes that follow in the frame, and the shape's. */
+	if (len < head || w.nbytes != len - head)
+		return shmrpc__fail(-EBADMSG, "an inline tensor says it holds %llu bytes, and %lld "
+				    "follow its descriptor in the frame", (unsigned long long)w.nbytes,
+				    (long long)len - (long long)head);
+	memcpy(shape, data + sizeof(w), (size_t)w.ndim * sizeof(int64_t));
+	rc = new_handle((DLDataType){ w.code, w.bits, w.lanes }, w.ndim, shape, out);
+	if (rc)
+		return rc;
+	if ((*out)->nbytes != w.nbytes)
+		rc = shmrpc__fail(-EBADMSG, "an inline tensor of %llu bytes has a shape of %llu "
+				  "bytes", (unsigned long long)w.nbytes,
+				  (unsigned long long)(*out)->nbytes);
+	else
+		rc = heap_fill(*out, data + head);
+	if (rc) {
+		free(*out);
+		*out = NULL;
+	}
+	return rc;
+}
+
 /* ---- pins ---- */
 
 struct pin {
@@ -988,19 +1172,14 @@ static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
 int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct tensor_list *sent)
 {
 	struct pin *pin = calloc(1, sizeof(*pin));
-	int rc = 0;
+	int rc;
 
 	if (!pin)
 		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
-	for (uint32_t i = 0; i < sent->n && rc == 0; i++) {
-		shmrpc_tensor *t;
-
-		rc = shmrpc_tensor_retain(sent->t[i], &t);
-		if (rc == 0 && (rc = tensor_list_add(&pin->held, t)))
-			shmrpc_tensor_free(t);
-	}
-	if (rc) {
+	rc = tensor_list_hold(sent, &pin->held);
+	/* Nothing by reference (all inline): nothing to wait for. */
+	if (rc || !pin->held.n) {
 		tensor_list_free(&pin->held);
 		free(pin);
 		return rc;
@@ -1153,7 +1332,8 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 	struct shm_pool *p;
 	const DLTensor *d;
 	const uint8_t *src;
-	uint64_t off;
+	uint64_t off, n;
+	bool copied = false;
 	int rc;
 
 	if (!m || !out)
@@ -1171,28 +1351,35 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 		rc = shmrpc__fail(-ENOTSUP, "strided DLPack tensors are not supported yet: make it "
 				  "contiguous first");
 	else
-		rc = make_handle(p, 0, d->dtype, d->ndim, d->shape, out);
+		rc = new_handle(d->dtype, d->ndim, d->shape, out);
 	if (rc)
 		return rc; /* m stays the caller's */
 	src = (const uint8_t *)d->data + d->byte_offset;
-	if (pool_block_at(p, src, (*out)->nbytes, &off)) {
+	n = (*out)->nbytes;
+	/* Pool memory is handed over by reference whatever its size (the
+	 * callee sees these bytes); other memory is copied: a small tensor
+	 * into our own, to travel inline, a larger one into a block. */
+	if (pool_block_at(p, src, n, &off)) {
 		rc = pool_ref(p, worker_agent->rank, off);
-	} else {
-		rc = pool_alloc(p, worker_agent->rank, (*out)->nbytes ? (*out)->nbytes : 1, &off);
-		if (rc == 0) {
-			memcpy(pool_at(p, off, (*out)->nbytes), src, (*out)->nbytes);
-			/* Relaxed: a counter for inspectors and tests. */
-			atomic_fetch_add_explicit(&worker_agent->self->dlpack_copies, 1,
-						  memory_order_relaxed);
-		}
+		if (rc == 0)
+			handle_at(p, *out, off);
+	} else if (worker_agent->inline_max && n <= worker_agent->inline_max) {
+		rc = heap_fill(*out, src);
+		copied = rc == 0;
+	} else if ((rc = pool_alloc(p, worker_agent->rank, n ? n : 1, &off)) == 0) {
+		handle_at(p, *out, off);
+		memcpy((*out)->dl.data, src, n);
+		copied = true;
 	}
 	if (rc) {
 		handle_discard(*out);
 		*out = NULL;
 		return rc;
 	}
-	(*out)->off = off;
-	(*out)->dl.data = pool_at(p, off, (*out)->nbytes);
+	if (copied)
+		/* Relaxed: a counter for inspectors and tests. */
+		atomic_fetch_add_explicit(&worker_agent->self->dlpack_copies, 1,
+					  memory_order_relaxed);
 	if (m->deleter)
 		m->deleter(m);
 	return 0;

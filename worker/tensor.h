@@ -13,6 +13,19 @@
  * sweep of its holder table, like every other reference it held. Each pin
  * and its release are flight-recorder records (PINNED, UNPINNED).
  *
+ * Small tensors travel inline. A CPU tensor of at most the agent's
+ * inline_max bytes taken from memory outside the pool
+ * (shmrpc_tensor_from_dlpack: a plain torch or numpy array) is copied into
+ * memory of this process (struct tensor_heap) instead of a pool block, and
+ * its bytes travel inside the frame after its descriptor: the receiver
+ * copies them into memory of its own. No pool block, holder record, pin or
+ * TENSOR_ACK. A tensor already in the pool (shmrpc_tensor_alloc,
+ * shmrpc.empty, one received by reference) is always handed over by
+ * reference, whatever its size: the callee sees the caller's bytes. A
+ * heap tensor goes inline while its message, its bytes included, stays
+ * within half a frame's payload; one beyond that is copied into a pool
+ * block at send time (tensor_list.made) and goes by reference.
+ *
  * CUDA device tensors (kDLCUDA) travel through CUDA IPC (worker/cuda.h),
  * never copied; their handles share a struct tensor_dev. Lifetime, with no
  * message beyond the call's own:
@@ -87,10 +100,12 @@ struct tensor_view {
 };
 
 struct tensor_dev; /* a device tensor's bytes (tensor.c) */
+struct tensor_heap; /* a small tensor's bytes in this process's memory (tensor.c) */
 
 struct shmrpc_tensor {
 	struct tensor_view *view; /* the mapping dl.data points into; NULL on a device */
 	struct tensor_dev *dev;   /* a device tensor's bytes, else NULL */
+	struct tensor_heap *heap; /* bytes in our memory, sent inline; else NULL */
 	uint64_t off;
 	uint64_t nbytes;
 	DLTensor dl;
@@ -110,6 +125,10 @@ struct tensor_list {
 	/* When decoding: where received CUDA tensors land (devmap_landing();
 	 * NULL: on the sender's ordinal). */
 	const struct devmap_landing *land;
+	/* When encoding: the pool copies of heap tensors that did not fit
+	 * (the list's own, pinned with the others, freed with the list). */
+	shmrpc_tensor **made;
+	uint32_t nmade, madecap;
 };
 
 /* The agent's view of its pool: made when it attaches (one reference, the
@@ -121,15 +140,33 @@ SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
 SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
 /* Frees every handle of the list (dropping their references) and the list. */
 SHMRPC_HIDDEN void tensor_list_free(struct tensor_list *l);
-/* Frees the list only: its handles belong to someone else. */
+/* Frees the list only: its handles belong to someone else (its made
+ * copies are its own, and go). */
 SHMRPC_HIDDEN void tensor_list_forget(struct tensor_list *l);
 SHMRPC_HIDDEN bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t);
 /* True when t is among the first n handles of l. */
 SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t n,
 					  const shmrpc_tensor *t);
 
-/* Appends t's descriptor to a message being packed. */
-SHMRPC_HIDDEN int tensor_pack(msgpack_packer *pk, const shmrpc_tensor *t);
+/* Adds to held a reference of ours to each tensor of sent that went by
+ * reference (not inline; the pool copies the encoding made included). */
+SHMRPC_HIDDEN int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held);
+/* Handles of l whose bytes went by reference (pool or CUDA), so that the
+ * sender pinned them and, for a reply, waits for a TENSOR_ACK. */
+SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
+
+/* The default of shmrpc_init's inline_max (SHMRPC_INLINE_MAX): CPU
+ * tensors up to this many bytes travel inside the frame. Measured with
+ * bench/tensor_handoff's inline lines (docs/ARCHITECTURE.md). */
+#define TENSOR_INLINE_MAX_DEFAULT 1024u
+
+/* Appends t's descriptor (with its bytes, for a heap tensor that fits the
+ * message's inline budget) to a message being packed into a
+ * msgpack_sbuffer (pk's data), and t to sent. */
+SHMRPC_HIDDEN int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent);
+/* An inline tensor received (ext VALUE_EXT_TENSOR_INLINE): a new handle
+ * owning a copy of its bytes. */
+SHMRPC_HIDDEN int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_tensor **out);
 /* A descriptor received: a new handle holding its own reference. A CUDA
  * tensor lands by land (NULL: on its own device): on another device it is
  * copied there (cuda_import_copy), the copy owned by the handle's bytes,

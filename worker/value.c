@@ -49,7 +49,7 @@ static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth, struct ten
 			return shmrpc__fail(-EINVAL, "a tensor cannot travel in this message");
 		if (!v->u.t)
 			return shmrpc__fail(-EINVAL, "a tensor value without a tensor");
-		return tensor_pack(pk, v->u.t) ?: tensor_list_add(sent, v->u.t);
+		return tensor_pack(pk, v->u.t, sent);
 	case SHMRPC_RREF:
 		if (!sent)
 			return shmrpc__fail(-EINVAL, "an RRef cannot travel in this message");
@@ -207,9 +207,12 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 		return 0;
 	}
 	case MSGPACK_OBJECT_EXT:
-		if (o->via.ext.type == VALUE_EXT_TENSOR && got) {
+		if ((o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_TENSOR_INLINE) &&
+		    got) {
 			shmrpc_tensor *t;
-			int rc = tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t);
+			int rc = o->via.ext.type == VALUE_EXT_TENSOR
+					 ? tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t)
+					 : tensor_unpack_inline(o->via.ext.ptr, o->via.ext.size, &t);
 
 			if (rc == 0 && (rc = tensor_list_add(got, t)))
 				shmrpc_tensor_free(t);
@@ -227,7 +230,8 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 				*v = shmrpc_rref_value(r);
 			return rc;
 		}
-		if (o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_RREF)
+		if (o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_TENSOR_INLINE ||
+		    o->via.ext.type == VALUE_EXT_RREF)
 			return shmrpc__fail(-EBADMSG, "a %s where none can travel",
 					    o->via.ext.type == VALUE_EXT_RREF ? "RRef" : "tensor");
 		return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d",

@@ -3,8 +3,8 @@
  * first walks the bytes with a checker that trusts no length: every string,
  * container count and nesting depth is bounded by the bytes actually there,
  * so a hostile or corrupt payload cannot make the decoder allocate or read
- * more than it holds. Extension types 1 (tensor) and 2 (RRef fork data) are
- * reserved (docs/PROTOCOL.md).
+ * more than it holds. Extension types 1 (tensor), 2 (RRef fork data) and 3
+ * (inline tensor) are reserved (docs/PROTOCOL.md).
  */
 #ifndef SHMRPC_WORKER_VALUE_H
 #define SHMRPC_WORKER_VALUE_H
@@ -20,12 +20,14 @@
 #define VALUE_MAX_DEPTH 64
 #define VALUE_EXT_TENSOR 1
 #define VALUE_EXT_RREF 2
+#define VALUE_EXT_TENSOR_INLINE 3 /* a small CPU tensor's descriptor and bytes */
 
 struct tensor_list;
 
 /* Appends v; -EINVAL (with errmsg) for an unknown type or too deep nesting.
  * Each tensor met is added to sent (the caller pins them); with sent NULL a
- * tensor is refused. */
+ * tensor is refused. pk packs into a msgpack_sbuffer (its data): a small
+ * tensor goes inline by how much the message holds so far (tensor.h). */
 SHMRPC_HIDDEN int value_pack(msgpack_packer *pk, const shmrpc_value *v, struct tensor_list *sent);
 /* Decodes one value from [buf, buf+len) into out, allocating from a;
  * *used gets the bytes taken. -EBADMSG with errmsg on malformed input.

@@ -45,6 +45,7 @@ _state = threading.local()
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
 _shut_down = False  # shutdown ran once in this process
+_init_pid = None  # the process that joined (a child forked from it has not)
 
 
 class WorkerInfo:
@@ -122,9 +123,18 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     convention) the processes meet at rpc_backend_options.init_method
     (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
-    global _initialized, _joined, _rpc_timeout, _timeout_override
+    global _initialized, _joined, _rpc_timeout, _timeout_override, _init_pid
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
+    if _initialized and _init_pid != os.getpid():
+        # The C init refuses it too, in its words for C programs.
+        raise RuntimeError("init_rpc: this process was forked from a worker whose RPC agent "
+                           "was running, and cannot start one: start it with "
+                           "multiprocessing's spawn or forkserver method (as "
+                           "torch.multiprocessing.spawn does), or fork before init_rpc")
+    if "SHMRPC_RANK" in os.environ and not _started_by_shmrun():
+        from . import _rendezvous
+        _rendezvous.clear_env()  # a worker's, inherited: not this process's
     if "SHMRPC_RANK" not in os.environ:
         from . import _rendezvous
         if _initialized:
@@ -168,6 +178,24 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _rendezvous.clear_env()
     _joined = joined
     _initialized = True
+    _init_pid = os.getpid()
+
+
+def _started_by_shmrun():
+    """Whether shmrun's variables in the environment are this process's:
+    a process a worker starts (multiprocessing, a shell) inherits them, but
+    is not that worker. Started with its fds closed (mp's spawn), it holds
+    another file at SHMRPC_JOB_FD, or none; forked from a worker that had
+    joined, init_rpc refuses it; forked before, the C init refuses the
+    second of the two to join (its slot is taken). A worker after its
+    shutdown counts as started by shmrun (it joins once)."""
+    if _shut_down:
+        return True
+    try:
+        st = os.fstat(int(os.environ["SHMRPC_JOB_FD"]))
+    except (KeyError, ValueError, OSError):
+        return False
+    return str(st.st_ino) == os.environ.get("SHMRPC_JOB_INO")
 
 
 def _fd_open(fd):
@@ -411,7 +439,8 @@ def _tensor_kind(obj):
 def _to_pool(kind, obj):
     """obj's bytes as a tensor handle: a pool block (without a copy when obj
     already views a whole pool block, as what came from shmrpc does, else
-    copied once), or CUDA device memory as it is (CUDA IPC, no copy)."""
+    copied once; a small one copied into this process's memory instead, to
+    travel inline), or CUDA device memory as it is (CUDA IPC, no copy)."""
     if kind == "np":
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
@@ -510,7 +539,8 @@ class _Pickler(pickle.Pickler):
     """torch's default RPC pickler: functions by reference. RRefs and
     tensors go beside the pickle (which names them by index): the agent
     forks an RRef (the receiver gets a reference of its own) and hands a
-    tensor over through the pool (the receiver sees the same bytes). A
+    tensor over through the pool (the receiver sees the same bytes), or a
+    small one not in the pool inside the message (a copy of its own). A
     tensor that requires grad travels detached, with its autograd metadata
     (shmrpc.autograd)."""
 
@@ -528,10 +558,16 @@ class _Pickler(pickle.Pickler):
             return ("rref", len(self.rrefs) - 1)
         kind = _tensor_kind(obj)
         if kind:
-            self.tensors.append(_to_pool(kind, obj))
             # Any DLPack producer may be sent: it may have no .shape.
             shape = getattr(obj, "shape", None)
             shape = None if shape is None else tuple(shape)
+            data = obj
+            if kind == "torch" and not obj.is_contiguous():
+                # As torch's: a view's whole storage and its strides (a
+                # .contiguous() or .clone() sends only its elements).
+                shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
+                data = obj.detach().new_empty(0).set_(obj.storage())
+            self.tensors.append(_to_pool(kind, data))
             if kind != "np" and getattr(obj, "requires_grad", False):
                 if self.grad_tensors is None:
                     self.grad_tensors = autograd._Outgoing()
@@ -558,7 +594,9 @@ class _Unpickler(pickle.Unpickler):
                 raise _not_supported("receiving a CUDA tensor that requires grad where torch "
                                      "has no CUDA")
             return t
-        if pid[2] is not None:
+        if isinstance(pid[2], dict):  # a view, sent with its storage (_Pickler)
+            t = t.as_strided(pid[2]["size"], pid[2]["stride"], pid[2]["offset"])
+        elif pid[2] is not None:
             t = t.reshape(pid[2])
         if len(pid) > 3:
             if self.grad_tensors is None:
@@ -625,14 +663,15 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
-                  ops, rref_id):
+                  ops, rref_id, profile):
     """Serves a request of this package on an executor thread (the C half
     gives its type and autograd metadata, worker/python.h). A pickled
     (func, args, kwargs) runs inside the autograd context its
     FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
     stores a remote call's result in its RRef), its result pickled inside
     it too, and for a call profiled for torch's profiler (ops, a list, not
-    None) under that profiler (profiler.torch_ops); a remote call's result
+    None; profile, what its caller's profiler asks) under that profiler
+    (profiler.torch_ops); a remote call's result
     (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
     PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
@@ -651,7 +690,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             raise RuntimeError(f"{e}. {_UDF_HINT}") from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
-        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id)
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
         if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
             return reply + (autograd._message_id(), reply[0] == _LIVE)
         return reply + (0, True) if reply[0] == _LIVE else reply
@@ -660,7 +699,10 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
-        return _dumps(RemoteException(text, type(e)))
+        try:
+            return _dumps(RemoteException(text, type(e)))
+        except Exception:  # noqa: BLE001  a type pickle cannot name (a function's own class)
+            return _dumps(RemoteException(text, RuntimeError))  # its words still go
 
 
 # async_execution functions whose Future this worker is waiting for
@@ -669,7 +711,7 @@ _async_serving = 0
 _async_lock = threading.Lock()
 
 
-def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
+def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0, profile=0):
     """The pickled result of a call served here: run inside the caller's
     autograd context, under torch's profiler when ops is a list. A remote
     call's (rref_id) is kept live instead, under its RRef's id."""
@@ -678,7 +720,7 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
         # context managers would cost more than the rest of the handler.
         return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
-        with profiler.torch_ops(ops):
+        with profiler.torch_ops(ops, profile):
             result = _call(func, args, kwargs)
         return _reply(result, rref_id)
 
@@ -771,6 +813,14 @@ class Future:
     made by user code (set_result / set_exception), e.g. for
     @functions.async_execution."""
 
+    def __new__(cls, *args, **kwargs):
+        # Once torch.futures is loaded, a Future is also a
+        # torch.futures.Future (_TorchFuture): torch's C++ code that takes
+        # one (the profiler's end callbacks, torch.jit) then takes ours.
+        if cls is Future and _TorchFuture is not None:
+            cls = _TorchFuture
+        return super().__new__(cls)
+
     def __init__(self, _c=None):
         self._cond = threading.Condition()
         self._have = False
@@ -802,8 +852,12 @@ class Future:
             self._value, self._error, self._have = value, error, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
+        self._settle_torch(value, error)
         for cb in callbacks:
             self._run(cb)
+
+    def _settle_torch(self, value, error):
+        """Completes the torch.futures.Future this one also is (_TorchFuture)."""
 
     def _run(self, cb):
         try:
@@ -828,16 +882,16 @@ class Future:
                 pass  # _from_call raises it below
             self._from_call()
         with self._cond:
-            while not self._have:
+            if not self._have:
                 # On an executor thread, what completes us may be queued
-                # behind us: serve it (help_once), else nap 1 ms at most.
-                self._cond.release()
+                # behind us: the pool runs it on another thread while this
+                # one is counted out (worker/executor.h).
+                _shmrpc.blocking(True)
                 try:
-                    ran = _shmrpc.help_once()
+                    while not self._have:
+                        self._cond.wait()
                 finally:
-                    self._cond.acquire()
-                if not ran and not self._have:
-                    self._cond.wait(0.001 if _shmrpc.on_executor() else None)
+                    _shmrpc.blocking(False)
         if self._error is not None:
             raise self._error
         return self._value
@@ -883,6 +937,45 @@ class Future:
                                                f"callback: {type(e).__name__}: {e}"))
         self.add_done_callback(chain)
         return nxt
+
+
+_TorchFuture = None  # Future's torch.futures.Future form, once torch.futures is loaded
+
+
+def _adopt_torch_futures(torch_futures):
+    """From now on a new Future is also a torch.futures.Future: a subclass of
+    both, completing its torch side as torch's set_result/set_exception do
+    (about 2 µs a Future here: made only once torch.futures is loaded, so a
+    program that never loads torch pays nothing)."""
+    global _TorchFuture
+    if _TorchFuture is not None:
+        return
+    torch_c_future = torch_futures.Future.__mro__[1]  # torch._C.Future
+
+    def raise_error(error):
+        raise error
+
+    class TorchFuture(Future, torch_futures.Future):
+        __doc__ = Future.__doc__
+
+        def __init__(self, _c=None):
+            Future.__init__(self, _c)
+            torch_c_future.__init__(self, [])
+            if _c is not None:
+                # torch's C++ code waits on the torch side without asking
+                # us: the call must complete it by itself.
+                self._hooked = True
+                _c.add_done_callback(self._from_call)
+
+        def _settle_torch(self, value, error):
+            if error is not None:
+                torch_c_future._set_unwrap_func(self, raise_error)
+                value = error
+            torch_c_future.set_result(self, value)
+
+    TorchFuture.__name__ = TorchFuture.__qualname__ = "Future"
+    TorchFuture.__module__ = __name__
+    _TorchFuture = TorchFuture
 
 
 def wait_all(futures):
@@ -1009,20 +1102,34 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
     cid = autograd._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
     torch_profile = profiler.torch_profiling()
-    if cid is None:
-        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
-                            _func_name(func), torch_profile=torch_profile)
-    else:
-        call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
-                            _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
-                            autograd._message_id(), torch_profile=torch_profile)
+    try:
+        if cid is None:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), torch_profile=torch_profile)
+        else:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
+                                autograd._message_id(), torch_profile=torch_profile)
+    except RuntimeError as e:
+        raise _NotSent(str(e)) from None
     if torch_profile:
         profiler.torch_called(call)
     return call
 
 
+class _NotSent(RuntimeError):
+    """A call the C half could not send (its worker has left the job or
+    died, the message cannot be made): rpc_async gives it through its
+    Future, as torch's agent does; the arguments' own errors are raised."""
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
-    fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    try:
+        fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    except _NotSent as e:
+        fut = Future()
+        fut.set_exception(e)
+        return fut
     autograd._called(fut)
     return fut
 
@@ -1121,11 +1228,20 @@ class RRef:
     def _get_future(self):
         """A Future completed (with None) once the owner has stored the
         value, or with the remote call's error, as torch's."""
+        fut = Future()
         if self._r.is_owner() and self._r.confirmed_by_owner():
-            fut = Future()
             fut.set_result(None)
             return fut
-        return rpc_async(_shmrpc.rank(), _rref_created, args=(self,))
+
+        def wait():  # this RRef itself: on its creator it knows remote()'s request
+            try:
+                _rref_created(self)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+        threading.Thread(target=wait, name="shmrpc-rref-future", daemon=True).start()
+        return fut
 
     def _get_profiling_future(self):
         """torch's: completes once the remote() that made this RRef, and so
@@ -1244,12 +1360,12 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 from . import autograd  # noqa: E402  (it uses the functions above)
 
 
-def _hook_torch_futures():
+def _hook_torch():
     from . import as_torch
-    as_torch.futures_hook()
+    as_torch.torch_hooks()
 
 
-_hook_torch_futures()
+_hook_torch()
 
 
 def install_as_torch():

@@ -17,7 +17,7 @@ from . import _shmrpc
 _POOL_DEFAULT = 256 << 20  # shmrun's --pool-size default
 _JOIN_TIMEOUT_MS = 60000
 _ENV_VARS = ("SHMRPC_RANK", "SHMRPC_WORLD_SIZE", "SHMRPC_JOB_FD", "SHMRPC_POOL_FD",
-             "SHMRPC_RREF_FD")
+             "SHMRPC_RREF_FD", "SHMRPC_JOB_INO", "SHMRPC_NAME", "SHMRPC_LOCAL_RANK")
 
 SINGLE_NODE = ("shmrpc is single-node: its workers share memory, so every process of a job "
                "runs on one machine. Point the rendezvous at this machine (MASTER_ADDR="

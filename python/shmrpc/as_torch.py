@@ -1,6 +1,8 @@
 """Running an unchanged torch.distributed.rpc program on shmrpc.
 
     shmrun -n 2 -- python3 -m shmrpc.as_torch prog.py args...
+    shmrun -n 2 --as-torch -- python3 prog.py args...     (the same)
+    python3 -m shmrpc.as_torch -m package.module args...
 
 runs prog.py as __main__ after install(), which makes these names resolve
 to shmrpc, in sys.modules and as attributes of their parent packages:
@@ -13,7 +15,8 @@ to shmrpc, in sys.modules and as attributes of their parent packages:
                                  -> shmrpc.optim.DistributedOptimizer
 - torch.futures.wait_all / collect_all: given shmrpc Futures (rpc_async's),
   shmrpc's; given only torch Futures, torch's own. (`import shmrpc` does
-  this one by itself, whenever torch.futures is loaded.)
+  this one by itself, whenever torch.futures is loaded, and from then on
+  shmrpc's Futures are torch.futures.Futures too: shmrpc.Future.)
 
 Everything else of torch stays torch's, torch.distributed.rpc's other
 submodules (api, internal, ...) too: they become attributes of shmrpc so
@@ -34,17 +37,31 @@ def patch_futures(torch_futures):
     """torch.futures' wait_all and collect_all take shmrpc's Futures too
     (shmrpc's do the work when any is shmrpc's; torch's own otherwise).
     Done by `import shmrpc` as soon as torch.futures is imported, before or
-    after it (futures_hook)."""
+    after it (torch_hooks)."""
     if getattr(torch_futures.wait_all, "_shmrpc", False):
         return
+    import shmrpc
+    shmrpc._adopt_torch_futures(torch_futures)
     torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
 
 
-class _FuturesHook:
-    """A meta path finder that patches torch.futures once it is loaded."""
+def _patch_profiler(legacy):
+    from . import profiler
+    profiler.watch_torch_profiles(legacy)
+
+
+# What `import shmrpc` patches in torch's modules, once each is loaded.
+_PATCHES = {"torch.futures": patch_futures,
+            "torch.autograd.profiler_legacy": _patch_profiler}
+
+
+class _TorchHook:
+    """A meta path finder that patches torch's modules (_PATCHES) as they
+    are loaded."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch.futures":
+        patch = _PATCHES.get(fullname)
+        if patch is None:
             return None
         import importlib.machinery
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -54,17 +71,19 @@ class _FuturesHook:
 
         def exec_module(module):
             real(module)
-            patch_futures(module)
+            patch(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
-def futures_hook():
-    """Patches torch.futures now if it is loaded, else when it is."""
-    if "torch.futures" in sys.modules:
-        patch_futures(sys.modules["torch.futures"])
-    elif not any(isinstance(f, _FuturesHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _FuturesHook())
+def torch_hooks():
+    """Patches torch's modules (_PATCHES) now where they are loaded, and the
+    others when they are."""
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _TorchHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchHook())
 
 
 def _futures_patched(torch_futures):
@@ -131,12 +150,18 @@ def install():
 
 
 def main(argv):
-    if len(argv) < 2 or argv[1] in ("-h", "--help"):
-        print("usage: python3 -m shmrpc.as_torch PROG.py [ARGS...]: runs PROG.py with "
-              "torch.distributed.rpc, .autograd and DistributedOptimizer resolving to shmrpc",
-              file=sys.stderr)
+    if len(argv) < 2 or argv[1] in ("-h", "--help") or (argv[1] == "-m" and len(argv) < 3):
+        print("usage: python3 -m shmrpc.as_torch PROG.py [ARGS...] | -m MODULE [ARGS...]: "
+              "runs the program with torch.distributed.rpc, .autograd and "
+              "DistributedOptimizer resolving to shmrpc", file=sys.stderr)
         return 2
     install()
+    if argv[1] == "-m":
+        # As `python3 -m MODULE`: sys.argv[0] becomes the module's file.
+        sys.argv = argv[2:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        return 0
     sys.argv = argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
     runpy.run_path(argv[1], run_name="__main__")

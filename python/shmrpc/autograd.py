@@ -670,12 +670,25 @@ def _backward_from_sends(cid, items):
                 ctx.inbox.append(job)
                 ctx.done.notify_all()
         if handed:
-            job.ran.wait()
+            with _counted_out():
+                job.ran.wait()
         else:
             job.run(ctx)
         if job.error is not None:
             raise job.error
         _raise_first(job.futs)
+
+
+@contextlib.contextmanager
+def _counted_out():
+    """Around a wait for another thread: an executor thread is counted out
+    of the pool meanwhile, so that what it waits for runs on another
+    (worker/executor.h; Future.wait's reason)."""
+    _shmrpc.blocking(True)
+    try:
+        yield
+    finally:
+        _shmrpc.blocking(False)
 
 
 def _serve_pass(ctx, futs):
@@ -689,7 +702,7 @@ def _serve_pass(ctx, futs):
     thread-local state, as torch's engine does."""
     if ctx.inbox is None:  # on an executor: the requests run their steps
         _raise_first(futs)
-        with ctx.lock:
+        with _counted_out(), ctx.lock:
             while ctx.unrun:
                 ctx.done.wait()
         return
@@ -766,8 +779,8 @@ def backward(context_id, roots, retain_graph=False):
                                    f"{context_id} on this worker: two at once in one context "
                                    "are not supported yet; run them one after the other")
             ctx.unrun = set(ctx.sends)
-            # An executor thread may be busy helping with a request that
-            # waits for something else (Future.wait): the requests run
+            # An executor thread is not this pass's alone (it may run
+            # queued work a call it waits for needs): the requests run
             # their steps themselves then.
             if not _shmrpc.on_executor():
                 ctx.inbox = []

@@ -523,14 +523,20 @@ def _pin_pool():
     return where[0]
 
 
+def _job_env(rank, world, name, fds):
+    """What the agent's init reads to join the loader's job as rank, as
+    shmrun gives it (fds: the job's segment, pool and RRef table)."""
+    return {"SHMRPC_RANK": str(rank), "SHMRPC_WORLD_SIZE": str(world), "SHMRPC_NAME": name,
+            "SHMRPC_JOB_FD": str(fds[0]), "SHMRPC_POOL_FD": str(fds[1]),
+            "SHMRPC_RREF_FD": str(fds[2]), "SHMRPC_JOB_INO": str(os.fstat(fds[0]).st_ino)}
+
+
 def _attach(name, world, fds):
     """This process joins the loader's job as rank 0 (with duplicates of
     its memfds: the agent closes what it attaches)."""
     import shmrpc
-    env = {"SHMRPC_RANK": "0", "SHMRPC_WORLD_SIZE": str(world), "SHMRPC_NAME": name}
     dups = [os.dup(fd) for fd in fds]
-    for var, fd in zip(("SHMRPC_JOB_FD", "SHMRPC_POOL_FD", "SHMRPC_RREF_FD"), dups):
-        env[var] = str(fd)
+    env = _job_env(0, world, name, dups)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -558,9 +564,7 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         _shmrpc.die_with_parent(parent)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
         rank = worker_id + 1
-        os.environ.update({"SHMRPC_RANK": str(rank), "SHMRPC_WORLD_SIZE": str(num_workers + 1),
-                           "SHMRPC_NAME": names[rank], "SHMRPC_JOB_FD": str(fds[0]),
-                           "SHMRPC_POOL_FD": str(fds[1]), "SHMRPC_RREF_FD": str(fds[2])})
+        os.environ.update(_job_env(rank, num_workers + 1, names[rank], fds))
         _w_setup(key, spec, worker_id, num_workers, base_seed)
         import shmrpc
         shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())

@@ -18,7 +18,9 @@ records them: each under torch's key (`rpc_sync#f(worker0 -> worker1)`,
 from its send until its reply, and beneath it the ops the function ran on
 the callee, recorded there by torch's profiler as torch's callee records
 them, named `KEY#remote_op: aten::add` (node_id the callee's rank,
-is_remote). They are in `prof.function_events`, so in key_averages(),
+is_remote; with the profile's record_shapes and profile_memory, their
+input shapes and memory, as torch's agent carries them). They are in
+`prof.function_events`, so in key_averages(),
 table() and export_chrome_trace() too; so are the calls the function made
 on the callee, with their own callees' ops beneath (as torch's nested
 calls). A call is in the profile of the thread that made it, even if its
@@ -155,7 +157,29 @@ _event_ids = itertools.count(1 << 62)  # FunctionEvent ids, apart from torch's r
 # The FunctionEvent arguments used (torch 1.13's).
 _FUNCTION_EVENT_ARGS = {"id", "name", "trace_name", "thread", "start_us", "end_us", "fwd_thread",
                         "input_shapes", "stack", "node_id", "is_async", "is_remote",
-                        "device_type", "is_legacy"}
+                        "device_type", "is_legacy", "cpu_memory_usage"}
+_torch_options = threading.local()  # .bits: the options of the legacy profile entered here
+
+
+def watch_torch_profiles(legacy):
+    """A legacy profile entered in a thread leaves its options here
+    (record_shapes, profile_memory as PROFILE_SHAPES, PROFILE_MEMORY bits):
+    a call made under it asks the callee to record its ops so, as torch's
+    agent does. torch 1.13 cannot read a running profile's options back
+    from Python (its agent reads them in C++), so profile._start_trace is
+    wrapped; `import shmrpc` does it when torch.autograd.profiler_legacy
+    is loaded (as_torch.torch_hooks)."""
+    start = legacy.profile._start_trace
+    if getattr(start, "_shmrpc", False):
+        return
+
+    @functools.wraps(start)
+    def start_trace(self):
+        _torch_options.bits = ((_shmrpc.PROFILE_SHAPES if self.record_shapes else 0) |
+                               (_shmrpc.PROFILE_MEMORY if self.profile_memory else 0))
+        return start(self)
+    start_trace._shmrpc = True
+    legacy.profile._start_trace = start_trace
 
 
 def _torch_unusable(why):
@@ -196,20 +220,23 @@ def _install(torch):
 
 
 def torch_profiling():
-    """Whether a call made now goes out for torch's profiler: its legacy
-    profiler runs in this thread (torch's _get_should_profile; torch is not
-    imported when it is not loaded) and the wrapper is in."""
+    """What a call made now asks for torch's profiler: 0 when its legacy
+    profiler does not run in this thread (torch's _get_should_profile;
+    torch is not imported when it is not loaded) or the wrapper cannot be
+    in, else PROFILE_TORCH and the profile's options (watch_torch_profiles)."""
     torch = sys.modules.get("torch")
     if torch is None or _torch_state is False:
-        return False
+        return 0
     try:
         if (not torch.autograd._profiler_enabled() or torch._C._autograd._profiler_type()
                 != torch._C._profiler.ActiveProfilerType.LEGACY):
-            return False
+            return 0
     except AttributeError as e:
         _torch_unusable(e)
-        return False
-    return _torch_state or _install(torch)
+        return 0
+    if not (_torch_state or _install(torch)):
+        return 0
+    return _shmrpc.PROFILE_TORCH | getattr(_torch_options, "bits", 0)
 
 
 def torch_called(call):
@@ -256,12 +283,13 @@ def _rpc_events(thread_records, calls):
     rank = _shmrpc.rank()
     out = []
 
-    def event(name, on_thread, start_ns, end_ns, node_id, remote):
+    def event(name, on_thread, start_ns, end_ns, node_id, remote, shapes=None, mem=0):
         out.append(FunctionEvent(
             id=next(_event_ids), name=name, trace_name=name, thread=on_thread,
             start_us=start_ns / 1e3 - zero_us, end_us=end_ns / 1e3 - zero_us, fwd_thread=on_thread,
-            input_shapes=[], stack=[], node_id=node_id, is_async=not remote, is_remote=remote,
-            device_type=torch.autograd.DeviceType.CPU, is_legacy=True))
+            input_shapes=json.loads(shapes) if shapes else [], stack=[], node_id=node_id,
+            is_async=not remote, is_remote=remote, device_type=torch.autograd.DeviceType.CPU,
+            is_legacy=True, cpu_memory_usage=mem))
 
     for call in calls:
         done = call.profiled()
@@ -271,23 +299,27 @@ def _rpc_events(thread_records, calls):
         if sent_ns / 1e3 < zero_us:
             continue  # made in an earlier profile that did not parse its records
         event(key, thread, sent_ns, done_ns, rank, False)
-        for name, start_ns, end_ns, node_id, callee_thread in events:
-            event(f"{key}#remote_op: {name}", callee_thread, start_ns, end_ns, node_id, True)
+        for name, start_ns, end_ns, node_id, callee_thread, shapes, mem in events:
+            event(f"{key}#remote_op: {name}", callee_thread, start_ns, end_ns, node_id, True,
+                  shapes, mem)
     return out
 
 
 class torch_ops:
     """On the callee, around a function called for torch's profiler (ops: the
-    list the C half gave, or None): the function runs under torch's legacy
-    profiler on this thread, as torch's callee runs it, and everything it
-    recorded (the ops, and the calls it made, with their callees' events)
-    goes into ops as (name, start_ns, end_ns, thread, rank) on
-    CLOCK_MONOTONIC, rank -1 for this worker (torch's node_id for its own
-    events: the C half puts its rank there).
+    list the C half gave, or None; what: the caller's PROFILE_ bits): the
+    function runs under torch's legacy profiler on this thread, with the
+    caller's profile's options, as torch's callee runs it, and everything
+    it recorded (the ops, and the calls it made, with their callees' events)
+    goes into ops as (name, start_ns, end_ns, thread, rank, input shapes as
+    JSON or None, bytes of memory) on CLOCK_MONOTONIC, rank -1 for this
+    worker (torch's node_id for its own events: the C half puts its rank
+    there).
     Nothing where torch is not loaded here or this thread profiles already."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, what=0):
         self.ops = ops
+        self.what = what
         self.on = False
 
     def __enter__(self):
@@ -296,8 +328,9 @@ class torch_ops:
             return self
         try:
             if not torch.autograd._profiler_enabled():
-                torch.autograd._enable_profiler_legacy(
-                    torch.autograd.profiler_legacy.profile().config())
+                torch.autograd._enable_profiler_legacy(torch.autograd.profiler_legacy.profile(
+                    record_shapes=bool(self.what & _shmrpc.PROFILE_SHAPES),
+                    profile_memory=bool(self.what & _shmrpc.PROFILE_MEMORY)).config())
                 self.on = True
         except (AttributeError, TypeError, RuntimeError) as e:
             _torch_unusable(e)
@@ -314,7 +347,9 @@ class torch_ops:
             events = torch.autograd.profiler_legacy._parse_legacy_records(records)
             self.ops.extend((e.name, round(zero_ns + e.time_range.start * 1e3),
                              round(zero_ns + e.time_range.end * 1e3), e.thread,
-                             e.node_id if e.is_remote else -1) for e in events)
+                             e.node_id if e.is_remote else -1,
+                             json.dumps(e.input_shapes) if e.input_shapes else None,
+                             e.cpu_memory_usage) for e in events)
         except Exception as e:  # torch's internals differ: the call goes on without
             _torch_unusable(e)
         return False

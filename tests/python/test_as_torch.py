@@ -4,7 +4,8 @@
 TensorPipeRpcBackendOptions, remote modules, distributed autograd,
 DistributedOptimizer, async_execution with a torch Future,
 torch.futures.wait_all on rpc_async's futures) runs on shmrpc through
-`python3 -m shmrpc.as_torch` and prints what it prints on torch itself.
+`python3 -m shmrpc.as_torch` (or `shmrun --as-torch`) and prints what it
+prints on torch itself.
 """
 import os
 import socket
@@ -31,18 +32,37 @@ def on_torch():
     return outs[0]
 
 
-def on_shmrpc():
-    r = subprocess.run([os.path.join(BUILD, "bin", "shmrun"), "-n", "2", "--quiet", "--",
-                        sys.executable, "-m", "shmrpc.as_torch", PROG],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+def shmrun(*args, cwd=None):
+    # Another folder (cwd) needs the package's path absolute.
+    path = os.pathsep.join(os.path.abspath(p)
+                           for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    return subprocess.run([os.path.abspath(os.path.join(BUILD, "bin", "shmrun")), "-n", "2",
+                           "--quiet", *args], cwd=cwd, env=dict(os.environ, PYTHONPATH=path),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+def on_shmrpc(*args, cwd=None):
+    r = shmrun(*args, cwd=cwd)
     assert r.returncode == 0, f"shmrpc's run failed:\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
 
 def test_unmodified_program_same_output():
-    ours = on_shmrpc()
+    ours = on_shmrpc("--", sys.executable, "-m", "shmrpc.as_torch", PROG)
     assert "step 3 loss" in ours and "wait_all [1, 2, 3]" in ours, ours
     assert ours == on_torch(), "the same output as on torch.distributed.rpc"
+    # The whole job opted in by shmrun, the program given as a file or a module.
+    assert on_shmrpc("--as-torch", "--", sys.executable, "-u", PROG) == ours
+    assert on_shmrpc("--as-torch", "--", sys.executable, "-X", "utf8", "-m",
+                     "programs.torch_unmodified", cwd=os.path.dirname(PROG) + "/..") == ours
+
+
+def test_as_torch_refuses_what_is_not_a_python_program():
+    for cmd, says in ((["sh", "-c", "true"], "must start with a Python interpreter"),
+                      ([sys.executable, "-c", "pass"], "a file or -m MODULE (not -c)"),
+                      ([sys.executable, "-u"], "a file or -m MODULE (not nothing)")):
+        r = shmrun("--as-torch", "--", *cmd)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
 
 
 def test_install_replaces_torch_names():

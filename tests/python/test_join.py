@@ -89,6 +89,13 @@ def run_case(rank, world, init_method, case, q, name=None):
                 out["error"] = "no error"
             except Exception as e:  # noqa: BLE001
                 out["error"] = str(e)
+            # A call to it now: rpc_async's Future holds the error (as torch's).
+            fut = rpc.rpc_async("w1", add, args=(1, 2))
+            try:
+                fut.wait()
+                out["later"] = "no error"
+            except RuntimeError as e:
+                out["later"] = str(e)
         rpc.shutdown()
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001
@@ -228,6 +235,7 @@ def test_death(init_method, tmp_path, monkeypatch):
     assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
     assert got[0].get("ok") and got[2].get("ok"), reports
     assert "worker 1 (w1)" in got[0]["error"] and "died" in got[0]["error"], got[0]
+    assert "worker 1 (w1)" in got[0]["later"], got[0]
     nothing_left({got[0]["keeper"]}, keys)
 
 

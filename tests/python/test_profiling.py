@@ -161,3 +161,26 @@ def test_torch_profiler(torch):
     keys = sorted(e.name for e in again.function_events if e.name.startswith("rpc_")
                   and "#remote_op: " not in e.name)
     assert keys == ["rpc_async#add(worker0 -> worker1)"], f"the second profile's calls: {keys}"
+
+
+def test_torch_profiler_options(torch):
+    """The profile's record_shapes and profile_memory reach the callee, as
+    torch's agent carries them: its ops come back with their input shapes
+    and memory; without them, none."""
+    t1, t2 = torch.ones(100), torch.ones(3, 5)
+
+    def remote_ops(**options):
+        with torch.autograd.profiler_legacy.profile(**options) as prof:
+            rpc.rpc_sync("worker1", torch.add, args=(t1, t1))
+            rpc.rpc_sync("worker1", torch.zeros, args=(1000,))
+        return [e for e in prof.function_events if e.is_remote]
+
+    adds = [e for e in remote_ops(record_shapes=True) if e.name.endswith("aten::add")]
+    assert adds and adds[0].input_shapes == [[100], [100], []], adds[0].input_shapes
+    with torch.autograd.profiler_legacy.profile(record_shapes=True) as local:
+        torch.add(t2, t2)
+    assert [e.input_shapes for e in local.function_events if e.name == "aten::add"] == \
+        [[[3, 5], [3, 5], []]]
+    assert {e.cpu_memory_usage for e in remote_ops(profile_memory=True)} != {0}
+    plain = remote_ops()
+    assert plain and all(e.input_shapes == [] and e.cpu_memory_usage == 0 for e in plain)

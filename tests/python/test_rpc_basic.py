@@ -130,6 +130,15 @@ def test_remote_exceptions(peer):
         rpc.rpc_sync(peer, weird)
     assert "Weird" in str(e.value), \
         f"an exception whose type cannot be rebuilt: {e.type} {e.value}"
+    # A class pickle cannot name: RuntimeError, with the real words.
+    with pytest.raises(RuntimeError, match="Local\\('the real message'\\)"):
+        rpc.rpc_sync(peer, local_class_error)
+
+
+def local_class_error():
+    class Local(Exception):
+        pass
+    raise Local("the real message")
 
 
 def test_timeout(peer):

@@ -4,7 +4,10 @@ pool, not pickled. A 256 MiB array made in the pool and written by the
 callee is seen written by the caller (nothing was copied); other arrays
 arrive equal; torch tensors too when torch is there. Both workers run
 every test at once, each calling the other (conftest.py: a module-wide
-rank mark), as the script did: two 256 MiB arrays in the pool.
+rank mark), as the script did: two 256 MiB arrays in the pool. Small plain
+tensors (up to the inline threshold) travel inside the frame instead, and
+arrive as memory of the receiver's own; pool tensors of any size still go
+by reference.
 """
 import gc
 import os
@@ -85,3 +88,63 @@ def test_forked_child_drop():
     for f in fresh:
         f[:] = 9
     assert bool((kept == 7).all()), "a forked child's drop freed the parent's pool block"
+
+
+INLINE_MAX = 1024  # worker/tensor.h's TENSOR_INLINE_MAX_DEFAULT: these jobs set no other
+NOT_IN_POOL = (1 << 64) - 1
+
+
+def in_pool(x):
+    """Whether x's bytes are a pool block (taken without a copy), as the
+    pool offset of its handle says; a small plain tensor is copied into
+    memory of this process instead, which has none."""
+    return rpc._shmrpc.from_dlpack(x).pool_offset() != NOT_IN_POOL
+
+
+def where(x):
+    return x, in_pool(x)
+
+
+def test_small_tensors_inline():
+    # Plain tensors up to the threshold travel inside the frame, both ways,
+    # and arrive equal; one byte more goes by the pool; a pool tensor of a
+    # few bytes still goes by reference.
+    torch = pytest.importorskip("torch")
+    for n, pooled in ((INLINE_MAX - 1, False), (INLINE_MAX, False), (INLINE_MAX + 1, True)):
+        t = torch.arange(n, dtype=torch.int64).to(torch.uint8)
+        assert in_pool(t) == pooled, f"{n} bytes taken {'in' if in_pool(t) else 'out of'} the pool"
+        got, callee_pooled = rpc.rpc_sync(PEER, where, args=(t,))
+        assert callee_pooled == pooled, f"{n} bytes: the callee got it in the pool: {callee_pooled}"
+        assert torch.equal(got, t), f"{n} bytes come back equal"
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                  torch.int16, torch.int32, torch.int64, torch.uint8, torch.complex64):
+        t = (torch.arange(30) - 7).reshape(2, 3, 5).to(dtype)
+        got = rpc.rpc_sync(PEER, echo, args=(t,))
+        assert got.dtype == dtype and got.shape == t.shape and torch.equal(got, t), \
+            f"a small {dtype} tensor arrives equal: {got!r}"
+        got[0, 0, 0] = 42
+        assert t[0, 0, 0] != 42, "an inline tensor received is memory of the receiver's own"
+    for shape in ((0,), (3, 0), ()):
+        t = torch.ones(shape)
+        got = rpc.rpc_sync(PEER, echo, args=(t,))
+        assert got.shape == t.shape and torch.equal(got, t), f"shape {shape} arrives equal"
+    pool_t = rpc.empty(4, "int32", like="torch")
+    pool_t.zero_()
+    got, callee_pooled = rpc.rpc_sync(PEER, where, args=(pool_t,))
+    assert callee_pooled, "a 16-byte pool tensor is handed over by reference"
+    rpc.rpc_sync(PEER, scribble, args=(pool_t, 3))
+    assert pool_t[0].item() == 3 and pool_t[-1].item() == 3, "the callee's writes are seen"
+
+
+def test_many_small_tensors():
+    # Calls carrying many small tensors: all inline, all equal; a numpy
+    # array of the same size too.
+    torch = pytest.importorskip("torch")
+    for i in range(100):
+        batch = [torch.full((4,), i * 100 + k, dtype=torch.int32) for k in range(100)]
+        got = rpc.rpc_sync(PEER, echo, args=(batch,))
+        assert all(torch.equal(a, b) for a, b in zip(got, batch)) and len(got) == 100, \
+            f"call {i}: a batch of 100 small tensors comes back equal"
+    small = np.arange(16, dtype=np.float32)
+    got, callee_pooled = rpc.rpc_sync(PEER, where, args=(small,))
+    assert not callee_pooled and (got == small).all(), "a small numpy array travels inline"

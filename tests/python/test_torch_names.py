@@ -2,8 +2,8 @@
 """torch.distributed.rpc's and .autograd's other names that programs and
 torch's own tests use, on shmrpc: the backend options and types, the
 default timeout and its private setter, the current agent, RRef._get_type
-and _get_future, a call with kwargs and no args, and dist_autograd's
-private helpers.
+and _get_future, a call with kwargs and no args, dist_autograd's
+private helpers, and Futures that are torch.futures.Futures.
 """
 import time
 
@@ -105,15 +105,54 @@ def echo(x):
     return x
 
 
-def test_non_contiguous_tensors_arrive_contiguous():
-    """A documented difference (docs/COMPAT.md): the pool hands over one
-    contiguous block, so a view arrives as a contiguous copy of its
-    elements (torch keeps the view's storage and strides); the values are
-    the same."""
+def test_non_contiguous_tensors_keep_their_strides():
+    """As torch's: a view travels with its whole storage and its strides
+    and offset (a .contiguous() or .clone() sends only its elements)."""
     torch = pytest.importorskip("torch")
     t = torch.arange(24.0).reshape(4, 6)
-    view = t.narrow(1, 2, 3)
-    assert not view.is_contiguous()
-    got = rpc.rpc_sync("worker1", echo, args=(view,))
-    assert got.is_contiguous() and torch.equal(got, view)
-    assert torch.equal(rpc.rpc_sync("worker1", echo, args=(t.t(),)), t.t())
+    for view in (t.narrow(1, 2, 3), t.t(), t[1:, ::2]):
+        assert not view.is_contiguous()
+        got = rpc.rpc_sync("worker1", echo, args=(view,))
+        assert torch.equal(got, view)
+        assert (got.stride(), got.storage_offset()) == (view.stride(), view.storage_offset())
+        assert got.storage().size() == t.numel()
+    got = rpc.rpc_sync("worker1", echo, args=(t.narrow(1, 2, 3).contiguous(),))
+    assert got.is_contiguous() and got.storage().size() == 12
+    w = torch.ones(3, 4, requires_grad=True)
+    with rpc.autograd.context() as cid:
+        got = rpc.rpc_sync("worker1", echo, args=(w.t(),))
+        assert got.stride() == (1, 4) and got.requires_grad
+        rpc.autograd.backward(cid, [got.sum()])
+        assert torch.equal(rpc.autograd.get_gradients(cid)[w], torch.ones(3, 4))
+
+
+def test_futures_are_torch_futures():
+    # Once torch.futures is loaded, rpc_async's Futures (and the ones
+    # shmrpc makes) are torch.futures.Futures whose torch side completes
+    # by itself: torch's C++ code waits on it without asking shmrpc.
+    import torch
+
+    fut = rpc.rpc_async("worker1", add, args=(1, 2))
+    assert isinstance(fut, torch.futures.Future) and isinstance(fut, rpc.Future)
+    assert torch._C.Future.wait(fut) == 3 and fut.wait() == 3
+    bad = rpc.rpc_async("worker1", boom)
+    with pytest.raises(ValueError, match="no box"):
+        torch._C.Future.wait(bad)
+    assert isinstance(fut.then(lambda f: f.wait()), torch.futures.Future)
+    with torch.autograd.profiler.profile() as prof:
+        with torch.autograd.profiler.record_function("outer") as rf:
+            ended = rf._call_end_callbacks_on_future(rpc.rpc_async("worker1", slow, args=(0.2,)))
+        assert torch._C.Future.wait(ended) == 0.2
+    outer = [e for e in prof.function_events if e.name == "outer"]
+    assert outer and outer[0].time_range.elapsed_us() >= 0.2e6
+
+
+def test_remote_timeout_fails_the_rref():
+    # As torch's: remote()'s own timeout fails the RRef, for good, even
+    # once the owner has stored the value.
+    r = rpc.remote("worker1", slow, args=(0.5,), timeout=0.05)
+    with pytest.raises(RuntimeError, match="RPC ran for more than"):
+        r._get_future().wait()
+    time.sleep(0.6)
+    with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out"):
+        r.to_here()

@@ -1,0 +1,119 @@
+/*
+ * The processes the workers start (a `sleep &`, a helper, a forked
+ * grandchild) belong to the job too. shmrun is their child subreaper: when
+ * the process that started one ends, it becomes shmrun's child instead of
+ * init's. Those that end while the job runs are reaped on SIGCHLD; when
+ * the last worker has ended, the rest are stopped (SIGTERM, the grace,
+ * SIGKILL) and reaped, so that nothing of the job outlives shmrun: not a
+ * process, not the job's memfds it inherited, not the pipe that a
+ * `$(shmrun ...)` waits on. (A kill -9 of shmrun itself leaves them to
+ * init, as PR_SET_PDEATHSIG reaches only the workers.)
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "launcher/shmrun.h"
+
+#define MAX_LISTED 4096 /* children looked at per round; more wait for the next */
+
+int orphans_adopt(void)
+{
+	if (prctl(PR_SET_CHILD_SUBREAPER, 1) == 0)
+		return 0;
+	fprintf(stderr, "shmrun: cannot become the subreaper of the workers' processes: %s\n",
+		strerror(errno));
+	return -1;
+}
+
+/* shmrun's children now (its only thread's list), the live workers left
+ * out; their number. */
+static int children(const struct job *j, pid_t *out, int most)
+{
+	char path[64];
+	FILE *f;
+	int n = 0, pid;
+
+	snprintf(path, sizeof(path), "/proc/self/task/%d/children", (int)getpid());
+	if (!(f = fopen(path, "r")))
+		return 0;
+	while (n < most && fscanf(f, "%d", &pid) == 1) {
+		bool worker = false;
+
+		for (uint32_t r = 0; r < j->o->nproc && !worker; r++)
+			worker = j->procs[r].pidfd >= 0 && j->procs[r].pid == pid;
+		if (!worker)
+			out[n++] = pid;
+	}
+	fclose(f);
+	return n;
+}
+
+void orphans_reap(const struct job *j)
+{
+	static pid_t pids[MAX_LISTED];
+	int n = children(j, pids, MAX_LISTED);
+
+	for (int i = 0; i < n; i++)
+		waitpid(pids[i], NULL, WNOHANG);
+}
+
+/* "pid 123 (sleep)" for the message. */
+static void describe(pid_t pid, char *buf, size_t len)
+{
+	char path[64], comm[32] = "?";
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/%d/comm", (int)pid);
+	if ((f = fopen(path, "r"))) {
+		if (fgets(comm, sizeof(comm), f))
+			comm[strcspn(comm, "\n")] = '\0';
+		fclose(f);
+	}
+	snprintf(buf, len, "pid %d (%s)", (int)pid, comm);
+}
+
+static bool among(const pid_t *pids, int n, pid_t pid)
+{
+	for (int i = 0; i < n; i++)
+		if (pids[i] == pid)
+			return true;
+	return false;
+}
+
+void orphans_end(const struct job *j)
+{
+	static pid_t now[MAX_LISTED], termed[MAX_LISTED];
+	uint64_t kill_at = shmrpc_now_ns() + j->o->grace_ns;
+	char first[64] = "";
+	int n, nterm = 0;
+
+	orphans_reap(j); /* those that ended already are no news */
+	while ((n = children(j, now, MAX_LISTED)) > 0) {
+		bool late = shmrpc_now_ns() >= kill_at;
+
+		for (int i = 0; i < n; i++) {
+			if (waitpid(now[i], NULL, WNOHANG) == now[i])
+				continue;
+			if (late) {
+				kill(now[i], SIGKILL);
+			} else if (!among(termed, nterm, now[i]) && nterm < MAX_LISTED) {
+				/* Orphans of those stopped come back to us: each
+				 * gets SIGTERM once, and SIGKILL after the grace. */
+				if (!nterm)
+					describe(now[i], first, sizeof(first));
+				termed[nterm++] = now[i];
+				kill(now[i], SIGTERM);
+			}
+		}
+		usleep(5000);
+	}
+	if (nterm)
+		fprintf(stderr, "shmrun: the workers left %d process%s running (%s%s): stopped\n",
+			nterm, nterm == 1 ? "" : "es", first, nterm > 1 ? ", ..." : "");
+}
