@@ -621,7 +621,8 @@ def _raise_first(futs):
 class _Arrival:
     """A request's gradients [(message id, gradients)] for sends of a
     context: its engine step, run by the thread that serves the context's
-    backward pass here if there is one (_serve_pass), else by the request's."""
+    backward pass here if there is one (_serve_pass), else (or given back
+    unrun as that pass ends) by the request's."""
 
     def __init__(self, items):
         self.items = items
@@ -672,7 +673,7 @@ def _backward_from_sends(cid, items):
         if handed:
             with _counted_out():
                 job.ran.wait()
-        else:
+        if not handed or job.futs is None and job.error is None:  # or given back unrun
             job.run(ctx)
         if job.error is not None:
             raise job.error
@@ -790,9 +791,7 @@ def backward(context_id, roots, retain_graph=False):
         finally:
             with ctx.lock:
                 left, ctx.unrun, ctx.inbox = ctx.inbox or [], None, None
-            for job in left:  # handed over as the pass failed: their requests wait for them
-                job.error = RuntimeError(f"Error on Node {_my_rank()}: the backward pass of "
-                                         f"context {context_id} failed here")
+            for job in left:  # handed over too late: given back to their requests
                 job.ran.set()
 
 
