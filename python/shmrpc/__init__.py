@@ -157,8 +157,14 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _warn_ignored(rpc_backend_options, joined=joined is not None)
         _shmrpc.set_handler(_run_function)
         _shmrpc.set_live_release(_release_owned)
+        # Before init: once the others are past the startup barrier, their
+        # requests may run here while this thread is still on its way back
+        # from init, and a handler that calls (get_worker_info, rpc_async)
+        # must find RPC initialized.
+        _initialized = True
         _shmrpc.init(name, threads, timeout_ms, maps)
     except BaseException:
+        _initialized = False
         if joined is not None:
             joined.leave()
             joined.close_unused()
@@ -167,7 +173,6 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if joined is not None:
             _rendezvous.clear_env()
     _joined = joined
-    _initialized = True
 
 
 def _fd_open(fd):
