@@ -814,7 +814,8 @@ class Future:
         if self._c is not None and not self._have:
             try:
                 # The C wait releases the GIL, and on an executor thread it
-                # runs queued work meanwhile: a nested call cannot starve
+                # runs what the call needs and is counted out of the pool
+                # meanwhile (worker/executor.h): a nested call cannot starve
                 # the pool waiting for its own completion callback.
                 self._c.wait()
             except Exception:
