@@ -167,8 +167,14 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _warn_ignored(rpc_backend_options, joined=joined is not None)
         _shmrpc.set_handler(_run_function)
         _shmrpc.set_live_release(_release_owned)
+        # Before init: once the others are past the startup barrier, their
+        # requests may run here while this thread is still on its way back
+        # from init, and a handler that calls (get_worker_info, rpc_async)
+        # must find RPC initialized.
+        _initialized, _init_pid = True, os.getpid()
         _shmrpc.init(name, threads, timeout_ms, maps)
     except BaseException:
+        _initialized = False
         if joined is not None:
             joined.leave()
             joined.close_unused()
@@ -177,8 +183,6 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if joined is not None:
             _rendezvous.clear_env()
     _joined = joined
-    _initialized = True
-    _init_pid = os.getpid()
 
 
 def _started_by_shmrun():
@@ -863,7 +867,8 @@ class Future:
         if self._c is not None and not self._have:
             try:
                 # The C wait releases the GIL, and on an executor thread it
-                # runs queued work meanwhile: a nested call cannot starve
+                # runs what the call needs and is counted out of the pool
+                # meanwhile (worker/executor.h): a nested call cannot starve
                 # the pool waiting for its own completion callback.
                 self._c.wait()
             except Exception:
