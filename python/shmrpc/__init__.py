@@ -123,6 +123,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
     global _initialized, _joined, _rpc_timeout, _timeout_override
+    api._check_init_args(backend, rpc_backend_options)
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
     if "SHMRPC_RANK" not in os.environ:
@@ -168,6 +169,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _rendezvous.clear_env()
     _joined = joined
     _initialized = True
+    api._init_rpc_states()
 
 
 def _fd_open(fd):
@@ -194,40 +196,6 @@ def _set_rpc_timeout(rpc_timeout):
     if rpc_timeout < 0:
         raise ValueError(f"rpc_timeout {rpc_timeout}: give seconds, 0 for none")
     _rpc_timeout, _timeout_override = float(rpc_timeout), True
-
-
-def enable_gil_profiling(flag):
-    """torch's switch for agent.gil_average_wait_time_us: shmrpc always
-    records the executors' GIL waits (_get_debug_info), so it changes nothing."""
-    del flag
-
-
-class _Agent:
-    """The part of torch's RpcAgent programs and torch's tests reach through
-    _get_current_rpc_agent(): the workers and debug info."""
-
-    def get_worker_info(self, worker_name=None):
-        return get_worker_info(worker_name)
-
-    def get_worker_infos(self):
-        return [get_worker_info(r) for r in range(_shmrpc.world_size())]
-
-    def get_debug_info(self):
-        return _get_debug_info()
-
-    def _get_device_map(self, to):
-        raise _not_supported("_get_device_map")
-
-
-def _is_current_rpc_agent_set():
-    return _initialized
-
-
-def _get_current_rpc_agent():
-    if not _initialized:
-        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC "
-                           "framework (e.g. by calling `rpc.init_rpc`)?")
-    return _Agent()
 
 
 def _device_index(d):
@@ -289,35 +257,6 @@ def shutdown(graceful=True, timeout=0):
             joined.leave()
         _initialized = False
         _shut_down = True
-
-
-def _get_debug_info():
-    """torch's rpc._get_debug_info() for this worker, with torch's keys and
-    value types: the agent's as strings (agent.thread_pool_size,
-    agent.num_idle_threads, agent.client_active_calls,
-    agent.server_active_calls, agent.server_active_async_calls,
-    agent.gil_average_wait_time_us: how long executor threads waited for
-    the GIL before running Python, on average, in whole microseconds), the
-    RRef counts as strings (num_owner_rrefs, num_pending_futures: owned
-    RRefs still waiting for their value, num_forks: other workers holding
-    an owned RRef, one per worker and RRef, num_pending_users: forks
-    received and not yet confirmed by their owner), and distributed
-    autograd's as ints (num_autograd_contexts,
-    num_current_backward_passes). shmrpc's own, as strings:
-    agent.server_pending_calls (received, not started),
-    agent.calls_served, agent.gil_acquisitions and agent.gil_wait_time_ns
-    (their total wait)."""
-    info = {k: str(v) for k, v in _shmrpc.debug_info().items()}
-    info["agent.server_active_async_calls"] = str(_async_serving)
-    info.update(autograd._debug_info())
-    return info
-
-
-def _rref_context_get_debug_info():
-    """torch's RRef context counts for this worker, as strings."""
-    info = _shmrpc.debug_info()
-    return {k: str(info[k]) for k in ("num_owner_rrefs", "num_pending_futures", "num_forks",
-                                      "num_pending_users")}
 
 
 def _worker(who):
@@ -874,7 +813,35 @@ class Future:
 
 
 def wait_all(futures):
-    """The values of all futures; raises the first error met."""
+    """The values of all futures, once all completed; the first error to
+    occur is raised as soon as it does, as torch's."""
+    futures = list(futures)
+    if all(f.done() for f in futures):
+        return [f.wait() for f in futures]
+    first = Future()  # completes with the first error, or once all are done
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(f):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if first.done():
+            return
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 (the future's error, for the waiter)
+            with lock:
+                if not first.done():
+                    first.set_exception(e)
+            return
+        if last:
+            with lock:
+                if not first.done():
+                    first.set_result(None)
+    for f in futures:
+        f.add_done_callback(one)
+    first.wait()
     return [f.wait() for f in futures]
 
 
@@ -961,6 +928,7 @@ def _pack_call(func, args, kwargs, dst=None):
     travels in the message (_send_call); shmrpc.data passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
+    api._check_pickler()
     ref = _by_name(func)
     if ref is None:
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
@@ -1012,6 +980,7 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
     autograd._called(fut)
+    api._note_future(fut)
     return fut
 
 
@@ -1032,7 +1001,7 @@ class RRef:
         is loaded, torch's own RRef[T], which TorchScript understands in a
         scripted function's signature (shmrpc runs no TorchScript: such a
         function cannot take a shmrpc RRef, but its module imports)."""
-        torch_api = sys.modules.get("torch.distributed.rpc.api")
+        torch_api = api._torch_api()
         torch_rref = getattr(torch_api, "RRef", None)
         return torch_rref[item] if torch_rref is not None else cls
 
@@ -1230,6 +1199,10 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)
+from . import api  # noqa: E402  (torch's private API: it uses the functions above)
+from .api import (  # noqa: E402,F401  (torch's names, as torch.distributed.rpc has them)
+    _get_current_rpc_agent, _get_debug_info, _is_current_rpc_agent_set,
+    _rref_context_get_debug_info, enable_gil_profiling)
 
 
 def _hook_torch_futures():
