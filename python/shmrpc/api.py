@@ -335,14 +335,21 @@ def _wait_all_workers(timeout=DEFAULT_SHUTDOWN_TIMEOUT):
 _OPTION_NAMES = ("rpc_timeout", "init_method", "num_worker_threads", "device_maps")
 
 
-def _options_types(torch_name):
+# torch's C++ base classes of its options (torch's TensorPipeRpcBackendOptions
+# is a Python subclass of the second).
+_TORCH_OPTIONS_BASES = {"RpcBackendOptions": "RpcBackendOptions",
+                        "TensorPipeRpcBackendOptions": "_TensorPipeRpcBackendOptionsBase"}
+
+
+def _options_types(name):
     """shmrpc's options class of that name, and torch's where torch is loaded
     (a program may build torch's own TensorPipeRpcBackendOptions)."""
     from . import options
-    types = [getattr(options, torch_name)]
+    types = [getattr(options, name)]
     torch_rpc = sys.modules.get("torch._C._distributed_rpc")
-    if torch_rpc is not None and hasattr(torch_rpc, torch_name):
-        types.append(getattr(torch_rpc, torch_name))
+    torch_type = getattr(torch_rpc, _TORCH_OPTIONS_BASES[name], None)
+    if torch_type is not None:
+        types.append(torch_type)
     return tuple(types)
 
 
