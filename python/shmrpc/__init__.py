@@ -1201,8 +1201,8 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 from . import autograd  # noqa: E402  (it uses the functions above)
 from . import api  # noqa: E402  (torch's private API: it uses the functions above)
 from .api import (  # noqa: E402,F401  (torch's names, as torch.distributed.rpc has them)
-    _get_current_rpc_agent, _get_debug_info, _is_current_rpc_agent_set,
-    _rref_context_get_debug_info, enable_gil_profiling)
+    PyRRef, _get_current_rpc_agent, _get_debug_info, _init_rpc_backend,
+    _is_current_rpc_agent_set, _rref_context_get_debug_info, enable_gil_profiling)
 
 
 def _hook_torch_futures():

@@ -27,6 +27,9 @@ __all__ = ["shutdown", "get_worker_info", "remote", "rpc_sync", "rpc_async", "RR
 
 logger = logging.getLogger(__name__)
 
+# torch's name for the RRef type its C++ makes (its RRef subclasses it).
+PyRRef = RRef
+
 # torch's switch: False makes a graceful shutdown raise when RRefs this
 # worker holds were not released by then (shmrpc's shutdown reads it).
 _ignore_rref_leak = True
@@ -370,3 +373,15 @@ def _check_init_args(backend, rpc_backend_options):
             raise TypeError(f"Could not infer backend for options {opts}")
     elif not any(hasattr(opts, name) for name in _OPTION_NAMES):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+
+
+def _init_rpc_backend(backend=None, store=None, name=None, rank=-1, world_size=None,
+                      rpc_backend_options=None):
+    """torch's last step of init_rpc, which torch's tests call with a store
+    of their own rendezvous: init_rpc. shmrpc's workers meet at
+    rpc_backend_options.init_method, not through the store (which is not
+    used)."""
+    from . import init_rpc
+    del store
+    init_rpc(name, backend, None if rank is None or rank < 0 else rank, world_size,
+             rpc_backend_options)
