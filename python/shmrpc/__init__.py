@@ -1166,15 +1166,54 @@ def _call_method(name, rref, *args, **kwargs):
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
+def _check_method(value_type, name):
+    """As torch's proxies: the method is looked up on the value's type
+    first, so a missing one raises AttributeError on the caller (a
+    ScriptModule's methods are not its type's)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not issubclass(value_type, (torch.jit.ScriptModule,
+                                                    torch._C.ScriptModule)):
+        getattr(value_type, name)
+
+
 class _Proxy:
     def __init__(self, rref, how, timeout):
         self._rref, self._how, self._timeout = rref, how, timeout
 
     def __getattr__(self, name):
-        def call(*args, **kwargs):
+        def send(args, kwargs):
             return self._how(self._rref.owner(), _call_method, args=(name, self._rref) + args,
                              kwargs=kwargs, timeout=self._timeout)
+
+        def call(*args, **kwargs):
+            if self._how is not rpc_async:
+                _check_method(self._rref._get_type(self._timeout), name)
+                return send(args, kwargs)
+            # rpc_async does not wait for the type: the check and the call
+            # follow it, their error or result in the Future returned.
+            result = Future()
+
+            def typed(type_fut):
+                try:
+                    _check_method(type_fut.wait(), name)
+                    fut = send(args, kwargs)
+                except BaseException as e:  # noqa: BLE001 (the caller's, in result)
+                    result.set_exception(e)
+                    return
+                fut.add_done_callback(lambda f: _settle(result, f))
+            self._rref._get_type(self._timeout, blocking=False).add_done_callback(typed)
+            return result
         return call
+
+
+def _settle(fut, done):
+    """fut completes as done did."""
+    try:
+        value = done.wait()
+    except BaseException as e:  # noqa: BLE001 (done's error, passed on)
+        fut.set_exception(e)
+    else:
+        fut.set_result(value)
 
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
