@@ -1117,6 +1117,16 @@ class RRef:
     def remote(self, timeout=UNSET_RPC_TIMEOUT):
         return _Proxy(self, remote, timeout)
 
+    def _serialize(self):
+        """The hook of torch's own RPC pickler (torch.distributed.rpc.internal),
+        which finds shmrpc's RRef as torch.distributed.rpc.PyRRef: shmrpc's
+        RRefs travel in its calls' arguments only."""
+        if not _initialized:
+            raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call fork an "
+                               "UserRRef after deletion.")
+        raise _not_supported("pickling an RRef with torch's RPC pickler (pass it in a call's "
+                             "arguments or result instead)")
+
     def __reduce__(self):
         # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
         raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
