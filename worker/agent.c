@@ -105,6 +105,13 @@ void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len)
 		snprintf(buf, len, "%.*s", (int)n, w->name);
 }
 
+bool agent_peer_gone(struct agent *ag, uint32_t r)
+{
+	return r != ag->rank && (!ipc_port_peer_alive(&ag->port, r) ||
+				 worker_state(ag, r) == SHM_WORKER_EXITED ||
+				 agent_state(ag, r) == SHM_AGENT_GONE);
+}
+
 void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len)
 {
 	char name[SHM_NAME_MAX], cause[96];

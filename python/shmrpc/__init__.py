@@ -245,9 +245,16 @@ def _warn_ignored(opts, joined=False):
 
 
 def shutdown(graceful=True, timeout=0):
-    """Graceful: waits until every worker is done, then all leave together."""
+    """Graceful: waits until every worker is done (api._wait_all_workers,
+    then the agent's barrier), then all leave together."""
     global _initialized, _joined, _shut_down
     try:
+        try:
+            if graceful:
+                api._shutdown_first(timeout)
+        except BaseException:
+            _shmrpc.shutdown(False, 0)  # torch's: the local shutdown, then the error
+            raise
         _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
     finally:
         # The agent is gone either way: a process that joined leaves its

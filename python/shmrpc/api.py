@@ -16,6 +16,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 
 from . import (RRef, WorkerInfo, _not_initialized, _shmrpc, autograd,  # noqa: F401 (torch's)
                get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync, shutdown,
@@ -114,10 +115,14 @@ def _get_debug_info():
 
 
 def _init_rpc_states():
-    """init_rpc's last step: the worker names _all_gather defaults to, and
-    the agent's switches back to their defaults."""
+    """init_rpc's last step: the worker names _all_gather defaults to, the
+    gathers counted from 0 (each init makes a new job: every worker of it
+    starts there), and the agent's switches back to their defaults."""
     global _ALL_WORKER_NAMES, _gil_profiling
     _ALL_WORKER_NAMES = {w.name for w in _Agent().get_worker_infos()}
+    with _all_gather_dict_lock:
+        _all_gather_sequence_id.clear()
+        _all_gather_sequence_id_to_states.clear()
     _gil_profiling = False
 
 
@@ -248,6 +253,30 @@ def _broadcast_to_followers(sequence_id, objects_map):
     states.proceed_signal.set()
 
 
+# How often a gather's wait looks for the workers it waits for having gone.
+_WATCH_S = 0.05
+
+
+def _wait_for(states, timeout, names):
+    """Waits until states' signal is set: True, or False once timeout
+    seconds (None: no limit) passed. Raises RuntimeError as soon as one of
+    the workers names has died or left the job, which torch's waits would
+    not notice."""
+    ranks = [get_worker_info(n).id for n in names]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = _WATCH_S if deadline is None else min(_WATCH_S, deadline - time.monotonic())
+        if step <= 0:
+            return states.proceed_signal.is_set()
+        if states.proceed_signal.wait(step):
+            return True
+        for r in ranks:
+            gone = _shmrpc.peer_gone(r)
+            if gone is not None:
+                raise RuntimeError(f"_all_gather on {get_worker_info().name} cannot complete: "
+                                   f"{gone[1]}")
+
+
 def _all_gather(obj, worker_names=None, timeout=UNSET_RPC_TIMEOUT):
     """{worker name: obj} of every worker of worker_names (all by default),
     each of which calls this; as torch's. timeout: the RPCs' and the
@@ -281,13 +310,17 @@ def _all_gather(obj, worker_names=None, timeout=UNSET_RPC_TIMEOUT):
 
     with _all_gather_dict_lock:
         states = _all_gather_sequence_id_to_states[sequence_id]
-    if not states.proceed_signal.wait(timeout=signal_timeout):
+    try:
+        # Any worker of the gather gone: the leader cannot complete it.
+        if not _wait_for(states, signal_timeout, worker_names - {self_name}):
+            missing = sorted(worker_names - set(states.gathered_objects)) if is_leader \
+                else [leader_name]
+            raise RuntimeError(f"_all_gather on {self_name} timed out after "
+                               f"{signal_timeout:.2f} seconds waiting for {missing}")
+    except RuntimeError:
         with _all_gather_dict_lock:
             _all_gather_sequence_id_to_states.pop(sequence_id, None)
-        missing = sorted(worker_names - set(states.gathered_objects)) if is_leader else \
-            [leader_name]
-        raise RuntimeError(f"_all_gather on {self_name} timed out after {signal_timeout:.2f} "
-                           f"seconds waiting for {missing}")
+        raise
 
     if is_leader:
         futures = {name: rpc_async(name, _broadcast_to_followers,
@@ -319,6 +352,19 @@ def _barrier(worker_names):
         _all_gather(None, set(worker_names))
     except RuntimeError as e:
         logger.error(f"Failed to complete barrier, got error {e}")
+
+
+def _shutdown_first(timeout):
+    """shutdown(graceful=True)'s first step, as torch's: _wait_all_workers
+    (which programs and torch's tests replace). A worker that died is not
+    an error here: the agent's own shutdown barrier, next, counts it out,
+    as shmrpc's shutdown always has."""
+    try:
+        _wait_all_workers(timeout)
+    except RuntimeError:
+        gone = [_shmrpc.peer_gone(r) for r in range(_shmrpc.world_size())]
+        if not any(g is not None and g[0] for g in gone):
+            raise
 
 
 def _wait_all_workers(timeout=DEFAULT_SHUTDOWN_TIMEOUT):
