@@ -21,6 +21,7 @@ import weakref
 from . import _shmrpc
 from . import backend_registry, constants  # noqa: F401  (torch's submodules' names)
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
+from . import server_profiler
 from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = [
@@ -607,12 +608,13 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0):
     """The pickled result of a call served here: run inside the caller's
     autograd context, under torch's profiler when ops is a list. A remote
     call's (rref_id) is kept live instead, under its RRef's id."""
-    if context_id is None and ops is None and autograd._current() is None:
-        # Most calls: no context to enter or leave, no profiler; the two
+    if context_id is None and ops is None and autograd._current() is None and \
+            not server_profiler._active:
+        # Most calls: no context to enter or leave, no profiler; the
         # context managers would cost more than the rest of the handler.
         return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
-        with profiler.torch_ops(ops):
+        with profiler.torch_ops(ops), server_profiler.recorded():
             result = _call(func, args, kwargs)
         return _reply(result, rref_id)
 
@@ -1267,6 +1269,14 @@ def _hook_torch_futures():
 
 
 _hook_torch_futures()
+
+
+def __getattr__(name):
+    """torch's _server_process_global_profile, which needs torch: made when
+    first asked for (shmrpc.server_profiler)."""
+    if name == "_server_process_global_profile":
+        return server_profiler._server_process_global_profile
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install_as_torch():
