@@ -251,8 +251,7 @@ def shutdown(graceful=True, timeout=0):
     global _initialized, _joined, _shut_down
     try:
         try:
-            if graceful:
-                api._shutdown_first(timeout)
+            api._shutdown_first(graceful, timeout)
         except BaseException:
             _shmrpc.shutdown(False, 0)  # torch's: the local shutdown, then the error
             raise

@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 # torch's name for the RRef type its C++ makes (its RRef subclasses it).
 PyRRef = RRef
 
-# torch's switch: False makes a graceful shutdown raise when RRefs this
-# worker holds were not released by then (shmrpc's shutdown reads it).
+# torch's switch: False makes shutdown raise when RRefs were not released
+# by then. shmrpc's shutdown releases every RRef a worker holds and does
+# not check for leaks: it refuses False (_shutdown_first).
 _ignore_rref_leak = True
 
 
@@ -354,11 +355,17 @@ def _barrier(worker_names):
         logger.error(f"Failed to complete barrier, got error {e}")
 
 
-def _shutdown_first(timeout):
-    """shutdown(graceful=True)'s first step, as torch's: _wait_all_workers
+def _shutdown_first(graceful, timeout):
+    """shutdown's first step. Graceful, as torch's: _wait_all_workers
     (which programs and torch's tests replace). A worker that died is not
     an error here: the agent's own shutdown barrier, next, counts it out,
     as shmrpc's shutdown always has."""
+    if not _ignore_rref_leak:
+        from . import _not_supported
+        raise _not_supported("checking for leaked RRefs at shutdown "
+                             "(torch.distributed.rpc.api._ignore_rref_leak = False)")
+    if not graceful:
+        return
     try:
         _wait_all_workers(timeout)
     except RuntimeError:
