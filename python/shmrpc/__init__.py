@@ -264,6 +264,7 @@ def shutdown(graceful=True, timeout=0):
             joined.leave()
         _initialized = False
         _shut_down = True
+        api._job_left()
 
 
 def _worker(who):
@@ -590,7 +591,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             return reply + (autograd._message_id(), reply[0] == _LIVE)
         return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
-        me = get_worker_info()
+        # From the agent: a call can come before init_rpc has returned here.
+        me = WorkerInfo._of(*_shmrpc.worker_info(None))
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's

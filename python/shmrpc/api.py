@@ -117,15 +117,20 @@ def _get_debug_info():
 
 
 def _init_rpc_states():
-    """init_rpc's last step: the worker names _all_gather defaults to, the
-    gathers counted from 0 (each init makes a new job: every worker of it
-    starts there), and the agent's switches back to their defaults."""
+    """init_rpc's last step: the worker names _all_gather defaults to, and
+    the agent's switches back to their defaults."""
     global _ALL_WORKER_NAMES, _gil_profiling
     _ALL_WORKER_NAMES = {w.name for w in _Agent().get_worker_infos()}
+    _gil_profiling = False
+
+
+def _job_left():
+    """shutdown's last step: the next job's gathers count from 0 (each
+    init_rpc makes a new job, every worker of which starts there). Not at
+    init: a peer's first gather may reach us as soon as our agent serves."""
     with _all_gather_dict_lock:
         _all_gather_sequence_id.clear()
         _all_gather_sequence_id_to_states.clear()
-    _gil_profiling = False
 
 
 def _delete_all_user_and_unforked_owner_rrefs(timeout=None):
