@@ -105,9 +105,21 @@ def _rref_context_get_debug_info():
 
 
 def _get_debug_info():
-    """torch's rpc._get_debug_info(): the RRef context's counts, the
-    agent's (_Agent.get_debug_info) and distributed autograd's (ints, as
-    torch's: num_autograd_contexts, num_current_backward_passes)."""
+    """torch's rpc._get_debug_info() for this worker, with torch's keys and
+    value types: the agent's as strings (agent.thread_pool_size,
+    agent.num_idle_threads, agent.client_active_calls,
+    agent.server_active_calls, agent.server_active_async_calls, and once
+    enable_gil_profiling(True) ran agent.gil_average_wait_time_us: how
+    long executor threads waited for the GIL before running Python, on
+    average, in whole microseconds), the RRef counts as strings
+    (num_owner_rrefs, num_pending_futures: owned RRefs still waiting for
+    their value, num_forks: other workers holding an owned RRef, one per
+    worker and RRef, num_pending_users: forks received and not yet
+    confirmed by their owner), and distributed autograd's as ints
+    (num_autograd_contexts, num_current_backward_passes). shmrpc's own,
+    as strings: agent.server_pending_calls (received, not started),
+    agent.calls_served, agent.gil_acquisitions and agent.gil_wait_time_ns
+    (their total wait)."""
     if not _initialized_now():
         raise _not_initialized()
     info = _rref_context_get_debug_info()
