@@ -159,7 +159,14 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _warn_ignored(rpc_backend_options, joined=joined is not None)
         _shmrpc.set_handler(_run_function)
         _shmrpc.set_live_release(_release_owned)
-        _shmrpc.init(name, threads, timeout_ms, maps)
+        # Initialized before the agent serves: a peer's call can come before
+        # init returns here, and the function it runs may call out.
+        was, _initialized = _initialized, True
+        try:
+            _shmrpc.init(name, threads, timeout_ms, maps)
+        except BaseException:
+            _initialized = was
+            raise
     except BaseException:
         if joined is not None:
             joined.leave()
