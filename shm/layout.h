@@ -98,6 +98,11 @@ enum shm_agent_state {
 /* exit_info encoding: kind in the high byte, code or signal below. */
 #define SHM_EXIT_CODE(c) ((1u << 24) | ((uint32_t)(c) & 0xffu))
 #define SHM_EXIT_SIGNAL(s) ((2u << 24) | ((uint32_t)(s) & 0xffu))
+/* With state EXITED: refused at a rendezvous, its name being rank r's
+ * (launcher/keeper.c); r below the kind. */
+#define SHM_EXIT_NAME_TAKEN(r) ((3u << 24) | ((uint32_t)(r) & 0xffffffu))
+#define SHM_EXIT_KIND(info) ((info) >> 24)
+#define SHM_EXIT_VALUE(info) ((info) & 0xffffffu)
 
 /*
  * One slot per rank, five cache lines, so that the doorbell (written by
