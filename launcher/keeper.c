@@ -26,7 +26,8 @@
 #include "launcher/keeper.h"
 #include "shm/exit_info.h"
 
-#define KEEPER_IDLE_NS (60ull * 1000000000ull) /* nobody joined: the starter died first */
+/* Nobody joined (the starter died first), or a refused job's ranks stopped coming. */
+#define KEEPER_IDLE_NS (60ull * 1000000000ull)
 #define REQ_WAIT_MS 2000  /* a connected worker sends its request at once */
 #define DYING_WAIT_MS 100 /* a closed connection, the pidfd not fired yet */
 
@@ -43,6 +44,12 @@ struct keeper {
 	int lfd;          /* -1 once the door is closed */
 	uint32_t present; /* joined and not gone */
 	uint32_t joined;  /* ever */
+	uint32_t knocked; /* ranks that came, joined or refused */
+	/* Why the job cannot start (a name not unique), "" while it can: the
+	 * door stays open to tell each rank that comes, until every rank came
+	 * or KEEPER_IDLE_NS passed since (refused_at). */
+	char refusal[JOIN_MSG_MAX];
+	uint64_t refused_at;
 };
 
 size_t join_sockaddr(const char *key, void *sockaddr_un)
@@ -111,8 +118,9 @@ static void forget(struct keeper *k, uint32_t rank)
 	k->present--;
 	/* The first to go closes the door: the job cannot be completed any
 	 * more, and a later init_rpc at this rendezvous (a re-init after
-	 * shutdown) makes a new job with a new keeper. */
-	if (k->lfd >= 0) {
+	 * shutdown) makes a new job with a new keeper. A job refused keeps
+	 * it open to tell the ranks still to come why. */
+	if (k->lfd >= 0 && !k->refusal[0]) {
 		close(k->lfd);
 		k->lfd = -1;
 	}
@@ -231,6 +239,14 @@ static void on_knock(struct keeper *k)
 		return;
 	}
 	req.name[SHM_NAME_MAX - 1] = '\0';
+	if (k->refusal[0]) {
+		if (req.rank < k->world && !k->m[req.rank].pid) {
+			k->m[req.rank].pid = (pid_t)cred.pid;
+			k->knocked++;
+		}
+		refuse(conn, -EEXIST, "%s", k->refusal);
+		return;
+	}
 	if (req.world != k->world) {
 		refuse(conn, -EINVAL, "init_rpc: world_size %u, but the job at this "
 		       "rendezvous has %u workers: give every process the same world_size",
@@ -252,17 +268,23 @@ static void on_knock(struct keeper *k)
 		const char *other = shm_worker(&k->shm.seg, r)->name;
 
 		if (k->m[r].pid && !strncmp(other, req.name, SHM_NAME_MAX)) {
-			/* torch's text; the job cannot start, so the others
-			 * fail at once too (the rank left before it started). */
+			/* torch's text, to every rank: the job cannot start.
+			 * Those in it read the slot's exit_info (agent_wait_all),
+			 * those to come get the refusal. */
 			w = shm_worker(&k->shm.seg, req.rank);
 			memcpy(w->name, req.name, strlen(req.name));
 			k->m[req.rank].pid = (pid_t)cred.pid;
+			k->knocked++;
+			snprintf(k->refusal, sizeof(k->refusal), "RPC worker name %s is not "
+				 "unique. Workers %u and %u share the same name.", req.name, r,
+				 req.rank);
+			k->refused_at = shmrpc_now_ns();
+			/* Relaxed: published by the seq_cst store of the state. */
+			atomic_store_explicit(&w->exit_info, SHM_EXIT_NAME_TAKEN(r),
+					      memory_order_relaxed);
 			atomic_store_explicit(&w->state, SHM_WORKER_EXITED, memory_order_seq_cst);
 			job_ring_all(&k->shm);
-			close(k->lfd); /* the job cannot start: later comers make a new one */
-			k->lfd = -1;
-			refuse(conn, -EEXIST, "RPC worker name %s is not unique. Workers %u and %u "
-			       "share the same name.", req.name, r, req.rank);
+			refuse(conn, -EEXIST, "%s", k->refusal);
 			return;
 		}
 	}
@@ -280,6 +302,7 @@ static void on_knock(struct keeper *k)
 	k->m[req.rank] = (struct member){ .pid = (pid_t)cred.pid, .pidfd = pidfd, .conn = conn };
 	k->present++;
 	k->joined++;
+	k->knocked++;
 	if (send_fds(k, conn)) {
 		/* It went before it was told: a leave before its start. */
 		on_close(k, req.rank);
@@ -303,12 +326,13 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 			pfd[n++] = (struct pollfd){ .fd = k->m[r].conn, .events = POLLIN };
 		}
 	}
-	if (!k->joined) {
-		uint64_t now = shmrpc_now_ns();
+	/* Only waiting for ranks to come: the first, or those a refusal is for. */
+	if (!k->joined || (k->refusal[0] && !k->present)) {
+		uint64_t since = k->joined ? k->refused_at : start, now = shmrpc_now_ns();
 
-		if (now - start >= KEEPER_IDLE_NS)
+		if (now - since >= KEEPER_IDLE_NS)
 			return false;
-		timeout = (int)((start + KEEPER_IDLE_NS - now) / 1000000u) + 1;
+		timeout = (int)((since + KEEPER_IDLE_NS - now) / 1000000u) + 1;
 	}
 	if (poll(pfd, n, timeout) < 0)
 		return errno == EINTR;
@@ -359,8 +383,10 @@ int keeper_run(int lfd, uint32_t world, uint64_t pool_size)
 		goto out;
 	}
 	/* Until every worker that joined has gone (the first to go closed
-	 * the door, so none can come after). */
-	while ((k.present || !k.joined) && keeper_round(&k, pfd, who, start))
+	 * the door, so none can come after), and, for a job refused, every
+	 * rank came to hear why. */
+	while ((k.present || !k.joined || (k.refusal[0] && k.knocked < k.world)) &&
+	       keeper_round(&k, pfd, who, start))
 		;
 	rc = 0;
 	for (uint32_t r = 0; r < world; r++)

@@ -1270,6 +1270,34 @@ static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 	return PyBool_FromLong(executor_on_worker_thread());
 }
 
+/* peer_gone(rank) -> None while rank is in the job, else (died, why):
+ * whether it died rather than left, and why it is gone ("worker 1 (w1)
+ * died: ...", "... has left the job") as a call to it would fail: what
+ * api._all_gather's waits watch. */
+static PyObject *mod_peer_gone(PyObject *m, PyObject *rank)
+{
+	struct agent *ag = worker_agent;
+	char why[256];
+	long r = PyLong_AsLong(rank);
+
+	(void)m;
+	if (r == -1 && PyErr_Occurred())
+		return NULL;
+	if (!ag) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"RPC has not been initialized. Call shmrpc.init_rpc first.");
+		return NULL;
+	}
+	if (r < 0 || (unsigned long)r >= ag->world)
+		return PyErr_Format(PyExc_ValueError, "no worker of rank %ld: the job has %u "
+				    "workers", r, ag->world);
+	if (!agent_peer_gone(ag, (uint32_t)r))
+		Py_RETURN_NONE;
+	agent_peer_gone_text(ag, (uint32_t)r, why, sizeof(why));
+	return Py_BuildValue("(Ns)", PyBool_FromLong(!ipc_port_peer_alive(&ag->port, (uint32_t)r)),
+			     why);
+}
+
 /* debug_info() -> {key: int}: this worker's agent gauges from its slot
  * (torch's names where torch has them), the executor threads' GIL waits
  * and torch's RRef counts. */
@@ -1351,6 +1379,8 @@ static PyMethodDef mod_methods[] = {
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
+	{ "peer_gone", mod_peer_gone, METH_O,
+	  "peer_gone(rank) -> None while rank is in the job, else (died, why)" },
 	{ "call", (PyCFunction)(void (*)(void))mod_call, METH_VARARGS | METH_KEYWORDS,
 	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
 	  "message_id, retain_graph, *, torch_profile=0) -> Future" },

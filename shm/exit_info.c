@@ -17,5 +17,8 @@ int shm_exit_info_format(uint32_t exit_info, char *buf, size_t len)
 		return abbrev ? snprintf(buf, len, "killed by signal %u (SIG%s)", v, abbrev)
 			      : snprintf(buf, len, "killed by signal %u", v);
 	}
+	if (kind == 3)
+		return snprintf(buf, len, "was refused: worker %u has its name",
+				SHM_EXIT_VALUE(exit_info));
 	return snprintf(buf, len, "ended (cause unknown)");
 }

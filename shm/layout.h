@@ -29,8 +29,10 @@
 
 #define SHM_MAGIC 0x31434d5052484d53ull /* "SHMRPC1" read as little endian */
 /* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
- * and the CUDA IPC gauges of the worker slot; 4: the device maps. */
-#define SHM_FORMAT_VERSION 4u
+ * and the CUDA IPC gauges of the worker slot; 4: the device maps; 5: the
+ * 56-byte frame header (nesting depth, needed_by) and inline tensors, so
+ * that workers of different builds meet a version error, not "corrupt". */
+#define SHM_FORMAT_VERSION 5u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -96,6 +98,11 @@ enum shm_agent_state {
 /* exit_info encoding: kind in the high byte, code or signal below. */
 #define SHM_EXIT_CODE(c) ((1u << 24) | ((uint32_t)(c) & 0xffu))
 #define SHM_EXIT_SIGNAL(s) ((2u << 24) | ((uint32_t)(s) & 0xffu))
+/* With state EXITED: refused at a rendezvous, its name being rank r's
+ * (launcher/keeper.c); r below the kind. */
+#define SHM_EXIT_NAME_TAKEN(r) ((3u << 24) | ((uint32_t)(r) & 0xffffffu))
+#define SHM_EXIT_KIND(info) ((info) >> 24)
+#define SHM_EXIT_VALUE(info) ((info) & 0xffffffu)
 
 /*
  * One slot per rank, five cache lines, so that the doorbell (written by

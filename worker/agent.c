@@ -78,6 +78,13 @@ static uint32_t worker_state(const struct agent *ag, uint32_t r)
 	return atomic_load_explicit(&shm_worker(&ag->seg, r)->state, memory_order_acquire);
 }
 
+/* How rank r ended: read after worker_state said DEAD or EXITED. */
+static uint32_t peer_exit_info(const struct agent *ag, uint32_t r)
+{
+	/* Relaxed: published by the state's store, which worker_state acquired. */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->exit_info, memory_order_relaxed);
+}
+
 static void set_agent_state(struct agent *ag, uint32_t st)
 {
 	/* Release: what we did before (names, threads) is visible with the state. */
@@ -99,6 +106,13 @@ void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len)
 		snprintf(buf, len, "%.*s", (int)n, w->name);
 }
 
+bool agent_peer_gone(struct agent *ag, uint32_t r)
+{
+	return r != ag->rank && (!ipc_port_peer_alive(&ag->port, r) ||
+				 worker_state(ag, r) == SHM_WORKER_EXITED ||
+				 agent_state(ag, r) == SHM_AGENT_GONE);
+}
+
 void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len)
 {
 	char name[SHM_NAME_MAX], cause[96];
@@ -106,9 +120,7 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 
 	agent_peer_name(ag, r, name, sizeof(name));
 	if (st == SHM_WORKER_DEAD) {
-		shm_exit_info_format(atomic_load_explicit(&shm_worker(&ag->seg, r)->exit_info,
-							  memory_order_relaxed),
-				     cause, sizeof(cause));
+		shm_exit_info_format(peer_exit_info(ag, r), cause, sizeof(cause));
 		snprintf(buf, len, "worker %u (%s) died: %s", r, name, cause);
 	} else if (st == SHM_WORKER_EXITED || agent_state(ag, r) == SHM_AGENT_GONE) {
 		snprintf(buf, len, "worker %u (%s) has left the job", r, name);
@@ -606,6 +618,15 @@ int agent_wait_all(struct agent *ag, uint64_t deadline, bool (*arrived)(const st
 			 * map) does not hide that failure from the others. */
 			if (arrived(ag, r))
 				continue;
+			if (st == SHM_WORKER_EXITED && SHM_EXIT_KIND(peer_exit_info(ag, r)) == 3) {
+				char name[SHM_NAME_MAX];
+
+				/* Refused at the rendezvous: torch's text, on every rank. */
+				agent_peer_name(ag, r, name, sizeof(name));
+				return shmrpc__fail(-EEXIST, "RPC worker name %s is not unique. Workers "
+						    "%u and %u share the same name.", name,
+						    SHM_EXIT_VALUE(peer_exit_info(ag, r)), r);
+			}
 			if (st == SHM_WORKER_DEAD || st == SHM_WORKER_EXITED) {
 				char why[160];
 

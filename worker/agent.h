@@ -133,6 +133,8 @@ SHMRPC_HIDDEN int agent_wait_all(struct agent *ag, uint64_t deadline,
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);
+/* Whether rank r died or left the job (it will answer no call). */
+SHMRPC_HIDDEN bool agent_peer_gone(struct agent *ag, uint32_t r);
 /* "worker 3 (worker3) died: killed by signal 9 (SIGKILL)" and similar. */
 SHMRPC_HIDDEN void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len);
 /* Sends a frame from a non-loop thread; the text of a failure in errmsg.

@@ -316,11 +316,11 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	nested = server_serving(&caller, &served, &depth);
 	depth++;
 	if (depth > SHMRPC_MAX_NESTING)
-		rc = shmrpc__fail(-SHMRPC_ENESTING, "cannot %s on worker %d: it would be the "
-				  "%u-th call nested inside one another (each made by the function "
-				  "serving the one before), beyond shmrpc's limit of %u "
-				  "(SHMRPC_MAX_NESTING): make the chain shorter, e.g. turn the "
-				  "recursion into a loop", what, dst, depth, SHMRPC_MAX_NESTING);
+		rc = shmrpc__fail(-SHMRPC_ENESTING, "cannot %s on worker %d: calls would nest "
+				  "%u deep (each made by the function serving the one before), "
+				  "beyond shmrpc's limit of %u (SHMRPC_MAX_NESTING): make the chain "
+				  "shorter, e.g. turn the recursion into a loop", what, dst, depth,
+				  SHMRPC_MAX_NESTING);
 	else if (dst < 0 || (uint32_t)dst >= ag->world)
 		rc = shmrpc__fail(-EINVAL, "cannot %s on rank %d: the job has %u workers "
 				  "(ranks 0 to %u)", what, dst, ag->world, ag->world - 1);

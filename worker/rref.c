@@ -34,9 +34,10 @@ _Static_assert(sizeof(struct rref_wire) == 32, "fork data is 32 bytes");
  * by message (SHMRPC_RREF_FORK=message); otherwise the sender charged it. */
 #define RREF_WIRE_BY_MESSAGE 1u
 
-/* Ids made here: RRef ids and fork ids share the counter. Relaxed:
- * only uniqueness matters. */
-static _Atomic uint64_t next_local_id = 1;
+/* Ids made here: RRef ids and fork ids share the counter, from 0 as
+ * torch's (programs and tests print them; RREF_ID keeps 0 off the
+ * table's keys). Relaxed: only uniqueness matters. */
+static _Atomic uint64_t next_local_id = 0;
 
 static uint64_t new_id(struct agent *ag)
 {

@@ -21,6 +21,7 @@ import weakref
 from . import _shmrpc
 from . import backend_registry, constants  # noqa: F401  (torch's submodules' names)
 from . import profiler  # noqa: F401  (shmrpc.profiler.profile)
+from . import server_profiler
 from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions
 
 __all__ = [
@@ -124,6 +125,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
     global _initialized, _joined, _rpc_timeout, _timeout_override, _init_pid
+    api._check_init_args(backend, rpc_backend_options)
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
     if _initialized and _init_pid != os.getpid():
@@ -167,7 +169,14 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
             _warn_ignored(rpc_backend_options, joined=joined is not None)
         _shmrpc.set_handler(_run_function)
         _shmrpc.set_live_release(_release_owned)
-        _shmrpc.init(name, threads, timeout_ms, maps)
+        # Initialized before the agent serves: a peer's call can come before
+        # init returns here, and the function it runs may call out.
+        was, _initialized, _init_pid = _initialized, True, os.getpid()
+        try:
+            _shmrpc.init(name, threads, timeout_ms, maps)
+        except BaseException:
+            _initialized = was
+            raise
     except BaseException:
         if joined is not None:
             joined.leave()
@@ -177,8 +186,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if joined is not None:
             _rendezvous.clear_env()
     _joined = joined
-    _initialized = True
-    _init_pid = os.getpid()
+    api._init_rpc_states()
 
 
 def _started_by_shmrun():
@@ -222,40 +230,6 @@ def _set_rpc_timeout(rpc_timeout):
     if rpc_timeout < 0:
         raise ValueError(f"rpc_timeout {rpc_timeout}: give seconds, 0 for none")
     _rpc_timeout, _timeout_override = float(rpc_timeout), True
-
-
-def enable_gil_profiling(flag):
-    """torch's switch for agent.gil_average_wait_time_us: shmrpc always
-    records the executors' GIL waits (_get_debug_info), so it changes nothing."""
-    del flag
-
-
-class _Agent:
-    """The part of torch's RpcAgent programs and torch's tests reach through
-    _get_current_rpc_agent(): the workers and debug info."""
-
-    def get_worker_info(self, worker_name=None):
-        return get_worker_info(worker_name)
-
-    def get_worker_infos(self):
-        return [get_worker_info(r) for r in range(_shmrpc.world_size())]
-
-    def get_debug_info(self):
-        return _get_debug_info()
-
-    def _get_device_map(self, to):
-        raise _not_supported("_get_device_map")
-
-
-def _is_current_rpc_agent_set():
-    return _initialized
-
-
-def _get_current_rpc_agent():
-    if not _initialized:
-        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC "
-                           "framework (e.g. by calling `rpc.init_rpc`)?")
-    return _Agent()
 
 
 def _device_index(d):
@@ -305,9 +279,15 @@ def _warn_ignored(opts, joined=False):
 
 
 def shutdown(graceful=True, timeout=0):
-    """Graceful: waits until every worker is done, then all leave together."""
+    """Graceful: waits until every worker is done (api._wait_all_workers,
+    then the agent's barrier), then all leave together."""
     global _initialized, _joined, _shut_down
     try:
+        try:
+            api._shutdown_first(graceful, timeout)
+        except BaseException:
+            _shmrpc.shutdown(False, 0)  # torch's: the local shutdown, then the error
+            raise
         _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
     finally:
         # The agent is gone either way: a process that joined leaves its
@@ -317,35 +297,7 @@ def shutdown(graceful=True, timeout=0):
             joined.leave()
         _initialized = False
         _shut_down = True
-
-
-def _get_debug_info():
-    """torch's rpc._get_debug_info() for this worker, with torch's keys and
-    value types: the agent's as strings (agent.thread_pool_size,
-    agent.num_idle_threads, agent.client_active_calls,
-    agent.server_active_calls, agent.server_active_async_calls,
-    agent.gil_average_wait_time_us: how long executor threads waited for
-    the GIL before running Python, on average, in whole microseconds), the
-    RRef counts as strings (num_owner_rrefs, num_pending_futures: owned
-    RRefs still waiting for their value, num_forks: other workers holding
-    an owned RRef, one per worker and RRef, num_pending_users: forks
-    received and not yet confirmed by their owner), and distributed
-    autograd's as ints (num_autograd_contexts,
-    num_current_backward_passes). shmrpc's own, as strings:
-    agent.server_pending_calls (received, not started),
-    agent.calls_served, agent.gil_acquisitions and agent.gil_wait_time_ns
-    (their total wait)."""
-    info = {k: str(v) for k, v in _shmrpc.debug_info().items()}
-    info["agent.server_active_async_calls"] = str(_async_serving)
-    info.update(autograd._debug_info())
-    return info
-
-
-def _rref_context_get_debug_info():
-    """torch's RRef context counts for this worker, as strings."""
-    info = _shmrpc.debug_info()
-    return {k: str(info[k]) for k in ("num_owner_rrefs", "num_pending_futures", "num_forks",
-                                      "num_pending_users")}
+        api._job_left()
 
 
 def _worker(who):
@@ -695,7 +647,8 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             return reply + (autograd._message_id(), reply[0] == _LIVE)
         return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
-        me = get_worker_info()
+        # From the agent: a call can come before init_rpc has returned here.
+        me = WorkerInfo._of(*_shmrpc.worker_info(None))
         text = (f"On {me!r}:\n{e!r}\n"
                 + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
         print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
@@ -715,12 +668,13 @@ def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0, profile=
     """The pickled result of a call served here: run inside the caller's
     autograd context, under torch's profiler when ops is a list. A remote
     call's (rref_id) is kept live instead, under its RRef's id."""
-    if context_id is None and ops is None and autograd._current() is None:
-        # Most calls: no context to enter or leave, no profiler; the two
+    if context_id is None and ops is None and autograd._current() is None and \
+            not server_profiler._active:
+        # Most calls: no context to enter or leave, no profiler; the
         # context managers would cost more than the rest of the handler.
         return _reply(_call(func, args, kwargs), rref_id)
     with autograd._running_in(context_id, caller):
-        with profiler.torch_ops(ops, profile):
+        with profiler.torch_ops(ops, profile), server_profiler.recorded():
             result = _call(func, args, kwargs)
         return _reply(result, rref_id)
 
@@ -875,7 +829,8 @@ class Future:
         if self._c is not None and not self._have:
             try:
                 # The C wait releases the GIL, and on an executor thread it
-                # runs queued work meanwhile: a nested call cannot starve
+                # runs what the call needs and is counted out of the pool
+                # meanwhile (worker/executor.h): a nested call cannot starve
                 # the pool waiting for its own completion callback.
                 self._c.wait()
             except Exception:
@@ -979,7 +934,35 @@ def _adopt_torch_futures(torch_futures):
 
 
 def wait_all(futures):
-    """The values of all futures; raises the first error met."""
+    """The values of all futures, once all completed; the first error to
+    occur is raised as soon as it does, as torch's."""
+    futures = list(futures)
+    if all(f.done() for f in futures):
+        return [f.wait() for f in futures]
+    first = Future()  # completes with the first error, or once all are done
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(f):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if first.done():
+            return
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 (the future's error, for the waiter)
+            with lock:
+                if not first.done():
+                    first.set_exception(e)
+            return
+        if last:
+            with lock:
+                if not first.done():
+                    first.set_result(None)
+    for f in futures:
+        f.add_done_callback(one)
+    first.wait()
     return [f.wait() for f in futures]
 
 
@@ -1066,6 +1049,7 @@ def _pack_call(func, args, kwargs, dst=None):
     travels in the message (_send_call); shmrpc.data passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
+    api._check_pickler()
     ref = _by_name(func)
     if ref is None:
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
@@ -1131,6 +1115,7 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
         fut.set_exception(e)
         return fut
     autograd._called(fut)
+    api._note_future(fut)
     return fut
 
 
@@ -1151,7 +1136,7 @@ class RRef:
         is loaded, torch's own RRef[T], which TorchScript understands in a
         scripted function's signature (shmrpc runs no TorchScript: such a
         function cannot take a shmrpc RRef, but its module imports)."""
-        torch_api = sys.modules.get("torch.distributed.rpc.api")
+        torch_api = api._torch_api()
         torch_rref = getattr(torch_api, "RRef", None)
         return torch_rref[item] if torch_rref is not None else cls
 
@@ -1276,6 +1261,16 @@ class RRef:
     def remote(self, timeout=UNSET_RPC_TIMEOUT):
         return _Proxy(self, remote, timeout)
 
+    def _serialize(self):
+        """The hook of torch's own RPC pickler (torch.distributed.rpc.internal),
+        which finds shmrpc's RRef as torch.distributed.rpc.PyRRef: shmrpc's
+        RRefs travel in its calls' arguments only."""
+        if not _initialized:
+            raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call fork an "
+                               "UserRRef after deletion.")
+        raise _not_supported("pickling an RRef with torch's RPC pickler (pass it in a call's "
+                             "arguments or result instead)")
+
     def __reduce__(self):
         # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
         raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
@@ -1325,15 +1320,54 @@ def _call_method(name, rref, *args, **kwargs):
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
+def _check_method(value_type, name):
+    """As torch's proxies: the method is looked up on the value's type
+    first, so a missing one raises AttributeError on the caller (a
+    ScriptModule's methods are not its type's)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not issubclass(value_type, (torch.jit.ScriptModule,
+                                                    torch._C.ScriptModule)):
+        getattr(value_type, name)
+
+
 class _Proxy:
     def __init__(self, rref, how, timeout):
         self._rref, self._how, self._timeout = rref, how, timeout
 
     def __getattr__(self, name):
-        def call(*args, **kwargs):
+        def send(args, kwargs):
             return self._how(self._rref.owner(), _call_method, args=(name, self._rref) + args,
                              kwargs=kwargs, timeout=self._timeout)
+
+        def call(*args, **kwargs):
+            if self._how is not rpc_async:
+                _check_method(self._rref._get_type(self._timeout), name)
+                return send(args, kwargs)
+            # rpc_async does not wait for the type: the check and the call
+            # follow it, their error or result in the Future returned.
+            result = Future()
+
+            def typed(type_fut):
+                try:
+                    _check_method(type_fut.wait(), name)
+                    fut = send(args, kwargs)
+                except BaseException as e:  # noqa: BLE001 (the caller's, in result)
+                    result.set_exception(e)
+                    return
+                fut.add_done_callback(lambda f: _settle(result, f))
+            self._rref._get_type(self._timeout, blocking=False).add_done_callback(typed)
+            return result
         return call
+
+
+def _settle(fut, done):
+    """fut completes as done did."""
+    try:
+        value = done.wait()
+    except BaseException as e:  # noqa: BLE001 (done's error, passed on)
+        fut.set_exception(e)
+    else:
+        fut.set_result(value)
 
 
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
@@ -1358,6 +1392,10 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 from . import autograd  # noqa: E402  (it uses the functions above)
+from . import api  # noqa: E402  (torch's private API: it uses the functions above)
+from .api import (  # noqa: E402,F401  (torch's names, as torch.distributed.rpc has them)
+    PyRRef, _get_current_rpc_agent, _get_debug_info, _init_rpc_backend,
+    _is_current_rpc_agent_set, _rref_context_get_debug_info, enable_gil_profiling)
 
 
 def _hook_torch():
@@ -1366,6 +1404,14 @@ def _hook_torch():
 
 
 _hook_torch()
+
+
+def __getattr__(name):
+    """torch's _server_process_global_profile, which needs torch: made when
+    first asked for (shmrpc.server_profiler)."""
+    if name == "_server_process_global_profile":
+        return server_profiler._server_process_global_profile
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install_as_torch():

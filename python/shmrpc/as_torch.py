@@ -8,8 +8,8 @@ runs prog.py as __main__ after install(), which makes these names resolve
 to shmrpc, in sys.modules and as attributes of their parent packages:
 
 - torch.distributed.rpc          -> shmrpc
-- torch.distributed.rpc.functions, .constants, .backend_registry, .options
-                                 -> shmrpc's (shmrpc.functions, ...)
+- torch.distributed.rpc.functions, .api, .constants, .backend_registry,
+  .options                       -> shmrpc's (shmrpc.functions, ...)
 - torch.distributed.autograd     -> shmrpc.autograd
 - torch.distributed.optim.DistributedOptimizer
                                  -> shmrpc.optim.DistributedOptimizer
@@ -19,7 +19,7 @@ to shmrpc, in sys.modules and as attributes of their parent packages:
   shmrpc's Futures are torch.futures.Futures too: shmrpc.Future.)
 
 Everything else of torch stays torch's, torch.distributed.rpc's other
-submodules (api, internal, ...) too: they become attributes of shmrpc so
+submodules (internal, ...) too: they become attributes of shmrpc so
 that code reaching them through the package finds them. A program calls
 `shmrpc.install_as_torch()` itself to the same effect; either way it must
 run before the program binds the names (`import torch.distributed.rpc as
@@ -123,29 +123,34 @@ def install():
         raise ImportError(f"shmrpc.install_as_torch needs torch ({e}): install python3-torch") \
             from None
     import shmrpc
-    from shmrpc import autograd, backend_registry, constants, optim, options
+    from shmrpc import api, autograd, backend_registry, constants, optim, options
 
     replaced = {
         "torch.distributed.rpc": shmrpc,
         "torch.distributed.rpc.functions": shmrpc.functions,
+        "torch.distributed.rpc.api": api,
         "torch.distributed.rpc.constants": constants,
         "torch.distributed.rpc.backend_registry": backend_registry,
         "torch.distributed.rpc.options": options,
         "torch.distributed.autograd": autograd,
     }
     # torch's other submodules stay torch's, reachable as before from the
-    # package that replaces theirs (torch.distributed.rpc.api, .internal...).
+    # package that replaces theirs (torch.distributed.rpc.internal...).
     for name, module in list(sys.modules.items()):
         parent, _, child = name.rpartition(".")
         if parent == "torch.distributed.rpc" and name not in replaced and \
                 not hasattr(shmrpc, child):
             setattr(shmrpc, child, module)
+    if sys.modules.get("torch.distributed.rpc.api") is not api:
+        api._torch_api_module = sys.modules.get("torch.distributed.rpc.api")
     for name, module in replaced.items():
         sys.modules[name] = module
     dist.rpc = shmrpc
     dist.autograd = autograd
     dist_optim.DistributedOptimizer = optim.DistributedOptimizer
     patch_futures(torch_futures)
+    # torch's pickler is the default one (what _use_rpc_pickler restores).
+    api._default_pickler = api._torch_internal_pickler()
     _installed = True
 
 

@@ -2,8 +2,10 @@
 """shmrpc._get_debug_info(): torch's agent keys, their values strings of
 numbers as torch's; the GIL counters of the worker that serves Python calls
 grow by at least the calls it ran (each one took the GIL on an executor
-thread), and a completion callback takes it too. Before init_rpc it raises,
-on both workers; the rest runs on worker0 (conftest.py).
+thread), and a completion callback takes it too; the GIL wait average is
+reported once enable_gil_profiling(True) ran on the worker, as torch's.
+Before init_rpc it raises, on both workers; the rest runs on worker0
+(conftest.py).
 """
 import sys
 import threading
@@ -12,9 +14,10 @@ import pytest
 
 import shmrpc as rpc
 
+GIL_AVERAGE = "agent.gil_average_wait_time_us"
 TORCH_KEYS = {"agent.thread_pool_size", "agent.num_idle_threads", "agent.client_active_calls",
               "agent.server_active_calls", "agent.server_active_async_calls",
-              "agent.gil_average_wait_time_us", "num_owner_rrefs", "num_pending_futures",
+              GIL_AVERAGE, "num_owner_rrefs", "num_pending_futures",
               "num_forks", "num_pending_users"}
 AUTOGRAD_KEYS = {"num_autograd_contexts", "num_current_backward_passes"}  # ints, as torch's
 SHMRPC_KEYS = {"agent.server_pending_calls", "agent.calls_served", "agent.gil_acquisitions",
@@ -48,7 +51,15 @@ def test_before_init_rpc():
     assert "init_rpc" in str(got), f"_get_debug_info before init_rpc says why: {got}"
 
 
+def enable_gil_profiling():
+    rpc.enable_gil_profiling(True)
+
+
 def test_keys_and_values():
+    info = rpc._get_debug_info()
+    assert set(info) == TORCH_KEYS - {GIL_AVERAGE} | SHMRPC_KEYS | AUTOGRAD_KEYS, \
+        f"the keys, without the GIL average until GIL profiling is enabled: {sorted(info)}"
+    enable_gil_profiling()
     info = rpc._get_debug_info()
     assert set(info) == TORCH_KEYS | SHMRPC_KEYS | AUTOGRAD_KEYS, f"the keys: {sorted(info)}"
     assert all(isinstance(v, int if k in AUTOGRAD_KEYS else str) for k, v in info.items()), \
@@ -60,6 +71,7 @@ def test_keys_and_values():
 
 def test_peer_counters():
     # The peer's counters, read on the peer by a call of their own.
+    rpc.rpc_sync("worker1", enable_gil_profiling)
     before = numbers(rpc.rpc_sync("worker1", rpc._get_debug_info))
     for i in range(CALLS):
         assert rpc.rpc_sync("worker1", add, args=(i, 1)) == i + 1, "add on the peer"

@@ -1,0 +1,454 @@
+"""torch.distributed.rpc.api's names, over shmrpc.
+
+torch's own code and tests reach the RPC layer through this module as
+well as through the package: `rpc.api._all_gather`, `_barrier`,
+`_wait_all_workers` (the graceful shutdown's first step, which tests
+replace), the `_wait_all()` context manager, the current agent
+(`_get_current_rpc_agent()`), `_ignore_rref_leak`, `_use_rpc_pickler`.
+`shmrpc.install_as_torch()` makes torch.distributed.rpc.api resolve here.
+
+_all_gather works as torch's: the worker with the smallest name leads;
+the others send it their object with an RPC (_gather_to_leader), and once
+it has them all it sends the whole map back to each (_broadcast_to_followers).
+"""
+import collections
+import contextlib
+import logging
+import sys
+import threading
+import time
+
+from . import (RRef, WorkerInfo, _not_initialized, _shmrpc, autograd,  # noqa: F401 (torch's)
+               get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync, shutdown,
+               wait_all)
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+
+__all__ = ["shutdown", "get_worker_info", "remote", "rpc_sync", "rpc_async", "RRef",
+           "AllGatherStates"]
+
+logger = logging.getLogger(__name__)
+
+# torch's name for the RRef type its C++ makes (its RRef subclasses it).
+PyRRef = RRef
+
+# torch's switch: False makes torch's shutdown raise when RRefs were not
+# released by then. Not read: shmrpc's shutdown releases every RRef a
+# worker holds and reports no leak (torch's tests set it False for every
+# test, to have their RRefs deleted).
+_ignore_rref_leak = True
+
+
+# ---- the current agent ----
+
+_package = sys.modules[__name__.rpartition(".")[0]]
+
+
+def _initialized_now():
+    return _package._initialized
+
+
+_gil_profiling = False
+
+
+def enable_gil_profiling(flag):
+    """torch's switch for the agent's `agent.gil_average_wait_time_us`: the
+    executors always count their GIL waits (shmrpc's own
+    agent.gil_acquisitions and agent.gil_wait_time_ns report them), and
+    the average joins the agent's debug info once this is on, as torch's.
+    Off again at each init_rpc."""
+    global _gil_profiling
+    _gil_profiling = bool(flag)
+
+
+class _Agent:
+    """The part of torch's RpcAgent programs and torch's tests reach through
+    _get_current_rpc_agent(): the workers and the agent's debug info."""
+
+    def get_worker_info(self, worker_name=None):
+        return get_worker_info(worker_name)
+
+    def get_worker_infos(self):
+        return [get_worker_info(r) for r in range(_shmrpc.world_size())]
+
+    def get_debug_info(self):
+        """torch's agent keys (agent.*), values as strings; shmrpc's own
+        agent.server_pending_calls, agent.calls_served,
+        agent.gil_acquisitions, agent.gil_wait_time_ns too."""
+        from . import _async_serving
+        info = {k: str(v) for k, v in _shmrpc.debug_info().items() if k.startswith("agent.")}
+        info["agent.server_active_async_calls"] = str(_async_serving)
+        if not _gil_profiling:
+            del info["agent.gil_average_wait_time_us"]
+        return info
+
+    def _get_device_map(self, to):
+        from . import _not_supported
+        raise _not_supported("_get_device_map")
+
+
+def _is_current_rpc_agent_set():
+    return _initialized_now()
+
+
+def _get_current_rpc_agent():
+    if not _initialized_now():
+        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC "
+                           "framework (e.g. by calling `rpc.init_rpc`)?")
+    return _Agent()
+
+
+def _rref_context_get_debug_info():
+    """torch's RRef context counts for this worker, as strings."""
+    info = _shmrpc.debug_info()
+    return {k: str(info[k]) for k in ("num_owner_rrefs", "num_pending_futures", "num_forks",
+                                      "num_pending_users")}
+
+
+def _get_debug_info():
+    """torch's rpc._get_debug_info() for this worker, with torch's keys and
+    value types: the agent's as strings (agent.thread_pool_size,
+    agent.num_idle_threads, agent.client_active_calls,
+    agent.server_active_calls, agent.server_active_async_calls, and once
+    enable_gil_profiling(True) ran agent.gil_average_wait_time_us: how
+    long executor threads waited for the GIL before running Python, on
+    average, in whole microseconds), the RRef counts as strings
+    (num_owner_rrefs, num_pending_futures: owned RRefs still waiting for
+    their value, num_forks: other workers holding an owned RRef, one per
+    worker and RRef, num_pending_users: forks received and not yet
+    confirmed by their owner), and distributed autograd's as ints
+    (num_autograd_contexts, num_current_backward_passes). shmrpc's own,
+    as strings: agent.server_pending_calls (received, not started),
+    agent.calls_served, agent.gil_acquisitions and agent.gil_wait_time_ns
+    (their total wait)."""
+    if not _initialized_now():
+        raise _not_initialized()
+    info = _rref_context_get_debug_info()
+    info.update(_get_current_rpc_agent().get_debug_info())
+    info.update(autograd._debug_info())
+    return info
+
+
+def _init_rpc_states():
+    """init_rpc's last step: the worker names _all_gather defaults to, and
+    the agent's switches back to their defaults."""
+    global _ALL_WORKER_NAMES, _gil_profiling
+    _ALL_WORKER_NAMES = {w.name for w in _Agent().get_worker_infos()}
+    _gil_profiling = False
+
+
+def _job_left():
+    """shutdown's last step: the next job's gathers count from 0 (each
+    init_rpc makes a new job, every worker of which starts there). Not at
+    init: a peer's first gather may reach us as soon as our agent serves."""
+    with _all_gather_dict_lock:
+        _all_gather_sequence_id.clear()
+        _all_gather_sequence_id_to_states.clear()
+
+
+def _delete_all_user_and_unforked_owner_rrefs(timeout=None):
+    """torch's first step of a graceful shutdown, which torch's tests call or
+    replace: shmrpc's agent releases the RRefs a worker holds as it shuts
+    down (shmrpc.shutdown), not before."""
+    from . import _not_supported
+    raise _not_supported("releasing a worker's RRefs before shutdown "
+                         "(_delete_all_user_and_unforked_owner_rrefs; shutdown releases them)")
+
+
+# ---- _wait_all: every rpc_async of a block waited for at its end ----
+
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all():
+    """The futures rpc_async returns in this thread inside the block are
+    waited for when it ends (the first error raised), as torch's."""
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
+
+
+def _note_future(fut):
+    """rpc_async's hook: fut joins the enclosing _wait_all block's, if any."""
+    futures = getattr(_thread_local_var, "future_list", None)
+    if futures is not None:
+        futures.append(fut)
+
+
+# ---- torch's own ----
+
+_torch_api_module = None  # torch's torch.distributed.rpc.api, once this replaced it
+
+
+def _torch_api():
+    """torch's own torch.distributed.rpc.api module, if loaded."""
+    here = sys.modules.get("torch.distributed.rpc.api")
+    return _torch_api_module if here is None or here is sys.modules[__name__] else here
+
+
+# ---- the pickler ----
+
+def _torch_internal_pickler():
+    internal = sys.modules.get("torch.distributed.rpc.internal")
+    return getattr(internal, "_internal_rpc_pickler", None)
+
+
+# torch's default: its internal RPC pickler, once torch is loaded
+# (install_as_torch sets it). shmrpc pickles calls its own way (shared
+# tensors, RRefs by id): a call made while another pickler is in effect
+# is refused (_check_pickler).
+_default_pickler = _torch_internal_pickler()
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler):
+    """torch's: rpc_pickler is the default pickler inside the block."""
+    global _default_pickler
+    before, _default_pickler = _default_pickler, rpc_pickler
+    try:
+        yield
+    finally:
+        _default_pickler = before
+
+
+def _check_pickler():
+    """Raises unless calls may be pickled shmrpc's way (no pickler of the
+    program's own in effect)."""
+    if _default_pickler is not None and _default_pickler is not _torch_internal_pickler():
+        from . import _not_supported
+        raise _not_supported(f"an RPC pickler of the program's own "
+                             f"({type(_default_pickler).__name__}, set by _use_rpc_pickler)")
+
+
+# ---- _all_gather, _barrier, _wait_all_workers ----
+
+class AllGatherStates:
+    """One _all_gather's objects by worker name, and the signal that they
+    are all there (on the leader: all received; on a follower: the
+    leader's map arrived)."""
+
+    def __init__(self):
+        self.gathered_objects = {}
+        self.proceed_signal = threading.Event()
+
+
+_ALL_WORKER_NAMES = set()
+_all_gather_dict_lock = threading.RLock()
+# The number of _all_gathers begun, by their workers' names: the workers
+# of one gather number it alike.
+_all_gather_sequence_id = {}
+_all_gather_sequence_id_to_states = collections.defaultdict(AllGatherStates)
+
+
+def _gather_to_leader(sequence_id, worker_name, obj, worker_names=None):
+    """On the leader: worker_name's object; the signal once all are in."""
+    with _all_gather_dict_lock:
+        if not worker_names:
+            worker_names = _ALL_WORKER_NAMES
+            if worker_name not in worker_names:
+                raise RuntimeError(f"_all_gather: {worker_name} is not expected by leader "
+                                   f"{get_worker_info().name}")
+        states = _all_gather_sequence_id_to_states[sequence_id]
+        if worker_name in states.gathered_objects:
+            raise RuntimeError(f"_all_gather: {worker_name} reported intent sequence id "
+                               f"{sequence_id} twice")
+        states.gathered_objects[worker_name] = obj
+        if set(worker_names) == set(states.gathered_objects):
+            states.proceed_signal.set()
+
+
+def _broadcast_to_followers(sequence_id, objects_map):
+    """On a follower: the leader's map of every worker's object."""
+    with _all_gather_dict_lock:
+        states = _all_gather_sequence_id_to_states[sequence_id]
+    if states.proceed_signal.is_set():
+        raise RuntimeError(f"_all_gather: sequence id {sequence_id} was signalled twice")
+    states.gathered_objects = objects_map
+    states.proceed_signal.set()
+
+
+# How often a gather's wait looks for the workers it waits for having gone.
+_WATCH_S = 0.05
+
+
+def _wait_for(states, timeout, names):
+    """Waits until states' signal is set: True, or False once timeout
+    seconds (None: no limit) passed. Raises RuntimeError as soon as one of
+    the workers names has died or left the job, which torch's waits would
+    not notice."""
+    ranks = [get_worker_info(n).id for n in names]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = _WATCH_S if deadline is None else min(_WATCH_S, deadline - time.monotonic())
+        if step <= 0:
+            return states.proceed_signal.is_set()
+        if states.proceed_signal.wait(step):
+            return True
+        for r in ranks:
+            gone = _shmrpc.peer_gone(r)
+            if gone is not None:
+                raise RuntimeError(f"_all_gather on {get_worker_info().name} cannot complete: "
+                                   f"{gone[1]}")
+
+
+def _all_gather(obj, worker_names=None, timeout=UNSET_RPC_TIMEOUT):
+    """{worker name: obj} of every worker of worker_names (all by default),
+    each of which calls this; as torch's. timeout: the RPCs' and the
+    wait's, in seconds (unset: the default RPC timeout and no limit on the
+    wait; 0: none)."""
+    if not _initialized_now():
+        raise _not_initialized()
+    worker_names = set(worker_names or _ALL_WORKER_NAMES)
+    leader_name = min(worker_names)
+    self_name = get_worker_info().name
+
+    with _all_gather_dict_lock:
+        concat_names = "".join(sorted(worker_names))
+        sequence_num = _all_gather_sequence_id.get(concat_names, 0)
+        _all_gather_sequence_id[concat_names] = sequence_num + 1
+        sequence_id = concat_names + str(sequence_num)
+
+    if timeout == UNSET_RPC_TIMEOUT:
+        rpc_timeout, signal_timeout = get_rpc_timeout(), None
+    elif timeout == DEFAULT_SHUTDOWN_TIMEOUT:
+        rpc_timeout, signal_timeout = timeout, None
+    else:
+        rpc_timeout = signal_timeout = timeout
+
+    is_leader = leader_name == self_name
+    if is_leader:
+        _gather_to_leader(sequence_id, self_name, obj, worker_names)
+    else:
+        rpc_sync(leader_name, _gather_to_leader, args=(sequence_id, self_name, obj, worker_names),
+                 timeout=rpc_timeout)
+
+    with _all_gather_dict_lock:
+        states = _all_gather_sequence_id_to_states[sequence_id]
+    try:
+        # Any worker of the gather gone: the leader cannot complete it.
+        if not _wait_for(states, signal_timeout, worker_names - {self_name}):
+            missing = sorted(worker_names - set(states.gathered_objects)) if is_leader \
+                else [leader_name]
+            raise RuntimeError(f"_all_gather on {self_name} timed out after "
+                               f"{signal_timeout:.2f} seconds waiting for {missing}")
+    except RuntimeError:
+        with _all_gather_dict_lock:
+            _all_gather_sequence_id_to_states.pop(sequence_id, None)
+        raise
+
+    if is_leader:
+        futures = {name: rpc_async(name, _broadcast_to_followers,
+                                   args=(sequence_id, states.gathered_objects),
+                                   timeout=rpc_timeout)
+                   for name in sorted(worker_names - {leader_name})}
+        errors = []
+        for name, fut in futures.items():
+            try:
+                fut.wait()
+            except RuntimeError as e:
+                errors.append((name, e))
+        if errors:
+            raise RuntimeError(f"Followers {[e[0] for e in errors]} timed out in _all_gather "
+                               f"after {rpc_timeout:.2f} seconds. The first exception is "
+                               f"{errors[0][1]}")
+
+    with _all_gather_dict_lock:
+        states = _all_gather_sequence_id_to_states.pop(sequence_id)
+    return states.gathered_objects
+
+
+def _barrier(worker_names):
+    """Returns once every worker of worker_names called it (a failure is
+    logged, as torch's)."""
+    if not _initialized_now():
+        raise _not_initialized()
+    try:
+        _all_gather(None, set(worker_names))
+    except RuntimeError as e:
+        logger.error(f"Failed to complete barrier, got error {e}")
+
+
+def _shutdown_first(graceful, timeout):
+    """shutdown's first step. Graceful, as torch's: _wait_all_workers
+    (which programs and torch's tests replace). A worker that died is not
+    an error here: the agent's own shutdown barrier, next, counts it out,
+    as shmrpc's shutdown always has."""
+    if not graceful:
+        return
+    try:
+        _wait_all_workers(timeout)
+    except RuntimeError:
+        gone = [_shmrpc.peer_gone(r) for r in range(_shmrpc.world_size())]
+        if not any(g is not None and g[0] for g in gone):
+            raise
+
+
+def _wait_all_workers(timeout=DEFAULT_SHUTDOWN_TIMEOUT):
+    """Returns once every worker called it: a graceful shutdown's first step."""
+    if not _initialized_now():
+        raise _not_initialized()
+    try:
+        _all_gather(None, timeout=timeout)
+    except RuntimeError as e:
+        logger.error(f"Failed to respond to 'Shutdown Proceed' in time, got error {e}")
+        raise
+
+
+
+# ---- init_rpc's arguments ----
+
+_OPTION_NAMES = ("rpc_timeout", "init_method", "num_worker_threads", "device_maps")
+
+
+# torch's C++ base classes of its options (torch's TensorPipeRpcBackendOptions
+# is a Python subclass of the second).
+_TORCH_OPTIONS_BASES = {"RpcBackendOptions": "RpcBackendOptions",
+                        "TensorPipeRpcBackendOptions": "_TensorPipeRpcBackendOptionsBase"}
+
+
+def _options_types(name):
+    """shmrpc's options class of that name, and torch's where torch is loaded
+    (a program may build torch's own TensorPipeRpcBackendOptions)."""
+    from . import options
+    types = [getattr(options, name)]
+    torch_rpc = sys.modules.get("torch._C._distributed_rpc")
+    torch_type = getattr(torch_rpc, _TORCH_OPTIONS_BASES[name], None)
+    if torch_type is not None:
+        types.append(torch_type)
+    return tuple(types)
+
+
+def _check_init_args(backend, rpc_backend_options):
+    """torch's checks of init_rpc's backend and options, in its words: the
+    backend a BackendType member; the options an RpcBackendOptions (shmrpc's
+    or torch's; or, shmrpc's own leniency, any object with attributes among
+    those shmrpc reads), from which a missing backend must be inferable."""
+    import enum
+    if backend is not None and not (isinstance(backend, enum.Enum)
+                                    and type(backend).__name__ == "BackendType"):
+        raise TypeError("Argument backend must be a member of BackendType")
+    opts = rpc_backend_options
+    if opts is None:
+        return
+    if isinstance(opts, _options_types("RpcBackendOptions")):
+        if backend is None and not isinstance(opts, _options_types("TensorPipeRpcBackendOptions")):
+            raise TypeError(f"Could not infer backend for options {opts}")
+    elif not any(hasattr(opts, name) for name in _OPTION_NAMES):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+
+
+def _init_rpc_backend(backend=None, store=None, name=None, rank=-1, world_size=None,
+                      rpc_backend_options=None):
+    """torch's last step of init_rpc, which torch's tests call with a store
+    of their own rendezvous: init_rpc. shmrpc's workers meet at
+    rpc_backend_options.init_method, not through the store (which is not
+    used)."""
+    from . import init_rpc
+    del store
+    init_rpc(name, backend, None if rank is None or rank < 0 else rank, world_size,
+             rpc_backend_options)
