@@ -500,6 +500,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.rrefs = []
         self.tensors = []
+        self.grad_tensors = None  # an autograd._Outgoing, at the first tensor that requires grad
 
     def persistent_id(self, obj):
         if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
@@ -520,7 +521,9 @@ class _Pickler(pickle.Pickler):
                 data = obj.detach().new_empty(0).set_(obj.storage())
             self.tensors.append(_to_pool(kind, data))
             if kind != "np" and getattr(obj, "requires_grad", False):
-                return (kind, len(self.tensors) - 1, shape, autograd._sending(obj))
+                if self.grad_tensors is None:
+                    self.grad_tensors = autograd._Outgoing()
+                return (kind, len(self.tensors) - 1, shape, self.grad_tensors.add(obj))
             return (kind, len(self.tensors) - 1, shape)
         return None
 
@@ -530,7 +533,8 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(buf)
         self.rrefs = rrefs
         self.tensors = tensors
-        self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (autograd._received)
+        self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (autograd._Incoming)
+        self.grad_tensors = None  # an autograd._Incoming, at the first tensor that required grad
 
     def persistent_load(self, pid):
         if pid[0] == "rref":
@@ -547,7 +551,9 @@ class _Unpickler(pickle.Unpickler):
         elif pid[2] is not None:
             t = t.reshape(pid[2])
         if len(pid) > 3:
-            t = autograd._received(t, pid[3], self.grad_mode)
+            if self.grad_tensors is None:
+                self.grad_tensors = autograd._Incoming(self.grad_mode)
+            t = self.grad_tensors.add(t, pid[3])
         if pid[0] == "cuda":
             _remember_received(t, handle)  # the tensor as the program gets it
         return t
@@ -566,6 +572,8 @@ def _dumps(obj):
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
+    if p.grad_tensors is not None:
+        p.grad_tensors.sent()
     data = buf.getvalue()
     if len(data) > _INLINE_MAX:
         p.tensors.append(_shmrpc.from_bytes(data))
@@ -581,7 +589,11 @@ def _loads(msg, grad_mode="result"):
         return pickle.loads(data)
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
-    return _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode).load()
+    u = _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode)
+    value = u.load()
+    if u.grad_tensors is not None:
+        u.grad_tensors.received()
+    return value
 
 
 def empty(shape, dtype="float32", like="numpy"):

@@ -1,5 +1,6 @@
 """Distributed autograd over shmrpc (issue 10): torch.distributed.autograd's
-FAST mode, in Python on top of the package.
+FAST mode, in Python on top of the package, over torch's own graph and
+engine.
 
     with shmrpc.autograd.context() as cid:
         loss = rpc.rpc_sync("worker1", layer1, args=(x,)).sum()
@@ -7,15 +8,30 @@ FAST mode, in Python on top of the package.
         grads = shmrpc.autograd.get_gradients(cid)   # {tensor: gradient} here
 
 Every call made inside a context carries its id; the callee runs the
-function inside the same id (so calls it makes carry it on). A tensor that
-requires grad, sent inside a context (argument or result), is recorded on
-the sender as a "send" (the tensor with its graph, under a send id) and
-travels detached with (context id, sender rank, send id); the receiver
-makes a leaf that requires grad and records it as a "recv". backward()
-computes, on each worker, the gradients of the local graph's leaves: those
-of recv leaves go back to their sender, which continues from the recorded
-send tensors with them (and so on across workers); those of other leaves
-accumulate in the context's gradient table on that worker (not in .grad).
+function inside the same id (so calls it makes carry it on). The graph is
+torch's: the tensors that require grad in one message sent inside a
+context (a call's arguments, a result) get one SendRpcBackward node whose
+next_functions are their gradient edges, recorded in the sender's context
+under the message's autograd message id (_send_functions()); they travel
+detached with (context id, sender rank, that id), and on the receiver
+they become the outputs of one RecvRpcBackward node (they are not leaves:
+their grad_fn is it), recorded under the same id (_recv_functions()). Both
+are torch.autograd.Functions whose nodes carry torch's names.
+
+backward() runs torch's engine (torch.autograd.backward) on each worker:
+from the roots on the caller; a RecvRpcBackward it reaches hands its
+gradients over, and after the run they go to the sender, which runs the
+engine from that message's SendRpcBackward with them (and so on across
+workers). A leaf's gradient goes through its AccumulateGrad node as in a
+local backward, so its hooks and the node's post hooks run and torch's
+rules for keeping a gradient without a copy hold; .grad is borrowed for
+the run and put back, the gradient kept in the context's table on that
+worker (not in .grad). As torch's FAST mode, backward() on a worker
+returns once every send it made in the context ran: one whose result the
+roots do not use never does, and backward() waits forever, as torch's.
+On a program's thread (not an executor's), the runs that requests bring
+for that worker's sends are handed to the thread that called backward(),
+so its whole part runs there, under its profiler and thread-local state.
 Leaving the context releases it here and on every worker it reached.
 
 The messages are torch's (docs/PROTOCOL.md): a call made inside a context
@@ -23,11 +39,11 @@ goes as FORWARD_AUTOGRAD_REQ [context id, autograd message id, PYTHON_CALL]
 and is answered FORWARD_AUTOGRAD_RESP wrapping the PYTHON_RET likewise; a
 remote() made there as FORWARD_AUTOGRAD_REQ wrapping the PYTHON_REMOTE_CALL,
 answered FORWARD_AUTOGRAD_RESP wrapping REMOTE_RET (the owner stores the
-result, its tensors recorded as sends there, and to_here() receives them
-as it would an rpc_sync's result); the gradients of a worker's sends go to
-it as BACKWARD_AUTOGRAD_REQ, leaving a context as
+result; a to_here() in the context fetches it as a message of the owner's
+in that context, with its SendRpcBackward there); the gradients of a
+worker's sends go to it as BACKWARD_AUTOGRAD_REQ, leaving a context as
 CLEANUP_AUTOGRAD_CONTEXT_REQ, RRef.backward on a user as RREF_BACKWARD_REQ.
-Each sent tensor's send id travels in the pickle beside it.
+A message's autograd message id travels in the pickle beside its tensors.
 
 Outside a context, a tensor that requires grad arrives as a leaf that
 requires grad, cut from the sender's graph (as torch 1.13 does).
@@ -35,8 +51,6 @@ requires grad, cut from the sender's graph (as torch 1.13 does).
 An RRef's value is its owner's live object (as torch's), so a parameter
 behind an RRef is the tensor the owner's model uses: its gradients in a
 context, and an optimizer stepping it (shmrpc.optim), are that tensor's.
-A user's to_here() inside a context fetches the value in that context:
-its tensors that require grad are recorded as the owner's sends.
 
 A worker that dies fails the backward passes that need it, with an error
 naming it ("worker 2 (worker2) died: ..."); leaving a context skips the
@@ -46,15 +60,19 @@ made, here and on the workers they reached: nobody else would.
 
 Differences from torch: calls made inside a context carry it even without
 tensors that require grad (torch only propagates it with such tensors);
-the senders' graphs are always retained until the context is left (a
-worker may receive gradients for its sends in several calls), so only the
-graph of the worker that calls backward() honours retain_graph=False;
-leaving a context waits for the rpc_async calls made in it, but not for
-remote() calls still running (one that starts after the context was left
-re-creates it on its worker); tensors that go through the pickle rather
-than the pool (bool, bfloat16, empty) arrive without graph connection.
+a worker other than the caller runs the engine once per request that
+brings gradients (torch runs one graph task per pass there, with all its
+sends as roots), so a node two sends share runs once for each, the
+senders' graphs are always retained until the context is left, and only
+the caller's run honours retain_graph=False; one engine run at a time per
+worker (the borrowed .grad); leaving a context waits for the rpc_async
+calls made in it, but not for remote() calls still running (one that
+starts after the context was left re-creates it on its worker); tensors
+that go through the pickle rather than the pool (bool, bfloat16, empty)
+arrive without graph connection.
 """
 import contextlib
+import functools
 import itertools
 import re
 import threading
@@ -63,13 +81,15 @@ from . import _shmrpc
 
 __all__ = ["context", "backward", "get_gradients"]
 
-_tls = threading.local()  # .ctx: the current context (a _Context) of this thread
+_tls = threading.local()  # .ctx: this thread's context (a _Context); .outgoing: see _run_engine
 _lock = threading.Lock()
 _contexts = {}  # context id -> _Context
-_backward_passes = 0  # _run_backward calls running here (under _lock)
+_backward_passes = 0  # contexts with a backward pass running here (under _lock)
 _counter = itertools.count()
-_send_ids = itertools.count()
 _message_ids = itertools.count()
+# One local engine run at a time on this worker: each borrows the .grad of
+# the leaves it reaches (_run_engine).
+_engine_lock = threading.RLock()
 # The C half's text for a call to a worker that died (worker/agent.c).
 _DIED = re.compile(r"worker (\d+) \([^)]*\) died")
 
@@ -87,15 +107,80 @@ def _my_rank():
     return _shmrpc.worker_info(None)[1]
 
 
+_nodes = None  # (SendRpcBackward's Function, RecvRpcBackward's Function, anchor), made once
+
+
+def _graph_nodes():
+    """torch's two graph functions as torch.autograd.Functions (made on
+    first use: the package imports without torch). Their backward nodes
+    are named as torch's C++ ones (node.name(), the profiler's events).
+
+    Send: applied to the tensors that require grad in one message; its node's
+    next_functions are their gradient edges, its one output an empty tensor
+    to run the engine from, with the gradients received for the message
+    set on the node beforehand (node.grads).
+
+    Recv: makes the tensors received in one message its outputs, in place
+    (they arrive as plain tensors and become non-leaves whose grad_fn is
+    the node, as torch's). A Function needs an input that requires grad to
+    make a node: the anchor, an empty leaf that never gets a gradient. Its
+    backward hands the gradients to the engine run in progress (_tls.outgoing),
+    which sends them to the sender after the run."""
+    global _nodes
+    if _nodes is not None:
+        return _nodes
+    torch = _torch()
+
+    class SendRpc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *tensors):
+            ctx.grads = None
+            return torch.empty(0)
+
+        @staticmethod
+        def backward(ctx, _):
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError("SendRpcBackward ran without the gradients of its message: "
+                                   "only shmrpc.autograd.backward runs it")
+            return tuple(grads)
+
+    class RecvRpc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, anchor, *tensors):
+            ctx.mark_dirty(*tensors)
+            ctx.set_materialize_grads(False)
+            return tensors
+
+        @staticmethod
+        def backward(ctx, *grads):
+            outgoing = getattr(_tls, "outgoing", None)
+            if outgoing is None:
+                raise RuntimeError("a tensor received over RPC in a distributed autograd context "
+                                   "gets its gradient from shmrpc.autograd.backward(context_id, "
+                                   "roots) only, not from torch.autograd")
+            outgoing.setdefault(ctx.sender, []).append((ctx.message_id, list(grads)))
+            return (None,) * (1 + len(grads))
+
+    SendRpc._backward_cls.__name__ = "torch::distributed::autograd::SendRpcBackward"
+    RecvRpc._backward_cls.__name__ = "torch::distributed::autograd::RecvRpcBackward"
+    _nodes = (SendRpc, RecvRpc, torch.empty(0, requires_grad=True))
+    return _nodes
+
+
 class _Context:
     def __init__(self, cid):
         self.id = cid
         self.lock = threading.Lock()
-        self.sends = {}     # send id -> tensor (with its graph)
-        self.recvs = {}     # id(leaf) -> (leaf, sender rank, send id)
+        self.done = threading.Condition(self.lock)  # notified as a pass moves on (_serve_pass)
+        self.sends = {}     # autograd message id -> SendRpcBackward's output (grad_fn: the node)
+        self.recvs = {}     # autograd message id -> RecvRpcBackward node
         self.grads = {}     # id(tensor) -> (tensor, accumulated gradient)
         self.known = set()  # ranks this context reached or came from
         self.pending = []   # rpc_async futures made in the context
+        self.unrun = None   # in a backward pass started here: the sends not run yet
+        self.passes = 0     # requests and backward() calls of its passes running here (under _lock)
+        self.inbox = None   # in a backward pass started here on a program thread: _Arrivals for it
 
     def accumulate(self, tensor, grad):
         with self.lock:
@@ -112,11 +197,11 @@ class _Context:
 
     def _send_functions(self):
         with self.lock:
-            return dict(self.sends)
+            return {k: out.grad_fn for k, out in self.sends.items()}
 
     def _recv_functions(self):
         with self.lock:
-            return {k: v[0] for k, v in self.recvs.items()}
+            return dict(self.recvs)
 
 
 DistAutogradContext = _Context
@@ -254,35 +339,74 @@ def _called(fut):
             ctx.pending.append(fut)
 
 
-def _sending(tensor):
-    """tensor requires grad and is being pickled: its metadata (context id
-    or None outside one, sender rank, send id)."""
-    ctx = _current()
-    send_id = next(_send_ids)
-    if ctx is not None:
+class _Outgoing:
+    """The tensors that require grad in one message being pickled (the
+    package's pickler makes one at the first of them): each travels with
+    (context id or None outside one, sender rank, autograd message id);
+    sent() records them, in a context, as one SendRpcBackward under that
+    id, as torch does for each message."""
+
+    def __init__(self):
+        self.ctx = _current()
+        self.meta = (None if self.ctx is None else self.ctx.id, _my_rank(), _message_id())
+        self.tensors = []
+
+    def add(self, tensor):
+        self.tensors.append(tensor)
+        return self.meta
+
+    def sent(self):
+        if self.ctx is None:
+            return
+        torch = _torch()
+        with torch.enable_grad():  # a node even where the sender turned grad mode off
+            out = _graph_nodes()[0].apply(*self.tensors)
+        with self.ctx.lock:
+            self.ctx.sends[self.meta[2]] = out
+
+
+class _Incoming:
+    """The tensors that required grad in one message being unpickled (the
+    package's unpickler makes one at the first of them). mode: "call" (a
+    callee's arguments: the context is created here if need be) or
+    "result" (a reply: attached only while the context lives here)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.meta = None
+        self.tensors = []
+
+    def add(self, tensor, meta):
+        """The tensor as the program gets it: not a view (RecvRpcBackward
+        makes it its output in place, which a view's autograd forbids)."""
+        tensor = tensor.detach()
+        self.meta = meta
+        self.tensors.append(tensor)
+        return tensor
+
+    def received(self):
+        """The message is unpickled: in a context, its tensors become one
+        RecvRpcBackward's outputs, recorded under the sender's message id;
+        outside one, leaves that require grad (torch 1.13's)."""
+        cid, sender, message_id = self.meta
+        ctx = None
+        if cid is not None:
+            if self.mode == "call":
+                ctx = _get_or_create(cid)
+            else:
+                with _lock:
+                    ctx = _contexts.get(cid)
+        if ctx is None:
+            for t in self.tensors:
+                t.requires_grad_(True)
+            return
+        _, recv, anchor = _graph_nodes()
+        with _torch().enable_grad():
+            node = recv.apply(anchor, *self.tensors)[0].grad_fn
+        node.sender, node.message_id = sender, message_id
         with ctx.lock:
-            ctx.sends[send_id] = tensor
-    return (None if ctx is None else ctx.id, _my_rank(), send_id)
-
-
-def _received(tensor, meta, mode):
-    """The tensor that arrives for a sent one that required grad. mode:
-    "call" (a callee's arguments: the context is created here if need be)
-    or "result" (recorded only while the context lives here)."""
-    cid, sender, send_id = meta
-    if cid is not None:
-        if mode == "call":
-            ctx = _get_or_create(cid)
-        else:
-            with _lock:
-                ctx = _contexts.get(cid)
-        if ctx is not None:
-            with ctx.lock:
-                leaf = tensor.requires_grad_(True)
-                ctx.recvs[id(leaf)] = (leaf, sender, send_id)
-                ctx.known.add(sender)
-                return leaf
-    return tensor.requires_grad_(True)
+            ctx.recvs[message_id] = node
+            ctx.known.add(sender)
 
 
 # The user's API.
@@ -401,94 +525,274 @@ def _orphaned_by(rank):
         _release(cid, rank)
 
 
-def _leaves(roots):
+def _leaves(roots, anchor):
     """The leaves (tensors that require grad and have no grad_fn) that the
-    graphs of roots reach."""
-    leaves, seen, stack = {}, set(), []
-    for r in roots:
-        if r.grad_fn is None:
-            leaves[id(r)] = r
-        else:
-            stack.append(r.grad_fn)
+    graphs of roots (non-leaves) reach, but the anchor."""
+    leaves, seen, stack = {}, set(), [r.grad_fn for r in roots]  # roots have one (backward())
     while stack:
         fn = stack.pop()
         if fn in seen:
             continue
         seen.add(fn)
         var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf's
-        if var is not None:
+        if var is not None and var is not anchor:
             leaves[id(var)] = var
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return list(leaves.values())
 
 
-def _run_backward(ctx, tensors, grad_outputs, retain_graph):
-    """Backward from tensors (with grad_outputs) over this worker's graph;
-    then the gradients of recv leaves go back to their senders."""
-    global _backward_passes
+def _unshared(seen, grad):
+    """A leaf's last hook in an engine run: a gradient that another leaf of
+    the run got too is copied. torch's distributed engine holds every
+    gradient it captured until all are accumulated, so such a gradient is
+    copied for each leaf; the local engine would let the last leaf keep it."""
+    key = (grad._values() if grad.is_sparse else grad).data_ptr()
+    if key in seen:
+        return grad.clone()
+    seen.add(key)
+    return None
+
+
+def _run_engine(ctx, tensors, grads, retain_graph):
+    """One run of torch's engine on this worker, from tensors with grads.
+    The gradients of the leaves it reaches accumulate in ctx, as torch's
+    distributed engine does it: through each leaf's AccumulateGrad, so that
+    the leaf's hooks and the node's post hooks run and a gradient is kept
+    without a copy where torch keeps it; .grad is borrowed for the run (put
+    back after it, hence one run at a time here). Returns what the
+    RecvRpcBackward nodes it ran handed back: {sender rank: [(message id,
+    gradients)]}."""
     torch = _torch()
-    leaves = _leaves(tensors)
-    if not leaves:
-        return
+    leaves = _leaves(tensors, _graph_nodes()[2])
+    with _engine_lock:
+        saved = [leaf.grad for leaf in leaves]
+        seen = set()
+        handles = [leaf.register_hook(functools.partial(_unshared, seen)) for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        outer, _tls.outgoing = getattr(_tls, "outgoing", None), {}
+        try:
+            torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        except Exception as e:
+            raise _node_error(e) from e
+        finally:
+            outgoing, _tls.outgoing = _tls.outgoing, outer
+            for h in handles:
+                h.remove()
+            got = [leaf.grad for leaf in leaves]
+            for leaf, old in zip(leaves, saved):
+                leaf.grad = old
+    for leaf, grad in zip(leaves, got):
+        if grad is not None:
+            ctx.accumulate(leaf, grad)
+    return outgoing
+
+
+@contextlib.contextmanager
+def _pass_running(ctx):
+    """Counts ctx's backward pass as running here (_debug_info: torch
+    counts one per context, however many requests it takes here)."""
+    global _backward_passes
     with _lock:
-        _backward_passes += 1
+        ctx.passes += 1
+        _backward_passes += ctx.passes == 1
     try:
-        _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph)
+        yield
     finally:
         with _lock:
-            _backward_passes -= 1
+            ctx.passes -= 1
+            _backward_passes -= ctx.passes == 0
 
 
-def _backward_step(ctx, leaves, tensors, grad_outputs, retain_graph):
-    torch = _torch()
-    try:
-        grads = torch.autograd.grad(tensors, leaves, grad_outputs, retain_graph=retain_graph,
-                                    allow_unused=True)
-    except Exception as e:
-        raise _node_error(e) from e
-    back = {}
-    for leaf, grad in zip(leaves, grads):
-        if grad is None:
-            continue
-        with ctx.lock:
-            recv = ctx.recvs.get(id(leaf))
-        if recv is None:
-            ctx.accumulate(leaf, grad)
-        else:
-            back.setdefault(recv[1], []).append((recv[2], grad))
-    futs = [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
-            for w, items in back.items()]
+def _send_back(ctx, outgoing):
+    """The gradients an engine run got for received tensors on their way to
+    their senders, each of which goes on with them (torch's FAST mode): the
+    futures of those requests."""
+    return [_send(w, _shmrpc.BACKWARD_AUTOGRAD_REQ, ctx.id, "_backward_from_sends", obj=items)
+            for w, items in outgoing.items()]
+
+
+def _raise_first(futs):
     errors = _wait_all(futs)  # all of them, then the first error
     if errors:
         raise errors[0]
 
 
+class _Arrival:
+    """A request's gradients [(message id, gradients)] for sends of a
+    context: its engine step, run by the thread that serves the context's
+    backward pass here if there is one (_serve_pass), else (or given back
+    unrun as that pass ends) by the request's."""
+
+    def __init__(self, items):
+        self.items = items
+        self.ran = threading.Event()
+        self.futs = None
+        self.error = None
+
+    def run(self, ctx):
+        try:
+            torch = _torch()
+            with ctx.lock:
+                outs = [ctx.sends.get(message_id) for message_id, _ in self.items]
+            for out, (message_id, _) in zip(outs, self.items):
+                if out is None:
+                    raise RuntimeError(f"Error on Node {_my_rank()}: gradients came for message "
+                                       f"{message_id}, which this worker did not send in "
+                                       f"context {ctx.id}")
+            # A send may get gradients from several requests (a receiver
+            # whose engine runs reached its RecvRpcBackward more than once):
+            # each sets them and runs, the two under the engine lock.
+            with _engine_lock:
+                for out, (_, grads) in zip(outs, self.items):
+                    out.grad_fn.grads = grads
+                # Retained: another request may bring gradients for sends that share it.
+                outgoing = _run_engine(ctx, outs, [torch.empty(0)] * len(outs), True)
+            self.futs = _send_back(ctx, outgoing)
+            with ctx.lock:
+                if ctx.unrun is not None:
+                    ctx.unrun.difference_update(message_id for message_id, _ in self.items)
+                    ctx.done.notify_all()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.ran.set()
+
+
 def _backward_from_sends(cid, items):
-    """On a sender: gradients [(send id, gradient)] for its sends in
-    context cid; the backward goes on from the sent tensors."""
+    """On a sender: the gradients [(message id, gradients)] of its sends in
+    context cid; the backward pass goes on from their SendRpcBackward nodes."""
     ctx = _retrieve(cid)
-    with ctx.lock:
-        tensors = [ctx.sends[send_id] for send_id, _ in items]
-    # Retained: another call may bring gradients for sends that share it.
-    _run_backward(ctx, tensors, [g for _, g in items], retain_graph=True)
+    job = _Arrival(items)
+    with _pass_running(ctx):
+        with ctx.lock:
+            handed = ctx.inbox is not None  # never this thread's own: an executor's
+            if handed:
+                ctx.inbox.append(job)
+                ctx.done.notify_all()
+        if handed:
+            with _counted_out():
+                job.ran.wait()
+        if not handed or job.futs is None and job.error is None:  # or given back unrun
+            job.run(ctx)
+        if job.error is not None:
+            raise job.error
+        _raise_first(job.futs)
+
+
+@contextlib.contextmanager
+def _counted_out():
+    """Around a wait for another thread: an executor thread is counted out
+    of the pool meanwhile, so that what it waits for runs on another
+    (worker/executor.h; Future.wait's reason)."""
+    _shmrpc.blocking(True)
+    try:
+        yield
+    finally:
+        _shmrpc.blocking(False)
+
+
+def _serve_pass(ctx, futs):
+    """The rest of a backward pass started on this thread: waits for futs.
+    As torch's FAST mode, it also waits until each of this worker's sends
+    in ctx ran: one whose result the roots do not use never does, and it
+    waits forever. A thread of the program (not an executor's) runs
+    meanwhile the engine steps of the requests that bring gradients for
+    those sends (handed over by _backward_from_sends), so that this
+    worker's whole part of the pass runs on it, under its profiler and
+    thread-local state, as torch's engine does."""
+    if ctx.inbox is None:  # on an executor: the requests run their steps
+        _raise_first(futs)
+        with _counted_out(), ctx.lock:
+            while ctx.unrun:
+                ctx.done.wait()
+        return
+
+    def wake(_):
+        with ctx.lock:
+            ctx.done.notify_all()
+
+    for fut in futs:
+        fut.add_done_callback(wake)
+    while True:
+        with ctx.lock:
+            jobs, ctx.inbox = ctx.inbox, []
+            settled = all(f.done() for f in futs)
+            unrun = bool(ctx.unrun)
+        if not jobs:
+            # (_failed may complete a Future here, running wake: not under ctx.lock.)
+            if settled and (not unrun or _failed(futs)):
+                break
+            with ctx.lock:
+                if (not ctx.inbox and all(f.done() for f in futs) == settled
+                        and bool(ctx.unrun) == unrun):
+                    # wake needs an executor to run: look again now and
+                    # then should none be free.
+                    ctx.done.wait(None if settled else 0.05)
+            continue
+        for job in jobs:
+            job.run(ctx)
+            for fut in job.futs or ():  # waited for by the job's own request too
+                fut.add_done_callback(wake)
+                futs.append(fut)
+    _raise_first(futs)
+
+
+def _failed(futs):
+    """Whether one of the completed futs failed (without waiting, nor
+    _wait_all's cleanup: that comes once the pass ends)."""
+    for fut in futs:
+        try:
+            _outcome(fut)
+        except Exception:
+            return True
+    return False
 
 
 def backward(context_id, roots, retain_graph=False):
     """Runs the backward pass from roots (scalars) across every worker the
     context's forward reached; the gradients accumulate in the context
-    (get_gradients on each worker)."""
+    (get_gradients on each worker). As torch's FAST mode, it returns once
+    every send this worker made in the context got its gradients: one whose
+    result the roots do not use never does, and backward() waits forever."""
     torch = _torch()
-    if not isinstance(roots, (list, tuple)):
-        raise TypeError("backward(): incompatible function arguments: roots must be a list "
-                        f"of tensors, not {type(roots).__name__}")
+    if not isinstance(context_id, int) or not isinstance(roots, (list, tuple)):
+        raise TypeError("backward(): incompatible function arguments. The following argument "
+                        "types are supported: (context_id: int, roots: List[Tensor], "
+                        f"retain_graph: bool = False); got {type(context_id).__name__}, "
+                        f"{type(roots).__name__}")
     ctx = _retrieve(context_id)
     roots = list(roots)
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
     for r in roots:
         if not isinstance(r, torch.Tensor) or not r.requires_grad:
             raise RuntimeError("requires_grad not set on root")
         if r.numel() != 1:
-            raise RuntimeError(f"{r} is not a scalar, all roots need to be scalar")
-    _run_backward(ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)
+            raise RuntimeError(" is not a scalar, all roots need to be scalar")
+        if r.grad_fn is None:
+            raise RuntimeError(" does not have a valid gradient function.")
+    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"), \
+            _pass_running(ctx):
+        with ctx.lock:
+            if ctx.unrun is not None:
+                raise RuntimeError("a distributed backward pass is already running in context "
+                                   f"{context_id} on this worker: two at once in one context "
+                                   "are not supported yet; run them one after the other")
+            ctx.unrun = set(ctx.sends)
+            # An executor thread is not this pass's alone (it may run
+            # queued work a call it waits for needs): the requests run
+            # their steps themselves then.
+            if not _shmrpc.on_executor():
+                ctx.inbox = []
+        try:
+            _serve_pass(ctx, _send_back(ctx, _run_engine(
+                ctx, roots, [torch.ones_like(r) for r in roots], retain_graph)))
+        finally:
+            with ctx.lock:
+                left, ctx.unrun, ctx.inbox = ctx.inbox or [], None, None
+            for job in left:  # handed over too late: given back to their requests
+                job.ran.set()
 
 
 def get_gradients(context_id):

@@ -93,6 +93,20 @@ def local_backward():
     return ok
 
 
+SEND = "torch::distributed::autograd::SendRpcBackward"
+RECV = "torch::distributed::autograd::RecvRpcBackward"
+
+
+def graph_here(cid):
+    """This worker's part of context cid's graph, by node names: for each
+    send (in the order made) the names of its next functions, for each
+    receive its name."""
+    ctx = rpc.autograd._retrieve_context(cid)
+    sends = [(node.name(), [nxt.name() for nxt, _ in node.next_functions])
+             for node in ctx._send_functions().values()]
+    return sends, [node.name() for node in ctx._recv_functions().values()]
+
+
 def my_grads(cid):
     """This worker's gradients in context cid, by weight name."""
     grads = rpc.autograd.get_gradients(cid)
@@ -122,6 +136,15 @@ def flight_recorder():
     return json.loads(out.stdout)
 
 
+def received_in_graph(t):
+    """t arrived in a context as torch makes it: requiring grad, its
+    grad_fn the RecvRpcBackward node the context records for its message."""
+    node = t.grad_fn
+    return (t.requires_grad and node is not None
+            and node.name() == "torch::distributed::autograd::RecvRpcBackward"
+            and node in rpc.autograd._current_context()._recv_functions().values())
+
+
 def close(a, b):
     return a is not None and b is not None and a.shape == b.shape and torch.allclose(a, b)
 
@@ -136,7 +159,8 @@ def test_model_parallel_mlp():
     w2 = weights(6, 3, 0.7)
     with rpc.autograd.context() as cid:
         h = rpc.rpc_sync("worker1", layer1, args=(x,))
-        assert h.requires_grad and h.is_leaf, "a result that requires grad arrives as a leaf"
+        assert received_in_graph(h), \
+            f"a result that requires grad arrives as RecvRpcBackward's output: {h.grad_fn}"
         loss = ((h @ w2) ** 2).sum()
         rpc.autograd.backward(cid, [loss])
         got = rpc.autograd.get_gradients(cid)
@@ -148,6 +172,76 @@ def test_model_parallel_mlp():
     assert close(got.get(w2), w2r.grad), "MLP: W2's gradient (local layer)"
     assert close(remote.get("W1"), w1r.grad), f"MLP: W1's gradient on worker1: {remote}"
     assert len(got) == 2, f"worker0's table holds x and W2 only: {len(got)} entries"
+
+
+def test_graph_nodes():
+    """The context records torch's graph: a SendRpcBackward per message sent
+    with tensors that require grad, whose next functions are their
+    gradient edges, and a RecvRpcBackward per such message received, whose
+    outputs the received tensors are (worker0 -> worker1 -> worker2 and back)."""
+    x = weights(3, 5, 0.4)
+    with rpc.autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", nested, args=(x,))
+        ctx = rpc.autograd._current_context()
+        (send,) = ctx._send_functions().values()
+        (recv,) = ctx._recv_functions().values()
+        assert send.name() == SEND and len(send.next_functions) == 1, \
+            f"one send for x's message: {send.name()} {send.next_functions}"
+        accumulate = send.next_functions[0][0]
+        assert accumulate.name() == "torch::autograd::AccumulateGrad" and accumulate.variable is x, \
+            "the send's next function is x's AccumulateGrad"
+        assert y.grad_fn is recv and recv.name() == RECV and not y.is_leaf, \
+            f"the result is its RecvRpcBackward's output: {y.grad_fn}"
+        on1 = rpc.rpc_sync("worker1", graph_here, args=(cid,))
+        on2 = rpc.rpc_sync("worker2", graph_here, args=(cid,))
+        rpc.autograd.backward(cid, [(y ** 2).sum()])
+        got = rpc.autograd.get_gradients(cid)
+    assert on1 == ([(SEND, ["MulBackward0"]), (SEND, ["AddBackward0"])], [RECV, RECV]), \
+        f"worker1 sent layer1(x) * 2 on and its result back, received x and layer3's: {on1}"
+    assert on2 == ([(SEND, ["TanhBackward0"])], [RECV]), f"worker2: {on2}"
+    xr, w1r, w3r = weights(3, 5, 0.4), weights(5, 6, 0.3), weights(6, 2, 0.8)
+    ((torch.tanh((torch.relu(xr @ w1r) * 2.0) @ w3r) + xr.sum()) ** 2).sum().backward()
+    assert close(got.get(x), xr.grad), "the gradient through those nodes"
+
+
+class KeepGrad(torch.autograd.Function):
+    """Identity whose backward notes where its gradient's data is."""
+    ptr = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        KeepGrad.ptr = grad.data_ptr()
+        return grad
+
+
+def test_hooks_and_accumulation():
+    """Leaves accumulate through their AccumulateGrad as torch's distributed
+    engine does: tensor hooks and the node's post hooks run, the gradient
+    goes to the context (not .grad) without a copy where torch keeps it."""
+    x = weights(4, 5, 0.5)
+    x.grad = torch.full_like(x, 7.0)
+    hook = x.register_hook(lambda g: g * 3.0)
+    posts = []
+    accumulate = (x * 1.0).grad_fn.next_functions[0][0]
+    accumulate.register_hook(lambda grads_in, grads_out: posts.append(1))
+    try:
+        with rpc.autograd.context() as cid:
+            h = rpc.rpc_sync("worker1", double, args=(x,))
+            rpc.autograd.backward(cid, [h.sum()])
+            got = rpc.autograd.get_gradients(cid)[x]
+        assert torch.equal(got, torch.full_like(x, 6.0)), f"the hook tripled 2: {got}"
+        assert posts == [1], f"the AccumulateGrad's post hook ran once: {posts}"
+        assert torch.equal(x.grad, torch.full_like(x, 7.0)), ".grad is left as it was"
+    finally:
+        hook.remove()
+    with rpc.autograd.context() as cid:
+        rpc.autograd.backward(cid, [KeepGrad.apply(x)[1][0]])
+        got = rpc.autograd.get_gradients(cid)[x]
+    assert got.data_ptr() == KeepGrad.ptr, "a gradient nobody else holds is kept, not copied"
 
 
 def test_sent_twice():
@@ -198,8 +292,8 @@ def test_remote_layer():
         rr = rpc.remote("worker1", layer1, args=(x,))
         during = sent()
         h = rr.to_here()
-        assert h.requires_grad and h.is_leaf, \
-            "an RRef's value that requires grad arrives as a leaf"
+        assert received_in_graph(h), \
+            f"an RRef's value that requires grad arrives as RecvRpcBackward's output: {h.grad_fn}"
         if trace is not None:
             forward_on_wire(trace)
         loss = ((h @ w2) ** 2).sum()
@@ -289,6 +383,10 @@ def test_message_types():
     with rpc.autograd.context() as cid:
         h = rpc.rpc_sync("worker1", layer1, args=(x,))
         rpc.autograd.backward(cid, [h.sum()])
+    # A context of its own: in torch's FAST mode a pass waits on each worker
+    # until every send that worker made in the context got its gradients,
+    # and rr's graph does not reach h's.
+    with rpc.autograd.context() as cid:
         rr = rpc.remote("worker1", loss_of, args=(x,))
         rr.backward(cid)
         inside = sent()
@@ -317,7 +415,7 @@ def test_message_types():
     assert grew["FORWARD_AUTOGRAD_REQ"] == 2, f"the forward call and the remote: {grew}"
     assert grew["BACKWARD_AUTOGRAD_REQ"] == 1, f"h's gradient to worker1: {grew}"
     assert grew["RREF_BACKWARD_REQ"] == 1, f"rr.backward: {grew}"
-    assert grew["CLEANUP_AUTOGRAD_CONTEXT_REQ"] == 1, f"leaving releases worker1's: {grew}"
+    assert grew["CLEANUP_AUTOGRAD_CONTEXT_REQ"] == 2, f"leaving releases worker1's: {grew}"
     assert grew["PYTHON_CALL"] == 0 and grew["PYTHON_REMOTE_CALL"] == 0, \
         f"no PYTHON_CALL or PYTHON_REMOTE_CALL for the context: {grew}"
     back = after1["BACKWARD_AUTOGRAD_REQ"] - before1["BACKWARD_AUTOGRAD_REQ"]
