@@ -54,7 +54,8 @@ static shmrpc_tensor *plain_tensor(DLDataType dt, int32_t ndim, const int64_t *s
 	CHECK(p, "calloc");
 	for (int32_t i = 0; i < ndim; i++)
 		n *= (uint64_t)shape[i];
-	memcpy(p->shape, shape, (size_t)ndim * sizeof(*shape));
+	if (ndim) /* a scalar's shape is NULL */
+		memcpy(p->shape, shape, (size_t)ndim * sizeof(*shape));
 	p->m.dl_tensor = (DLTensor){ .data = malloc(n ? n : 1), .device = { kDLCPU, 0 },
 				     .ndim = ndim, .dtype = dt, .shape = p->shape };
 	CHECK(p->m.dl_tensor.data, "malloc");
