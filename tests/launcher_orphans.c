@@ -77,10 +77,12 @@ static void deaf_to_sigterm(const char *dir)
 static void reaped_meanwhile(const char *dir)
 {
 	/* Each `(true &)` orphans a true that ends at once: shmrun's child
-	 * then, a zombie until reaped. The worker counts shmrun's zombies. */
+	 * then, a zombie until reaped. The worker counts shmrun's zombie
+	 * trues (a worker that has just ended is one too, for a moment). */
 	run("3", "for i in 1 2 3 4 5 6 7 8 9 10; do (true &); done; sleep 0.5; z=0; "
 		 "for p in $(cat /proc/$PPID/task/$PPID/children); do "
-		 "grep -q '^State:.*Z' /proc/$p/status 2>/dev/null && z=$((z+1)); done; "
+		 "grep -q '^State:.*Z' /proc/$p/status 2>/dev/null && "
+		 "grep -q '^Name:.true$' /proc/$p/status 2>/dev/null && z=$((z+1)); done; "
 		 "echo \"rank $SHMRPC_RANK zombies $z\"; : \"$0\"", dir);
 	CHECK(strstr(out, "rank 0 zombies 0") && strstr(out, "rank 1 zombies 0"),
 	      "orphans left as zombies while the job ran");
