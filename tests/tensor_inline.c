@@ -15,13 +15,13 @@
  *    the call with a sentence, and the callee goes on serving.
  * Scaled down under the sanitizers.
  */
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "shmrpc.h"
 #include "shm/pool.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
 #include "worker/agent.h"
@@ -131,53 +131,24 @@ static int fn_count_pool(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmr
 	return 0;
 }
 
-/* Kept by fn_keep, run by whichever executor threads: under a lock. */
-static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
-static shmrpc_tensor **kept;
-static int nkept;
-
-static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
-{
-	const shmrpc_value *items = a[0].u.items;
-	int rc = 0;
-
-	(void)n, (void)u;
-	pthread_mutex_lock(&kept_lock);
-	for (uint32_t i = 0; i < a[0].len && rc == 0; i++)
-		if (shmrpc_tensor_retain(items[i].u.t, &kept[nkept++]))
-			rc = shmrpc_call_error(c, "RuntimeError", "keeping tensor %d: %s", nkept,
-					       shmrpc_errmsg());
-	*r = shmrpc_int(nkept);
-	pthread_mutex_unlock(&kept_lock);
-	return rc;
-}
-
-/* Checks the kept tensors (inline: none in the pool, nothing of the pool
- * used or recorded here), then drops them. */
-static int fn_release(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+/* The kept tensors are inline ones: none in the pool, nothing of the pool
+ * used or recorded here, each holding its index. */
+static int check_kept(shmrpc_call *c, shmrpc_tensor *const *kept, int n)
 {
 	struct pool_stats st;
-	int held, rc = 0;
 
-	(void)a, (void)n, (void)u;
-	pthread_mutex_lock(&kept_lock);
-	held = nkept;
 	pool_stats(&worker_agent->pool, &st);
 	if (st.used || st.refs_held)
-		rc = shmrpc_call_error(c, "ValueError", "holding %d inline tensors, the pool has %llu "
-				       "bytes used and %llu references recorded", nkept,
-				       (unsigned long long)st.used,
-				       (unsigned long long)st.refs_held);
-	for (int i = 0; i < nkept && rc == 0; i++)
+		return shmrpc_call_error(c, "ValueError", "holding %d inline tensors, the pool has "
+					 "%llu bytes used and %llu references recorded", n,
+					 (unsigned long long)st.used,
+					 (unsigned long long)st.refs_held);
+	for (int i = 0; i < n; i++)
 		if (in_pool(kept[i]) || *(int64_t *)shmrpc_tensor_data(kept[i]) != i)
-			rc = shmrpc_call_error(c, "ValueError", "tensor %d: in the pool %d, holds %lld",
-					       i, in_pool(kept[i]),
-					       (long long)*(int64_t *)shmrpc_tensor_data(kept[i]));
-	while (nkept > 0)
-		shmrpc_tensor_free(kept[--nkept]);
-	pthread_mutex_unlock(&kept_lock);
-	*r = shmrpc_int(held);
-	return rc;
+			return shmrpc_call_error(c, "ValueError", "tensor %d: in the pool %d, holds "
+						 "%lld", i, in_pool(kept[i]),
+						 (long long)*(int64_t *)shmrpc_tensor_data(kept[i]));
+	return 0;
 }
 
 /* Sends t to "where": checks how it went and that its echo is intact. */
@@ -366,7 +337,7 @@ static void million(void)
 			items[i] = shmrpc_tensor_value(t[i]);
 		}
 		v = shmrpc_list(items, PER_CALL);
-		CHECK(shmrpc_rpc_sync(1, "keep", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f) == 0,
+		CHECK(shmrpc_rpc_sync(1, "keep_all", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f) == 0,
 		      "after %d tensors kept: %s", sent, shmrpc_errmsg());
 		CHECK(shmrpc_future_value(f)->u.i == sent + PER_CALL, "rank 1 keeps %lld",
 		      (long long)shmrpc_future_value(f)->u.i);
@@ -446,15 +417,12 @@ static void corrupt_frames(void)
 
 static int worker(void)
 {
-	kept = calloc(TOTAL, sizeof(*kept));
-	CHECK(kept, "calloc");
+	tl_keep_all_register(TOTAL, check_kept);
 	CHECK_OK(shmrpc_register("where", "t", fn_where, NULL));
 	CHECK_OK(shmrpc_register("echo", "v", fn_echo, NULL));
 	CHECK_OK(shmrpc_register("write", "t", fn_write, NULL));
-	CHECK_OK(shmrpc_register("keep", "l", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("count_pool", "l", fn_count_pool, NULL));
 	CHECK_OK(shmrpc_register("make_plain", "", fn_make_plain, NULL));
-	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	CHECK(worker_agent->inline_max == TENSOR_INLINE_MAX_DEFAULT, "inline_max %u",
 	      worker_agent->inline_max);
@@ -469,7 +437,7 @@ static int worker(void)
 		      (unsigned long long)tl_pool_used());
 	}
 	CHECK_OK(shmrpc_shutdown(1, 60000));
-	free(kept);
+	tl_keep_all_free();
 	return 0;
 }
 

@@ -1,5 +1,7 @@
 /* The tensor-keeping worker functions; see keep.h. */
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 
 #include "shmrpc.h"
 #include "tests/lib/keep.h"
@@ -36,4 +38,62 @@ void tl_keep_register(void)
 {
 	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("drop", "", fn_drop, NULL));
+}
+
+/* Many at once, kept by whichever executor threads run the calls, which
+ * other processes order: under a lock that ThreadSanitizer can see. */
+static pthread_mutex_t many_lock = PTHREAD_MUTEX_INITIALIZER;
+static shmrpc_tensor **many;
+static int nmany, many_cap;
+static tl_kept_check_fn many_check;
+
+static int fn_keep_all(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+		       void *u)
+{
+	const shmrpc_value *items = a[0].u.items;
+	int rc = 0;
+
+	(void)n, (void)u;
+	pthread_mutex_lock(&many_lock);
+	if (nmany + (int)a[0].len > many_cap)
+		rc = shmrpc_call_error(c, "RuntimeError", "keeping %d more than the %d asked for",
+				       nmany + (int)a[0].len - many_cap, many_cap);
+	for (uint32_t i = 0; i < a[0].len && rc == 0; i++)
+		if (shmrpc_tensor_retain(items[i].u.t, &many[nmany++]))
+			rc = shmrpc_call_error(c, "RuntimeError", "keeping tensor %d: %s", nmany,
+					       shmrpc_errmsg());
+	*r = shmrpc_int(nmany);
+	pthread_mutex_unlock(&many_lock);
+	return rc;
+}
+
+static int fn_release(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+		      void *u)
+{
+	int rc;
+
+	(void)a, (void)n, (void)u;
+	pthread_mutex_lock(&many_lock);
+	rc = many_check(c, many, nmany);
+	*r = shmrpc_int(nmany);
+	while (nmany > 0)
+		shmrpc_tensor_free(many[--nmany]);
+	pthread_mutex_unlock(&many_lock);
+	return rc;
+}
+
+void tl_keep_all_register(int capacity, tl_kept_check_fn check)
+{
+	many = calloc((size_t)capacity, sizeof(*many));
+	CHECK(many, "calloc");
+	many_cap = capacity;
+	many_check = check;
+	CHECK_OK(shmrpc_register("keep_all", "l", fn_keep_all, NULL));
+	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
+}
+
+void tl_keep_all_free(void)
+{
+	free(many);
+	many = NULL;
 }
