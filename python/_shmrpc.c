@@ -1337,6 +1337,38 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 #undef GAUGE
 }
 
+/* rref_drop_users(): torch's _delete_all_user_and_unforked_owner_rrefs
+ * (worker/rref.h), a graceful shutdown's step before its leak check. */
+static PyObject *mod_rref_drop_users(PyObject *m, PyObject *unused)
+{
+	(void)m, (void)unused;
+	if (!worker_agent) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"RPC has not been initialized. Call shmrpc.init_rpc first.");
+		return NULL;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	rref_drop_users(worker_agent);
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
+}
+
+/* rref_leaks() -> str: torch's leak check, one line per RRef of ours that
+ * another worker still holds ("" when none). */
+static PyObject *mod_rref_leaks(PyObject *m, PyObject *unused)
+{
+	char text[4096];
+
+	(void)m, (void)unused;
+	if (!worker_agent) {
+		PyErr_SetString(PyExc_RuntimeError,
+				"RPC has not been initialized. Call shmrpc.init_rpc first.");
+		return NULL;
+	}
+	rref_leaks(worker_agent, text, sizeof(text));
+	return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+}
+
 /* The request types call() and remote() send. */
 static const uint16_t call_types[] = { MSG_PYTHON_CALL, MSG_PYTHON_REMOTE_CALL,
 				       MSG_FORWARD_AUTOGRAD_REQ, MSG_BACKWARD_AUTOGRAD_REQ,
@@ -1361,6 +1393,10 @@ static PyObject *mod_sent_counts(PyObject *m, PyObject *unused)
 }
 
 static PyMethodDef mod_methods[] = {
+	{ "rref_drop_users", mod_rref_drop_users, METH_NOARGS,
+	  "rref_drop_users(): every reference held on other workers' RRefs goes now" },
+	{ "rref_leaks", mod_rref_leaks, METH_NOARGS,
+	  "rref_leaks() -> str: the RRefs this worker owns that others still hold" },
 	{ "debug_info", mod_debug_info, METH_NOARGS,
 	  "debug_info() -> {key: int}: agent gauges and GIL waits (shmrpc._get_debug_info)" },
 	{ "sent_counts", mod_sent_counts, METH_NOARGS,

@@ -37,6 +37,8 @@
 #define BARRIER_POLL_US 200
 
 struct agent *worker_agent;
+/* Agents this process started (struct agent.job); shmrpc_init's thread only. */
+static uint64_t agents_started;
 
 /* The hand-off spin (agent.h), set by shmrpc_init, 0 again at shutdown:
  * a fixed budget, or HANDOFF_ADAPTIVE for each thread's own. Relaxed: set
@@ -871,6 +873,7 @@ int shmrpc_init(const struct shmrpc_options *opts)
 	     devmap_join(ag, &o, deadline);
 	if (rc)
 		goto fail_exec;
+	ag->job = ++agents_started;
 	worker_agent = ag;
 	executor_poll_rings(ag);
 	if (ag->has_rrefs) {

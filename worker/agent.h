@@ -50,6 +50,9 @@ struct agent {
 	bool rref_fetch_by_message; /* SHMRPC_RREF_FETCH=message: to_here() asks the owner */
 	uint32_t rank;
 	uint32_t world;
+	/* Which of this process's agents this is (1, 2, ... per shmrpc_init):
+	 * handles made under an earlier one name another job's table. */
+	uint64_t job;
 	struct shm_worker *self;
 	uint64_t default_timeout_ns; /* 0: none */
 	pthread_t loop;
@@ -58,6 +61,9 @@ struct agent {
 	/* A job to take our RRef collect list is queued and has not taken it
 	 * yet (the loop thread queues one at most, agent.c). */
 	_Atomic bool collect_queued;
+	/* rref_drop_users ran: a graceful shutdown released every reference
+	 * we held on other workers' RRefs, and their handles release none. */
+	_Atomic bool users_dropped;
 	/* Loop thread only: peers whose death was seen, and since when (ns;
 	 * 0 once their calls were failed). */
 	uint64_t *dying_since;

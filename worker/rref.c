@@ -58,6 +58,23 @@ static struct agent *agent_or_fail(void)
 	return ag;
 }
 
+static int id_text(uint64_t id, char *buf, size_t len);
+
+/* agent_or_fail, for a handle: fails when r was made in a job that has
+ * shut down since (an RRef kept across init_rpc, shutdown, init_rpc). */
+static struct agent *agent_of_or_fail(const shmrpc_rref *r)
+{
+	struct agent *ag = agent_or_fail();
+	char id[96];
+
+	if (!ag || !r || r->job == ag->job)
+		return ag;
+	id_text(r->id, id, sizeof(id));
+	return shmrpc__fail(-ENOTSUP, "RRef %s belongs to an RPC job that has shut down (it "
+			    "was deleted then): an RRef lives in the job that made it", id),
+	       NULL;
+}
+
 static int id_text(uint64_t id, char *buf, size_t len)
 {
 	return snprintf(buf, len, "GloballyUniqueId(created_on=%u, local_id=%" PRIu64 ")",
@@ -170,6 +187,7 @@ static shmrpc_rref *handle_new(struct agent *ag, uint64_t id, uint64_t fork_id, 
 	r->fork_id = fork_id;
 	r->slot = slot;
 	r->owner = owner;
+	r->job = ag->job;
 	agent_peer_name(ag, owner, r->owner_name, sizeof(r->owner_name));
 	pthread_mutex_init(&r->lock, NULL);
 	return r;
@@ -246,7 +264,13 @@ static void unreferenced(struct agent *ag, uint64_t id, uint32_t slot, uint32_t 
 /* Drops one of our references to (id, slot, owner). */
 static void release(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner)
 {
-	int rc = rref_release(&ag->rrefs, slot, id, ag->rank, 1);
+	int rc;
+
+	/* Acquire, pairs with rref_drop_users' release store: its drops
+	 * came before, and ours is one of them. */
+	if (owner != ag->rank && atomic_load_explicit(&ag->users_dropped, memory_order_acquire))
+		return;
+	rc = rref_release(&ag->rrefs, slot, id, ag->rank, 1);
 
 	if (rc == 1)
 		unreferenced(ag, id, slot, owner);
@@ -260,8 +284,9 @@ void shmrpc_rref_free(shmrpc_rref *r)
 
 	if (!r)
 		return;
-	/* After shutdown the table is gone; the launcher swept our references. */
-	if (!ag || !ag->has_rrefs)
+	/* After shutdown the table is gone (another job's, after init_rpc
+	 * again); the launcher swept our references. */
+	if (!ag || !ag->has_rrefs || ag->job != r->job)
 		ag = NULL;
 	if (r->pending)
 		pending_put(ag, r->pending);
@@ -277,7 +302,7 @@ void shmrpc_rref_free(shmrpc_rref *r)
 
 int shmrpc_rref_retain(shmrpc_rref *r, shmrpc_rref **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag = agent_of_or_fail(r);
 	struct pending_user *p = NULL;
 	bool failed = false;
 	shmrpc_rref *n;
@@ -745,8 +770,11 @@ int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
 
 	if (!ag->has_rrefs)
 		return shmrpc__fail(-ENOTSUP, "this job has no RRef table");
-	for (i = 0; i < l->nr; i++)
+	for (i = 0; i < l->nr; i++) {
+		if (!agent_of_or_fail(l->r[i]))
+			return -ENOTSUP;
 		k += by_message(ag, l->r[i]);
+	}
 	if (k) {
 		/* This message's forks, at the end of the log, to the front. */
 		if (!(log = fork_log()) || log->n - log->charged < k)
@@ -1270,7 +1298,7 @@ static int fetch_by_message(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms
 
 int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag = agent_of_or_fail(r);
 	shmrpc_future *f;
 	int rc;
 
@@ -1306,7 +1334,7 @@ int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 
 int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag = agent_of_or_fail(r);
 	shmrpc_future *f;
 	int rc = 0;
 
@@ -1336,7 +1364,7 @@ int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 
 int shmrpc_rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag = agent_of_or_fail(r);
 	char rs[160], me[SHM_NAME_MAX];
 
 	if (!ag)
@@ -1509,7 +1537,7 @@ enum proxy_kind { PROXY_SYNC, PROXY_ASYNC, PROXY_REMOTE };
 static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shmrpc_value *args,
 		 uint32_t nargs, int64_t timeout_ms, void *out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag = agent_of_or_fail(r);
 	shmrpc_value *all;
 	int rc;
 
@@ -1568,6 +1596,70 @@ int shmrpc_rref_remote(shmrpc_rref *r, const char *fn, const shmrpc_value *args,
 	return proxy(r, PROXY_REMOTE, fn, args, nargs, timeout_ms, out);
 }
 
+void rref_drop_users(struct agent *ag)
+{
+	struct rref_info info;
+
+	/* Release, pairs with release()'s acquire load: a handle freed from
+	 * now on leaves its reference to the walk below. One freed while we
+	 * set it may drop its own too; ours then stops at 0 (rref_release
+	 * refuses to go below). */
+	atomic_store_explicit(&ag->users_dropped, true, memory_order_release);
+	if (!ag->has_rrefs)
+		return;
+	for (uint32_t slot = 0; slot < ag->rrefs.capacity; slot++) {
+		uint32_t held;
+
+		if (!rref_info_at(&ag->rrefs, slot, &info) || info.owner == ag->rank ||
+		    info.owner >= ag->world)
+			continue;
+		held = rref_count_of(&ag->rrefs, slot, ag->rank);
+		for (uint32_t n = 0; n < held; n++) {
+			int rc = rref_release(&ag->rrefs, slot, info.id, ag->rank, 1);
+
+			if (rc == 1)
+				unreferenced(ag, info.id, slot, info.owner);
+			if (rc != 0)
+				break;
+		}
+	}
+}
+
+size_t rref_leaks(struct agent *ag, char *buf, size_t len)
+{
+	struct rref_info info;
+	size_t leaks = 0, at = 0;
+	char id[96];
+
+	if (len)
+		buf[0] = '\0';
+	if (!ag->has_rrefs)
+		return 0;
+	for (uint32_t slot = 0; slot < ag->rrefs.capacity; slot++) {
+		if (!rref_info_at(&ag->rrefs, slot, &info) || info.owner != ag->rank)
+			continue;
+		for (uint32_t r = 0; r < ag->world; r++) {
+			uint32_t held = r == ag->rank ? 0 : rref_count_of(&ag->rrefs, slot, r);
+			char name[SHM_NAME_MAX];
+			int n;
+
+			if (!held)
+				continue;
+			leaks++;
+			id_text(info.id, id, sizeof(id));
+			agent_peer_name(ag, r, name, sizeof(name));
+			n = snprintf(buf + at, len - at, "Leaking RRef %s held by worker %u (%s): %u %s\n",
+				     id, r, name, held, held == 1 ? "reference" : "references");
+			/* Full: the count still counts; the text ends where it fit. */
+			if (n > 0 && (size_t)n < len - at)
+				at += (size_t)n;
+			else
+				at = len ? len - 1 : 0;
+		}
+	}
+	return leaks;
+}
+
 void rref_debug_counts(struct agent *ag, struct rref_debug_counts *out)
 {
 	struct rref_info info;
@@ -1578,12 +1670,20 @@ void rref_debug_counts(struct agent *ag, struct rref_debug_counts *out)
 	if (!ag->has_rrefs)
 		return;
 	for (uint32_t slot = 0; slot < ag->rrefs.capacity; slot++) {
+		uint64_t held = 0;
+
 		if (!rref_info_at(&ag->rrefs, slot, &info) || info.owner != ag->rank ||
 		    (info.state != RREF_PENDING && info.state != RREF_READY && info.state != RREF_ERROR))
 			continue;
+		for (uint32_t r = 0; r < ag->world; r++)
+			held += r != ag->rank && rref_count_of(&ag->rrefs, slot, r);
+		/* As torch's owners_: an RRef(value) joins only once shared,
+		 * and leaves when no other worker holds it; a remote call's
+		 * result is held by its caller from the start. */
+		if (!held)
+			continue;
 		out->owners++;
 		out->pending_owners += info.state == RREF_PENDING;
-		for (uint32_t r = 0; r < ag->world; r++)
-			out->forks += r != ag->rank && rref_count_of(&ag->rrefs, slot, r);
+		out->forks += held;
 	}
 }

@@ -50,6 +50,7 @@ struct shmrpc_rref {
 	uint64_t fork_id;  /* == id for an OwnerRRef */
 	uint32_t slot;     /* in the table */
 	uint32_t owner;
+	uint64_t job;      /* the agent's (struct agent.job) whose table holds it */
 	bool forked;       /* came in a message: its owner's table had it at once */
 	struct pending_user *pending; /* came forked by message: the owner's answer; fixed */
 	char owner_name[SHM_NAME_MAX];
@@ -121,8 +122,20 @@ SHMRPC_HIDDEN void rref_owner_collect_all(struct agent *ag);
  * children too (the launcher sweeps the table). */
 SHMRPC_HIDDEN void rref_owner_free_all(struct agent *ag);
 
+/* torch's _delete_all_user_and_unforked_owner_rrefs, a graceful
+ * shutdown's step before its leak check: every reference this worker holds
+ * on another worker's RRef goes now, and the handles holding them release
+ * nothing later (their RRefs' values are the owners' to free). */
+SHMRPC_HIDDEN void rref_drop_users(struct agent *ag);
+/* torch's RRef leak check (RRefContext::checkRRefLeaks): the RRefs this
+ * worker owns that another worker still holds, one line each per holder
+ * in buf (cut at len); returns how many lines there are. */
+SHMRPC_HIDDEN size_t rref_leaks(struct agent *ag, char *buf, size_t len);
+
 /* torch's RRef debug counts (RRefContext::getDebugInfo) for this worker:
- * live RRefs it owns, those still waiting for their value, the other
+ * the RRefs it owns that another worker holds (as torch's owners_: an
+ * RRef(value) counts once shared, until no other worker holds it), those
+ * of them still waiting for their value, the other
  * workers' references to them (its users' forks, one per worker holding
  * any), and forks it received by message that the owner has not
  * confirmed yet. A walk of the table: for debugging, not the hot path. */

@@ -46,6 +46,10 @@ _state = threading.local()
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
 _shut_down = False  # shutdown ran once in this process
+# A worker shmrun started: (rank, world size, job inode, inits so far). Its
+# first init_rpc joins shmrun's job; each later one (after shutdown) meets
+# the job's other workers at a rendezvous named after that job and count.
+_shmrun_slot = None
 _init_pid = None  # the process that joined (a child forked from it has not)
 
 
@@ -124,7 +128,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     convention) the processes meet at rpc_backend_options.init_method
     (env://, the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
-    global _initialized, _joined, _rpc_timeout, _timeout_override, _init_pid
+    global _initialized, _joined, _rpc_timeout, _timeout_override, _init_pid, _shmrun_slot
     api._check_init_args(backend, rpc_backend_options)
     _rpc_timeout, _timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
@@ -134,7 +138,10 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
                            "was running, and cannot start one: start it with "
                            "multiprocessing's spawn or forkserver method (as "
                            "torch.multiprocessing.spawn does), or fork before init_rpc")
-    if "SHMRPC_RANK" in os.environ and not _started_by_shmrun():
+    if _shmrun_slot is not None and not _initialized:
+        from . import _rendezvous
+        joined = _join_again(name, rank, world_size, rpc_backend_options)
+    elif "SHMRPC_RANK" in os.environ and not _started_by_shmrun():
         from . import _rendezvous
         _rendezvous.clear_env()  # a worker's, inherited: not this process's
     if "SHMRPC_RANK" not in os.environ:
@@ -148,12 +155,6 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if env_rank < 0:
             raise RuntimeError("init_rpc: this process is not a shmrpc worker: start it with "
                                "shmrun -n N -- python3 prog.py")
-        if joined is None and _shut_down and not _fd_open(os.environ.get("SHMRPC_JOB_FD")):
-            # The agent closed what shmrun gave when it shut down.
-            raise RuntimeError("init_rpc after shutdown: a worker that shmrun started joins "
-                               "its job once. To start RPC again in one process, start the "
-                               "processes without shmrun: they meet at an init_method "
-                               "(env://, tcp://, file://) and each init_rpc makes a new job")
         if rank is not None and rank != env_rank:
             raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank {env_rank}")
         if world_size is not None and world_size != env_world:
@@ -186,7 +187,29 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if joined is not None:
             _rendezvous.clear_env()
     _joined = joined
+    if joined is None:
+        _shmrun_slot = (env_rank, env_world, os.environ.get("SHMRPC_JOB_INO", ""), 1)
+    elif _shmrun_slot is not None:
+        _shmrun_slot = _shmrun_slot[:3] + (_shmrun_slot[3] + 1,)
     api._init_rpc_states()
+
+
+def _join_again(name, rank, world_size, opts):
+    """init_rpc after shutdown in a worker shmrun started (its agent closed
+    what shmrun gave): the job's workers meet again at a rendezvous named
+    after shmrun's job and how many times they joined, in a new job of
+    their own (shmrpc._rendezvous), with shmrun's rank and world size."""
+    from . import _rendezvous
+    slot_rank, slot_world, job, inits = _shmrun_slot
+    if rank is not None and rank != slot_rank:
+        raise ValueError(f"init_rpc: rank {rank} given, but shmrun started this worker as rank "
+                         f"{slot_rank}")
+    if world_size is not None and world_size != slot_world:
+        raise ValueError(f"init_rpc: world_size {world_size} given, but the job has "
+                         f"{slot_world} workers")
+    _rendezvous.clear_env()
+    return _rendezvous.join(name, slot_rank, slot_world, opts,
+                            key=f"shmrun:{job}:{inits}")
 
 
 def _started_by_shmrun():
@@ -195,23 +218,12 @@ def _started_by_shmrun():
     is not that worker. Started with its fds closed (mp's spawn), it holds
     another file at SHMRPC_JOB_FD, or none; forked from a worker that had
     joined, init_rpc refuses it; forked before, the C init refuses the
-    second of the two to join (its slot is taken). A worker after its
-    shutdown counts as started by shmrun (it joins once)."""
-    if _shut_down:
-        return True
+    second of the two to join (its slot is taken)."""
     try:
         st = os.fstat(int(os.environ["SHMRPC_JOB_FD"]))
     except (KeyError, ValueError, OSError):
         return False
     return str(st.st_ino) == os.environ.get("SHMRPC_JOB_INO")
-
-
-def _fd_open(fd):
-    try:
-        os.fstat(int(fd))
-        return True
-    except (TypeError, ValueError, OSError):
-        return False
 
 
 def is_available():
@@ -284,11 +296,15 @@ def shutdown(graceful=True, timeout=0):
     global _initialized, _joined, _shut_down
     try:
         try:
-            api._shutdown_first(graceful, timeout)
+            leaks = api._shutdown_first(graceful, timeout)
         except BaseException:
             _shmrpc.shutdown(False, 0)  # torch's: the local shutdown, then the error
             raise
         _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
+        if leaks:
+            # torch's RRefContext::checkRRefLeaks, raised after the local
+            # shutdown as torch's _finalize_shutdown does.
+            raise RuntimeError(leaks)
     finally:
         # The agent is gone either way: a process that joined leaves its
         # keeper's job (the keeper releases what it still held there).

@@ -150,11 +150,13 @@ def _identity(fd):
         return None
 
 
-def join(name, rank, world_size, opts):
-    """Meets the job at the rendezvous and sets what the agent's init reads
-    (SHMRPC_RANK, SHMRPC_WORLD_SIZE, the memfds: see clear_env)."""
-    init_method = getattr(opts, "init_method", None) or "env://"
-    key, given = _key(init_method)
+def join(name, rank, world_size, opts, key=None):
+    """Meets the job at the rendezvous (opts.init_method's, or key) and
+    sets what the agent's init reads (SHMRPC_RANK, SHMRPC_WORLD_SIZE, the
+    memfds: see clear_env)."""
+    given = {}
+    if key is None:
+        key, given = _key(getattr(opts, "init_method", None) or "env://")
     if rank is None:
         rank = given.get("rank", _int_env("RANK"))
     if world_size is None:

@@ -31,10 +31,9 @@ logger = logging.getLogger(__name__)
 # torch's name for the RRef type its C++ makes (its RRef subclasses it).
 PyRRef = RRef
 
-# torch's switch: False makes torch's shutdown raise when RRefs were not
-# released by then. Not read: shmrpc's shutdown releases every RRef a
-# worker holds and reports no leak (torch's tests set it False for every
-# test, to have their RRefs deleted).
+# torch's switch: False makes a graceful shutdown raise "Leaking RRef ..."
+# when another worker still holds an RRef this worker owns after every
+# worker's _delete_all_user_and_unforked_owner_rrefs (_shutdown_first).
 _ignore_rref_leak = True
 
 
@@ -146,12 +145,13 @@ def _job_left():
 
 
 def _delete_all_user_and_unforked_owner_rrefs(timeout=None):
-    """torch's first step of a graceful shutdown, which torch's tests call or
-    replace: shmrpc's agent releases the RRefs a worker holds as it shuts
-    down (shmrpc.shutdown), not before."""
-    from . import _not_supported
-    raise _not_supported("releasing a worker's RRefs before shutdown "
-                         "(_delete_all_user_and_unforked_owner_rrefs; shutdown releases them)")
+    """torch's second step of a graceful shutdown, which torch's tests
+    replace: every reference this worker holds on another worker's RRef
+    goes now (its RRef objects hold nothing from then on). The RRefs it
+    owns go with its agent, as in every shutdown."""
+    if not _initialized_now():
+        raise _not_initialized()
+    _shmrpc.rref_drop_users()
 
 
 # ---- _wait_all: every rpc_async of a block waited for at its end ----
@@ -374,12 +374,25 @@ def _barrier(worker_names):
 
 
 def _shutdown_first(graceful, timeout):
-    """shutdown's first step. Graceful, as torch's: _wait_all_workers
-    (which programs and torch's tests replace). A worker that died is not
-    an error here: the agent's own shutdown barrier, next, counts it out,
-    as shmrpc's shutdown always has."""
+    """shutdown's first steps, as torch's when graceful: _wait_all_workers,
+    _delete_all_user_and_unforked_owner_rrefs (both of which programs and
+    torch's tests replace), then, unless _ignore_rref_leak, a second
+    gather (torch's agent join: every worker has dropped its references)
+    and the leak check. Returns the leak check's text ("": none)."""
     if not graceful:
-        return
+        return ""
+    _gather_at_shutdown(timeout)
+    _delete_all_user_and_unforked_owner_rrefs()
+    if _ignore_rref_leak:
+        return ""
+    _gather_at_shutdown(timeout)
+    return _shmrpc.rref_leaks()
+
+
+def _gather_at_shutdown(timeout):
+    """_wait_all_workers, where a worker that died is not an error: the
+    agent's own shutdown barrier, next, counts it out, as shmrpc's shutdown
+    always has."""
     try:
         _wait_all_workers(timeout)
     except RuntimeError:
