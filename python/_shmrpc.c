@@ -1042,6 +1042,27 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 	return rc ? fail(rc) : rref_wrap(r);
 }
 
+/* rref_local(pickled, live) -> RRef: RRef(value) here, ready at once
+ * (python_rref_local): its value the pickle, or, live, the package's own
+ * object, which it keeps under the RRef's id from now on. */
+static PyObject *mod_rref_local(PyObject *m, PyObject *args)
+{
+	const char *pickled;
+	Py_ssize_t len;
+	int live, rc;
+	shmrpc_rref *r;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "y#p", &pickled, &len, &live))
+		return NULL;
+	if ((size_t)len > UINT32_MAX) {
+		PyErr_SetString(PyExc_ValueError, "RRef(value): the value's pickle is over 4 GiB");
+		return NULL;
+	}
+	rc = python_rref_local(pickled, (uint32_t)len, live, &r);
+	return rc ? fail(rc) : rref_wrap(r);
+}
+
 /* from_dlpack(obj) -> Tensor: obj's bytes in the pool (taken without a copy
  * when they are a whole pool block already, copied once otherwise; up to
  * SHMRPC_INLINE_MAX bytes copied into this process's memory instead, to
@@ -1393,6 +1414,8 @@ static PyObject *mod_sent_counts(PyObject *m, PyObject *unused)
 }
 
 static PyMethodDef mod_methods[] = {
+	{ "rref_local", mod_rref_local, METH_VARARGS,
+	  "rref_local(pickled, live) -> RRef: RRef(value) on this worker, ready at once" },
 	{ "rref_drop_users", mod_rref_drop_users, METH_NOARGS,
 	  "rref_drop_users(): every reference held on other workers' RRefs goes now" },
 	{ "rref_leaks", mod_rref_leaks, METH_NOARGS,

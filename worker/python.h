@@ -121,6 +121,11 @@ SHMRPC_HIDDEN void python_count_sent(uint16_t type);
  * dst (rref.c); the RRef's value is the pickled result. */
 SHMRPC_HIDDEN int python_remote(int dst, const struct python_request *r, int64_t timeout_ms,
 				shmrpc_rref **out);
+/* RRef(value) on this worker (rref.c): an owner RRef, ready at once,
+ * whose value is pickled (a value no code can change), or, live, the
+ * binding's own object (it keeps it under the RRef's id from now on). */
+SHMRPC_HIDDEN int python_rref_local(const char *pickled, uint32_t len, bool live,
+				    shmrpc_rref **out);
 /* Packs r (as python_remote takes it) as its payload for the new RRef
  * (id, slot); sent gets its tensors and RRefs (value_pack's). */
 SHMRPC_HIDDEN int python_remote_pack(msgpack_packer *pk, const struct python_request *r,

@@ -1530,6 +1530,53 @@ int python_remote(int dst, const struct python_request *r, int64_t timeout_ms, s
 	return rc;
 }
 
+int python_rref_local(const char *pickled, uint32_t len, bool live, shmrpc_rref **out)
+{
+	struct agent *ag = agent_or_fail();
+	struct python_request v = { .type = MSG_PYTHON_RET };
+	struct tensor_list sent = { 0 };
+	struct arena a = { 0 };
+	shmrpc_value value;
+	shmrpc_rref *r;
+	uint64_t id;
+	uint32_t slot;
+	int rc;
+
+	*out = NULL;
+	if (!ag)
+		return -ENOTSUP;
+	/* As a remote() to ourselves, stored at once: the creator's
+	 * reference is the handle's, the pending run's goes in the store. */
+	id = new_id(ag);
+	rc = rref_insert(&ag->rrefs, id, ag->rank, ag->rank, 0, &slot);
+	if (rc)
+		return rc;
+	if (!(r = handle_new(ag, id, id, slot, ag->rank))) {
+		rref_release(&ag->rrefs, slot, id, ag->rank, 2);
+		rref_remove(&ag->rrefs, slot, id);
+		return -ENOMEM;
+	}
+	v.msg.data = pickled;
+	v.msg.len = len;
+	v.rref_id = id;
+	v.rref_slot = slot;
+	rc = python_request_value(&v, &a, &value);
+	if (rc == 0) {
+		/* A pickle alone: the list stays empty, its arrays go. */
+		rc = rref_owner_store(ag, id, slot, &value, NULL, live, &sent);
+		tensor_list_forget(&sent);
+	} else if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1) {
+		unreferenced(ag, id, slot, ag->rank);
+	}
+	arena_free(&a);
+	if (rc) {
+		shmrpc_rref_free(r);
+		return rc;
+	}
+	*out = r;
+	return 0;
+}
+
 /* ---- the proxies: fn(value of r, args...) on r's owner ---- */
 
 enum proxy_kind { PROXY_SYNC, PROXY_ASYNC, PROXY_REMOTE };

@@ -8,7 +8,6 @@ torch's default RPC pickler does: define them on both sides. What torch
 offers that shmrpc does not do yet raises NotImplementedError saying so.
 """
 import io
-import itertools
 import os
 import pickle
 import re
@@ -1158,12 +1157,18 @@ class RRef:
 
     def __init__(self, value=None, type_hint=None, _c=None):
         if _c is None:
-            # A local owner RRef: a remote() to ourselves of a function that
-            # returns value, which the owner keeps as it keeps every result
-            # (the object itself: nothing is pickled).
-            key = next(_local_keys)
-            _local_values[key] = value
-            _c = remote(_shmrpc.rank(), _take_local, args=(key,))._r
+            # A local owner RRef, ready at once, holding value as a remote
+            # call's result is held (_reply): the object itself, kept here
+            # under the RRef's id, or a value no code can change, pickled.
+            if not _initialized:
+                raise _not_initialized()
+            pickled, _, out_of_line = _dumps(value) if _immutable(value) else (None, 0, 0)
+            if pickled is not None and not out_of_line:
+                _c = _shmrpc.rref_local(pickled, False)
+            else:
+                # No one else knows the id before this returns.
+                _c = _shmrpc.rref_local(_LIVE, True)
+                _owned[_c.id()] = value
         self._r = _c
 
     def to_here(self, timeout=UNSET_RPC_TIMEOUT):
@@ -1305,8 +1310,6 @@ _LIVE = b"\x02"
 # RRef id -> the live value of an RRef this worker owns, until the RRef
 # goes everywhere (the C half's live-release hook calls _release_owned).
 _owned = {}
-_local_values = {}  # key -> a value RRef(value) is storing, until its remote() takes it
-_local_keys = itertools.count()
 
 
 def _release_owned(rref_id):
@@ -1324,10 +1327,6 @@ def _rref_created(rref):
     msg = _c_wait(rref._r.to_here, _timeout_ms(UNSET_RPC_TIMEOUT))
     if msg[0] != _LIVE:
         _result(msg)
-
-
-def _take_local(key):
-    return _local_values.pop(key)
 
 
 def _call_method(name, rref, *args, **kwargs):
