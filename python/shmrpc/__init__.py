@@ -49,6 +49,9 @@ _shut_down = False  # shutdown ran once in this process
 # first init_rpc joins shmrun's job; each later one (after shutdown) meets
 # the job's other workers at a rendezvous named after that job and count.
 _shmrun_slot = None
+# The job shmrun gave this process when it started (its segment's inode),
+# if any: shmrpc.data's loader gives the trainer jobs of its own later.
+_START_JOB_INO = os.environ.get("SHMRPC_JOB_INO")
 _init_pid = None  # the process that joined (a child forked from it has not)
 
 
@@ -137,7 +140,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
                            "was running, and cannot start one: start it with "
                            "multiprocessing's spawn or forkserver method (as "
                            "torch.multiprocessing.spawn does), or fork before init_rpc")
-    if _shmrun_slot is not None and not _initialized:
+    if _shmrun_slot is not None and not _initialized and not _started_by_shmrun():
         from . import _rendezvous
         joined = _join_again(name, rank, world_size, rpc_backend_options)
     elif "SHMRPC_RANK" in os.environ and not _started_by_shmrun():
@@ -186,9 +189,9 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         if joined is not None:
             _rendezvous.clear_env()
     _joined = joined
-    if joined is None:
-        _shmrun_slot = (env_rank, env_world, os.environ.get("SHMRPC_JOB_INO", ""), 1)
-    elif _shmrun_slot is not None:
+    if joined is None and _START_JOB_INO and os.environ.get("SHMRPC_JOB_INO") == _START_JOB_INO:
+        _shmrun_slot = (env_rank, env_world, _START_JOB_INO, 1)
+    elif joined is not None and _shmrun_slot is not None:
         _shmrun_slot = _shmrun_slot[:3] + (_shmrun_slot[3] + 1,)
     api._init_rpc_states()
 
