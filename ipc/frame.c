@@ -42,13 +42,14 @@ int ipc_frame_decode(const uint8_t *rec, uint32_t len, uint32_t src, uint32_t ds
 				    "header checksum mismatch",
 				    src, (unsigned long long)h->msg_id);
 	if (h->payload_len != len - sizeof(*h) || h->src != src || h->dst != dst ||
-	    h->type == 0 || (h->flags & ~IPC_FRAME_F_KNOWN) || h->reserved)
+	    h->type == 0 || (h->flags & ~IPC_FRAME_F_KNOWN) || h->help_n > IPC_HELP_MAX ||
+	    (uint64_t)h->help_n * sizeof(struct ipc_help) > h->payload_len)
 		return shmrpc__fail(-SHMRPC_ECORRUPT,
 				    "corrupted frame from worker %u, message id %llu: header says "
-				    "%u -> %u, type %u, flags 0x%x, reserved 0x%x, %u payload bytes in "
-				    "a %u-byte record",
+				    "%u -> %u, type %u, flags 0x%x, %u help entries, %u payload bytes "
+				    "in a %u-byte record",
 				    src, (unsigned long long)h->msg_id, h->src, h->dst, h->type,
-				    h->flags, h->reserved, h->payload_len, len);
+				    h->flags, h->help_n, h->payload_len, len);
 	out->payload = rec + sizeof(*h);
 	if (!(h->flags & IPC_FRAME_F_NO_PAYLOAD_CSUM) &&
 	    XXH3_64bits(out->payload, h->payload_len) != h->payload_csum)

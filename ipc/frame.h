@@ -18,6 +18,17 @@
 #define IPC_FRAME_F_MORE 0x0002u            /* a fragment: more of this message follows */
 #define IPC_FRAME_F_KNOWN 0x0003u
 
+/* A request's waits upstream (worker/client.c): the calls, on the workers
+ * of a chain of rpc_syncs that led to it, that cannot complete before it
+ * does. help_n of them start its payload, nearest first, one per worker. */
+struct ipc_help {
+	uint64_t msg_id; /* a call of that worker's */
+	uint32_t rank;
+	uint32_t pad;    /* 0 */
+};
+_Static_assert(sizeof(struct ipc_help) == 16, "a help entry is 16 bytes");
+#define IPC_HELP_MAX 8u
+
 struct ipc_frame_hdr {
 	uint16_t type;        /* message type (worker/msg.h); 0 is invalid */
 	uint16_t flags;       /* IPC_FRAME_F_* */
@@ -28,7 +39,7 @@ struct ipc_frame_hdr {
 	uint32_t src_gen;     /* sender's generation, to recognise stale frames */
 	uint64_t needed_by;   /* a request: the receiver's call that waits for it, or 0 */
 	uint32_t depth;       /* a request: its nesting depth (1: not made inside a request) */
-	uint32_t reserved;    /* 0 */
+	uint32_t help_n;      /* a request: struct ipc_help entries the payload starts with */
 	uint64_t payload_csum;
 	uint64_t hdr_csum;    /* XXH3-64 of bytes [0, 48) */
 };

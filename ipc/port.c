@@ -120,6 +120,9 @@ static int check_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 				    len, p->seg->ring_size, ipc_port_max_payload(p));
 	if (m->type == 0 || (m->flags & ~IPC_FRAME_F_MORE))
 		return shmrpc__fail(-EINVAL, "frame type 0 or unknown flags 0x%x", m->flags);
+	if (m->help_n > IPC_HELP_MAX || m->help_n * sizeof(struct ipc_help) > len)
+		return shmrpc__fail(-EINVAL, "a frame of %zu bytes cannot start with %u help entries",
+				    len, m->help_n);
 	return 0;
 }
 
@@ -142,6 +145,7 @@ static bool put_frame(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 		.src_gen = p->generation,
 		.needed_by = m->needed_by,
 		.depth = m->depth,
+		.help_n = m->help_n,
 	};
 	at = (uint8_t *)(h + 1);
 	for (int i = 0; i < m->iovcnt; i++) {

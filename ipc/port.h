@@ -34,6 +34,7 @@ struct ipc_msg {
 	uint64_t msg_id;
 	uint64_t needed_by; /* a request's: the frame header's (ipc/frame.h) */
 	uint32_t depth;
+	uint32_t help_n; /* a request's: struct ipc_help entries its iov starts with */
 	const struct iovec *iov;
 	int iovcnt;
 };

@@ -30,9 +30,10 @@
 #define SHM_MAGIC 0x31434d5052484d53ull /* "SHMRPC1" read as little endian */
 /* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
  * and the CUDA IPC gauges of the worker slot; 4: the device maps; 5: the
- * 56-byte frame header (nesting depth, needed_by) and inline tensors, so
- * that workers of different builds meet a version error, not "corrupt". */
-#define SHM_FORMAT_VERSION 5u
+ * 56-byte frame header (nesting depth, needed_by) and inline tensors; 6:
+ * a request's help entries (help_n), so that workers of different builds
+ * meet a version error, not "corrupt". */
+#define SHM_FORMAT_VERSION 6u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u

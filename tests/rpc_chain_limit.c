@@ -1,12 +1,15 @@
 /*
  * The documented nesting limit, at its boundary: a chain of
- * SHMRPC_MAX_NESTING (100,000) nested rpc_syncs bouncing between two
- * workers whose pools start with one thread completes, with the sum of the
- * ranks that served it right; one call more fails at once with
+ * SHMRPC_MAX_NESTING (100,000) nested rpc_syncs going round the workers of
+ * a job (rank r calls r + 1, the last calls 0), in jobs of 2, 3 and 5
+ * workers whose pools start with one thread, completes, with the sum of
+ * the ranks that served it right; one call more fails at once with
  * -SHMRPC_ENESTING and a sentence naming the limit, which travels back up
  * the chain as a value. Each thread runs 64 hops of the chain it waits for
- * (worker/executor.h), and the pools grow for the rest: no stack holds the
- * whole chain. Under sanitizers (SHMRPC_TEST_SCALE) the chain is shorter
+ * (worker/executor.h: a request carries the waits upstream of it, so a
+ * worker finds the thread that waits for it however many workers the
+ * chain went through), and the pools grow for the rest: no stack holds
+ * the whole chain, and no pool needs a thread per hop. Under sanitizers (SHMRPC_TEST_SCALE) the chain is shorter
  * and the boundary is not reached: it is a skip then, with that reason.
  */
 #include <stdio.h>
@@ -35,7 +38,8 @@ static int fn_chain(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 		*r = shmrpc_int(shmrpc_rank());
 		return 0;
 	}
-	rc = shmrpc_rpc_sync(1 - shmrpc_rank(), "chain", &next, 1, SHMRPC_TIMEOUT_DEFAULT, &f);
+	rc = shmrpc_rpc_sync((shmrpc_rank() + 1) % shmrpc_world_size(), "chain", &next, 1,
+			     SHMRPC_TIMEOUT_DEFAULT, &f);
 	if (rc == -SHMRPC_ENESTING) {
 		char want[64];
 
@@ -76,10 +80,14 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("chain", "i", fn_chain, NULL));
 	CHECK_OK(shmrpc_init(&o));
 	if (shmrpc_rank() == 0) {
-		/* Handlers alternate ranks 1, 0, 1, ...: depth of them sum to (depth + 1) / 2. */
+		/* Handlers go round ranks 1, 2, ..., 0, 1, ...: hop i runs on (i + 1) % world. */
+		int64_t world = shmrpc_world_size(), want = 0;
+
+		for (int64_t i = 0; i < depth; i++)
+			want += (i + 1) % world;
 		got = chain(depth - 1);
-		CHECK(got == (depth + 1) / 2, "a chain of %lld calls returned %lld", (long long)depth,
-		      (long long)got);
+		CHECK(got == want, "a chain of %lld calls round %lld workers returned %lld, not %lld",
+		      (long long)depth, (long long)world, (long long)got, (long long)want);
 		if (depth == SHMRPC_MAX_NESTING) {
 			got = chain(depth);
 			CHECK(got == REFUSED, "a chain of %lld calls returned %lld, not the refusal",
@@ -94,7 +102,8 @@ int main(void)
 {
 	if (tl_is_worker())
 		return worker();
-	if (tl_job_test(worker, "-n", "2", NULL))
+	if (tl_job_test(worker, "-n", "2", NULL) || tl_job_test(worker, "-n", "3", NULL) ||
+	    tl_job_test(worker, "-n", "5", NULL))
 		return 1;
 	if (tl_scale() < 1)
 		return tl_skip("scaled down under sanitizers, the chain does not reach the limit");

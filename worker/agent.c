@@ -137,11 +137,13 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 }
 
 int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, uint64_t needed_by,
-	       uint32_t depth, const void *payload, size_t len)
+	       uint32_t depth, const struct help_chain *help, const void *payload, size_t len)
 {
-	struct iovec iov = { (void *)payload, len };
+	uint32_t help_n = help ? help->n : 0;
+	struct iovec iov[2] = { { help ? (void *)help->e : NULL, help_n * sizeof(*help->e) },
+				{ (void *)payload, len } };
 	struct ipc_msg m = { .type = type, .msg_id = msg_id, .needed_by = needed_by,
-			     .depth = depth, .iov = &iov, .iovcnt = 1,
+			     .depth = depth, .help_n = help_n, .iov = iov, .iovcnt = 2,
 			     .kind = worker_msg_is_request(type) ? IPC_FRAME_REQUEST
 				     : type == MSG_TENSOR_ACK    ? IPC_FRAME_OTHER
 								 : IPC_FRAME_REPLY };
@@ -165,8 +167,11 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 	if (f->hdr.type == MSG_TENSOR_ACK)
 		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
 	else if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
+		/* ipc_frame_decode checked that the help entries fit. */
 		server_submit(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->hdr.needed_by,
-			      f->hdr.depth, f->payload, f->hdr.payload_len);
+			      f->hdr.depth, f->payload, f->hdr.help_n,
+			      f->payload + f->hdr.help_n * sizeof(struct ipc_help),
+			      f->hdr.payload_len - f->hdr.help_n * sizeof(struct ipc_help));
 	else
 		client_on_reply(ag, f);
 }

@@ -143,10 +143,18 @@ SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf
 SHMRPC_HIDDEN bool agent_peer_gone(struct agent *ag, uint32_t r);
 /* "worker 3 (worker3) died: killed by signal 9 (SIGKILL)" and similar. */
 SHMRPC_HIDDEN void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t len);
+/* A request's waits upstream (struct ipc_help, ipc/frame.h), nearest first. */
+struct help_chain {
+	uint32_t n;
+	struct ipc_help e[IPC_HELP_MAX];
+};
+
 /* Sends a frame from a non-loop thread; the text of a failure in errmsg.
- * needed_by, depth: a request's (ipc/frame.h); 0 for other frames. */
+ * needed_by, depth, help: a request's (ipc/frame.h; help NULL: none); 0
+ * and NULL for other frames. */
 SHMRPC_HIDDEN int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id,
-			     uint64_t needed_by, uint32_t depth, const void *payload, size_t len);
+			     uint64_t needed_by, uint32_t depth, const struct help_chain *help,
+			     const void *payload, size_t len);
 
 /* client.c: the table of calls waiting for their reply (loop thread side). */
 SHMRPC_HIDDEN void client_on_reply(struct agent *ag, const struct ipc_frame *f);
@@ -180,14 +188,16 @@ SHMRPC_HIDDEN int client_sync_wait(shmrpc_future *f, shmrpc_future **out);
 /* server.c: tells peer that the tensors of its reply msg_id are ours now. */
 SHMRPC_HIDDEN void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id);
 /* server.c: a request, copied out of the ring, run on an executor thread.
- * needed_by, depth: the frame header's (ipc/frame.h). */
+ * needed_by, depth: the frame header's (ipc/frame.h); help (help_n
+ * entries, unaligned), the waits upstream of it. */
 SHMRPC_HIDDEN void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
-				 uint64_t needed_by, uint32_t depth, const void *payload,
-				 size_t len);
+				 uint64_t needed_by, uint32_t depth, const void *help,
+				 uint32_t help_n, const void *payload, size_t len);
 /* server.c: the request this thread serves (its innermost, if it helps
- * with another while it waits): its caller, id and depth; false on a
- * thread that serves none. */
-SHMRPC_HIDDEN bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth);
+ * with another while it waits): its caller, id, depth and the waits
+ * upstream of it; false on a thread that serves none. */
+SHMRPC_HIDDEN bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth,
+				  const struct help_chain **up);
 
 /* client.c: on, the next request this thread sends is an rpc_sync (it will
  * wait for it before anything else), which lets the caller of the request

@@ -296,6 +296,34 @@ void client_sync_next(bool on)
 	sync_next = on;
 }
 
+/* The waits upstream of an rpc_sync made while serving caller's call
+ * served: that call, then those upstream of it (up), the nearest one per
+ * worker, as many as a frame carries. A chain of rpc_syncs through any
+ * workers thus finds, on each, the thread that waits for it. */
+static void help_upstream(struct help_chain *out, uint32_t caller, uint64_t served,
+			  const struct help_chain *up)
+{
+	out->e[0] = (struct ipc_help){ .msg_id = served, .rank = caller };
+	out->n = 1;
+	for (uint32_t i = 0; i < up->n && out->n < IPC_HELP_MAX; i++) {
+		uint32_t j = 0;
+
+		while (j < out->n && out->e[j].rank != up->e[i].rank)
+			j++;
+		if (j == out->n)
+			out->e[out->n++] = up->e[i];
+	}
+}
+
+/* The call of dst's that help names, or 0. */
+static uint64_t help_find(const struct help_chain *help, uint32_t dst)
+{
+	for (uint32_t i = 0; i < help->n; i++)
+		if (help->e[i].rank == dst)
+			return help->e[i].msg_id;
+	return 0;
+}
+
 int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
 		   struct tensor_list *sent, int64_t timeout_ms, const char *what,
 		   shmrpc_future **out)
@@ -307,13 +335,15 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	bool sync = sync_next, nested;
 	uint32_t caller = 0, depth = 0;
 	uint64_t served = 0, needed_by;
+	const struct help_chain *up = NULL;
+	struct help_chain help = { 0 };
 	int rc;
 
 	*out = NULL;
 	sync_next = false;
 	profile_take_names(&kind, &name, &torch);
 	asks = (profile_on() ? PROFILE_CALLS : 0u) | torch;
-	nested = server_serving(&caller, &served, &depth);
+	nested = server_serving(&caller, &served, &depth, &up);
 	depth++;
 	if (depth > SHMRPC_MAX_NESTING)
 		rc = shmrpc__fail(-SHMRPC_ENESTING, "cannot %s on worker %d: calls would nest "
@@ -363,11 +393,12 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	f->dst = (uint32_t)dst;
 	/* Who may run the request while waiting for a call of its own
 	 * (worker/executor.h): for a call to ourselves, whoever waits for it;
-	 * for an rpc_sync made while serving a call of dst's, dst's thread
-	 * waiting for that call (we answer it only after this one). */
-	needed_by = (uint32_t)dst == ag->rank		 ? f->msg_id
-		    : sync && nested && caller == (uint32_t)dst ? served
-								 : 0;
+	 * for an rpc_sync made while serving a call, dst's thread waiting for
+	 * a call that led here through rpc_syncs alone (the served one, or
+	 * one upstream of it): that call completes only after this one. */
+	if (sync && nested)
+		help_upstream(&help, caller, served, up);
+	needed_by = (uint32_t)dst == ag->rank ? f->msg_id : help_find(&help, (uint32_t)dst);
 	f->tensors.land = devmap_landing(ag, (uint32_t)dst, true);
 	f->timeout_ms = timeout_ms;
 	f->deadline_ns = timeout_ms ? shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u : 0;
@@ -377,11 +408,12 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	pending_add(f);
 	trace_rec(SHM_TRACE_SENT, f->dst, type, f->msg_id, sb->size, SHM_TRACE_OK);
 	if ((uint32_t)dst == ag->rank) {
-		server_submit(ag, ag->rank, type, f->msg_id, needed_by, depth, sb->data, sb->size);
+		server_submit(ag, ag->rank, type, f->msg_id, needed_by, depth, help.e, help.n,
+			      sb->data, sb->size);
 		rc = 0;
 	} else {
-		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, sb->data,
-				sb->size);
+		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, &help,
+				sb->data, sb->size);
 	}
 	if (rc) {
 		char msg[1024];

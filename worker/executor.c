@@ -438,7 +438,7 @@ static struct waiter **bucket(uint64_t msg_id)
 static bool hand_to_waiter(struct job *j)
 {
 	for (struct waiter *w = *bucket(j->needed_by); w; w = w->next) {
-		if (!w->helps || w->f->msg_id != j->needed_by || w->f->dst != j->src)
+		if (!w->helps || w->f->msg_id != j->needed_by)
 			continue;
 		j->next = NULL;
 		if (w->mail_tail)
@@ -585,7 +585,7 @@ bool executor_on_worker_thread(void)
 static void take_queued(struct waiter *w)
 {
 	for (struct job **at = &ex.head, *j, *last = NULL; (j = *at);) {
-		if (j->needed_by != w->f->msg_id || j->src != w->f->dst) {
+		if (j->needed_by != w->f->msg_id) {
 			last = j;
 			at = &j->next;
 			continue;

@@ -34,6 +34,7 @@ struct request_job {
 	struct profile_events *profile; /* a profiled request's events; NULL otherwise */
 	size_t len;
 	uint32_t depth; /* nesting depth (ipc/frame.h), checked when it runs */
+	struct help_chain up; /* the waits upstream of it (ipc/frame.h) */
 	uint8_t payload[];
 };
 
@@ -85,7 +86,7 @@ static void send_reply(struct request_job *rq, uint16_t type, const void *buf, s
 		return;
 	}
 	/* A caller that died needs no answer; anything else is ours to report. */
-	rc = agent_send(ag, rq->src, type, rq->msg_id, 0, 0, buf, len);
+	rc = agent_send(ag, rq->src, type, rq->msg_id, 0, 0, NULL, buf, len);
 	if (rc && rc != -SHMRPC_EPEERDEAD)
 		fprintf(stderr, "shmrpc: worker %u: cannot answer worker %u: %s\n", ag->rank,
 			rq->src, shmrpc_errmsg());
@@ -628,7 +629,7 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 		return;
 	}
 	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len,
-				       rq->depth };
+				       rq->depth, rq->up };
 	memcpy(inner->payload, buf, len);
 	call->profile = &events;
 	call->profile_what = events.what = (unsigned)what.u.i;
@@ -700,7 +701,7 @@ struct ack_job {
 static void run_ack(struct job *j)
 {
 	struct ack_job *a = (struct ack_job *)j;
-	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, 0, 0, NULL, 0);
+	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, 0, 0, NULL, NULL, 0);
 
 	/* A peer that died has had its pins released by its own sweep. */
 	if (rc && rc != -SHMRPC_EPEERDEAD)
@@ -741,18 +742,21 @@ void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
 	executor_submit(&a->base);
 }
 
-bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth)
+bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth,
+		    const struct help_chain **up)
 {
 	if (!serving)
 		return false;
 	*caller = serving->src;
 	*msg_id = serving->msg_id;
 	*depth = serving->depth;
+	*up = &serving->up;
 	return true;
 }
 
 void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
-		   uint64_t needed_by, uint32_t depth, const void *payload, size_t len)
+		   uint64_t needed_by, uint32_t depth, const void *help, uint32_t help_n,
+		   const void *payload, size_t len)
 {
 	struct request_job *rq = malloc(sizeof(*rq) + len);
 
@@ -764,7 +768,9 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 		return;
 	}
 	*rq = (struct request_job){ { .run = run_request, .needed_by = needed_by, .src = src },
-				    ag, src, type, msg_id, NULL, len, depth };
+				    ag, src, type, msg_id, NULL, len, depth, { .n = help_n } };
+	if (help_n)
+		memcpy(rq->up.e, help, help_n * sizeof(*rq->up.e));
 	memcpy(rq->payload, payload, len);
 	count(&ag->self->num_pending_futures, 1);
 	executor_submit(&rq->base);
