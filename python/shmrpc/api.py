@@ -12,15 +12,17 @@ the others send it their object with an RPC (_gather_to_leader), and once
 it has them all it sends the whole map back to each (_broadcast_to_followers).
 """
 import collections
-import contextlib
 import logging
 import sys
 import threading
 import time
 
-from . import (RRef, WorkerInfo, _not_initialized, _shmrpc, autograd,  # noqa: F401 (torch's)
-               get_rpc_timeout, get_worker_info, remote, rpc_async, rpc_sync, shutdown,
-               wait_all)
+from . import _core, _marshal, _serve, _shmrpc, autograd, options
+from ._calls import RRef, remote, rpc_async, rpc_sync
+from ._core import (WorkerInfo, _not_initialized, _not_supported,  # noqa: F401 (torch's)
+                    get_rpc_timeout, get_worker_info)
+from ._futures import _thread_local_var, _wait_all  # noqa: F401 (torch's)
+from ._marshal import _use_rpc_pickler  # noqa: F401 (torch's)
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 __all__ = ["shutdown", "get_worker_info", "remote", "rpc_sync", "rpc_async", "RRef",
@@ -31,19 +33,16 @@ logger = logging.getLogger(__name__)
 # torch's name for the RRef type its C++ makes (its RRef subclasses it).
 PyRRef = RRef
 
+
 # torch's switch: False makes a graceful shutdown raise "Leaking RRef ..."
 # when another worker still holds an RRef this worker owns after every
 # worker's _delete_all_user_and_unforked_owner_rrefs (_shutdown_first).
 _ignore_rref_leak = True
 
 
-# ---- the current agent ----
-
-_package = sys.modules[__name__.rpartition(".")[0]]
-
 
 def _initialized_now():
-    return _package._initialized
+    return _core._initialized
 
 
 _gil_profiling = False
@@ -73,15 +72,13 @@ class _Agent:
         """torch's agent keys (agent.*), values as strings; shmrpc's own
         agent.server_pending_calls, agent.calls_served,
         agent.gil_acquisitions, agent.gil_wait_time_ns too."""
-        from . import _async_serving
         info = {k: str(v) for k, v in _shmrpc.debug_info().items() if k.startswith("agent.")}
-        info["agent.server_active_async_calls"] = str(_async_serving)
+        info["agent.server_active_async_calls"] = str(_serve._async_serving)
         if not _gil_profiling:
             del info["agent.gil_average_wait_time_us"]
         return info
 
     def _get_device_map(self, to):
-        from . import _not_supported
         raise _not_supported("_get_device_map")
 
 
@@ -156,76 +153,6 @@ def _delete_all_user_and_unforked_owner_rrefs(timeout=None):
 
 # ---- _wait_all: every rpc_async of a block waited for at its end ----
 
-_thread_local_var = threading.local()
-
-
-@contextlib.contextmanager
-def _wait_all():
-    """The futures rpc_async returns in this thread inside the block are
-    waited for when it ends (the first error raised), as torch's."""
-    _thread_local_var.future_list = []
-    try:
-        yield
-    finally:
-        try:
-            wait_all(_thread_local_var.future_list)
-        finally:
-            del _thread_local_var.future_list
-
-
-def _note_future(fut):
-    """rpc_async's hook: fut joins the enclosing _wait_all block's, if any."""
-    futures = getattr(_thread_local_var, "future_list", None)
-    if futures is not None:
-        futures.append(fut)
-
-
-# ---- torch's own ----
-
-_torch_api_module = None  # torch's torch.distributed.rpc.api, once this replaced it
-
-
-def _torch_api():
-    """torch's own torch.distributed.rpc.api module, if loaded."""
-    here = sys.modules.get("torch.distributed.rpc.api")
-    return _torch_api_module if here is None or here is sys.modules[__name__] else here
-
-
-# ---- the pickler ----
-
-def _torch_internal_pickler():
-    internal = sys.modules.get("torch.distributed.rpc.internal")
-    return getattr(internal, "_internal_rpc_pickler", None)
-
-
-# torch's default: its internal RPC pickler, once torch is loaded
-# (install_as_torch sets it). shmrpc pickles calls its own way (shared
-# tensors, RRefs by id): a call made while another pickler is in effect
-# is refused (_check_pickler).
-_default_pickler = _torch_internal_pickler()
-
-
-@contextlib.contextmanager
-def _use_rpc_pickler(rpc_pickler):
-    """torch's: rpc_pickler is the default pickler inside the block."""
-    global _default_pickler
-    before, _default_pickler = _default_pickler, rpc_pickler
-    try:
-        yield
-    finally:
-        _default_pickler = before
-
-
-def _check_pickler():
-    """Raises unless calls may be pickled shmrpc's way (no pickler of the
-    program's own in effect)."""
-    if _default_pickler is not None and _default_pickler is not _torch_internal_pickler():
-        from . import _not_supported
-        raise _not_supported(f"an RPC pickler of the program's own "
-                             f"({type(_default_pickler).__name__}, set by _use_rpc_pickler)")
-
-
-# ---- _all_gather, _barrier, _wait_all_workers ----
 
 class AllGatherStates:
     """One _all_gather's objects by worker name, and the signal that they
@@ -239,9 +166,13 @@ class AllGatherStates:
 
 _ALL_WORKER_NAMES = set()
 _all_gather_dict_lock = threading.RLock()
+
+
 # The number of _all_gathers begun, by their workers' names: the workers
 # of one gather number it alike.
 _all_gather_sequence_id = {}
+
+
 _all_gather_sequence_id_to_states = collections.defaultdict(AllGatherStates)
 
 
@@ -415,6 +346,7 @@ def _wait_all_workers(timeout=DEFAULT_SHUTDOWN_TIMEOUT):
 
 # ---- init_rpc's arguments ----
 
+
 _OPTION_NAMES = ("rpc_timeout", "init_method", "num_worker_threads", "device_maps")
 
 
@@ -427,7 +359,6 @@ _TORCH_OPTIONS_BASES = {"RpcBackendOptions": "RpcBackendOptions",
 def _options_types(name):
     """shmrpc's options class of that name, and torch's where torch is loaded
     (a program may build torch's own TensorPipeRpcBackendOptions)."""
-    from . import options
     types = [getattr(options, name)]
     torch_rpc = sys.modules.get("torch._C._distributed_rpc")
     torch_type = getattr(torch_rpc, _TORCH_OPTIONS_BASES[name], None)
@@ -455,13 +386,34 @@ def _check_init_args(backend, rpc_backend_options):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
 
 
-def _init_rpc_backend(backend=None, store=None, name=None, rank=-1, world_size=None,
-                      rpc_backend_options=None):
-    """torch's last step of init_rpc, which torch's tests call with a store
-    of their own rendezvous: init_rpc. shmrpc's workers meet at
-    rpc_backend_options.init_method, not through the store (which is not
-    used)."""
-    from . import init_rpc
-    del store
-    init_rpc(name, backend, None if rank is None or rank < 0 else rank, world_size,
-             rpc_backend_options)
+def shutdown(graceful=True, timeout=0):
+    """Graceful: waits until every worker is done (api._wait_all_workers,
+    then the agent's barrier), then all leave together."""
+    try:
+        try:
+            leaks = _shutdown_first(graceful, timeout)
+        except BaseException:
+            _shmrpc.shutdown(False, 0)  # torch's: the local shutdown, then the error
+            raise
+        _shmrpc.shutdown(bool(graceful), int(timeout * 1000) if timeout else 0)
+        if leaks:
+            # torch's RRefContext::checkRRefLeaks, raised after the local
+            # shutdown as torch's _finalize_shutdown does.
+            raise RuntimeError(leaks)
+    finally:
+        # The agent is gone either way: a process that joined leaves its
+        # keeper's job (the keeper releases what it still held there).
+        joined, _core._joined = _core._joined, None
+        if joined is not None:
+            joined.leave()
+        _core._initialized = False
+        _core._shut_down = True
+        _job_left()
+
+
+def __getattr__(name):
+    """torch's api._default_pickler: the pickler in effect, which
+    shmrpc._marshal keeps (the calls check it; _use_rpc_pickler sets it)."""
+    if name == "_default_pickler":
+        return _marshal._default_pickler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

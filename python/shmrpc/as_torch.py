@@ -40,8 +40,8 @@ def patch_futures(torch_futures):
     after it (torch_hooks)."""
     if getattr(torch_futures.wait_all, "_shmrpc", False):
         return
-    import shmrpc
-    shmrpc._adopt_torch_futures(torch_futures)
+    from ._futures import _adopt_torch_futures
+    _adopt_torch_futures(torch_futures)
     torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
 
 
@@ -123,7 +123,8 @@ def install():
         raise ImportError(f"shmrpc.install_as_torch needs torch ({e}): install python3-torch") \
             from None
     import shmrpc
-    from shmrpc import api, autograd, backend_registry, constants, optim, options
+    from shmrpc import (_core, _marshal, api, autograd, backend_registry, constants, optim,
+                        options)
 
     replaced = {
         "torch.distributed.rpc": shmrpc,
@@ -142,7 +143,7 @@ def install():
                 not hasattr(shmrpc, child):
             setattr(shmrpc, child, module)
     if sys.modules.get("torch.distributed.rpc.api") is not api:
-        api._torch_api_module = sys.modules.get("torch.distributed.rpc.api")
+        _core._torch_api_module = sys.modules.get("torch.distributed.rpc.api")
     for name, module in replaced.items():
         sys.modules[name] = module
     dist.rpc = shmrpc
@@ -150,7 +151,7 @@ def install():
     dist_optim.DistributedOptimizer = optim.DistributedOptimizer
     patch_futures(torch_futures)
     # torch's pickler is the default one (what _use_rpc_pickler restores).
-    api._default_pickler = api._torch_internal_pickler()
+    _marshal._default_pickler = _marshal._torch_internal_pickler()
     _installed = True
 
 

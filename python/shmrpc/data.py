@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 
-from . import _shmrpc
+from . import _core, _marshal, _shmrpc
 
 __all__ = ["DataLoader", "get_worker_info", "WorkerInfo", "default_collate", "NativeTransform"]
 
@@ -394,17 +394,17 @@ class _LoaderJob:
         self.job = None
         self.pinned = None  # the pool's address, once registered with CUDA
         self.seq = [0] * loader.num_workers
-        self.fetch_head = shmrpc._pack_call(_w_fetch, (), None)[0]  # _w_fetch by name
+        self.fetch_head = _marshal._pack_call(_w_fetch, (), None)[0]  # _w_fetch by name
         n = loader.num_workers
         spec = loader._spec()
         if loader.workers is not None:
-            self.ranks = [shmrpc._rank_of(w) for w in loader.workers]
+            self.ranks = [_core._rank_of(w) for w in loader.workers]
             futs = [shmrpc.rpc_async(r, _w_setup, (self.key, spec, i, n, base_seed))
                     for i, r in enumerate(self.ranks)]
             shmrpc.wait_all(futs)
             self.pids = [None] * n
             return
-        if shmrpc._initialized:
+        if _core._initialized:
             raise NotImplementedError(
                 "shmrpc.data: this process is a worker of an shmrpc job already; forking loader "
                 "workers from it is not supported yet: give the loader ranks of the job to load "
@@ -429,7 +429,7 @@ class _LoaderJob:
             self.pinned = loader._pin and _pin_pool()
         except BaseException:
             self.job.kill()
-            if shmrpc._initialized:  # attached before the failure: leave the job
+            if _core._initialized:  # attached before the failure: leave the job
                 shmrpc.shutdown(graceful=False)
             self.job.close(0)
             self.job = None
@@ -437,7 +437,6 @@ class _LoaderJob:
 
     def fetch(self, worker_id, index):
         """Sends request number seq[worker_id] (index None: a reset); the call."""
-        import shmrpc
         dst = self.ranks[worker_id]
         seq = self.seq[worker_id]
         self.seq[worker_id] += 1
@@ -447,7 +446,7 @@ class _LoaderJob:
             data, rrefs, tensors = (self.fetch_head + pickle.dumps(
                 ((self.key, seq, index), {}), pickle.HIGHEST_PROTOCOL), [], [])
         else:
-            data, rrefs, tensors = shmrpc._pack_call(_w_fetch, (self.key, seq, index), None, dst)
+            data, rrefs, tensors = _marshal._pack_call(_w_fetch, (self.key, seq, index), None, dst)
         try:
             return _shmrpc.call(dst, data, rrefs, tensors, 0, "rpc_async", "shmrpc.data._w_fetch")
         except RuntimeError as e:
@@ -478,7 +477,7 @@ class _LoaderJob:
     def close(self):
         import shmrpc
         if self.job is None:
-            if shmrpc._initialized:
+            if _core._initialized:
                 for r in self.ranks:
                     try:
                         shmrpc.rpc_sync(r, _w_forget, (self.key,))
@@ -497,7 +496,7 @@ class _LoaderJob:
             shmrpc.shutdown(graceful=True, timeout=30)
         except Exception:
             job.kill()
-            if shmrpc._initialized:
+            if _core._initialized:
                 shmrpc.shutdown(graceful=False)
         finally:
             job.close(5000)
@@ -659,7 +658,6 @@ class _Iter(_BaseIter):
         self.send_idx += 1
 
     def _wait(self, w, call):
-        import shmrpc
         timeout = self.loader.timeout
         try:
             msg = call.wait(int(timeout * 1000) if timeout > 0 else -1)
@@ -667,7 +665,7 @@ class _Iter(_BaseIter):
             raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
         except RuntimeError as e:
             raise RuntimeError(self.workers.death_text(w) or str(e)) from None
-        return shmrpc._result(msg)
+        return _marshal._result(msg)
 
     def __next__(self):
         try:

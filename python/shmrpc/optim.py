@@ -21,7 +21,8 @@ when the DistributedOptimizer does.
 """
 import threading
 
-from . import autograd, rpc_async
+from . import autograd
+from ._calls import RRef, rpc_async
 
 __all__ = ["DistributedOptimizer"]
 
@@ -44,7 +45,6 @@ class _LocalOptimizer:
 def _new_local_optimizer(optimizer_class, param_rrefs, args, kwargs):
     """On the owner: the local optimizer, made here, in an RRef of its own
     (torch's); its construction's error raised to the caller."""
-    from . import RRef
     return RRef(_LocalOptimizer(optimizer_class, param_rrefs, args, kwargs))
 
 

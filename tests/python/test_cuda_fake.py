@@ -205,7 +205,7 @@ def test_start():
     path = fake_cuda_path()
     os.environ["SHMRPC_LIBCUDA"] = path  # before init_rpc loads the driver
     load_driver(path)
-    rpc._torch_cuda = False  # fake "device" memory is host memory: never torch's CUDA
+    rpc._marshal._torch_cuda = False  # fake "device" memory is host memory: never torch's CUDA
     rpc.init_rpc(f"worker{os.environ['SHMRPC_RANK']}")
 
 

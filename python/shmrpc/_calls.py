@@ -1,0 +1,327 @@
+"""The calls a worker makes: rpc_sync, rpc_async, remote, and the RRef
+(its value, proxies, type, backward). Above the pickler, the futures and
+distributed autograd; the server is above it.
+"""
+import re
+import sys
+import threading
+
+from . import _contexts, _core, _marshal, _shmrpc, autograd, profiler
+from ._core import (UNSET_RPC_TIMEOUT, WorkerInfo, _c_wait, _not_initialized, _not_supported,
+                    _rank_of, _timeout_ms, get_worker_info)
+from ._futures import Future, _note_future
+from ._marshal import _LIVE, _dumps, _func_name, _immutable, _pack_call, _result
+
+def _send_call(dst, func, args, kwargs, timeout, kind):
+    """The C call in flight: a PYTHON_CALL, or inside a distributed autograd
+    context a FORWARD_AUTOGRAD_REQ wrapping it (as torch, for every Python
+    call made in a context); profiled for torch's profiler when it runs in
+    this thread (shmrpc.profiler)."""
+    if not _core._initialized:
+        raise _not_initialized()
+    cid = _contexts._calling(dst)
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    torch_profile = profiler.torch_profiling()
+    try:
+        if cid is None:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), torch_profile=torch_profile)
+        else:
+            call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
+                                _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
+                                _contexts._message_id(), torch_profile=torch_profile)
+    except RuntimeError as e:
+        raise _NotSent(str(e)) from None
+    if torch_profile:
+        profiler.torch_called(call)
+    return call
+
+
+class _NotSent(RuntimeError):
+    """A call the C half could not send (its worker has left the job or
+    died, the message cannot be made): rpc_async gives it through its
+    Future, as torch's agent does; the arguments' own errors are raised."""
+
+
+def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    try:
+        fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+    except _NotSent as e:
+        fut = Future()
+        fut.set_exception(e)
+        return fut
+    _contexts._called(fut)
+    _note_future(fut)
+    return fut
+
+
+def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_sync")
+    return _result(_c_wait(call.wait))
+
+
+class RRef:
+    """A reference to a value on its owner (from remote(), or RRef(value)
+    made on the owner itself). As torch's: the value is the owner's live
+    object, kept under the RRef's id until the RRef is deleted everywhere
+    (docs/RREF.md, "Python values"); local_value() and proxies act on it,
+    and to_here() on a user pickles it as it is then."""
+
+    def __class_getitem__(cls, item):
+        """RRef[T] in annotations, as torch's RRef is generic. Where torch
+        is loaded, torch's own RRef[T], which TorchScript understands in a
+        scripted function's signature (shmrpc runs no TorchScript: such a
+        function cannot take a shmrpc RRef, but its module imports)."""
+        torch_api = _core._torch_api()
+        torch_rref = getattr(torch_api, "RRef", None)
+        return torch_rref[item] if torch_rref is not None else cls
+
+    def __init__(self, value=None, type_hint=None, _c=None):
+        if _c is None:
+            # A local owner RRef, ready at once, holding value as a remote
+            # call's result is held (_reply): the object itself, kept here
+            # under the RRef's id, or a value no code can change, pickled.
+            if not _core._initialized:
+                raise _not_initialized()
+            pickled, _, out_of_line = _dumps(value) if _immutable(value) else (None, 0, 0)
+            if pickled is not None and not out_of_line:
+                _c = _shmrpc.rref_local(pickled, False)
+            else:
+                # No one else knows the id before this returns.
+                _c = _shmrpc.rref_local(_LIVE, True)
+                _owned[_c.id()] = value
+        self._r = _c
+
+    def to_here(self, timeout=UNSET_RPC_TIMEOUT):
+        """The value: on the owner the object itself (as torch's), on a
+        user a copy made by the owner now (PYTHON_RREF_FETCH_CALL), once
+        the remote call has stored it."""
+        if not _core._initialized:
+            raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call to_here() "
+                               "on it after deletion.")
+        if self._r.is_owner():
+            return self._owned(timeout)
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))
+        if msg[0] == _LIVE:
+            msg = _c_wait(self._fetch(timeout).wait)
+        return _result(msg)
+
+    def local_value(self):
+        """The value, on the owner: the same object every time."""
+        if not self._r.is_owner():
+            # The RRef as torch's C++ prints it in this error.
+            ref = re.sub(r"UserRRef\(RRefId = (.*), ForkId = (.*)\)$",
+                         r"UserRRef(rref_id=\1, fork_id=\2)", str(self))
+            raise RuntimeError(f"For {ref}, can't call localValue() on user "
+                               f"{get_worker_info()!r}. Call it on owner {self.owner()!r}")
+        return self._owned(UNSET_RPC_TIMEOUT)
+
+    def _owned(self, timeout):
+        """On the owner: the live value, once stored (the remote call's
+        error raised, as to_here's)."""
+        value = _owned.get(self._r.id(), _owned)
+        if value is not _owned:
+            return value
+        msg = _c_wait(self._r.to_here, _timeout_ms(timeout))  # waits; the error raised
+        if msg[0] == _LIVE:
+            return _owned[self._r.id()]
+        return _result(msg)  # a value that cannot change (a copy), or a C function's
+
+    def _fetch(self, timeout):
+        """The owner's pickle of the value now: PYTHON_RREF_FETCH_CALL,
+        inside the caller's autograd context if any (as torch's to_here,
+        which records the tensors that require grad it receives)."""
+        owner = self._r.owner()
+        cid = _contexts._calling(owner)
+        return _shmrpc.call(owner, b"", [self._r], [], _timeout_ms(timeout), "rpc_sync",
+                            "to_here", _shmrpc.PYTHON_RREF_FETCH_CALL,
+                            -1 if cid is None else cid)
+
+    def _get_type(self, timeout=UNSET_RPC_TIMEOUT, blocking=True):
+        """The type of the value, asked of the owner once (one
+        _rref_typeof_on_owner call, its Future kept), or with blocking=False
+        that Future itself, as torch's."""
+        fut = getattr(self, "_type_future", None)
+        if fut is None:
+            if self._r.is_owner():
+                fut = Future()
+                fut.set_result(type(self.local_value()))
+            else:
+                fut = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
+                                timeout=timeout)
+            self._type_future = fut
+        return fut.wait() if blocking else fut
+
+    def _get_future(self):
+        """A Future completed (with None) once the owner has stored the
+        value, or with the remote call's error, as torch's."""
+        fut = Future()
+        if self._r.is_owner() and self._r.confirmed_by_owner():
+            fut.set_result(None)
+            return fut
+
+        def wait():  # this RRef itself: on its creator it knows remote()'s request
+            try:
+                _rref_created(self)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+        threading.Thread(target=wait, name="shmrpc-rref-future", daemon=True).start()
+        return fut
+
+    def _get_profiling_future(self):
+        """torch's: completes once the remote() that made this RRef, and so
+        its profiled events, have completed."""
+        return self._get_future()
+
+    def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
+        """Backward from the value (a scalar tensor) on the owner: in the
+        given distributed autograd context, or with -1 (on the owner only)
+        torch.autograd's local backward, as torch's."""
+        return autograd._rref_backward(self, dist_autograd_ctx_id, retain_graph)
+
+    def owner(self):
+        return WorkerInfo._of(self._r.owner_name(), self._r.owner())
+
+    def owner_name(self):
+        return self._r.owner_name()
+
+    def is_owner(self):
+        return self._r.is_owner()
+
+    def confirmed_by_owner(self):
+        return self._r.confirmed_by_owner()
+
+    def rpc_sync(self, timeout=UNSET_RPC_TIMEOUT):
+        """rref.rpc_sync().method(*args): the method runs on the owner."""
+        return _Proxy(self, rpc_sync, timeout)
+
+    def rpc_async(self, timeout=UNSET_RPC_TIMEOUT):
+        return _Proxy(self, rpc_async, timeout)
+
+    def remote(self, timeout=UNSET_RPC_TIMEOUT):
+        return _Proxy(self, remote, timeout)
+
+    def _serialize(self):
+        """The hook of torch's own RPC pickler (torch.distributed.rpc.internal),
+        which finds shmrpc's RRef as torch.distributed.rpc.PyRRef: shmrpc's
+        RRefs travel in its calls' arguments only."""
+        if not _core._initialized:
+            raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call fork an "
+                               "UserRRef after deletion.")
+        raise _not_supported("pickling an RRef with torch's RPC pickler (pass it in a call's "
+                             "arguments or result instead)")
+
+    def __reduce__(self):
+        # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
+                           "when using RPC (as an argument or a result of rpc_sync, rpc_async "
+                           "or remote)")
+
+    def __str__(self):
+        return str(self._r)
+
+    __repr__ = __str__
+
+
+# RRef id -> the live value of an RRef this worker owns, until the RRef
+# goes everywhere (the C half's live-release hook calls _release_owned).
+_owned = {}
+
+
+def _release_owned(rref_id):
+    """The RRef rref_id went (deleted everywhere, or this worker stops): its
+    value is dropped here, on its owner (its __del__ runs here, now)."""
+    _owned.pop(rref_id, None)
+
+
+def _rref_typeof_on_owner(rref):
+    return type(rref.local_value())
+
+
+def _rref_created(rref):
+    """On an RRef's holder: returns once its value is stored (raises its error)."""
+    msg = _c_wait(rref._r.to_here, _timeout_ms(UNSET_RPC_TIMEOUT))
+    if msg[0] != _LIVE:
+        _result(msg)
+
+
+def _call_method(name, rref, *args, **kwargs):
+    """On the owner: rref's value's method name (the proxies' function; _call
+    runs it as the method itself, honouring async_execution)."""
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def _check_method(value_type, name):
+    """As torch's proxies: the method is looked up on the value's type
+    first, so a missing one raises AttributeError on the caller (a
+    ScriptModule's methods are not its type's)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not issubclass(value_type, (torch.jit.ScriptModule,
+                                                    torch._C.ScriptModule)):
+        getattr(value_type, name)
+
+
+class _Proxy:
+    def __init__(self, rref, how, timeout):
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, name):
+        def send(args, kwargs):
+            return self._how(self._rref.owner(), _call_method, args=(name, self._rref) + args,
+                             kwargs=kwargs, timeout=self._timeout)
+
+        def call(*args, **kwargs):
+            if self._how is not rpc_async:
+                _check_method(self._rref._get_type(self._timeout), name)
+                return send(args, kwargs)
+            # rpc_async does not wait for the type: the check and the call
+            # follow it, their error or result in the Future returned.
+            result = Future()
+
+            def typed(type_fut):
+                try:
+                    _check_method(type_fut.wait(), name)
+                    fut = send(args, kwargs)
+                except BaseException as e:  # noqa: BLE001 (the caller's, in result)
+                    result.set_exception(e)
+                    return
+                fut.add_done_callback(lambda f: _settle(result, f))
+            self._rref._get_type(self._timeout, blocking=False).add_done_callback(typed)
+            return result
+        return call
+
+
+def _settle(fut, done):
+    """fut completes as done did."""
+    try:
+        value = done.wait()
+    except BaseException as e:  # noqa: BLE001 (done's error, passed on)
+        fut.set_exception(e)
+    else:
+        fut.set_result(value)
+
+
+def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    """A PYTHON_REMOTE_CALL, or inside a distributed autograd context a
+    FORWARD_AUTOGRAD_REQ wrapping it (as _send_call's)."""
+    if not _core._initialized:
+        raise _not_initialized()
+    dst = _rank_of(to)
+    cid = _contexts._calling(dst)
+    data, rrefs, tensors = _pack_call(func, args, kwargs)
+    torch_profile = profiler.torch_profiling()
+    if cid is None:
+        r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
+                           torch_profile=torch_profile)
+    else:
+        r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
+                           _shmrpc.FORWARD_AUTOGRAD_REQ, cid, _contexts._message_id(),
+                           torch_profile=torch_profile)
+    if torch_profile:
+        profiler.torch_called(r)
+    return RRef(_c=r)
+
+
+_marshal.set_rref_type(RRef)

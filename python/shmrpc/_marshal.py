@@ -1,0 +1,452 @@
+"""How values travel: the pickler of calls and results (torch's default
+RPC pickler's rules: functions by reference), tensors handed over beside
+the pickle through the pool or as CUDA IPC handles, RRefs by their C
+handles, a call's payload and a result's RemoteException. Below the
+calls and the server; it knows the RRef class through set_rref_type
+(shmrpc._calls sets it when imported).
+"""
+import contextlib
+import io
+import pickle
+import sys
+import types
+import weakref
+
+from . import _contexts, _shmrpc
+from ._core import RemoteException, _not_supported
+
+# The RRef class (shmrpc._calls'): RRefs are pickled by their C handle and
+# made again from it. () until set: nothing is an instance of it.
+_rref_type = ()
+
+
+def set_rref_type(cls):
+    global _rref_type
+    _rref_type = cls
+
+
+def _rref_of(handle):
+    """An RRef of a C handle (as the unpickler makes one)."""
+    return _rref_type(_c=handle)
+
+
+_POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", "uint8",
+                                               "float16", "float32", "float64")}
+
+
+_KDLCUDA = 2  # DLPack's device type of CUDA memory
+
+# How the objects of a type are sent, asked once per type (_type_kind).
+_NOT_ARRAY, _NUMPY, _TORCH, _DLPACK = range(4)
+
+
+_TYPE_KINDS = {}
+# Per torch dtype: whether a CPU tensor of it goes through the pool.
+_TORCH_DTYPE_OK = {}
+
+
+def _type_kind(t):
+    """numpy and torch are recognised by their type's module and name
+    (importing neither); another type by whether it speaks DLPack (CuPy's
+    arrays...)."""
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        return _NUMPY
+    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+        return _TORCH
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _DLPACK
+    return _NOT_ARRAY
+
+
+def _tensor_kind(obj):
+    """'np', 'torch' or 'cuda' for an array the pickler hands over, else
+    None. On the pickler's path for every object that is not of a plain
+    type: one dictionary lookup for most."""
+    t = type(obj)
+    how = _TYPE_KINDS.get(t)
+    if how is None:
+        how = _TYPE_KINDS[t] = _type_kind(t)
+    if how == _NOT_ARRAY:
+        return None
+    # Only number types go through the pool (DLPack has no bool in numpy
+    # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
+    # pool's DLPack import takes them for strided), are pickled.
+    if how == _NUMPY:
+        return "np" if obj.dtype.kind in "iuf" and obj.size else None
+    if how == _TORCH:
+        if obj.is_cpu:
+            ok = _TORCH_DTYPE_OK.get(obj.dtype)
+            if ok is None:
+                ok = _TORCH_DTYPE_OK[obj.dtype] = str(obj.dtype) in _POOL_TORCH_DTYPES
+            return "torch" if ok and obj.numel() else None
+        if obj.is_cuda:
+            # Any dtype torch's DLPack takes: never copied to the host.
+            return "cuda" if obj.numel() else None
+        raise _not_supported(f"sending a torch tensor on device {obj.device.type} "
+                             "(CPU and CUDA tensors are)")
+    return "cuda" if obj.__dlpack_device__()[0] == _KDLCUDA else None
+
+
+def _to_pool(kind, obj):
+    """obj's bytes as a tensor handle: a pool block (without a copy when obj
+    already views a whole pool block, as what came from shmrpc does, else
+    copied once; a small one copied into this process's memory instead, to
+    travel inline), or CUDA device memory as it is (CUDA IPC, no copy)."""
+    if kind == "np":
+        import numpy as np
+        return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
+    if kind == "torch":
+        return _shmrpc.from_dlpack(obj.detach().contiguous())
+    if type(obj) is _shmrpc.Tensor:
+        return obj  # received: passed on as it is (the producer's memory)
+    if type(obj).__module__.startswith("torch"):
+        import torch
+        received = _received_cuda.get(obj.data_ptr())
+        if received is not None and _whole(obj, received[0]()):
+            # Passed on: another worker's memory, which only its handle can
+            # describe (a mapping has no IPC handle of its own).
+            t = received[1]
+        else:
+            obj = obj.detach().contiguous()
+            if _received_cuda and _in_received(obj):
+                raise _not_supported("sending a part, or another dtype's view, of a CUDA "
+                                     "tensor received from another worker (send it whole, "
+                                     "or a .clone())")
+            t = _shmrpc.from_dlpack(obj)
+        # Its receivers wait for the work queued so far on torch's current
+        # stream of the device: the kernels that wrote it.
+        t.set_cuda_stream(torch.cuda.current_stream(obj.device).cuda_stream)
+        return t
+    # Another producer (CuPy...): stream 1 asks it to order its writes
+    # before the legacy default stream, where the send records its event.
+    return _shmrpc.from_dlpack(obj.__dlpack__(stream=1))
+
+
+# The torch CUDA tensors received, by device address: (a weak reference to
+# the tensor, its handle), for the handle to be sent again when the tensor
+# is passed on. Dropped with the tensor.
+_received_cuda = {}
+
+
+def _whole(obj, received):
+    """True when torch tensor obj is all of received's bytes, as received's dtype."""
+    return (received is not None and obj.dtype == received.dtype
+            and obj.numel() == received.numel() and obj.is_contiguous())
+
+
+def _in_received(obj):
+    """True when torch tensor obj's bytes are in a CUDA tensor received."""
+    p = obj.data_ptr()
+    for ref, _ in list(_received_cuda.values()):
+        r = ref()
+        if r is not None and r.data_ptr() <= p < r.data_ptr() + r.numel() * r.element_size():
+            return True
+    return False
+
+
+def _remember_received(tensor, handle):
+    ptr = tensor.data_ptr()
+
+    def forget(ref):
+        if _received_cuda.get(ptr, (None,))[0] is ref:  # not a later tensor at ptr
+            del _received_cuda[ptr]
+    _received_cuda[ptr] = (weakref.ref(tensor, forget), handle)
+    return tensor
+
+
+_torch_cuda = None  # torch, once known to have CUDA; False where it has not
+
+
+def _receiving_torch():
+    """torch when the process can take CUDA tensors as torch tensors."""
+    global _torch_cuda
+    if _torch_cuda is None:
+        try:
+            import torch
+            _torch_cuda = torch if torch.cuda.is_available() else False
+        except ImportError:
+            _torch_cuda = False
+    return _torch_cuda
+
+
+def _from_pool(kind, t):
+    if kind == "np":
+        import numpy as np
+        return np.asarray(t)  # writable (numpy.from_dlpack's arrays are not)
+    if kind == "cuda":
+        # Without torch's CUDA the handle itself: it speaks DLPack, for
+        # cupy.from_dlpack or a later torch. Never copied to the host.
+        torch = _receiving_torch()
+        return torch.from_dlpack(t) if torch else t
+    import torch
+    return torch.from_dlpack(t)  # holds t's reference through the capsule
+
+
+# Objects of these exact types are never RRefs or tensors.
+_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), tuple, list, dict))
+
+
+class _Pickler(pickle.Pickler):
+    """torch's default RPC pickler: functions by reference. RRefs and
+    tensors go beside the pickle (which names them by index): the agent
+    forks an RRef (the receiver gets a reference of its own) and hands a
+    tensor over through the pool (the receiver sees the same bytes), or a
+    small one not in the pool inside the message (a copy of its own). A
+    tensor that requires grad travels detached, with its autograd metadata
+    (shmrpc.autograd)."""
+
+    def __init__(self, buf):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.rrefs = []
+        self.tensors = []
+        self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
+
+    def persistent_id(self, obj):
+        if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
+            return None
+        if isinstance(obj, _rref_type):
+            self.rrefs.append(obj._r)
+            return ("rref", len(self.rrefs) - 1)
+        kind = _tensor_kind(obj)
+        if kind:
+            # Any DLPack producer may be sent: it may have no .shape.
+            shape = getattr(obj, "shape", None)
+            shape = None if shape is None else tuple(shape)
+            data = obj
+            if kind == "torch" and not obj.is_contiguous():
+                # As torch's: a view's whole storage and its strides (a
+                # .contiguous() or .clone() sends only its elements).
+                shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
+                data = obj.detach().new_empty(0).set_(obj.storage())
+            self.tensors.append(_to_pool(kind, data))
+            if kind != "np" and getattr(obj, "requires_grad", False):
+                if self.grad_tensors is None:
+                    self.grad_tensors = _contexts._Outgoing()
+                return (kind, len(self.tensors) - 1, shape, self.grad_tensors.add(obj))
+            return (kind, len(self.tensors) - 1, shape)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, buf, rrefs, tensors, grad_mode):
+        super().__init__(buf)
+        self.rrefs = rrefs
+        self.tensors = tensors
+        self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (_contexts._Incoming)
+        self.grad_tensors = None  # an _contexts._Incoming, at the first tensor that required grad
+
+    def persistent_load(self, pid):
+        if pid[0] == "rref":
+            return _rref_of(self.rrefs[pid[1]])
+        handle = self.tensors[pid[1]]
+        t = _from_pool(pid[0], handle)
+        if type(t) is _shmrpc.Tensor:  # a handle keeps its shape
+            if len(pid) > 3:
+                raise _not_supported("receiving a CUDA tensor that requires grad where torch "
+                                     "has no CUDA")
+            return t
+        if isinstance(pid[2], dict):  # a view, sent with its storage (_Pickler)
+            t = t.as_strided(pid[2]["size"], pid[2]["stride"], pid[2]["offset"])
+        elif pid[2] is not None:
+            t = t.reshape(pid[2])
+        if len(pid) > 3:
+            if self.grad_tensors is None:
+                self.grad_tensors = _contexts._Incoming(self.grad_mode)
+            t = self.grad_tensors.add(t, pid[3])
+        if pid[0] == "cuda":
+            _remember_received(t, handle)  # the tensor as the program gets it
+        return t
+
+
+# A pickle larger than this travels in the pool (copied in once and out
+# once) rather than in the frame, whose payload is bounded by the ring.
+_INLINE_MAX = 16 * 1024
+
+
+_OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
+
+
+def _dumps(obj):
+    """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
+    if obj is None:  # most results: no pickle to make, nor to read
+        return b"", [], []
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(obj)
+    if p.grad_tensors is not None:
+        p.grad_tensors.sent()
+    data = buf.getvalue()
+    if len(data) > _INLINE_MAX:
+        p.tensors.append(_shmrpc.from_bytes(data))
+        data = _OUT_OF_LINE
+    return data, p.rrefs, p.tensors
+
+
+def _loads(msg, grad_mode="result"):
+    data, rrefs, tensors = msg
+    if not data:
+        return None
+    if not rrefs and not tensors:  # nothing beside the pickle: C's unpickler alone
+        return pickle.loads(data)
+    if data == _OUT_OF_LINE:
+        data = tensors[-1].tobytes()
+    u = _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode)
+    value = u.load()
+    if u.grad_tensors is not None:
+        u.grad_tensors.received()
+    return value
+
+
+def empty(shape, dtype="float32", like="numpy"):
+    """An uninitialised array in the job's tensor pool: sending it hands the
+    same bytes to the callee (what it writes, the caller sees). like:
+    "numpy" or "torch"."""
+    import numpy as np
+    dt = np.dtype(dtype)
+    codes = {"i": 0, "u": 1, "f": 2, "b": 1}
+    if dt.kind not in codes:
+        raise TypeError(f"shmrpc.empty: dtype {dt} is not a number type")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    t = _shmrpc.empty(shape, codes[dt.kind], dt.itemsize * 8)
+    return _from_pool("np" if like == "numpy" else "torch", t)
+
+
+# What an RRef stores for a value its owner keeps live (worker/python.h):
+# a user's to_here() that reads it asks the owner for the value.
+_LIVE = b"\x02"
+
+
+_IMMUTABLE_TYPES = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def _immutable(value):
+    """Whether no code can change value: None, numbers, strings, bytes, and
+    tuples and frozensets of them (exact types: a subclass may add state)."""
+    t = type(value)
+    if t in _IMMUTABLE_TYPES:
+        return True
+    return (t is tuple or t is frozenset) and all(_immutable(v) for v in value)
+
+
+def _result(msg, grad_mode="result"):
+    """Unpickles a result; a RemoteException is raised as its own type."""
+    value = _loads(msg, grad_mode)
+    if isinstance(value, RemoteException):
+        exc_type = value.exception_type
+        # As torch's: the escapes of repr(e) in the text (newlines...) undone.
+        text = value.msg.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        try:
+            exc = exc_type(text)
+        except Exception:
+            exc = RuntimeError(text)
+        raise exc
+    return value
+
+
+# A call's payload is the pickle of (func, args, kwargs), or, for a plain
+# function that pickle would send by reference anyway, that reference
+# written out: _BY_NAME, module, NUL, qualified name, NUL, then the pickle
+# of (args, kwargs), or nothing when there are none (docs/PROTOCOL.md).
+# Neither side then pickles the function, and an empty call pickles
+# nothing. A reference resolves as pickle's load resolves it (_resolve).
+_BY_NAME = b"\x01"
+
+
+_finder = pickle.Unpickler(io.BytesIO(pickle.dumps(None, protocol=5)))
+_finder.load()  # now at protocol 5: its find_class takes dotted names
+
+
+def _resolve(module, name):
+    """What pickle's load finds for (module, name): a loaded module's
+    attribute, looked up here (pickle's find_class costs 0.5 µs: an
+    import and an audit event each time); anything else by find_class
+    itself, which imports the module and words the errors."""
+    obj = sys.modules.get(module)
+    if obj is not None:
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError:
+            pass
+    return _finder.find_class(module, name)
+
+
+def _by_name(func):
+    """func's reference (module, qualified name) if pickle would send it
+    by that name and the name finds func itself, else None."""
+    if type(func) is not types.FunctionType:
+        return None
+    module, name = func.__module__, func.__qualname__
+    try:
+        if _resolve(module, name) is func:
+            return module, name
+    except Exception:
+        pass
+    return None
+
+
+def _pack_call(func, args, kwargs, dst=None):
+    """The call's payload (above). dst is not used: the autograd context
+    travels in the message (_send_call); shmrpc.data passes it."""
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    _check_pickler()
+    ref = _by_name(func)
+    if ref is None:
+        return _dumps((func, tuple(args or ()), dict(kwargs or {})))
+    head = b"".join((_BY_NAME, ref[0].encode(), b"\0", ref[1].encode(), b"\0"))
+    if not args and not kwargs:
+        return head, [], []
+    data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
+    return head + data, rrefs, tensors
+
+
+def _unpack_call(payload, rrefs, tensors):
+    """(func, args, kwargs) from a call's payload."""
+    if payload[:1] != _BY_NAME:
+        return _loads((payload, rrefs, tensors), "call")
+    module, name, rest = payload[1:].split(b"\0", 2)
+    func = _resolve(module.decode(), name.decode())
+    if not rest:
+        return func, (), {}
+    args, kwargs = _loads((rest, rrefs, tensors), "call")
+    return func, args, kwargs
+
+
+def _func_name(func):
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _torch_internal_pickler():
+    internal = sys.modules.get("torch.distributed.rpc.internal")
+    return getattr(internal, "_internal_rpc_pickler", None)
+
+
+# torch's default: its internal RPC pickler, once torch is loaded
+# (install_as_torch sets it). shmrpc pickles calls its own way (shared
+# tensors, RRefs by id): a call made while another pickler is in effect
+# is refused (_check_pickler).
+_default_pickler = _torch_internal_pickler()
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler):
+    """torch's: rpc_pickler is the default pickler inside the block."""
+    global _default_pickler
+    before, _default_pickler = _default_pickler, rpc_pickler
+    try:
+        yield
+    finally:
+        _default_pickler = before
+
+
+def _check_pickler():
+    """Raises unless calls may be pickled shmrpc's way (no pickler of the
+    program's own in effect)."""
+    if _default_pickler is not None and _default_pickler is not _torch_internal_pickler():
+        raise _not_supported(f"an RPC pickler of the program's own "
+                             f"({type(_default_pickler).__name__}, set by _use_rpc_pickler)")
+
+
+# ---- _all_gather, _barrier, _wait_all_workers ----

@@ -1,0 +1,140 @@
+"""The requests a worker serves from Python: the handler the C half runs
+on an executor thread (set by init_rpc), a call's function run in its
+caller's autograd context and under its profilers, a remote call's result
+kept live, an RRef fetch answered. Above the calls; below api.
+"""
+import sys
+import threading
+import traceback
+
+from . import _contexts, _shmrpc, autograd, profiler, server_profiler
+from ._calls import RRef, _call_method, _owned
+from ._core import RemoteException, WorkerInfo
+from ._futures import Future
+from ._marshal import _LIVE, _dumps, _immutable, _unpack_call
+
+_UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
+             "defined on both caller and callee modules.")
+
+
+def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
+                  ops, rref_id, profile):
+    """Serves a request of this package on an executor thread (the C half
+    gives its type and autograd metadata, worker/python.h). A pickled
+    (func, args, kwargs) runs inside the autograd context its
+    FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
+    stores a remote call's result in its RRef), its result pickled inside
+    it too, and for a call profiled for torch's profiler (ops, a list, not
+    None; profile, what its caller's profiler asks) under that profiler
+    (profiler.torch_ops); a remote call's result
+    (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
+    PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
+    other requests go to shmrpc.autograd.
+    Returns the pickled result or RemoteException, and for a
+    FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
+    try:
+        if msg_type == _shmrpc.PYTHON_RREF_FETCH_CALL:
+            return _serve_fetch(RRef(_c=rrefs[0]), caller, context_id)
+        if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
+                            _shmrpc.FORWARD_AUTOGRAD_REQ):
+            return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
+                                          (payload, rrefs, tensors)))
+        try:
+            func, args, kwargs = _unpack_call(payload, rrefs, tensors)
+        except (AttributeError, ModuleNotFoundError, ImportError) as e:
+            raise RuntimeError(f"{e}. {_UDF_HINT}") from None
+        if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
+            context_id = None
+        reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
+        if msg_type == _shmrpc.FORWARD_AUTOGRAD_REQ:
+            return reply + (_contexts._message_id(), reply[0] == _LIVE)
+        return reply + (0, True) if reply[0] == _LIVE else reply
+    except BaseException as e:  # every error travels back
+        # From the agent: a call can come before init_rpc has returned here.
+        me = WorkerInfo._of(*_shmrpc.worker_info(None))
+        text = (f"On {me!r}:\n{e!r}\n"
+                + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
+        try:
+            return _dumps(RemoteException(text, type(e)))
+        except Exception:  # noqa: BLE001  a type pickle cannot name (a function's own class)
+            return _dumps(RemoteException(text, RuntimeError))  # its words still go
+
+
+# async_execution functions whose Future this worker is waiting for
+# (torch's agent.server_active_async_calls), under _async_lock.
+_async_serving = 0
+
+
+_async_lock = threading.Lock()
+
+
+def _serve_call(func, args, kwargs, caller, context_id, ops, rref_id=0, profile=0):
+    """The pickled result of a call served here: run inside the caller's
+    autograd context, under torch's profiler when ops is a list. A remote
+    call's (rref_id) is kept live instead, under its RRef's id."""
+    if context_id is None and ops is None and _contexts._current() is None and \
+            not server_profiler._active:
+        # Most calls: no context to enter or leave, no profiler; the
+        # context managers would cost more than the rest of the handler.
+        return _reply(_call(func, args, kwargs), rref_id)
+    with _contexts._running_in(context_id, caller):
+        with profiler.torch_ops(ops, profile), server_profiler.recorded():
+            result = _call(func, args, kwargs)
+        return _reply(result, rref_id)
+
+
+def _reply(result, rref_id):
+    """What the C half sends or stores for a result: its pickle, also for a
+    remote call's value that no code can change (everyone reads it from the
+    RRef table, and it cannot go stale); any other remote call's value is
+    kept here, live, and the RRef stores the live mark."""
+    if not rref_id or _immutable(result):
+        return _dumps(result)
+    _owned[rref_id] = result
+    return _LIVE, [], []
+
+
+def _serve_fetch(rref, caller, context_id):
+    """PYTHON_RREF_FETCH_CALL: the pickle of our RRef's live value as it is
+    now, inside the caller's autograd context (-1: none), so that tensors
+    that require grad in it are recorded as sends, as torch's fetch does."""
+    if not rref.is_owner():
+        raise RuntimeError(f"a fetch came in for {rref}, which this worker does not own")
+    value = rref.local_value()
+    if context_id < 0:
+        return _dumps(value)
+    with _contexts._running_in(context_id, caller):
+        return _dumps(value)
+
+
+def _is_async_execution(func):
+    """Decorated with shmrpc's or torch's functions.async_execution."""
+    return (getattr(func, "_shmrpc_async_execution", False)
+            or hasattr(func, "_wrapped_async_rpc_function"))
+
+
+def _call(func, args, kwargs):
+    """func's result; an async_execution function's Future waited for. A
+    proxy's call runs the live value's method itself (torch's proxies honour
+    an async_execution method too)."""
+    global _async_serving
+    if func is _call_method:
+        func, args = getattr(args[1].local_value(), args[0]), args[2:]
+    result = func(*args, **(kwargs or {}))
+    if not _is_async_execution(func):
+        return result
+    torch_future = sys.modules.get("torch.futures")
+    if not isinstance(result, Future) and not (torch_future is not None
+                                               and isinstance(result, torch_future.Future)):
+        raise RuntimeError(
+            "Functions decorated with @rpc.async_function must return a "
+            "torch.futures.Future object, but got "
+            f"{type(result).__module__}.{type(result).__qualname__}")
+    with _async_lock:
+        _async_serving += 1
+    try:
+        return result.wait()
+    finally:
+        with _async_lock:
+            _async_serving -= 1
