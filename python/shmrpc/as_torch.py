@@ -30,6 +30,9 @@ import os
 import runpy
 import sys
 
+from . import (_core, _futures, _marshal, api, autograd, backend_registry, constants, optim,
+               options, profiler)
+
 _installed = False
 
 
@@ -40,13 +43,11 @@ def patch_futures(torch_futures):
     after it (torch_hooks)."""
     if getattr(torch_futures.wait_all, "_shmrpc", False):
         return
-    from ._futures import _adopt_torch_futures
-    _adopt_torch_futures(torch_futures)
+    _futures._adopt_torch_futures(torch_futures)
     torch_futures.wait_all, torch_futures.collect_all = _futures_patched(torch_futures)
 
 
 def _patch_profiler(legacy):
-    from . import profiler
     profiler.watch_torch_profiles(legacy)
 
 
@@ -88,20 +89,18 @@ def torch_hooks():
 
 def _futures_patched(torch_futures):
     """torch.futures' wait_all and collect_all, taking shmrpc's Futures too."""
-    import shmrpc
-
     torch_wait_all, torch_collect_all = torch_futures.wait_all, torch_futures.collect_all
 
     def ours(futures):
-        return any(isinstance(f, shmrpc.Future) for f in futures)
+        return any(isinstance(f, _futures.Future) for f in futures)
 
     def wait_all(futures):
         futures = list(futures)
-        return shmrpc.wait_all(futures) if ours(futures) else torch_wait_all(futures)
+        return _futures.wait_all(futures) if ours(futures) else torch_wait_all(futures)
 
     def collect_all(futures):
         futures = list(futures)
-        return shmrpc.collect_all(futures) if ours(futures) else torch_collect_all(futures)
+        return _futures.collect_all(futures) if ours(futures) else torch_collect_all(futures)
 
     wait_all.__doc__ = torch_wait_all.__doc__
     collect_all.__doc__ = torch_collect_all.__doc__
@@ -122,9 +121,7 @@ def install():
     except ImportError as e:
         raise ImportError(f"shmrpc.install_as_torch needs torch ({e}): install python3-torch") \
             from None
-    import shmrpc
-    from shmrpc import (_core, _marshal, api, autograd, backend_registry, constants, optim,
-                        options)
+    shmrpc = sys.modules[__package__]  # the package, imported before this module
 
     replaced = {
         "torch.distributed.rpc": shmrpc,
