@@ -14,7 +14,15 @@ written into the batch) and its hand-over. Prints per size
         memset_GBps= memcpy_GBps= vs_torch= vs_memset=
 
 vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
-shmrpc's GB/s over the one-write limit's (1 is the limit). -q: fewer batches;
+shmrpc's GB/s over the one-write limit's (1 is the limit). Then what a
+short epoch feels (issue 23): workers not persistent, 4 KiB samples, the
+median of SHORT_RUNS fresh epochs of SHORT_BATCHES batches each
+
+  BENCH dataloader_first_batch ms= torch_ms= vs_torch=
+  BENCH dataloader_short_epoch batches=16 ms= torch_ms= vs_torch=
+
+(vs_torch: torch's time over shmrpc's, higher is better; the first batch
+counts from iter(loader), the workers' start included). -q: fewer batches;
 --size=4KiB (or 1MiB, 16MiB; repeatable): only those sizes.
 """
 import ctypes
@@ -73,6 +81,28 @@ def run(module, nbytes, batches, **extra):
     return n * BATCH / dt, n * BATCH * nbytes / dt, cpu / max(n, 1)
 
 
+SHORT_BATCHES = 16
+SHORT_RUNS = 7
+
+
+def short_epoch(module):
+    """(seconds to the first batch, seconds for the whole epoch), medians
+    over SHORT_RUNS fresh loaders of SHORT_BATCHES batches of 4 KiB samples."""
+    ds = Samples(4 << 10, SHORT_BATCHES * BATCH)
+    first, whole = [], []
+    for _ in range(SHORT_RUNS):
+        loader = module.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+        t0 = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        first.append(time.perf_counter() - t0)
+        for _ in it:
+            pass
+        whole.append(time.perf_counter() - t0)
+        del it, loader
+    return sorted(first)[SHORT_RUNS // 2], sorted(whole)[SHORT_RUNS // 2]
+
+
 def memset_rate(nbytes):
     buf = ctypes.create_string_buffer(nbytes * BATCH)
     ctypes.memset(buf, 1, len(buf))  # pages in
@@ -115,6 +145,11 @@ def main():
               f"torch_GBps={t_bw / 1e9:.3f} torch_trainer_cpu_us_per_batch={t_cpu * 1e6:.0f} "
               f"memset_GBps={m_bw / 1e9:.2f} memcpy_GBps={c_bw / 1e9:.2f} "
               f"vs_torch={s_rate / t_rate:.2f} vs_memset={s_bw / m_bw:.2f}", flush=True)
+    (s_first, s_all), (t_first, t_all) = short_epoch(sd), short_epoch(tud)
+    print(f"BENCH dataloader_first_batch ms={s_first * 1e3:.1f} torch_ms={t_first * 1e3:.1f} "
+          f"vs_torch={t_first / s_first:.2f}", flush=True)
+    print(f"BENCH dataloader_short_epoch batches={SHORT_BATCHES} ms={s_all * 1e3:.1f} "
+          f"torch_ms={t_all * 1e3:.1f} vs_torch={t_all / s_all:.2f}", flush=True)
 
 
 if __name__ == "__main__":

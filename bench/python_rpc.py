@@ -3,17 +3,22 @@ the same run: one measurement function, run once between two processes with
 torch.distributed.rpc (TensorPipe backend, spawned here) and once as a
 two-worker shmrpc job (shmrun runs this file again with --worker). Prints
 
-  BENCH py_rpc_sync median_ns= p99_ns= vs_torch_rpc=
+  BENCH py_call_floor median_ns=
+  BENCH py_rpc_sync median_ns= p99_ns= vs_torch_rpc= vs_floor=
   BENCH py_rpc_async calls_per_s= vs_torch_rpc=
-  BENCH py_remote_to_here median_ns= vs_torch_rpc=
+  BENCH py_remote_to_here median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_torch_rpc=
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
-  BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc=
+  BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_rref_proxy_rpc_sync median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_remote_to_here value=1KiB_bytes|1KiB_bytearray|1MiB_tensor median_ns= vs_torch_rpc=
 
-with shmrpc's figures; vs_torch_rpc is shmrpc/torch for times and
+with shmrpc's figures. py_call_floor is what a call costs in Python with
+no transport at all: the empty function's payload packed and unpacked as
+a call's is, the function called, its result pickled and unpickled, in
+one process (issue 23: py rpc_sync should cost at most the C call plus
+twice that); vs_floor is py_rpc_sync over it. vs_torch_rpc is shmrpc/torch for times and
 torch/shmrpc for the throughput, so lower is better on every line. The
 tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
 hands over the same bytes, so the echo should take as long for 1 GiB as for
@@ -85,6 +90,16 @@ def echo(x):
     return x
 
 
+def call_floor():
+    """One call's Python work without the transport (py_call_floor)."""
+    from shmrpc import _marshal
+
+    def once():
+        func, args, kwargs = _marshal._unpack_call(*_marshal._pack_call(nothing, (), None))
+        return _marshal._loads(_marshal._dumps(func(*args, **kwargs)))
+    return once
+
+
 def timed(op, n, budget_ns=0):
     """Timings of op() in ns, sorted: n of them after n/10 (at most 100)
     untimed ones. With a budget, fewer once the time spent passes it (one
@@ -104,11 +119,14 @@ def timed(op, n, budget_ns=0):
     return samples
 
 
-def measure(rpc, alloc, sizes, quick, calls_only=False):
+def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None):
     """The figures of rank 0 calling rank 1 ("w1"), as a dict for JSON.
     alloc(nbytes) makes the tensor to echo. calls_only: empty rpc_sync and
-    remote + to_here alone."""
+    remote + to_here alone. floor: py_call_floor's op, if measured."""
     fig = {}
+    if floor is not None:
+        s = timed(floor, 2000 if quick else 20000)
+        fig["floor"] = s[len(s) // 2]
     s = timed(lambda: rpc.rpc_sync("w1", nothing), 300 if quick else 2000)
     fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
     if calls_only:
@@ -181,7 +199,7 @@ def shmrpc_worker(quick, out, calls_only):
     rpc.init_rpc(f"w{rank}")
     if rank == 0:
         write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick,
-                                   calls_only))
+                                   calls_only, call_floor()))
     rpc.shutdown()
 
 
@@ -261,11 +279,15 @@ def main():
     t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}, "proxy": 0,
                    "rref_values": {}}
 
+    print(f"BENCH py_call_floor median_ns={ours['floor']}", flush=True)
     med, p99 = ours["sync"]
-    line("py_rpc_sync", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
+    line("py_rpc_sync", [("median_ns", med), ("p99_ns", p99),
+                         ("vs_floor", f"{med / ours['floor']:.3g}")], med, t["sync"][0])
     # A throughput: torch's over ours, so that lower is better here too.
     line("py_rpc_async", [("calls_per_s", f"{ours['async']:.0f}")], t["async"], ours["async"])
-    line("py_remote_to_here", [("median_ns", ours["remote"])], ours["remote"], t["remote"])
+    line("py_remote_to_here", [("median_ns", ours["remote"]),
+                               ("vs_py_rpc_sync", f"{ours['remote'] / ours['sync'][0]:.3g}")],
+         ours["remote"], t["remote"])
     line("py_rref_proxy_rpc_sync", [("median_ns", ours["proxy"]),
                                     ("vs_py_rpc_sync", f"{ours['proxy'] / ours['sync'][0]:.3g}")],
          ours["proxy"], t["proxy"])
@@ -277,8 +299,10 @@ def main():
         line("py_tensor_echo", [("size", label), ("median_ns", med)], med, t["echo"].get(label))
     med, p99 = spin["sync"]
     line("py_rpc_sync mode=spin", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
-    line("py_remote_to_here mode=spin", [("median_ns", spin["remote"])], spin["remote"],
-         t["remote"])
+    line("py_remote_to_here mode=spin", [("median_ns", spin["remote"]),
+                                         ("vs_py_rpc_sync",
+                                          f"{spin['remote'] / spin['sync'][0]:.3g}")],
+         spin["remote"], t["remote"])
     ratio = ours["echo"]["1GiB"] / ours["echo"]["1KiB"]
     print(f"BENCH py_tensor_echo ratio_1GiB_vs_1KiB={ratio:.3g}", flush=True)
     return 0
