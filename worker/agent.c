@@ -954,12 +954,12 @@ timeout:
 
 int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 	char err[1024];
-	int rc = 0;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "shmrpc_shutdown: the RPC agent is not running");
+	if (rc)
+		return rc;
 	agent_take_replies(ag, false); /* the loop thread takes every reply again */
 	if (graceful) {
 		rc = graceful_barrier(ag, timeout_ms > 0 ? shmrpc_now_ns() +
@@ -989,22 +989,34 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 
 /* ---- who is who ---- */
 
+int agent_running(struct agent **ag)
+{
+	*ag = worker_agent;
+	return *ag ? 0 : shmrpc__fail(-ENOTCONN, "the RPC agent is not running in this process: "
+				      "call shmrpc_init (init_rpc in Python) first");
+}
+
 int shmrpc_rank(void)
 {
-	return worker_agent ? (int)worker_agent->rank : -ENOTCONN;
+	struct agent *ag;
+
+	return agent_running(&ag) ?: (int)ag->rank;
 }
 
 int shmrpc_world_size(void)
 {
-	return worker_agent ? (int)worker_agent->world : -ENOTCONN;
+	struct agent *ag;
+
+	return agent_running(&ag) ?: (int)ag->world;
 }
 
 int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (rc)
+		return rc;
 	if (rank < 0 || (uint32_t)rank >= ag->world)
 		return shmrpc__fail(-EINVAL, "no worker of rank %d: the job has %u workers", rank,
 				    ag->world);
@@ -1015,10 +1027,11 @@ int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 
 int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (rc)
+		return rc;
 	if (!name)
 		return shmrpc_get_worker_info_by_rank((int)ag->rank, out);
 	for (uint32_t r = 0; r < ag->world; r++) {

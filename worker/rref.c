@@ -46,11 +46,10 @@ static uint64_t new_id(struct agent *ag)
 
 static struct agent *agent_or_fail(void)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
-		       NULL;
+	if (agent_running(&ag))
+		return NULL;
 	if (!ag->has_rrefs || !ag->has_pool)
 		return shmrpc__fail(-ENOTSUP, "this job has no RRef table: start it with shmrun "
 				    "(--max-rrefs sets its size)"),

@@ -103,11 +103,10 @@ static struct {
 
 static struct shm_pool *pool_or_fail(void)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
-		       NULL;
+	if (agent_running(&ag))
+		return NULL;
 	if (!ag->has_pool)
 		return shmrpc__fail(-ENOTSUP, "this job has no tensor pool: start it with shmrun "
 				    "(--pool-size sets its size)"),
