@@ -94,6 +94,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/json.h"
 #include "ipc/ring.h"
 #include "shm/exit_info.h"
 #include "shm/layout.h"
@@ -861,22 +862,6 @@ static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 	print_cuda_text(seg, ws);
 }
 
-static void json_str(const char *s)
-{
-	putchar('"');
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
-
-		if (c == '"' || c == '\\')
-			printf("\\%c", c);
-		else if (c < 0x20 || c == 0x7f)
-			printf("\\u%04x", c);
-		else
-			putchar(c);
-	}
-	putchar('"');
-}
-
 static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 {
 	const struct shm_header *h = seg->hdr;
@@ -885,7 +870,7 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 	copy_name(name, h->job_name);
 	printf("{\"format_version\":%u,\"launcher_pid\":%u,\"job_name\":", h->format_version,
 	       h->launcher_pid);
-	json_str(name);
+	json_put_str(stdout, name);
 	printf(",\"world_size\":%u,\"age_s\":%.3f,\"ring_size\":%u,\"generation\":%u,"
 	       "\"shutting_down\":%s,\"workers\":[",
 	       seg->world, (double)age_ns(seg) / 1e9, seg->ring_size,
@@ -895,11 +880,11 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 		const struct wsnap *s = &ws[r];
 
 		printf("%s{\"rank\":%u,\"name\":", r ? "," : "", r);
-		json_str(s->name);
+		json_put_str(stdout, s->name);
 		printf(",\"pid\":%u,\"state\":\"%s\",\"exit\":", s->pid,
 		       name_of(state_names, NSTATES, shown_state(s->state, s->pid)));
 		if (s->exit_text[0])
-			json_str(s->exit_text);
+			json_put_str(stdout, s->exit_text);
 		else
 			fputs("null", stdout);
 		printf(",\"agent_state\":\"%s\",\"heartbeat_age_s\":", name_of(agent_names, 4, s->agent));
@@ -1028,7 +1013,7 @@ static int list_jobs(bool json)
 		copy_name(name, seg.hdr->job_name);
 		if (json) {
 			printf("%s{\"launcher_pid\":%ld,\"job_name\":", found++ ? "," : "", pid);
-			json_str(name);
+			json_put_str(stdout, name);
 			printf(",\"world_size\":%u,\"age_s\":%.3f,\"workers\":{", seg.world,
 			       (double)age_ns(&seg) / 1e9);
 			for (uint32_t st = 0; st < NSTATES; st++)
@@ -1063,7 +1048,7 @@ static void print_unread_json(const char *key, const char *why)
 		return;
 	}
 	printf("{\"error\":");
-	json_str(why);
+	json_put_str(stdout, why);
 	printf("}");
 }
 
@@ -1178,7 +1163,7 @@ static void print_trace_json(const struct shm_seg *seg, uint32_t rank, const str
 
 	copy_name(name, shm_worker(seg, rank)->name);
 	printf("{\"rank\":%u,\"name\":", rank);
-	json_str(name);
+	json_put_str(stdout, name);
 	printf(",\"capacity\":%u,\"claimed\":%llu,\"dropped\":%llu,\"records\":[", seg->trace_records,
 	       (unsigned long long)head, (unsigned long long)dropped);
 	for (size_t i = 0; i < n; i++) {
