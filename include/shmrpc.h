@@ -211,16 +211,31 @@ struct shmrpc_device_map_entry {
 	int32_t to;         /* device ordinal there */
 };
 
+/*
+ * What shmrpc_init takes. Make one with SHMRPC_OPTIONS, which sets size
+ * (the struct as this header has it) and leaves every field it is not
+ * given zero, its default:
+ *
+ *     struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 2, .name = "ps");
+ *
+ * size and reserved keep the ABI: later versions use reserved for new
+ * fields (zero being their default) or grow the struct, and tell a
+ * program built against an older header by its size.
+ */
 struct shmrpc_options {
-	const char *name;    /* this worker's name; NULL: from shmrun (SHMRPC_NAME) */
+	uint32_t size;       /* sizeof(struct shmrpc_options): set by SHMRPC_OPTIONS */
 	int num_threads;     /* executor threads; 0: 4 */
+	const char *name;    /* this worker's name; NULL: from shmrun (SHMRPC_NAME) */
 	int64_t timeout_ms;  /* default call timeout; 0: 60000; <0: none */
 	int64_t startup_timeout_ms; /* waiting for every worker to join; 0: 60000 */
 	/* This worker's device maps (above), num_device_maps entries; read
 	 * during shmrpc_init only. */
 	const struct shmrpc_device_map_entry *device_maps;
 	uint32_t num_device_maps;
+	uint32_t reserved32; /* zero */
+	uint64_t reserved[8]; /* zero */
 };
+#define SHMRPC_OPTIONS(...) { .size = sizeof(struct shmrpc_options), __VA_ARGS__ }
 
 struct shmrpc_worker_info {
 	int rank;
@@ -228,7 +243,8 @@ struct shmrpc_worker_info {
 };
 
 /* Attaches to the job this process was started in by shmrun, starts the
- * agent and waits until every worker of the job has joined. */
+ * agent and waits until every worker of the job has joined. opts: made
+ * with SHMRPC_OPTIONS, or NULL for the defaults. */
 SHMRPC_API int shmrpc_init(const struct shmrpc_options *opts);
 /* graceful: wait (up to timeout_ms; <=0: none) until no worker of the job has
  * calls in flight, then all leave together. Otherwise leave now. */

@@ -778,16 +778,47 @@ static void watch_forks(void)
 	pthread_atfork(NULL, NULL, forget_agent_in_child);
 }
 
+/* *o = the caller's options, NULL the defaults, after checking what keeps
+ * the struct's ABI (include/shmrpc.h): its size is the one this library
+ * has (only the first field is read before), its reserved fields zero. */
+static int options_take(const struct shmrpc_options *opts, struct shmrpc_options *o)
+{
+	static const struct shmrpc_options zero;
+
+	*o = (struct shmrpc_options)SHMRPC_OPTIONS();
+	if (!opts)
+		return 0;
+	if (opts->size < sizeof(*opts))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options.size is %u, smaller than "
+				    "the %zu bytes of its struct in this library: make the options "
+				    "with SHMRPC_OPTIONS(...) (shmrpc.h), which sets it", opts->size,
+				    sizeof(*opts));
+	if (opts->size > sizeof(*opts))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options.size is %u, a struct this "
+				    "library (shmrpc %s, %zu bytes) does not know: the program was "
+				    "built against a newer shmrpc.h; run it with that version's "
+				    "library", opts->size, SHMRPC_VERSION_STRING, sizeof(*opts));
+	if (opts->reserved32 || memcmp(opts->reserved, zero.reserved, sizeof(zero.reserved)))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options has reserved fields set: "
+				    "make the options with SHMRPC_OPTIONS(...) (shmrpc.h), which "
+				    "leaves them zero");
+	*o = *opts;
+	return 0;
+}
+
 int shmrpc_init(const struct shmrpc_options *opts)
 {
 	static pthread_once_t forks_watched = PTHREAD_ONCE_INIT;
-	struct shmrpc_options o = opts ? *opts : (struct shmrpc_options){ 0 };
+	struct shmrpc_options o;
 	long rank = env_long("SHMRPC_RANK", -1), world = env_long("SHMRPC_WORLD_SIZE", -1);
-	const char *name = o.name ? o.name : getenv("SHMRPC_NAME");
+	const char *name;
 	struct agent *ag;
 	uint64_t deadline;
-	int rc;
+	int rc = options_take(opts, &o);
 
+	if (rc)
+		return rc;
+	name = o.name ? o.name : getenv("SHMRPC_NAME");
 	if (worker_agent)
 		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
 	pthread_once(&forks_watched, watch_forks);
