@@ -306,12 +306,14 @@ void shmrpc_profile_free(shmrpc_profile *p)
 
 int shmrpc_profile_export_chrome(const shmrpc_profile *p, const char *path)
 {
-	FILE *f = path ? fopen(path, "w") : NULL;
 	const char *sep = "";
+	FILE *f;
 
-	if (!f)
-		return shmrpc__fail(-errno ? -errno : -EINVAL, "cannot write the trace to %s: %s",
-				    path ? path : "(null)", strerror(errno));
+	if (!path)
+		return shmrpc__fail(-EINVAL, "shmrpc_profile_export_chrome: no path given");
+	if (!(f = fopen(path, "w")))
+		return shmrpc__fail(-errno, "cannot write the trace to %s: %s", path,
+				    strerror(errno));
 	/* Chrome trace events: one process per worker; a flow arrow from
 	 * each call to what its callee ran. */
 	fprintf(f, "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[");
