@@ -94,6 +94,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/error.h"
 #include "common/json.h"
 #include "ipc/ring.h"
 #include "shm/exit_info.h"
@@ -218,19 +219,22 @@ struct view {
 };
 
 /*
- * A part of a job that show() shows, described once: attach finds it (1),
- * or finds that the job has none (0) or one it cannot read (-1, why says
- * why: shown where the part would be, and an anomaly for --check, as it
- * would hide whatever is wrong in it); snap reads it (false: out of
- * memory); text and json print it (json: its fields of the job's object);
- * check prints its anomalies and returns their number (-1: out of memory);
- * detach lets it go. NULL attach: always there.
+ * A part of a job that show() shows, described once: a job has it when
+ * its launcher holds the memfd named memfd (NULL: always, the segment);
+ * map attaches that memfd (0, or -errno and the sentence that says why it
+ * cannot be read: shown where the part would be, and an anomaly for
+ * --check, as it would hide whatever is wrong in it; fd is map's on
+ * success only); snap reads it (false: out of memory); text and json
+ * print it (json: its fields of the job's object); check prints its
+ * anomalies and returns their number (-1: out of memory); detach lets it
+ * go.
  */
 struct subject {
 	const char *title; /* its heading in the text */
 	const char *what;  /* in --check's sentence */
 	const char *key;   /* its JSON field */
-	int (*attach)(struct view *v, char *why, size_t len);
+	const char *memfd;
+	int (*map)(struct view *v, int fd);
 	bool (*snap)(struct view *v);
 	void (*text)(struct view *v);
 	void (*json)(struct view *v);
@@ -484,41 +488,24 @@ static int open_memfd(pid_t pid, const char *target)
 	return find_memfd(pid, target, path, sizeof(path)) ? -1 : open(path, O_RDONLY);
 }
 
-/* The job's tensor pool, read-only (struct subject's attach). */
-static int attach_pool(struct view *v, char *why, size_t len)
+/* The job's tensor pool, read-only, from its memfd (struct subject's map). */
+static int map_pool(struct view *v, int fd)
 {
-	int fd = open_memfd(v->pid, POOL_LINK);
-
-	if (fd < 0)
-		return 0;
-	if (pool_attach_fd(&v->pool, fd, true)) {
-		snprintf(why, len, "%s", shmrpc_errmsg());
-		close(fd);
-		return -1;
-	}
-	return 1;
+	return pool_attach_fd(&v->pool, fd, true);
 }
 
-/* The job's RRef table, read-only, as attach_pool; one that is not for
- * the job's world cannot be read: its ranks would not be the job's. */
-static int attach_rrefs(struct view *v, char *why, size_t len)
+/* The job's RRef table, as map_pool; one that is not for the job's world
+ * cannot be read: its ranks would not be the job's. */
+static int map_rrefs(struct view *v, int fd)
 {
-	int fd = open_memfd(v->pid, RREF_LINK);
+	int rc = rref_table_attach_fd(&v->rrefs, fd, true);
 
-	if (fd < 0)
-		return 0;
-	if (rref_table_attach_fd(&v->rrefs, fd, true)) {
-		snprintf(why, len, "%s", shmrpc_errmsg());
-		close(fd);
-		return -1;
-	}
-	if (v->rrefs.world != v->seg.world) {
-		snprintf(why, len, "it is for %u workers, the job has %u", v->rrefs.world,
-			 v->seg.world);
-		rref_table_detach(&v->rrefs);
-		return -1;
-	}
-	return 1;
+	if (rc || v->rrefs.world == v->seg.world)
+		return rc;
+	v->rrefs.fd = -1; /* fd stays the caller's, as on any failure */
+	rref_table_detach(&v->rrefs);
+	return shmrpc__fail(-EINVAL, "it is for %u workers, the job has %u", v->rrefs.world,
+			    v->seg.world);
 }
 
 static const char *const holder_names[] = { "idle", "live", "dead", "swept" };
@@ -1145,14 +1132,32 @@ static void print_unread_json(const char *key, const char *why)
 
 static const struct subject subjects[] = {
 	/* The segment, attached before: always there. */
-	{ NULL, NULL, NULL, NULL, snap_workers, print_workers_text,
-	  print_workers_json, check_workers, detach_workers },
-	{ "tensor pool", "the tensor pool", "pool", attach_pool, snap_pool, print_pool_text,
-	  print_pool_json, check_pool, detach_pool },
-	{ "rref table", "the RRef table", "rrefs", attach_rrefs, snap_rrefs, print_rrefs_text,
-	  print_rrefs_json, check_rrefs, detach_rrefs },
+	{ NULL, NULL, NULL, NULL, NULL, snap_workers, print_workers_text, print_workers_json,
+	  check_workers, detach_workers },
+	{ "tensor pool", "the tensor pool", "pool", POOL_LINK, map_pool, snap_pool,
+	  print_pool_text, print_pool_json, check_pool, detach_pool },
+	{ "rref table", "the RRef table", "rrefs", RREF_LINK, map_rrefs, snap_rrefs,
+	  print_rrefs_text, print_rrefs_json, check_rrefs, detach_rrefs },
 };
 #define NSUBJECTS (sizeof(subjects) / sizeof(subjects[0]))
+
+/* 1 when the job has s and it is attached; 0 when the job has none; -1
+ * when it has one that cannot be read, why set. */
+static int attach(const struct subject *s, struct view *v, char *why, size_t len)
+{
+	int fd;
+
+	if (!s->memfd)
+		return 1;
+	if ((fd = open_memfd(v->pid, s->memfd)) < 0)
+		return 0;
+	if (s->map(v, fd)) {
+		snprintf(why, len, "%s", shmrpc_errmsg());
+		close(fd);
+		return -1;
+	}
+	return 1;
+}
 
 /* Shows the job whose segment seg (attached, launcher pid) is: each
  * subject attached, then each read, then each shown; detaches it. */
@@ -1164,7 +1169,7 @@ static int show(pid_t pid, struct shm_seg *seg, bool json, bool want_check)
 	bool snapped = true;
 
 	for (size_t i = 0; i < NSUBJECTS; i++)
-		found[i] = subjects[i].attach ? subjects[i].attach(&v, why[i], sizeof(why[i])) : 1;
+		found[i] = attach(&subjects[i], &v, why[i], sizeof(why[i]));
 	for (size_t i = 0; i < NSUBJECTS; i++)
 		snapped = snapped && (found[i] <= 0 || subjects[i].snap(&v));
 	for (size_t i = 0; i < NSUBJECTS && snapped && want_check && bad >= 0; i++) {
