@@ -332,7 +332,7 @@ typedef int (*shmrpc_fn)(shmrpc_call *call, const shmrpc_value *args, uint32_t n
  * letter each: n nil, b bool, i int, f float (an int is accepted), s str,
  * y bytes, l list, m map, t tensor, r RRef, v any; calls with another count or type fail with
  * a clear error before fn runs. May be called before or after shmrpc_init.
- * Errors: -EINVAL (no fn, a name of 0 or too many bytes, a letter of sig
+ * Errors: -EINVAL (no fn, a name of 0 or more than 256 bytes, a letter of sig
  * not above), -EEXIST (name is registered already), -ENOMEM.
  */
 SHMRPC_API int shmrpc_register(const char *name, const char *sig, shmrpc_fn fn, void *user);
