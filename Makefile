@@ -96,8 +96,9 @@ $(BUILD)/libshmrpc.a: $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/libshmrpc.so: $(LIB_OBJS)
-	$(CC) -shared -Wl,-soname,libshmrpc.so.0 -Wl,--no-undefined $(LDFLAGS) -o $@ $^ $(LIBS)
+$(BUILD)/libshmrpc.so: $(LIB_OBJS) libshmrpc.map
+	$(CC) -shared -Wl,-soname,libshmrpc.so.0 -Wl,--no-undefined -Wl,--version-script=libshmrpc.map \
+		$(LDFLAGS) -o $@ $(LIB_OBJS) $(LIBS)
 
 $(BUILD)/tests/%: $(BUILD)/obj/tests/%.o $(TESTLIB_OBJS) $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "shmrpc.h"
+#include "common/json.h"
 #include "launcher/shmrun.h"
 #include "shm/exit_info.h"
 #include "worker/msg.h"
@@ -62,23 +63,6 @@ struct trace_out {
 	size_t nhandlers, ncalls;
 	bool first; /* no event written yet: no comma before the next */
 };
-
-/* A JSON string: quotes, backslashes and control bytes escaped, and bytes
- * above 0x7f too (read as Latin-1), so that whatever a worker put in its
- * name the file stays valid UTF-8. */
-static void put_str(FILE *f, const char *s)
-{
-	fputc('"', f);
-	for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-		if (*c == '"' || *c == '\\')
-			fprintf(f, "\\%c", *c);
-		else if (*c < 0x20 || *c > 0x7e)
-			fprintf(f, "\\u%04x", *c);
-		else
-			fputc(*c, f);
-	}
-	fputc('"', f);
-}
 
 /* ns - start_ns in microseconds, to the nanosecond: a time since the
  * launcher started, or a duration. */
@@ -120,7 +104,7 @@ static void event(struct trace_out *t, const char *name, const char *cat, const 
 	fputs(t->first ? "\n" : ",\n", t->f);
 	t->first = false;
 	fputs("{\"name\":", t->f);
-	put_str(t->f, name);
+	json_put_str(t->f, name);
 	fprintf(t->f, ",\"cat\":\"%s\",\"ph\":\"%s\",\"pid\":%u,\"tid\":%u", cat, ph, pid, tid);
 }
 
@@ -135,7 +119,7 @@ static void track_meta(struct trace_out *t, uint32_t rank, uint32_t tid, const c
 {
 	event(t, "thread_name", "__metadata", "M", rank, tid);
 	fputs(",\"args\":{\"name\":", t->f);
-	put_str(t->f, name);
+	json_put_str(t->f, name);
 	fputs("}}", t->f);
 	event(t, "thread_sort_index", "__metadata", "M", rank, tid);
 	fprintf(t->f, ",\"args\":{\"sort_index\":%u}}", sort);
@@ -149,7 +133,7 @@ static void rank_meta(struct trace_out *t, uint32_t rank)
 	report_worker(t->j, rank, who, sizeof(who));
 	event(t, "process_name", "__metadata", "M", rank, 0);
 	fputs(",\"args\":{\"name\":", t->f);
-	put_str(t->f, who);
+	json_put_str(t->f, who);
 	fputs("}}", t->f);
 	event(t, "process_sort_index", "__metadata", "M", rank, 0);
 	fprintf(t->f, ",\"args\":{\"sort_index\":%u}}", rank);
@@ -178,13 +162,13 @@ static void put_args(struct trace_out *t, const struct trace_entry *a,
 			a->reply ? "reply" : "request", a->tensors);
 	} else {
 		fputs(",\"args\":{\"type\":", t->f);
-		put_str(t->f, type_name(a->type, buf, sizeof(buf)));
+		json_put_str(t->f, type_name(a->type, buf, sizeof(buf)));
 	}
 	fprintf(t->f, ",\"peer\":%u,\"msg_id\":%llu,\"bytes\":%llu", a->peer,
 		(unsigned long long)a->msg_id, (unsigned long long)a->size);
 	if (reply) {
 		fputs(",\"reply\":", t->f);
-		put_str(t->f, type_name(b->type, buf, sizeof(buf)));
+		json_put_str(t->f, type_name(b->type, buf, sizeof(buf)));
 		fprintf(t->f, ",\"reply_bytes\":%llu", (unsigned long long)b->size);
 	}
 	fprintf(t->f, ",\"status\":\"%s\"}}", trace_status_name((b ? b : a)->status));
@@ -398,9 +382,9 @@ static void put_other_data(struct trace_out *t)
 	const struct job *j = t->j;
 
 	fputs("\"otherData\":{\"tool\":\"shmrun --trace\",\"version\":", t->f);
-	put_str(t->f, shmrpc_version());
+	json_put_str(t->f, shmrpc_version());
 	fputs(",\"job\":", t->f);
-	put_str(t->f, basename(j->o->argv[0]));
+	json_put_str(t->f, basename(j->o->argv[0]));
 	fprintf(t->f, ",\"time\":\"microseconds since shmrun started (CLOCK_MONOTONIC)\","
 		"\"records_per_worker\":%u,\"note\":\"each worker's flight recorder is a ring of "
 		"its last %u records: what came before is not here, and a call whose other side "
@@ -421,9 +405,9 @@ static void put_other_data(struct trace_out *t)
 		fprintf(t->f, "%s{\"rank\":%u,\"name\":", rank ? "," : "", rank);
 		/* A worker may rename itself in its slot: read it bounded. */
 		snprintf(name, sizeof(name), "%.*s", (int)strnlen(slot, SHM_NAME_MAX), slot);
-		put_str(t->f, name);
+		json_put_str(t->f, name);
 		fputs(",\"end\":", t->f);
-		put_str(t->f, end);
+		json_put_str(t->f, end);
 		fprintf(t->f, ",\"records\":%llu,\"records_in_file\":%zu,\"records_dropped\":%llu}",
 			(unsigned long long)r->head, r->n, (unsigned long long)r->dropped);
 	}

@@ -833,7 +833,7 @@ static struct shmrpc_device_map_entry *device_maps(PyObject *maps, uint32_t *n)
 /* init(name or None, num_threads, timeout_ms, device maps: [(name, from, to)]) */
 static PyObject *mod_init(PyObject *m, PyObject *args)
 {
-	struct shmrpc_options o = { 0 };
+	struct shmrpc_options o = SHMRPC_OPTIONS();
 	struct shmrpc_device_map_entry *maps;
 	const char *name = NULL;
 	PyObject *list = NULL;

@@ -406,7 +406,7 @@ static void hold(shmrpc_future **f)
 
 static int worker(void)
 {
-	struct shmrpc_options opts = { 0 };
+	struct shmrpc_options opts = SHMRPC_OPTIONS();
 	shmrpc_value two[2] = { shmrpc_int(2), shmrpc_int(3) };
 	const char *gate_fd = getenv(GATE_ENV);
 	shmrpc_tensor *big = NULL, *small = NULL, *handed = NULL;

@@ -35,8 +35,8 @@ static int fn_outer(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = atoi(getenv("BURST_THREADS")),
-				    .timeout_ms = 120000 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = atoi(getenv("BURST_THREADS")),
+						 .timeout_ms = 120000);
 	int n = (int)(50000 * tl_scale());
 	shmrpc_future **f;
 

@@ -74,7 +74,7 @@ static int64_t chain(int64_t k)
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = 1, .timeout_ms = 600000 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 1, .timeout_ms = 600000);
 	int64_t depth = (int64_t)(SHMRPC_MAX_NESTING * tl_scale()), got;
 
 	CHECK_OK(shmrpc_register("chain", "i", fn_chain, NULL));

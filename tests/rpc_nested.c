@@ -35,7 +35,7 @@ static int fn_chain(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = 1, .timeout_ms = 20000 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 1, .timeout_ms = 20000);
 	shmrpc_value depth = shmrpc_int(DEPTH);
 	shmrpc_future *f;
 

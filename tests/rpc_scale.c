@@ -29,7 +29,7 @@ static void call(int peer, int64_t x)
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = 1 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 1);
 	int me, world;
 
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));

@@ -261,7 +261,7 @@ static void tensors(int me)
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = 2 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 2);
 	int me;
 
 	CHECK_OK(shmrpc_register("add", NULL, fn_add, NULL));

@@ -382,7 +382,7 @@ static void wait_empty(void)
 
 static int worker(void)
 {
-	struct shmrpc_options o = { .num_threads = 2 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = 2);
 	shmrpc_future *f;
 	int me;
 

@@ -198,7 +198,7 @@ static int worker(void)
 	const char *kase = getenv("DEVMAP_CASE");
 	int rank = atoi(getenv("SHMRPC_RANK"));
 	struct shmrpc_device_map_entry m[2];
-	struct shmrpc_options o = { .name = name_of(rank), .device_maps = m };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.name = name_of(rank), .device_maps = m);
 	int rc;
 
 	CHECK(kase, "DEVMAP_CASE is not set");

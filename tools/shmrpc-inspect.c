@@ -94,6 +94,8 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/error.h"
+#include "common/json.h"
 #include "ipc/ring.h"
 #include "shm/exit_info.h"
 #include "shm/layout.h"
@@ -171,6 +173,73 @@ struct wsnap {
 	uint64_t ring_in, ring_out;
 	char name[SHM_NAME_MAX + 1];
 	char exit_text[96]; /* "" unless EXITED or DEAD */
+};
+
+/* One live RRef as read once. settled: its key and total were the same
+ * before and after its counts were read, so the counts belong to that
+ * total (a holder raises total before its count and lowers it after). */
+struct rsnap {
+	struct rref_info info;
+	uint64_t sum; /* of the counts */
+	bool settled;
+};
+
+/* An RRef found by a walk: its id names it, not a later one in its slot. */
+struct pick {
+	uint64_t created_ns;
+	uint64_t id;
+	uint32_t slot;
+};
+
+/* What a walk of the table found: every live RRef counted by state, and
+ * the k oldest picked. Until the walk ends, pick is a heap with the
+ * youngest kept on top, so an older entry replaces it in log(k) steps: a
+ * table of millions of RRefs costs k picks of memory, not millions. */
+struct rscan {
+	uint32_t live;
+	uint32_t by_state[RR_NSTATES];
+	struct pick *pick;
+	uint32_t n, k;
+};
+
+/* What show() read of a job: the segment's worker table, and the pool and
+ * the RRef table when the job has them; for --check (check) or the JSON
+ * (json) or the text. */
+struct view {
+	pid_t pid;
+	bool json, check;
+	struct shm_seg seg;
+	struct wsnap *ws;
+	struct shm_pool pool;
+	struct pool_stats pool_st;
+	struct pool_holder_stats *holders; /* world of them; state 0 (idle): none */
+	struct rref_table rrefs;
+	struct rscan sc;
+	uint32_t *counts; /* world of them: an RRef's counts, as read last */
+};
+
+/*
+ * A part of a job that show() shows, described once: a job has it when
+ * its launcher holds the memfd named memfd (NULL: always, the segment);
+ * map attaches that memfd (0, or -errno and the sentence that says why it
+ * cannot be read: shown where the part would be, and an anomaly for
+ * --check, as it would hide whatever is wrong in it; fd is map's on
+ * success only); snap reads it (false: out of memory); text and json
+ * print it (json: its fields of the job's object); check prints its
+ * anomalies and returns their number (-1: out of memory); detach lets it
+ * go.
+ */
+struct subject {
+	const char *title; /* its heading in the text */
+	const char *what;  /* in --check's sentence */
+	const char *key;   /* its JSON field */
+	const char *memfd;
+	int (*map)(struct view *v, int fd);
+	bool (*snap)(struct view *v);
+	void (*text)(struct view *v);
+	void (*json)(struct view *v);
+	int (*check)(struct view *v);
+	void (*detach)(struct view *v);
 };
 
 /* The slot states (enum shm_worker_state), then STARTED: shown for an
@@ -395,16 +464,20 @@ static void snap_worker(const struct shm_seg *seg, uint32_t rank, uint64_t now, 
 		shm_exit_info_format(s->exit_info, s->exit_text, sizeof(s->exit_text));
 }
 
-static struct wsnap *snap_job(const struct shm_seg *seg)
+static bool snap_workers(struct view *v)
 {
-	struct wsnap *ws = calloc(seg->world, sizeof(*ws));
 	uint64_t now = shmrpc_now_ns();
 
-	if (!ws)
-		return NULL;
-	for (uint32_t r = 0; r < seg->world; r++)
-		snap_worker(seg, r, now, &ws[r]);
-	return ws;
+	if (!(v->ws = calloc(v->seg.world, sizeof(*v->ws))))
+		return false;
+	for (uint32_t r = 0; r < v->seg.world; r++)
+		snap_worker(&v->seg, r, now, &v->ws[r]);
+	return true;
+}
+
+static void detach_workers(struct view *v)
+{
+	free(v->ws);
 }
 
 /* pid's memfd whose link is target, opened read-only; -1 when none. */
@@ -415,57 +488,51 @@ static int open_memfd(pid_t pid, const char *target)
 	return find_memfd(pid, target, path, sizeof(path)) ? -1 : open(path, O_RDONLY);
 }
 
-/* Why a job's pool or RRef table that exists could not be read; shown
- * where the part would be, and an anomaly for --check. */
-struct unread {
-	char pool[256], rrefs[256];
-};
-
-/* The job's tensor pool, read-only: true when attached; false when the job
- * has none, or (why[0] set) one that cannot be read. */
-static bool attach_pool(pid_t pid, struct shm_pool *pool, char *why, size_t len)
+/* The job's tensor pool, read-only, from its memfd (struct subject's map). */
+static int map_pool(struct view *v, int fd)
 {
-	int fd = open_memfd(pid, POOL_LINK);
-
-	if (fd < 0)
-		return false;
-	if (pool_attach_fd(pool, fd, true)) {
-		snprintf(why, len, "%s", shmrpc_errmsg());
-		close(fd);
-		return false;
-	}
-	return true;
+	return pool_attach_fd(&v->pool, fd, true);
 }
 
-/* The job's RRef table, read-only, as attach_pool; one that is not for
- * the job's world cannot be read: its ranks would not be the job's. */
-static bool attach_rrefs(pid_t pid, uint32_t world, struct rref_table *t, char *why, size_t len)
+/* The job's RRef table, as map_pool; one that is not for the job's world
+ * cannot be read: its ranks would not be the job's. */
+static int map_rrefs(struct view *v, int fd)
 {
-	int fd = open_memfd(pid, RREF_LINK);
+	int rc = rref_table_attach_fd(&v->rrefs, fd, true);
 
-	if (fd < 0)
-		return false;
-	if (rref_table_attach_fd(t, fd, true)) {
-		snprintf(why, len, "%s", shmrpc_errmsg());
-		close(fd);
-		return false;
-	}
-	if (t->world != world) {
-		snprintf(why, len, "it is for %u workers, the job has %u", t->world, world);
-		rref_table_detach(t);
-		return false;
-	}
-	return true;
+	if (rc || v->rrefs.world == v->seg.world)
+		return rc;
+	v->rrefs.fd = -1; /* fd stays the caller's, as on any failure */
+	rref_table_detach(&v->rrefs);
+	return shmrpc__fail(-EINVAL, "it is for %u workers, the job has %u", v->rrefs.world,
+			    v->seg.world);
 }
 
 static const char *const holder_names[] = { "idle", "live", "dead", "swept" };
 
-static void print_pool_text(struct shm_pool *pool)
+/* The pool's figures and its holders (a holder that cannot be read shown
+ * as none). */
+static bool snap_pool(struct view *v)
 {
-	struct pool_stats st;
-	struct pool_holder_stats hs;
+	if (!(v->holders = calloc(v->pool.world, sizeof(*v->holders))))
+		return false;
+	pool_stats(&v->pool, &v->pool_st);
+	for (uint32_t r = 0; r < v->pool.world; r++)
+		if (pool_holder_stats(&v->pool, r, &v->holders[r]))
+			v->holders[r] = (struct pool_holder_stats){ 0 };
+	return true;
+}
 
-	pool_stats(pool, &st);
+static void detach_pool(struct view *v)
+{
+	free(v->holders);
+	pool_detach(&v->pool);
+}
+
+static void print_pool_text(struct view *v)
+{
+	const struct pool_stats st = v->pool_st;
+
 	printf("\ntensor pool    %llu bytes, %llu used, %llu free, largest free block %llu\n",
 	       (unsigned long long)st.size, (unsigned long long)st.used, (unsigned long long)st.free,
 	       (unsigned long long)st.largest_free);
@@ -473,30 +540,34 @@ static void print_pool_text(struct shm_pool *pool)
 	       "(left by deaths)\n", (unsigned long long)st.blocks_live, (unsigned long long)st.lost,
 	       (unsigned long long)st.refs_unrecorded);
 	printf("%4s %7s %-6s %8s %8s\n", "RANK", "PID", "HOLDER", "BLOCKS", "REFS");
-	for (uint32_t r = 0; r < pool->world; r++)
-		if (pool_holder_stats(pool, r, &hs) == 0 && hs.state)
-			printf("%4u %7u %-6s %8u %8llu\n", r, hs.pid, name_of(holder_names, 4, hs.state),
-			       hs.entries, (unsigned long long)hs.refs);
+	for (uint32_t r = 0; r < v->pool.world; r++) {
+		const struct pool_holder_stats *hs = &v->holders[r];
+
+		if (hs->state)
+			printf("%4u %7u %-6s %8u %8llu\n", r, hs->pid,
+			       name_of(holder_names, 4, hs->state), hs->entries,
+			       (unsigned long long)hs->refs);
+	}
 }
 
-static void print_pool_json(struct shm_pool *pool)
+static void print_pool_json(struct view *v)
 {
-	struct pool_stats st;
-	struct pool_holder_stats hs;
+	const struct pool_stats st = v->pool_st;
 	bool first = true;
 
-	pool_stats(pool, &st);
 	printf(",\"pool\":{\"size\":%llu,\"used\":%llu,\"free\":%llu,\"largest_free\":%llu,"
 	       "\"blocks_live\":%llu,\"lost\":%llu,\"refs_unrecorded\":%llu,\"holders\":[",
 	       (unsigned long long)st.size, (unsigned long long)st.used, (unsigned long long)st.free,
 	       (unsigned long long)st.largest_free, (unsigned long long)st.blocks_live,
 	       (unsigned long long)st.lost, (unsigned long long)st.refs_unrecorded);
-	for (uint32_t r = 0; r < pool->world; r++) {
-		if (pool_holder_stats(pool, r, &hs) || !hs.state)
+	for (uint32_t r = 0; r < v->pool.world; r++) {
+		const struct pool_holder_stats *hs = &v->holders[r];
+
+		if (!hs->state)
 			continue;
 		printf("%s{\"rank\":%u,\"pid\":%u,\"state\":\"%s\",\"blocks\":%u,\"refs\":%llu}",
-		       first ? "" : ",", r, hs.pid, name_of(holder_names, 4, hs.state), hs.entries,
-		       (unsigned long long)hs.refs);
+		       first ? "" : ",", r, hs->pid, name_of(holder_names, 4, hs->state),
+		       hs->entries, (unsigned long long)hs->refs);
 		first = false;
 	}
 	printf("]}");
@@ -510,13 +581,15 @@ static void print_pool_json(struct shm_pool *pool)
  * process is found gone: a worker that leaves cleanly releases its
  * references before it exits, and the launcher may have swept it since.
  */
-static int check_pool(struct shm_pool *pool)
+static int check_pool(struct view *v)
 {
-	struct pool_holder_stats hs;
+	struct shm_pool *pool = &v->pool;
 	int bad = 0;
 
 	for (uint32_t r = 0; r < pool->world; r++) {
-		if (pool_holder_stats(pool, r, &hs) || !hs.refs)
+		struct pool_holder_stats hs = v->holders[r];
+
+		if (!hs.refs)
 			continue;
 		if (hs.state == POOL_HOLDER_DEAD) {
 			printf("rank %u died holding %llu references in the tensor pool\n", r,
@@ -536,15 +609,6 @@ static int check_pool(struct shm_pool *pool)
 	}
 	return bad;
 }
-
-/* One live RRef as read once. settled: its key and total were the same
- * before and after its counts were read, so the counts belong to that
- * total (a holder raises total before its count and lowers it after). */
-struct rsnap {
-	struct rref_info info;
-	uint64_t sum; /* of the counts */
-	bool settled;
-};
 
 /* The entry at slot, its counts into counts (world of them); false when
  * the slot holds no RRef. An entry that keeps moving is read RR_READS
@@ -576,24 +640,6 @@ static const char *fmt_rref_id(uint64_t id, char *buf, size_t len)
 	snprintf(buf, len, "%u:%llu", RREF_ID_RANK(id), (unsigned long long)RREF_ID_LOCAL(id));
 	return buf;
 }
-
-/* An RRef found by a walk: its id names it, not a later one in its slot. */
-struct pick {
-	uint64_t created_ns;
-	uint64_t id;
-	uint32_t slot;
-};
-
-/* What a walk of the table found: every live RRef counted by state, and
- * the k oldest picked. Until the walk ends, pick is a heap with the
- * youngest kept on top, so an older entry replaces it in log(k) steps: a
- * table of millions of RRefs costs k picks of memory, not millions. */
-struct rscan {
-	uint32_t live;
-	uint32_t by_state[RR_NSTATES];
-	struct pick *pick;
-	uint32_t n, k;
-};
 
 static bool younger(const struct pick *a, const struct pick *b)
 {
@@ -652,8 +698,27 @@ static bool scan_rrefs(const struct rref_table *t, uint32_t k, struct rscan *sc)
 	return true;
 }
 
-static void print_rrefs_text(const struct rref_table *t, const struct rscan *sc, uint32_t *counts)
+/* The RRefs' counts by state, and the oldest (for the text or the JSON;
+ * --check walks the table itself). */
+static bool snap_rrefs(struct view *v)
 {
+	if (!(v->counts = calloc(v->rrefs.world, sizeof(*v->counts))))
+		return false;
+	return v->check || scan_rrefs(&v->rrefs, v->json ? RR_LISTED : RR_SHOWN, &v->sc);
+}
+
+static void detach_rrefs(struct view *v)
+{
+	free(v->sc.pick);
+	free(v->counts);
+	rref_table_detach(&v->rrefs);
+}
+
+static void print_rrefs_text(struct view *v)
+{
+	const struct rref_table *t = &v->rrefs;
+	const struct rscan *sc = &v->sc;
+	uint32_t *counts = v->counts;
 	uint64_t now = shmrpc_now_ns();
 	char id[48], dur[32];
 	struct rsnap s;
@@ -683,8 +748,11 @@ static void print_rrefs_text(const struct rref_table *t, const struct rscan *sc,
 }
 
 /* Ends with the entries' ']}': the object's last field. */
-static void print_rrefs_json(const struct rref_table *t, const struct rscan *sc, uint32_t *counts)
+static void print_rrefs_json(struct view *v)
 {
+	const struct rref_table *t = &v->rrefs;
+	const struct rscan *sc = &v->sc;
+	uint32_t *counts = v->counts;
 	uint64_t now = shmrpc_now_ns();
 	bool first = true;
 	struct rsnap s;
@@ -745,8 +813,11 @@ static enum fault fault_of(const struct rref_table *t, const struct wsnap *ws, u
 }
 
 /* Prints each RRef anomaly; the number found, or -1 when out of memory. */
-static int check_rrefs(const struct rref_table *t, const struct wsnap *ws, uint32_t *counts)
+static int check_rrefs(struct view *v)
 {
+	const struct rref_table *t = &v->rrefs;
+	const struct wsnap *ws = v->ws;
+	uint32_t *counts = v->counts;
 	const struct timespec pause = { 0, RR_RECHECK_NS };
 	struct pick *bad = NULL;
 	uint32_t nbad = 0, cap = 0;
@@ -825,8 +896,10 @@ static void print_cuda_text(const struct shm_seg *seg, const struct wsnap *ws)
 	}
 }
 
-static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
+static void print_workers_text(struct view *v)
 {
+	const struct shm_seg *seg = &v->seg;
+	const struct wsnap *ws = v->ws;
 	const struct shm_header *h = seg->hdr;
 	char name[SHM_NAME_MAX + 1], pbuf[SHM_NAME_MAX + 1], dur[32];
 
@@ -861,31 +934,19 @@ static void print_text(const struct shm_seg *seg, const struct wsnap *ws)
 	print_cuda_text(seg, ws);
 }
 
-static void json_str(const char *s)
+/* Opens the job's object: show() closes it, after the other subjects'
+ * fields. */
+static void print_workers_json(struct view *v)
 {
-	putchar('"');
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
-
-		if (c == '"' || c == '\\')
-			printf("\\%c", c);
-		else if (c < 0x20 || c == 0x7f)
-			printf("\\u%04x", c);
-		else
-			putchar(c);
-	}
-	putchar('"');
-}
-
-static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
-{
+	const struct shm_seg *seg = &v->seg;
+	const struct wsnap *ws = v->ws;
 	const struct shm_header *h = seg->hdr;
 	char name[SHM_NAME_MAX + 1];
 
 	copy_name(name, h->job_name);
 	printf("{\"format_version\":%u,\"launcher_pid\":%u,\"job_name\":", h->format_version,
 	       h->launcher_pid);
-	json_str(name);
+	json_put_str(stdout, name);
 	printf(",\"world_size\":%u,\"age_s\":%.3f,\"ring_size\":%u,\"generation\":%u,"
 	       "\"shutting_down\":%s,\"workers\":[",
 	       seg->world, (double)age_ns(seg) / 1e9, seg->ring_size,
@@ -895,11 +956,11 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 		const struct wsnap *s = &ws[r];
 
 		printf("%s{\"rank\":%u,\"name\":", r ? "," : "", r);
-		json_str(s->name);
+		json_put_str(stdout, s->name);
 		printf(",\"pid\":%u,\"state\":\"%s\",\"exit\":", s->pid,
 		       name_of(state_names, NSTATES, shown_state(s->state, s->pid)));
 		if (s->exit_text[0])
-			json_str(s->exit_text);
+			json_put_str(stdout, s->exit_text);
 		else
 			fputs("null", stdout);
 		printf(",\"agent_state\":\"%s\",\"heartbeat_age_s\":", name_of(agent_names, 4, s->agent));
@@ -919,8 +980,10 @@ static void print_json(const struct shm_seg *seg, const struct wsnap *ws)
 }
 
 /* Prints each anomaly; the number found. */
-static int check(const struct shm_seg *seg, const struct wsnap *ws)
+static int check_workers(struct view *v)
 {
+	const struct shm_seg *seg = &v->seg;
+	const struct wsnap *ws = v->ws;
 	char pbuf[SHM_NAME_MAX + 1];
 	int bad = 0;
 
@@ -1028,7 +1091,7 @@ static int list_jobs(bool json)
 		copy_name(name, seg.hdr->job_name);
 		if (json) {
 			printf("%s{\"launcher_pid\":%ld,\"job_name\":", found++ ? "," : "", pid);
-			json_str(name);
+			json_put_str(stdout, name);
 			printf(",\"world_size\":%u,\"age_s\":%.3f,\"workers\":{", seg.world,
 			       (double)age_ns(&seg) / 1e9);
 			for (uint32_t st = 0; st < NSTATES; st++)
@@ -1063,84 +1126,79 @@ static void print_unread_json(const char *key, const char *why)
 		return;
 	}
 	printf("{\"error\":");
-	json_str(why);
+	json_put_str(stdout, why);
 	printf("}");
 }
 
-/* --check: a pool or RRef table that exists and cannot be read hides
- * whatever is wrong in it, so it is an anomaly itself. */
-static int check_unread(const struct unread *un)
+static const struct subject subjects[] = {
+	/* The segment, attached before: always there. */
+	{ NULL, NULL, NULL, NULL, NULL, snap_workers, print_workers_text, print_workers_json,
+	  check_workers, detach_workers },
+	{ "tensor pool", "the tensor pool", "pool", POOL_LINK, map_pool, snap_pool,
+	  print_pool_text, print_pool_json, check_pool, detach_pool },
+	{ "rref table", "the RRef table", "rrefs", RREF_LINK, map_rrefs, snap_rrefs,
+	  print_rrefs_text, print_rrefs_json, check_rrefs, detach_rrefs },
+};
+#define NSUBJECTS (sizeof(subjects) / sizeof(subjects[0]))
+
+/* 1 when the job has s and it is attached; 0 when the job has none; -1
+ * when it has one that cannot be read, why set. */
+static int attach(const struct subject *s, struct view *v, char *why, size_t len)
 {
-	if (un->pool[0])
-		printf("the tensor pool cannot be read: %s\n", un->pool);
-	if (un->rrefs[0])
-		printf("the RRef table cannot be read: %s\n", un->rrefs);
-	return !!un->pool[0] + !!un->rrefs[0];
+	int fd;
+
+	if (!s->memfd)
+		return 1;
+	if ((fd = open_memfd(v->pid, s->memfd)) < 0)
+		return 0;
+	if (s->map(v, fd)) {
+		snprintf(why, len, "%s", shmrpc_errmsg());
+		close(fd);
+		return -1;
+	}
+	return 1;
 }
 
-/* Shows the job whose segment seg (attached, launcher pid) is; detaches it. */
-static int show(pid_t pid, struct shm_seg *segp, bool json, bool want_check)
+/* Shows the job whose segment seg (attached, launcher pid) is: each
+ * subject attached, then each read, then each shown; detaches it. */
+static int show(pid_t pid, struct shm_seg *seg, bool json, bool want_check)
 {
-	struct shm_seg seg = *segp;
-	struct shm_pool pool;
-	struct rref_table rrefs;
-	struct rscan sc = { 0 };
-	uint32_t *counts = NULL;
-	struct unread un = { { 0 }, { 0 } };
-	struct wsnap *ws;
-	bool has_pool, has_rrefs, scanned = true;
-	int rc = 0;
+	struct view v = { .pid = pid, .json = json, .check = want_check, .seg = *seg };
+	char why[NSUBJECTS][256] = { { 0 } };
+	int found[NSUBJECTS], bad = 0, rc = 0;
+	bool snapped = true;
 
-	has_pool = attach_pool(pid, &pool, un.pool, sizeof(un.pool));
-	has_rrefs = attach_rrefs(pid, seg.world, &rrefs, un.rrefs, sizeof(un.rrefs));
-	ws = snap_job(&seg);
-	if (has_rrefs) {
-		counts = calloc(rrefs.world, sizeof(*counts));
-		scanned = counts && (want_check ||
-				     scan_rrefs(&rrefs, json ? RR_LISTED : RR_SHOWN, &sc));
+	for (size_t i = 0; i < NSUBJECTS; i++)
+		found[i] = attach(&subjects[i], &v, why[i], sizeof(why[i]));
+	for (size_t i = 0; i < NSUBJECTS; i++)
+		snapped = snapped && (found[i] <= 0 || subjects[i].snap(&v));
+	for (size_t i = 0; i < NSUBJECTS && snapped && want_check && bad >= 0; i++) {
+		int n = found[i] > 0 ? subjects[i].check(&v) : 0;
+
+		if (found[i] < 0)
+			printf("%s cannot be read: %s\n", subjects[i].what, why[i]);
+		bad = n < 0 ? -1 : bad + n + (found[i] < 0);
 	}
-	if (!ws || !scanned) {
+	for (size_t i = 0; i < NSUBJECTS && snapped && !want_check; i++) {
+		if (found[i] > 0)
+			(json ? subjects[i].json : subjects[i].text)(&v);
+		else if (json)
+			print_unread_json(subjects[i].key, why[i]);
+		else if (found[i] < 0)
+			printf("\n%-14s cannot be read: %s\n", subjects[i].title, why[i]);
+	}
+	if (!snapped || bad < 0)
 		rc = fail("out of memory");
-	} else if (want_check) {
-		int bad = check(&seg, ws) + (has_pool ? check_pool(&pool) : 0) + check_unread(&un);
-		int bad_rrefs = has_rrefs ? check_rrefs(&rrefs, ws, counts) : 0;
-
-		if (bad_rrefs < 0)
-			rc = fail("out of memory");
-		else if (bad + bad_rrefs)
-			rc = EXIT_ANOMALY;
-		else
-			printf("ok\n");
-	} else if (json) {
-		print_json(&seg, ws);
-		if (has_pool)
-			print_pool_json(&pool);
-		else
-			print_unread_json("pool", un.pool);
-		if (has_rrefs)
-			print_rrefs_json(&rrefs, &sc, counts);
-		else
-			print_unread_json("rrefs", un.rrefs);
+	else if (bad)
+		rc = EXIT_ANOMALY;
+	else if (want_check)
+		printf("ok\n");
+	else if (json)
 		printf("}\n");
-	} else {
-		print_text(&seg, ws);
-		if (has_pool)
-			print_pool_text(&pool);
-		else if (un.pool[0])
-			printf("\ntensor pool    cannot be read: %s\n", un.pool);
-		if (has_rrefs)
-			print_rrefs_text(&rrefs, &sc, counts);
-		else if (un.rrefs[0])
-			printf("\nrref table     cannot be read: %s\n", un.rrefs);
-	}
-	free(sc.pick);
-	free(counts);
-	free(ws);
-	if (has_rrefs)
-		rref_table_detach(&rrefs);
-	if (has_pool)
-		pool_detach(&pool);
-	shm_seg_detach(&seg);
+	for (size_t i = 0; i < NSUBJECTS; i++)
+		if (found[i] > 0)
+			subjects[i].detach(&v);
+	shm_seg_detach(&v.seg);
 	return rc;
 }
 
@@ -1178,7 +1236,7 @@ static void print_trace_json(const struct shm_seg *seg, uint32_t rank, const str
 
 	copy_name(name, shm_worker(seg, rank)->name);
 	printf("{\"rank\":%u,\"name\":", rank);
-	json_str(name);
+	json_put_str(stdout, name);
 	printf(",\"capacity\":%u,\"claimed\":%llu,\"dropped\":%llu,\"records\":[", seg->trace_records,
 	       (unsigned long long)head, (unsigned long long)dropped);
 	for (size_t i = 0; i < n; i++) {

@@ -785,16 +785,47 @@ static void watch_forks(void)
 	pthread_atfork(NULL, NULL, forget_agent_in_child);
 }
 
+/* *o = the caller's options, NULL the defaults, after checking what keeps
+ * the struct's ABI (include/shmrpc.h): its size is the one this library
+ * has (only the first field is read before), its reserved fields zero. */
+static int options_take(const struct shmrpc_options *opts, struct shmrpc_options *o)
+{
+	static const struct shmrpc_options zero;
+
+	*o = (struct shmrpc_options)SHMRPC_OPTIONS();
+	if (!opts)
+		return 0;
+	if (opts->size < sizeof(*opts))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options.size is %u, smaller than "
+				    "the %zu bytes of its struct in this library: make the options "
+				    "with SHMRPC_OPTIONS(...) (shmrpc.h), which sets it", opts->size,
+				    sizeof(*opts));
+	if (opts->size > sizeof(*opts))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options.size is %u, a struct this "
+				    "library (shmrpc %s, %zu bytes) does not know: the program was "
+				    "built against a newer shmrpc.h; run it with that version's "
+				    "library", opts->size, SHMRPC_VERSION_STRING, sizeof(*opts));
+	if (opts->reserved32 || memcmp(opts->reserved, zero.reserved, sizeof(zero.reserved)))
+		return shmrpc__fail(-EINVAL, "shmrpc_init: shmrpc_options has reserved fields set: "
+				    "make the options with SHMRPC_OPTIONS(...) (shmrpc.h), which "
+				    "leaves them zero");
+	*o = *opts;
+	return 0;
+}
+
 int shmrpc_init(const struct shmrpc_options *opts)
 {
 	static pthread_once_t forks_watched = PTHREAD_ONCE_INIT;
-	struct shmrpc_options o = opts ? *opts : (struct shmrpc_options){ 0 };
+	struct shmrpc_options o;
 	long rank = env_long("SHMRPC_RANK", -1), world = env_long("SHMRPC_WORLD_SIZE", -1);
-	const char *name = o.name ? o.name : getenv("SHMRPC_NAME");
+	const char *name;
 	struct agent *ag;
 	uint64_t deadline;
-	int rc;
+	int rc = options_take(opts, &o);
 
+	if (rc)
+		return rc;
+	name = o.name ? o.name : getenv("SHMRPC_NAME");
 	if (worker_agent)
 		return shmrpc__fail(-EALREADY, "shmrpc_init: the RPC agent is already running");
 	pthread_once(&forks_watched, watch_forks);
@@ -962,12 +993,12 @@ timeout:
 
 int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 	char err[1024];
-	int rc = 0;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "shmrpc_shutdown: the RPC agent is not running");
+	if (rc)
+		return rc;
 	agent_take_replies(ag, false); /* the loop thread takes every reply again */
 	if (graceful) {
 		rc = graceful_barrier(ag, timeout_ms > 0 ? shmrpc_now_ns() +
@@ -997,22 +1028,34 @@ int shmrpc_shutdown(int graceful, int64_t timeout_ms)
 
 /* ---- who is who ---- */
 
+int agent_running(struct agent **ag)
+{
+	*ag = worker_agent;
+	return *ag ? 0 : shmrpc__fail(-ENOTCONN, "the RPC agent is not running in this process: "
+				      "call shmrpc_init (init_rpc in Python) first");
+}
+
 int shmrpc_rank(void)
 {
-	return worker_agent ? (int)worker_agent->rank : -ENOTCONN;
+	struct agent *ag;
+
+	return agent_running(&ag) ?: (int)ag->rank;
 }
 
 int shmrpc_world_size(void)
 {
-	return worker_agent ? (int)worker_agent->world : -ENOTCONN;
+	struct agent *ag;
+
+	return agent_running(&ag) ?: (int)ag->world;
 }
 
 int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (rc)
+		return rc;
 	if (rank < 0 || (uint32_t)rank >= ag->world)
 		return shmrpc__fail(-EINVAL, "no worker of rank %d: the job has %u workers", rank,
 				    ag->world);
@@ -1023,10 +1066,11 @@ int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 
 int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if (rc)
+		return rc;
 	if (!name)
 		return shmrpc_get_worker_info_by_rank((int)ag->rank, out);
 	for (uint32_t r = 0; r < ag->world; r++) {

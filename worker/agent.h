@@ -102,6 +102,11 @@ SHMRPC_HIDDEN void agent_spin_end(void);
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
 
+/* *ag = the running agent: 0, or -ENOTCONN with the one sentence that says
+ * no agent runs and how to start one (every public entry point that needs
+ * the agent asks here, so they all say the same). */
+SHMRPC_HIDDEN int agent_running(struct agent **ag);
+
 /* Takes what the incoming rings hold, unless another thread is at it
  * (-EBUSY; wait: after it); returns how many frames. Any thread; never
  * waits in a send (a TENSOR_ACK goes only if it fits at once), never runs

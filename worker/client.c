@@ -363,33 +363,22 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	else if (!(f = future_new()))
 		rc = shmrpc__fail(-ENOMEM, "out of memory making a future");
 	else
-		rc = devmap_check_send(ag, (uint32_t)dst, false, sent) ?:
-		     (sent->nr ? rref_charge(ag, sent, (uint32_t)dst) : 0);
-	if (rc) {
-		tensor_list_forget(sent);
-		if (f)
-			future_unref(f);
-		return rc;
-	}
+		rc = devmap_check_send(ag, (uint32_t)dst, false, sent);
+	if (rc)
+		goto out;
+	/* Each step below is undone, in reverse order, by the label of the
+	 * same name when a later one fails. */
+	if (sent->nr && (rc = rref_charge(ag, sent, (uint32_t)dst)))
+		goto out;
 	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
 		timeout_ms = (int64_t)(ag->default_timeout_ns / 1000000u);
 	/* Relaxed: only uniqueness matters. */
 	f->msg_id = atomic_fetch_add_explicit(&next_msg_id, 1, memory_order_relaxed);
 	/* The arguments' tensors stay alive until the callee holds them. */
-	rc = sent->n ? pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, sent) : 0;
-	if (rc) {
-		rref_uncharge(ag, sent, (uint32_t)dst);
-		tensor_list_forget(sent);
-		future_unref(f);
-		return rc;
-	}
-	if (asks && (rc = profile_wrap(ag, dst, kind, name, asks, f, &type, sb))) {
-		pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
-		rref_uncharge(ag, sent, (uint32_t)dst);
-		tensor_list_forget(sent);
-		future_unref(f);
-		return rc;
-	}
+	if (sent->n && (rc = pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, sent)))
+		goto charged;
+	if (asks && (rc = profile_wrap(ag, dst, kind, name, asks, f, &type, sb)))
+		goto pinned;
 	f->dst = (uint32_t)dst;
 	/* Who may run the request while waiting for a call of its own
 	 * (worker/executor.h): for a call to ourselves, whoever waits for it;
@@ -410,27 +399,30 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	if ((uint32_t)dst == ag->rank) {
 		server_submit(ag, ag->rank, type, f->msg_id, needed_by, depth, help.e, help.n,
 			      sb->data, sb->size);
-		rc = 0;
-	} else {
-		rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, &help,
-				sb->data, sb->size);
-	}
-	if (rc) {
+	} else if ((rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, &help,
+				    sb->data, sb->size))) {
 		char msg[1024];
 
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		rc = shmrpc__fail(rc, "cannot %s on worker %d: %s", what, dst, msg);
 		trace_rec(SHM_TRACE_COMPLETED, f->dst, type, f->msg_id, 0, trace_status_of(rc));
-		pins_release(f->dst, f->msg_id, PIN_REQUEST);
-		rref_uncharge(ag, sent, (uint32_t)dst);
+		/* Still in the table unless its deadline passed meanwhile. */
 		if (pending_take(f->msg_id, f->dst))
 			settled(ag, f);
-		future_unref(f);
-		tensor_list_forget(sent);
-		return shmrpc__fail(rc, "cannot %s on worker %d: %s", what, dst, msg);
+		goto pinned;
 	}
 	tensor_list_forget(sent);
 	*out = f;
 	return 0;
+pinned:
+	pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
+charged:
+	rref_uncharge(ag, sent, (uint32_t)dst);
+out:
+	tensor_list_forget(sent);
+	if (f)
+		future_unref(f);
+	return rc;
 }
 
 void client_what(char what[static CLIENT_WHAT_MAX], const char *verb, const char *fn,
@@ -450,7 +442,7 @@ void client_what(char what[static CLIENT_WHAT_MAX], const char *verb, const char
 int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 		     int64_t timeout_ms, shmrpc_future **out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 	struct tensor_list sent = { 0 };
 	msgpack_sbuffer sb;
 	char what[CLIENT_WHAT_MAX];
@@ -459,8 +451,8 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 	if (!out || !fn || (nargs && !args))
 		return shmrpc__fail(-EINVAL, "shmrpc_rpc_async: fn, out and args must be given");
 	*out = NULL;
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first");
+	if ((rc = agent_running(&ag)))
+		return rc;
 	msgpack_sbuffer_init(&sb);
 	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
 	client_what(what, "call", fn, "");

@@ -10,6 +10,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/json.h"
 #include "worker/profile.h"
 #include "worker/value.h"
 
@@ -303,38 +304,25 @@ void shmrpc_profile_free(shmrpc_profile *p)
 	}
 }
 
-/* name as a JSON string body. */
-static void json_str(FILE *f, const char *s)
-{
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
-
-		if (c == '"' || c == '\\')
-			fprintf(f, "\\%c", c);
-		else if (c < 0x20)
-			fprintf(f, "\\u%04x", c);
-		else
-			fputc(c, f);
-	}
-}
-
 int shmrpc_profile_export_chrome(const shmrpc_profile *p, const char *path)
 {
-	FILE *f = path ? fopen(path, "w") : NULL;
 	const char *sep = "";
+	FILE *f;
 
-	if (!f)
-		return shmrpc__fail(-errno ? -errno : -EINVAL, "cannot write the trace to %s: %s",
-				    path ? path : "(null)", strerror(errno));
+	if (!path)
+		return shmrpc__fail(-EINVAL, "shmrpc_profile_export_chrome: no path given");
+	if (!(f = fopen(path, "w")))
+		return shmrpc__fail(-errno, "cannot write the trace to %s: %s", path,
+				    strerror(errno));
 	/* Chrome trace events: one process per worker; a flow arrow from
 	 * each call to what its callee ran. */
 	fprintf(f, "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[");
 	for (uint32_t i = 0; p && i < p->n; i++) {
 		const struct shmrpc_profile_event *e = &p->ev[i];
 
-		fprintf(f, "%s\n{\"name\":\"", sep);
-		json_str(f, e->name);
-		fprintf(f, "\",\"cat\":\"rpc\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
+		fprintf(f, "%s\n{\"name\":", sep);
+		json_put_str(f, e->name);
+		fprintf(f, ",\"cat\":\"rpc\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
 			"\"dur\":%.3f}", e->rank, e->parent < 0 ? 0 : 1, (double)e->start_ns / 1e3,
 			(double)(e->end_ns - e->start_ns) / 1e3);
 		sep = ",";

@@ -311,7 +311,7 @@ static int context_check(const struct python_request *r)
 int python_request_async(int dst, const struct python_request *r, int64_t timeout_ms,
 			 shmrpc_future **out)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
 	struct tensor_list sent = { 0 };
 	struct arena a = { 0 };
 	msgpack_sbuffer sb;
@@ -321,8 +321,8 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 	int rc;
 
 	*out = NULL;
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call init_rpc first");
+	if ((rc = agent_running(&ag)))
+		return rc;
 	switch (r->type) {
 	case MSG_PYTHON_CALL:
 		what = "call a Python function";

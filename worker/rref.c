@@ -44,35 +44,34 @@ static uint64_t new_id(struct agent *ag)
 	return RREF_ID(ag->rank, atomic_fetch_add_explicit(&next_local_id, 1, memory_order_relaxed));
 }
 
-static struct agent *agent_or_fail(void)
+/* *ag = the running agent, of a job with an RRef table: 0, -ENOTCONN or
+ * -ENOTSUP. */
+static int rref_agent(struct agent **ag)
 {
-	struct agent *ag = worker_agent;
+	int rc = agent_running(ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
-		       NULL;
-	if (!ag->has_rrefs || !ag->has_pool)
+	if (rc)
+		return rc;
+	if (!(*ag)->has_rrefs || !(*ag)->has_pool)
 		return shmrpc__fail(-ENOTSUP, "this job has no RRef table: start it with shmrun "
-				    "(--max-rrefs sets its size)"),
-		       NULL;
-	return ag;
+				    "(--max-rrefs sets its size)");
+	return 0;
 }
 
 static int id_text(uint64_t id, char *buf, size_t len);
 
-/* agent_or_fail, for a handle: fails when r was made in a job that has
- * shut down since (an RRef kept across init_rpc, shutdown, init_rpc). */
-static struct agent *agent_of_or_fail(const shmrpc_rref *r)
+/* rref_agent, for a handle: -ENOTCONN too when r was made in a job that
+ * has shut down since (an RRef kept across init_rpc, shutdown, init_rpc). */
+static int handle_agent(const shmrpc_rref *r, struct agent **ag)
 {
-	struct agent *ag = agent_or_fail();
+	int rc = rref_agent(ag);
 	char id[96];
 
-	if (!ag || !r || r->job == ag->job)
-		return ag;
+	if (rc || !r || r->job == (*ag)->job)
+		return rc;
 	id_text(r->id, id, sizeof(id));
-	return shmrpc__fail(-ENOTSUP, "RRef %s belongs to an RPC job that has shut down (it "
-			    "was deleted then): an RRef lives in the job that made it", id),
-	       NULL;
+	return shmrpc__fail(-ENOTCONN, "RRef %s belongs to an RPC job that has shut down (it "
+			    "was deleted then): an RRef lives in the job that made it", id);
 }
 
 static int id_text(uint64_t id, char *buf, size_t len)
@@ -302,14 +301,14 @@ void shmrpc_rref_free(shmrpc_rref *r)
 
 int shmrpc_rref_retain(shmrpc_rref *r, shmrpc_rref **out)
 {
-	struct agent *ag = agent_of_or_fail(r);
+	struct agent *ag;
 	struct pending_user *p = NULL;
 	bool failed = false;
 	shmrpc_rref *n;
-	int rc;
+	int rc = handle_agent(r, &ag);
 
-	if (!ag)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	if (r->pending) {
 		/* Not confirmed yet: the copy owes its reference too. */
 		pthread_mutex_lock(&forks.lock);
@@ -771,8 +770,8 @@ int rref_charge(struct agent *ag, const struct tensor_list *l, uint32_t dst)
 	if (!ag->has_rrefs)
 		return shmrpc__fail(-ENOTSUP, "this job has no RRef table");
 	for (i = 0; i < l->nr; i++) {
-		if (!agent_of_or_fail(l->r[i]))
-			return -ENOTSUP;
+		if ((rc = handle_agent(l->r[i], &ag)))
+			return rc;
 		k += by_message(ag, l->r[i]);
 	}
 	if (k) {
@@ -1298,15 +1297,15 @@ static int fetch_by_message(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms
 
 int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 {
-	struct agent *ag = agent_of_or_fail(r);
+	struct agent *ag;
 	shmrpc_future *f;
 	int rc;
 
 	if (!out || !r)
 		return shmrpc__fail(-EINVAL, "shmrpc_rref_to_here: r and out must be given");
 	*out = NULL;
-	if (!ag)
-		return -ENOTSUP;
+	if ((rc = handle_agent(r, &ag)))
+		return rc;
 	if (timeout_ms < 0 && timeout_ms != SHMRPC_TIMEOUT_DEFAULT)
 		return shmrpc__fail(-EINVAL, "timeout %lld ms: give a positive number, "
 				    "SHMRPC_TIMEOUT_DEFAULT or SHMRPC_TIMEOUT_NONE", (long long)timeout_ms);
@@ -1334,12 +1333,12 @@ int shmrpc_rref_to_here(shmrpc_rref *r, int64_t timeout_ms, shmrpc_future **out)
 
 int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 {
-	struct agent *ag = agent_of_or_fail(r);
+	struct agent *ag;
 	shmrpc_future *f;
-	int rc = 0;
+	int rc = handle_agent(r, &ag);
 
-	if (!ag)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	pthread_mutex_lock(&r->lock);
 	if (!r->local_loaded) {
 		if (!(f = future_new())) {
@@ -1364,11 +1363,12 @@ int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 
 int shmrpc_rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 {
-	struct agent *ag = agent_of_or_fail(r);
+	struct agent *ag;
 	char rs[160], me[SHM_NAME_MAX];
+	int rc = handle_agent(r, &ag);
 
-	if (!ag)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	if (!r || !out)
 		return shmrpc__fail(-EINVAL, "shmrpc_rref_local_value: r and out must be given");
 	if (r->owner != ag->rank) {
@@ -1508,22 +1508,22 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 int shmrpc_remote(int dst, const char *fn, const shmrpc_value *args, uint32_t nargs,
 		  int64_t timeout_ms, shmrpc_rref **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag;
 
 	if (!out || !fn || (nargs && !args))
 		return shmrpc__fail(-EINVAL, "shmrpc_remote: fn, out and args must be given");
 	*out = NULL;
-	return ag ? remote(ag, dst, fn, args, nargs, 0, NULL, timeout_ms, out) : -ENOTSUP;
+	return rref_agent(&ag) ?: remote(ag, dst, fn, args, nargs, 0, NULL, timeout_ms, out);
 }
 
 int python_remote(int dst, const struct python_request *r, int64_t timeout_ms, shmrpc_rref **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag;
 	int rc;
 
 	*out = NULL;
-	if (!ag)
-		return -ENOTSUP;
+	if ((rc = rref_agent(&ag)))
+		return rc;
 	rc = remote(ag, dst, "Python function", NULL, 0, 0, r, timeout_ms, out);
 	if (rc == 0)
 		python_count_sent(r->type);
@@ -1532,7 +1532,7 @@ int python_remote(int dst, const struct python_request *r, int64_t timeout_ms, s
 
 int python_rref_local(const char *pickled, uint32_t len, bool live, shmrpc_rref **out)
 {
-	struct agent *ag = agent_or_fail();
+	struct agent *ag;
 	struct python_request v = { .type = MSG_PYTHON_RET };
 	struct tensor_list sent = { 0 };
 	struct arena a = { 0 };
@@ -1543,8 +1543,8 @@ int python_rref_local(const char *pickled, uint32_t len, bool live, shmrpc_rref 
 	int rc;
 
 	*out = NULL;
-	if (!ag)
-		return -ENOTSUP;
+	if ((rc = rref_agent(&ag)))
+		return rc;
 	/* As a remote() to ourselves, stored at once: the creator's
 	 * reference is the handle's, the pending run's goes in the store. */
 	id = new_id(ag);
@@ -1584,12 +1584,12 @@ enum proxy_kind { PROXY_SYNC, PROXY_ASYNC, PROXY_REMOTE };
 static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shmrpc_value *args,
 		 uint32_t nargs, int64_t timeout_ms, void *out)
 {
-	struct agent *ag = agent_of_or_fail(r);
+	struct agent *ag;
 	shmrpc_value *all;
-	int rc;
+	int rc = handle_agent(r, &ag);
 
-	if (!ag)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	if (!r || !fn || !out || (nargs && !args))
 		return shmrpc__fail(-EINVAL, "RRef proxy: r, fn, out and args must be given");
 	if (!(all = malloc(((size_t)nargs + 1) * sizeof(*all))))

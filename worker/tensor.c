@@ -101,18 +101,20 @@ static struct {
 	bool open; /* from tensor_idle_open to tensor_idle_close */
 } idle_cache = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
-static struct shm_pool *pool_or_fail(void)
+/* *p = the running agent's tensor pool: 0, -ENOTCONN or -ENOTSUP. */
+static int pool_get(struct shm_pool **p)
 {
-	struct agent *ag = worker_agent;
+	struct agent *ag;
+	int rc = agent_running(&ag);
 
-	if (!ag)
-		return shmrpc__fail(-ENOTCONN, "the RPC agent is not running: call shmrpc_init first"),
-		       NULL;
+	*p = NULL;
+	if (rc)
+		return rc;
 	if (!ag->has_pool)
 		return shmrpc__fail(-ENOTSUP, "this job has no tensor pool: start it with shmrun "
-				    "(--pool-size sets its size)"),
-		       NULL;
-	return &ag->pool;
+				    "(--pool-size sets its size)");
+	*p = &ag->pool;
+	return 0;
 }
 
 int tensor_view_open(struct shm_pool *p, struct tensor_view **out)
@@ -616,13 +618,13 @@ static int dev_token(struct tensor_dev *d, uint64_t *token)
 
 int shmrpc_tensor_alloc(DLDataType dtype, int32_t ndim, const int64_t *shape, shmrpc_tensor **out)
 {
-	struct shm_pool *p = pool_or_fail();
+	struct shm_pool *p;
 	shmrpc_tensor *t;
 	uint64_t off;
-	int rc;
+	int rc = pool_get(&p);
 
-	if (!p)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	if (!out || (ndim && !shape))
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_alloc: shape and out must be given");
 	rc = make_handle(p, 0, dtype, ndim, shape, &t);
@@ -663,9 +665,8 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 		}
 		return rc;
 	}
-	p = pool_or_fail();
-	if (!p)
-		return -ENOTSUP;
+	if ((rc = pool_get(&p)))
+		return rc;
 	rc = make_handle(p, t->off, t->dl.dtype, t->dl.ndim, t->shape, out);
 	if (rc)
 		return rc;
@@ -858,10 +859,11 @@ static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uin
 	struct agent *ag = worker_agent;
 	/* Relaxed: see shmrpc_tensor_set_cuda_stream. */
 	uintptr_t stream = atomic_load_explicit(&d->stream, memory_order_relaxed);
+	struct shm_pool *p;
 	int rc;
 
-	if (!pool_or_fail())
-		return -ENOTSUP; /* the token lives in the pool */
+	if ((rc = pool_get(&p)))
+		return rc; /* the token lives in the pool */
 	memset(wc, 0, sizeof(*wc));
 	if (d->imported) {
 		/* Passed on: the producer's allocation and token, our event. */
@@ -1051,14 +1053,14 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
 		  shmrpc_tensor **out)
 {
-	struct shm_pool *p = pool_or_fail();
+	struct shm_pool *p;
 	struct tensor_wire w;
 	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
 	int64_t block;
-	int rc;
+	int rc = pool_get(&p);
 
-	if (!p)
-		return -ENOTSUP;
+	if (rc)
+		return rc;
 	if (len < sizeof(w))
 		return shmrpc__fail(-EBADMSG, "a tensor descriptor of %u bytes is too short", len);
 	memcpy(&w, data, sizeof(w));
@@ -1341,10 +1343,9 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 	d = &m->dl_tensor;
 	if (d->device.device_type == kDLCUDA)
 		return from_cuda(m, out);
-	p = pool_or_fail();
-	if (!p)
-		rc = -ENOTSUP;
-	else if (d->device.device_type != kDLCPU && d->device.device_type != kDLCUDAHost)
+	if ((rc = pool_get(&p)))
+		return rc; /* m stays the caller's */
+	if (d->device.device_type != kDLCPU && d->device.device_type != kDLCUDAHost)
 		rc = shmrpc__fail(-ENOTSUP, "DLPack tensors on device type %d are not supported yet "
 				  "(CPU and CUDA memory only)", (int)d->device.device_type);
 	else if (!contiguous(d))

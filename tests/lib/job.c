@@ -15,12 +15,11 @@ bool tl_is_worker(void)
 	return getenv("SHMRPC_RANK") != NULL;
 }
 
-/* build/bin/name, or under $SHMRPC_BUILD. */
-static const char *bin_path(char path[static PATH_MAX], const char *name)
+const char *tl_build_path(char path[static PATH_MAX], const char *rel)
 {
 	const char *build = getenv("SHMRPC_BUILD");
 
-	snprintf(path, PATH_MAX, "%s/bin/%s", build && *build ? build : "build", name);
+	snprintf(path, PATH_MAX, "%s/%s", build && *build ? build : "build", rel);
 	return path;
 }
 
@@ -28,14 +27,14 @@ const char *tl_shmrun_path(void)
 {
 	static char path[PATH_MAX];
 
-	return bin_path(path, "shmrun");
+	return tl_build_path(path, "bin/shmrun");
 }
 
 const char *tl_inspect_path(void)
 {
 	static char path[PATH_MAX];
 
-	return bin_path(path, "shmrpc-inspect");
+	return tl_build_path(path, "bin/shmrpc-inspect");
 }
 
 static int vshmrun(char *out, size_t len, const char *opt, va_list ap)

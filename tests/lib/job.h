@@ -6,10 +6,13 @@
 #ifndef SHMRPC_TESTS_JOB_H
 #define SHMRPC_TESTS_JOB_H
 
+#include <limits.h>
 #include <stdbool.h>
 #include <stddef.h>
 
 bool tl_is_worker(void);
+/* $SHMRPC_BUILD/rel (default build/rel), written to path. */
+const char *tl_build_path(char path[static PATH_MAX], const char *rel);
 /* Path of shmrun in the build being tested ($SHMRPC_BUILD/bin/shmrun). */
 const char *tl_shmrun_path(void);
 /* $SHMRPC_BUILD/bin/shmrpc-inspect (default build/). */
