@@ -8,6 +8,7 @@ the rendezvous as torch does, refuses one on another machine, and joins.
 """
 import ipaddress
 import os
+import select
 import socket
 import sys
 import urllib.parse
@@ -16,6 +17,7 @@ from . import _shmrpc
 
 _POOL_DEFAULT = 256 << 20  # shmrun's --pool-size default
 _JOIN_TIMEOUT_MS = 60000
+_KEEPER_END_S = 5.0  # how long a graceful shutdown waits for its keeper's end
 _ENV_VARS = ("SHMRPC_RANK", "SHMRPC_WORLD_SIZE", "SHMRPC_JOB_FD", "SHMRPC_POOL_FD",
              "SHMRPC_RREF_FD", "SHMRPC_JOB_INO", "SHMRPC_NAME", "SHMRPC_LOCAL_RANK")
 
@@ -129,10 +131,26 @@ class Joined:
                 os.close(fd)
         self.fds = []
 
-    def leave(self):
-        if self.conn is not None:
-            _shmrpc.leave(self.conn)
-            self.conn = None
+    def leave(self, wait_keeper=False):
+        """Leaves the keeper's job. wait_keeper (a graceful shutdown, where
+        every worker leaves together): returns once the keeper, whose job
+        ends with its last worker, has ended too (at most _KEEPER_END_S),
+        so that a launcher waiting for this process finds nothing of the
+        job left running."""
+        if self.conn is None:
+            return
+        _shmrpc.leave(self.conn)
+        self.conn = None
+        if not wait_keeper:
+            return
+        try:
+            fd = os.pidfd_open(self.keeper_pid)
+        except OSError:
+            return  # ended already
+        try:
+            select.select([fd], [], [], _KEEPER_END_S)  # readable once it has ended
+        finally:
+            os.close(fd)
 
 
 def _python():

@@ -405,7 +405,7 @@ def shutdown(graceful=True, timeout=0):
         # keeper's job (the keeper releases what it still held there).
         joined, _core._joined = _core._joined, None
         if joined is not None:
-            joined.leave()
+            joined.leave(wait_keeper=bool(graceful))
         _core._initialized = False
         _core._shut_down = True
         _job_left()
