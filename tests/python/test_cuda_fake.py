@@ -122,7 +122,8 @@ class DeviceArray:
         ctypes.memset(self.ptr, fill, n)
 
     def __del__(self):
-        cu.cuMemFree_v2(self.ptr)
+        with Current():  # as the driver, the fake frees in a current context only
+            assert cu.cuMemFree_v2(self.ptr) == 0
 
     def __dlpack_device__(self):
         return (KDLCUDA, 0)
