@@ -27,6 +27,8 @@
  *    another thread: the release waits for that stream's work.
  *  - Fork: a child forked after CUDA started gets an error, not the
  *    parent's handles.
+ *  - Memory of a pool (cuMemAllocAsync: torch's cudaMallocAsync backend)
+ *    is refused when sent, with a "not supported yet" sentence.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -396,6 +398,45 @@ static void forked(void)
 	      "a child forked after CUDA started was not told CUDA is unusable there");
 }
 
+struct pooled {
+	DLManagedTensor m;
+	int64_t shape[1];
+};
+
+static void pooled_delete(DLManagedTensor *m)
+{
+	int (*mem_free)(uint64_t p) = sym("cuMemFree_v2");
+
+	tl_fake_cuda_device(0);
+	CHECK(mem_free((uint64_t)(uintptr_t)m->dl_tensor.data) == 0, "cuMemFree");
+	free(m);
+}
+
+static void pool_memory(void)
+{
+	int (*alloc_async)(uint64_t *p, size_t n, uintptr_t s) = sym("cuMemAllocAsync");
+	struct pooled *b = calloc(1, sizeof(*b));
+	shmrpc_tensor *t;
+	shmrpc_value a;
+	shmrpc_future *f;
+	uint64_t p;
+
+	CHECK(b, "out of memory");
+	tl_fake_cuda_device(0);
+	CHECK(alloc_async(&p, LEN, 0) == 0, "cuMemAllocAsync");
+	b->shape[0] = LEN;
+	b->m.dl_tensor = (DLTensor){ .data = (void *)(uintptr_t)p, .device = { kDLCUDA, 0 },
+				     .ndim = 1, .dtype = { kDLUInt, 8, 1 }, .shape = b->shape };
+	b->m.deleter = pooled_delete;
+	CHECK_OK(shmrpc_tensor_from_dlpack(&b->m, &t));
+	a = shmrpc_tensor_value(t);
+	CHECK(shmrpc_rpc_sync(1, "peek", &a, 1, SHMRPC_TIMEOUT_DEFAULT, &f) != 0 &&
+	      strstr(shmrpc_errmsg(), "not supported yet"),
+	      "a tensor of pool memory was sent, or refused without saying it is not supported "
+	      "yet: %s", shmrpc_errmsg());
+	shmrpc_tensor_free(t);
+}
+
 static int worker(void)
 {
 	int rank = atoi(getenv("SHMRPC_RANK"));
@@ -421,7 +462,8 @@ static int worker(void)
 			void (*run)(void);
 		} cases[] = { { "events", events_and_devices }, { "self", forwarded_to_itself },
 			      { "neighbours", neighbours },     { "landed", landed_copy },
-			      { "per_thread", per_thread },     { "fork", forked } };
+			      { "per_thread", per_thread },     { "fork", forked },
+			      { "pool", pool_memory } };
 		/* STRICT_CASE names one case to run alone (to see each fail on
 		 * its own against an older library); all by default. */
 		const char *only = getenv("STRICT_CASE");

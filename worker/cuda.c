@@ -220,7 +220,7 @@ static int cu_fail(CUresult r, const char *fmt, ...) SHMRPC_PRINTF(2, 3);
 static int cu_fail(CUresult r, const char *fmt, ...)
 {
 	const char *str = NULL;
-	char what[160];
+	char what[320];
 	va_list ap;
 	int err;
 
@@ -350,10 +350,10 @@ static int export_alloc(CUdeviceptr p, uint64_t id, struct cuda_ipc_desc *d, uin
 			return cu_fail(r, "cuMemGetAddressRange(0x%llx)", p);
 		r = cu.cuIpcGetMemHandle(&h, base);
 		if (r != CUDA_SUCCESS)
-			return cu_fail(r, "cuIpcGetMemHandle(0x%llx): sharing CUDA memory of cuMemCreate "
-				       "or of a memory pool (torch's expandable_segments or "
-				       "cudaMallocAsync allocator) is not supported yet; use torch's "
-				       "default caching allocator", base);
+			return cu_fail(r, "cuIpcGetMemHandle(0x%llx): sending CUDA memory of "
+				       "cuMemCreate or a memory pool (torch's expandable_segments, "
+				       "cudaMallocAsync) is not supported yet; use torch's default "
+				       "caching allocator", base);
 		/* The oldest entry goes: an allocation no longer sent costs one
 		 * cuIpcGetMemHandle if it comes back. */
 		a = &cu.allocs[cu.allocs_next++ % HANDLE_CACHE];

@@ -60,6 +60,9 @@ struct tensor_dev {
 	 * ordinal of its device (the descriptor's is the producer's). */
 	bool imported;
 	int32_t device;
+	/* Its consumers' streams were waited for (dev_drain): by the thread
+	 * that dropped the last handle, or at its release. */
+	bool drained;
 	uint32_t producer;         /* its rank */
 	struct tensor_view *view;  /* the job's pool the token is in (one reference) */
 	struct cuda_ipc_desc ipc;
@@ -233,6 +236,40 @@ static void heap_put(struct tensor_heap *h)
 
 /* ---- device tensors ---- */
 
+/*
+ * The last handle of a received tensor goes: the work its consumers queued
+ * on the streams they read it on must finish before the producer may free
+ * or reuse the memory (torch's receiver synchronizes its stream there too),
+ * as a stream's order says nothing to another process's allocator. Blocks
+ * the thread until that work is done; a failure (a consumer's stream
+ * destroyed meanwhile) is said, and the release goes on.
+ */
+static void dev_drain(struct tensor_dev *d)
+{
+	/* Relaxed: the acq_rel drops of the handles order the consumer's
+	 * store (shmrpc_tensor_cuda_wait) before this last one. */
+	uintptr_t consumer = atomic_load_explicit(&d->consumer, memory_order_relaxed);
+	int rc;
+
+	if (d->drained)
+		return;
+	rc = cuda_stream_sync(d->device, 0);
+	if (rc == 0 && consumer)
+		rc = cuda_stream_sync(d->device, consumer);
+	if (rc)
+		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
+	d->drained = true;
+}
+
+/* Waiting for the GPU is never done on the loop thread (a pin's release
+ * runs there), which every message of the agent waits on. */
+static bool on_loop_thread(void)
+{
+	return worker_agent && pthread_equal(pthread_self(), worker_agent->loop);
+}
+
+
+
 static void dev_put(struct tensor_dev *d);
 
 /* What dev holds, its last reference gone: a receiver's mapping, then
@@ -243,6 +280,7 @@ static void dev_release(struct tensor_dev *d)
 	struct agent *ag = worker_agent;
 
 	if (d->imported) {
+		dev_drain(d);
 		cuda_import_release(&d->ipc, false);
 		/* The token reference is of the job we received it in; after
 		 * that job, pool_leave dropped it already. */
@@ -276,6 +314,38 @@ static bool producer_running(const struct agent *ag, const struct tensor_dev *d)
 	       atomic_load_explicit(&w->pid, memory_order_acquire) == d->ipc.pid;
 }
 
+struct dev_job {
+	struct job j;
+	struct tensor_dev *d;
+};
+
+static void run_dev_release(struct job *j)
+{
+	struct tensor_dev *d = ((struct dev_job *)j)->d;
+
+	free(j);
+	dev_release(d);
+}
+
+/* dev_release, on an executor when it would wait for the GPU here on the
+ * loop thread. */
+static void dev_release_soon(struct tensor_dev *d)
+{
+	struct dev_job *j;
+
+	if (((d->imported && !d->drained) || d->source) && on_loop_thread()) {
+		j = calloc(1, sizeof(*j));
+		if (j) {
+			j->j.run = run_dev_release;
+			j->d = d;
+			executor_submit(&j->j);
+			return;
+		}
+		/* Out of memory for the job: done here, the loop waiting once. */
+	}
+	dev_release(d);
+}
+
 /* Releases a list of idle entries (linked by idle_next), taken out of the
  * cache: their mappings close unless a handle still holds them. */
 static void idle_release(struct tensor_dev *gone)
@@ -284,7 +354,7 @@ static void idle_release(struct tensor_dev *gone)
 
 	while ((d = gone)) {
 		gone = d->idle_next;
-		dev_release(d);
+		dev_release_soon(d);
 	}
 }
 
@@ -376,48 +446,6 @@ void tensor_idle_forget(uint32_t pid)
 	idle_drop(pid ? IDLE_OF_PID : IDLE_ALL, pid);
 }
 
-/*
- * The last handle of a received tensor goes: the work its consumers queued
- * on the streams they read it on must finish before the producer may free
- * or reuse the memory (torch's receiver synchronizes its stream there too),
- * as a stream's order says nothing to another process's allocator. Blocks
- * the thread until that work is done; a failure (a consumer's stream
- * destroyed meanwhile) is said, and the release goes on.
- */
-static void dev_drain(struct tensor_dev *d)
-{
-	/* Relaxed: the acq_rel drops of the handles order the consumer's
-	 * store (shmrpc_tensor_cuda_wait) before this last one. */
-	uintptr_t consumer = atomic_load_explicit(&d->consumer, memory_order_relaxed);
-	int rc = cuda_stream_sync(d->device, 0);
-
-	if (rc == 0 && consumer)
-		rc = cuda_stream_sync(d->device, consumer);
-	if (rc)
-		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
-}
-
-/* What the last reference of d does: drained and parked, or released. */
-static void dev_last(struct tensor_dev *d)
-{
-	if (d->imported)
-		dev_drain(d);
-	if (!idle_park(d))
-		dev_release(d);
-}
-
-struct dev_job {
-	struct job j;
-	struct tensor_dev *d;
-};
-
-static void run_dev_last(struct job *j)
-{
-	struct tensor_dev *d = ((struct dev_job *)j)->d;
-
-	free(j);
-	dev_last(d);
-}
 
 /* Drops one reference of dev; the last one parks a received tensor in
  * the idle cache, or releases what it holds (dev_release). */
@@ -433,21 +461,12 @@ static void dev_put(struct tensor_dev *d)
 	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
 	if (was != 1)
 		return;
-	/* Draining waits for the GPU: never on the loop thread (a pin's
-	 * release there), which the agent's every message waits on. */
-	if ((d->imported || d->source) && worker_agent &&
-	    pthread_equal(pthread_self(), worker_agent->loop)) {
-		struct dev_job *j = calloc(1, sizeof(*j));
-
-		if (j) {
-			j->j.run = run_dev_last;
-			j->d = d;
-			executor_submit(&j->j);
-			return;
-		}
-		/* Out of memory for the job: done here, the loop waiting once. */
-	}
-	dev_last(d);
+	/* Drained now, as its user let go; on the loop thread at its release
+	 * instead (parked, its token keeps the memory in the producer). */
+	if (d->imported && !on_loop_thread())
+		dev_drain(d);
+	if (!idle_park(d))
+		dev_release_soon(d);
 }
 
 /* 0 when dev's bytes may be used here: a received tensor whose producer

@@ -23,6 +23,10 @@
  *   on a mapping gives the block (what the driver gives there is not
  *   documented: code that guesses an allocation's size from it is wrong
  *   here). Opening a handle of the calling process fails, as the driver's.
+ * - cuMemAllocAsync plays a memory pool's allocation (torch's
+ *   cudaMallocAsync backend; expandable_segments' cuMemCreate is alike):
+ *   device memory whose IPC handle cuIpcGetMemHandle refuses, as the
+ *   driver does (pools share through other handles).
  * - Streams are asynchronous. Copies, memsets, event records and event
  *   waits are queued on their stream and run later, in order, on a
  *   thread of the fake that plays the GPU. 0 and CU_STREAM_LEGACY are the
@@ -111,6 +115,7 @@ struct alloc {
 	int device;
 	struct block *block; /* own memory; NULL for a mapping */
 	bool imported;       /* a mapping of another process's allocation */
+	bool pooled;         /* cuMemAllocAsync's: no IPC handle */
 };
 
 /* An event's state, shared with the processes that open its handle. */
@@ -635,7 +640,21 @@ static void drop_block(struct block *b)
 	free(b);
 }
 
+static CUresult mem_alloc(CUdeviceptr *p, size_t n, bool pooled);
+
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+	return mem_alloc(p, n, false);
+}
+
+/* Ready at once: the stream plays no part here. */
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s)
+{
+	(void)s;
+	return mem_alloc(p, n, true);
+}
+
+static CUresult mem_alloc(CUdeviceptr *p, size_t n, bool pooled)
 {
 	struct block *b;
 	size_t at = 0;
@@ -661,8 +680,10 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 	}
 	if (b) {
 		r = add_alloc((uintptr_t)b->at + at, n, (uintptr_t)b->at + at, n, b, p);
-		if (r == CUDA_SUCCESS)
+		if (r == CUDA_SUCCESS) {
+			allocs->pooled = pooled;
 			b->live++;
+		}
 		else if (!b->live)
 			drop_block(b);
 	}
@@ -763,7 +784,7 @@ EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p)
 		return CUDA_ERROR_INVALID_CONTEXT;
 	pthread_mutex_lock(&lock);
 	a = find(p);
-	if (a && a->ptr == p && !a->imported) {
+	if (a && a->ptr == p && !a->imported && !a->pooled) {
 		mh.fd = a->block->fd;
 		mh.block_size = a->block->size;
 		mh.block_id = a->block->id;
