@@ -27,11 +27,16 @@
  *    another thread: the release waits for that stream's work.
  *  - Fork: a child forked after CUDA started gets an error, not the
  *    parent's handles.
+ *  - The loop thread never waits for the GPU: rank 1 reads a tensor on a
+ *    stream it holds and returns it; the reply's pin is the last handle,
+ *    let go on the loop thread when rank 0's TENSOR_ACK comes. Rank 1
+ *    still answers the next call at once, and lets the stream go after.
  *  - Memory of a pool (cuMemAllocAsync: torch's cudaMallocAsync backend)
  *    is refused when sent, with a "not supported yet" sentence.
  */
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -175,10 +180,26 @@ static uint32_t maps_held(void)
 	return st.maps_open;
 }
 
+static uint32_t maps_during;
+static atomic_bool during_done;
+
+/* maps_held on a thread of its own: a release it runs may wait for the
+ * held stream (an idle cache entry parked by the loop thread drains at
+ * its release), which only the handler lets go. */
+static void *count_during(void *x)
+{
+	(void)x;
+	maps_during = maps_held();
+	/* Release: pairs with the handler's acquire. */
+	atomic_store_explicit(&during_done, true, memory_order_release);
+	return NULL;
+}
+
 /* [mappings held before the release of a tensor from rank 0 (its last
- * handle, on another thread), while this thread's per-thread stream,
- * where it was consumed, has work held, and once let go]. The release
- * drains before it lets the mapping go: held, it cannot have. */
+ * handle, on another thread) while this thread's per-thread stream,
+ * where it was consumed, has work held; whether the release let the
+ * mapping go while held; mappings held once let go]. The release drains
+ * before it lets the mapping go: held, it cannot have. */
 static int fn_per_thread(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
 			 void *u)
 {
@@ -186,9 +207,10 @@ static int fn_per_thread(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmr
 	shmrpc_future *f;
 	shmrpc_tensor *t;
 	const DLTensor *dl;
-	uint32_t before, during, after = 0;
+	uint32_t before, after = 0;
 	uint8_t b;
-	pthread_t th;
+	pthread_t th, counter;
+	bool let_go;
 
 	(void)a, (void)n, (void)u;
 	CHECK_OK(shmrpc_rpc_sync(0, "make", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &f));
@@ -200,17 +222,22 @@ static int fn_per_thread(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmr
 	hold(PER_THREAD, 1);
 	read_async(&b, dl->data, 1, PER_THREAD);
 	before = maps_held();
+	atomic_store_explicit(&during_done, false, memory_order_relaxed);
 	CHECK(pthread_create(&th, NULL, release, t) == 0, "pthread_create");
 	usleep(HELD_MS * 1000);
-	during = maps_held();
+	CHECK(pthread_create(&counter, NULL, count_during, NULL) == 0, "pthread_create");
+	usleep(HELD_MS * 1000);
+	/* Acquire: pairs with count_during's release. */
+	let_go = atomic_load_explicit(&during_done, memory_order_acquire) &&
+		maps_during == before - 1;
 	hold(PER_THREAD, 0);
-	CHECK(pthread_join(th, NULL) == 0, "pthread_join");
+	CHECK(pthread_join(th, NULL) == 0 && pthread_join(counter, NULL) == 0, "pthread_join");
 	/* Whoever dropped the last handle (the future's may have been last,
 	 * elsewhere) finishes the release now. */
 	for (int i = 0; i < 500 && (after = maps_held()) != before - 1; i++)
 		usleep(10000);
 	v[0] = shmrpc_int(before);
-	v[1] = shmrpc_int(during);
+	v[1] = shmrpc_int(let_go);
 	v[2] = shmrpc_int(after);
 	*r = shmrpc_list(v, 3);
 	return 0;
@@ -222,6 +249,40 @@ static int kept_cuda(shmrpc_call *c, shmrpc_tensor *const *kept, int n)
 	(void)c;
 	for (int i = 0; i < n; i++)
 		dl_of(kept[i]);
+	return 0;
+}
+
+static uintptr_t relay_stream; /* fn_relay's, held until fn_relay_done */
+static uint8_t relay_byte;
+
+/* The tensor, read on a stream of ours that is held, returned. */
+static int fn_relay(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	const DLTensor *dl = dl_of(a[0].u.t);
+	int (*create)(void **s, unsigned flags) = sym("cuStreamCreate");
+	shmrpc_tensor *t;
+	void *s;
+
+	(void)c, (void)n, (void)u;
+	tl_fake_cuda_device(dl->device.device_id);
+	CHECK(create(&s, 0) == 0, "cuStreamCreate");
+	relay_stream = (uintptr_t)s;
+	CHECK_OK(shmrpc_tensor_cuda_wait(a[0].u.t, relay_stream));
+	hold(relay_stream, 1);
+	read_async(&relay_byte, dl->data, 1, relay_stream);
+	CHECK_OK(shmrpc_tensor_retain(a[0].u.t, &t));
+	*r = shmrpc_tensor_value(t);
+	return 0;
+}
+
+/* Lets fn_relay's stream go. */
+static int fn_relay_done(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	tl_fake_cuda_device(1);
+	hold(relay_stream, 0);
+	*r = shmrpc_nil();
 	return 0;
 }
 
@@ -374,13 +435,28 @@ static void per_thread(void)
 	shmrpc_future *f;
 
 	v = call(&f, 1, "per_thread", NULL, 0);
-	CHECK(v->u.items[1].u.i == v->u.items[0].u.i, "rank 1 released a tensor (%lld mappings "
-	      "held, then %lld) while its per-thread stream, where it was read, still had the read "
-	      "queued", (long long)v->u.items[0].u.i, (long long)v->u.items[1].u.i);
+	CHECK(!v->u.items[1].u.i, "rank 1 released a tensor (its mapping closed) while its "
+	      "per-thread stream, where it was read, still had the read queued");
 	CHECK(v->u.items[2].u.i == v->u.items[0].u.i - 1, "rank 1's release did not finish once "
 	      "the stream was let go (%lld mappings held, want %lld)", (long long)v->u.items[2].u.i,
 	      (long long)v->u.items[0].u.i - 1);
 	shmrpc_future_free(f);
+}
+
+static void loop_never_waits(void)
+{
+	shmrpc_tensor *t = tl_fake_cuda_tensor_on(0, LEN, 0x44);
+	shmrpc_value a = shmrpc_tensor_value(t);
+	shmrpc_future *f;
+
+	call(&f, 1, "relay", &a, 1);
+	shmrpc_future_free(f); /* our TENSOR_ACK goes, with the next frame at the latest */
+	CHECK(shmrpc_rpc_sync(1, "stats", NULL, 0, HELD_MS * 10, &f) == 0,
+	      "rank 1 did not answer while a tensor it had read on a held stream was let go: %s",
+	      shmrpc_errmsg());
+	shmrpc_future_free(f);
+	tl_call(1, "relay_done", NULL, 0);
+	shmrpc_tensor_free(t);
 }
 
 static void forked(void)
@@ -450,6 +526,8 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("peek", "t", fn_peek, NULL));
 	CHECK_OK(shmrpc_register("self", "t", fn_self, NULL));
 	CHECK_OK(shmrpc_register("make", "", fn_make, NULL));
+	CHECK_OK(shmrpc_register("relay", "t", fn_relay, NULL));
+	CHECK_OK(shmrpc_register("relay_done", "", fn_relay_done, NULL));
 	CHECK_OK(shmrpc_register("per_thread", "", fn_per_thread, NULL));
 	CHECK_OK(shmrpc_register("hold", "ii", fn_hold, NULL));
 	CHECK_OK(shmrpc_register("landed", "t", fn_landed, NULL));
@@ -463,7 +541,7 @@ static int worker(void)
 		} cases[] = { { "events", events_and_devices }, { "self", forwarded_to_itself },
 			      { "neighbours", neighbours },     { "landed", landed_copy },
 			      { "per_thread", per_thread },     { "fork", forked },
-			      { "pool", pool_memory } };
+			      { "pool", pool_memory },          { "loop", loop_never_waits } };
 		/* STRICT_CASE names one case to run alone (to see each fail on
 		 * its own against an older library); all by default. */
 		const char *only = getenv("STRICT_CASE");

@@ -236,6 +236,16 @@ static void heap_put(struct tensor_heap *h)
 
 /* ---- device tensors ---- */
 
+/* Waiting for the GPU is never done while handling frames (a pin's
+ * release runs there, on the loop thread or a polling one): every frame
+ * behind would wait too. */
+static bool must_not_block(void)
+{
+	return worker_agent && agent_must_not_block(worker_agent);
+}
+
+
+
 /*
  * The last handle of a received tensor goes: the work its consumers queued
  * on the streams they read it on must finish before the producer may free
@@ -260,15 +270,6 @@ static void dev_drain(struct tensor_dev *d)
 		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
 	d->drained = true;
 }
-
-/* Waiting for the GPU is never done on the loop thread (a pin's release
- * runs there), which every message of the agent waits on. */
-static bool on_loop_thread(void)
-{
-	return worker_agent && pthread_equal(pthread_self(), worker_agent->loop);
-}
-
-
 
 static void dev_put(struct tensor_dev *d);
 
@@ -333,7 +334,7 @@ static void dev_release_soon(struct tensor_dev *d)
 {
 	struct dev_job *j;
 
-	if (((d->imported && !d->drained) || d->source) && on_loop_thread()) {
+	if (((d->imported && !d->drained) || d->source) && must_not_block()) {
 		j = calloc(1, sizeof(*j));
 		if (j) {
 			j->j.run = run_dev_release;
@@ -461,9 +462,10 @@ static void dev_put(struct tensor_dev *d)
 	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
 	if (was != 1)
 		return;
-	/* Drained now, as its user let go; on the loop thread at its release
-	 * instead (parked, its token keeps the memory in the producer). */
-	if (d->imported && !on_loop_thread())
+	/* Drained now, as its user let go; while handling a frame, at its
+	 * release instead (parked, its token keeps the memory in the
+	 * producer; a release there goes to an executor). */
+	if (d->imported && !must_not_block())
 		dev_drain(d);
 	if (!idle_park(d))
 		dev_release_soon(d);
