@@ -2,7 +2,8 @@
 # bench/run.sh BUILD_DIR [ARGS...]: every bench of the build, beside its peers.
 #
 # The Python peers (bench/*.py, measuring torch.distributed.rpc) run first,
-# with Debian's /usr/bin/python3 when it can import torch; then every program
+# with Debian's /usr/bin/python3 (SHMRPC_PYTHON: another interpreter, a GPU
+# machine's) when it can import torch; then every program
 # in BUILD_DIR/bench, in name order. Each BENCH line printed so far is in the
 # file named by SHMRPC_BENCH_PEERS, so a program can print its figures as
 # ratios against peers measured in the same run (bench/rpc reads the floor
@@ -42,15 +43,16 @@ run() {
 	fi
 }
 
-if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+python=${SHMRPC_PYTHON:-/usr/bin/python3}
+if "$python" -c 'import torch' 2>/dev/null; then
 	for py in "$here"/*.py; do
 		[ -f "$py" ] || continue
-		run /usr/bin/python3 "$py" "$@"
+		run "$python" "$py" "$@"
 	done
 else
-	echo "bench: /usr/bin/python3 cannot import torch; the torch peers are skipped" \
+	echo "bench: $python cannot import torch; the torch peers are skipped" \
 		"(make bench-deps installs python3-torch)" >&2
-	run /usr/bin/python3 "$here/python_rpc.py" "$@"
+	run "$python" "$here/python_rpc.py" "$@"
 fi
 
 for prog in "$BUILD"/bench/*; do

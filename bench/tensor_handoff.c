@@ -206,10 +206,19 @@ struct dev_tensor {
 };
 
 static int (*cu_free)(uint64_t p);
+static int (*cu_push)(void *ctx), (*cu_pop)(void **ctx);
+static void *dev_ctx; /* device 0's primary context */
 
+/* The driver frees in a current context only, and the deleter runs on
+ * whichever thread releases the tensor (an executor's, often). */
 static void dev_delete(DLManagedTensor *m)
 {
-	cu_free((uint64_t)(uintptr_t)m->dl_tensor.data);
+	void *was;
+
+	if (cu_push(dev_ctx) == 0) {
+		cu_free((uint64_t)(uintptr_t)m->dl_tensor.data);
+		cu_pop(&was);
+	}
 	free(m);
 }
 
@@ -243,11 +252,12 @@ static void measure_cuda(bool quick)
 	int (*retain)(void **ctx, int dev) = cuda_sym("cuDevicePrimaryCtxRetain");
 	int (*set)(void *ctx) = cuda_sym("cuCtxSetCurrent");
 	uint64_t med[3] = { 0 };
-	void *ctx;
 
 	cu_free = cuda_sym("cuMemFree_v2");
-	if (cuda_probe() || !retain || !set || !cu_free || !cuda_sym("cuMemAlloc_v2") ||
-	    retain(&ctx, 0) || set(ctx)) {
+	cu_push = cuda_sym("cuCtxPushCurrent_v2");
+	cu_pop = cuda_sym("cuCtxPopCurrent_v2");
+	if (cuda_probe() || !retain || !set || !cu_free || !cu_push || !cu_pop ||
+	    !cuda_sym("cuMemAlloc_v2") || retain(&dev_ctx, 0) || set(dev_ctx)) {
 		fprintf(stderr, "bench/tensor_handoff: no CUDA device tensors: %s\n",
 			shmrpc_errmsg());
 		return;

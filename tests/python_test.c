@@ -15,6 +15,10 @@
  *   # unmet: needs a GPU              the skip reason when the needs
  *                                     line is false (else the line itself)
  *
+ * `python_test NAME` runs the same module without the link (tests/gpu.sh,
+ * whose folder carries no links), and SHMRPC_PYTHON names another
+ * interpreter than /usr/bin/python3 (a GPU machine's, with CUDA torch).
+ *
  * It runs `/usr/bin/python3 -m pytest tests/python/test_NAME.py`, under
  * shmrun where the header says so, with the built package on PYTHONPATH,
  * and fails when that exits non-zero, or leaves RRefs in the RRef table or
@@ -37,7 +41,7 @@
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
 
-#define PYTHON "/usr/bin/python3"
+#define DEBIAN_PYTHON "/usr/bin/python3"
 #define MAX_SHMRUN_ARGS 16
 
 /* The module's header: the comment lines it starts with. */
@@ -95,21 +99,27 @@ static void read_header(const char *path, struct header *h)
 int main(int argc, char **argv)
 {
 	const char *build = getenv("SHMRPC_BUILD"), *name = strrchr(argv[0], '/');
-	const char *san = getenv("SHMRPC_SAN");
+	const char *san = getenv("SHMRPC_SAN"), *python = getenv("SHMRPC_PYTHON");
 	const char *cmd[MAX_SHMRUN_ARGS + 8];
 	char pkg[PATH_MAX], so[PATH_MAX + 32], module[PATH_MAX], code[1024];
-	const char *probe[] = { PYTHON, "-c", code, NULL };
+	const char *probe[] = { NULL, "-c", code, NULL };
 	static char out[1 << 20];
 	struct header h;
 	int n = 0, rc;
 
 	name = name ? name + 1 : argv[0];
-	if (argc != 1 || strncmp(name, "py_", 3) != 0) {
-		fprintf(stderr, "usage: py_NAME (a link to %s): runs tests/python/test_NAME.py\n",
-			argv[0]);
+	if (argc == 2 && argv[1][0] && !strchr(argv[1], '/')) {
+		snprintf(module, sizeof(module), "tests/python/test_%s.py", argv[1]);
+	} else if (argc == 1 && strncmp(name, "py_", 3) == 0) {
+		snprintf(module, sizeof(module), "tests/python/test_%s.py", name + 3);
+	} else {
+		fprintf(stderr, "usage: py_NAME (a link to %s), or %s NAME: runs "
+			"tests/python/test_NAME.py\n", argv[0], argv[0]);
 		return 2;
 	}
-	snprintf(module, sizeof(module), "tests/python/test_%s.py", name + 3);
+	if (!python || !*python)
+		python = DEBIAN_PYTHON;
+	probe[0] = python;
 	read_header(module, &h);
 	snprintf(pkg, sizeof(pkg), "%s/python", build && *build ? build : "build");
 	snprintf(so, sizeof(so), "%s/shmrpc/_shmrpc.abi3.so", pkg);
@@ -117,7 +127,8 @@ int main(int argc, char **argv)
 		printf("skip: sanitizer build (SAN=%s): the Python package is not built\n", san);
 		return TL_SKIP;
 	}
-	CHECK(access(PYTHON, X_OK) == 0, "%s is missing: install python3 (make deps)", PYTHON);
+	CHECK(access(python, X_OK) == 0, "%s is missing: install python3 (make deps)%s", python,
+	      strcmp(python, DEBIAN_PYTHON) ? ", or set SHMRPC_PYTHON to an interpreter's path" : "");
 	CHECK(access(so, R_OK) == 0,
 	      "%s is not built: install python3-dev (make deps), then make", so);
 	CHECK(!h.shmrun[0] || access(tl_shmrun_path(), X_OK) == 0, "%s is not built: make",
@@ -171,7 +182,7 @@ int main(int argc, char **argv)
 		}
 		cmd[n++] = "--";
 	}
-	cmd[n++] = PYTHON;
+	cmd[n++] = python;
 	cmd[n++] = "-m";
 	cmd[n++] = "pytest";
 	cmd[n++] = module;

@@ -49,6 +49,7 @@
 #include "tests/lib/testlib.h"
 
 #define LEN 65536
+#define OWN_BLOCK (4u << 20)
 #define REPEATS 4
 
 /* A handle kept across calls; set and taken on executor threads that TSan
@@ -225,7 +226,9 @@ static void reused(void)
 	shmrpc_value v;
 
 	tl_fake_cuda_thread();
-	CHECK(mem_alloc && mem_free && mem_alloc(&x, LEN) == 0, "cuMemAlloc");
+	/* Of a block of its own (the fake sub-allocates smaller ones from
+	 * blocks it keeps), whose addresses the next such allocation gets. */
+	CHECK(mem_alloc && mem_free && mem_alloc(&x, OWN_BLOCK) == 0, "cuMemAlloc");
 	t = borrow(x);
 	v = shmrpc_tensor_value(t);
 	tl_call(1, "mark", &v, 1);
@@ -233,7 +236,7 @@ static void reused(void)
 	tl_fake_cuda_wait_stat(1, TL_CUDA_MAPS_OPEN, 1, "mappings open");
 	usleep(5 * TENSOR_REAP_NS / 1000);
 	CHECK(atomic_load(&borrowed_deleted) == 0, "released while rank 1 caches it");
-	CHECK(mem_free(x) == 0 && mem_alloc(&y, LEN) == 0, "cuMemFree, cuMemAlloc");
+	CHECK(mem_free(x) == 0 && mem_alloc(&y, OWN_BLOCK) == 0, "cuMemFree, cuMemAlloc");
 	CHECK(y == x, "the fake driver gave other addresses (0x%llx, then 0x%llx)",
 	      (unsigned long long)x, (unsigned long long)y);
 	t = borrow(y);

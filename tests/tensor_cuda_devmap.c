@@ -36,6 +36,8 @@ static uint8_t *bytes(shmrpc_tensor *t)
 	uint8_t *d = shmrpc_tensor_data(t);
 
 	CHECK(d, "no bytes: %s", shmrpc_errmsg());
+	/* A landed copy is queued on its device's stream: read after it. */
+	tl_fake_cuda_sync(shmrpc_tensor_dl(t)->device.device_id);
 	return d;
 }
 

@@ -160,10 +160,21 @@ int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id, u
 
 /* ---- the loop thread ---- */
 
+/* Set while this thread handles a frame (whichever thread polls): what it
+ * does there holds up every frame behind it. */
+static _Thread_local bool in_frame;
+
+bool agent_must_not_block(const struct agent *ag)
+{
+	return in_frame || pthread_equal(pthread_self(), ag->loop);
+}
+
 static void on_frame(void *arg, const struct ipc_frame *f)
 {
 	struct agent *ag = arg;
+	bool was = in_frame;
 
+	in_frame = true;
 	if (f->hdr.type == MSG_TENSOR_ACK)
 		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
 	else if (worker_msg_is_request(f->hdr.type) || !worker_msg_name(f->hdr.type))
@@ -174,6 +185,7 @@ static void on_frame(void *arg, const struct ipc_frame *f)
 			      f->hdr.payload_len - f->hdr.help_n * sizeof(struct ipc_help));
 	else
 		client_on_reply(ag, f);
+	in_frame = was;
 }
 
 int agent_poll(struct agent *ag, bool wait)

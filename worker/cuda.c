@@ -24,6 +24,8 @@ _Static_assert(sizeof(CUipcMemHandle) == CUDA_IPC_HANDLE_SIZE &&
 	X(cuInit, (unsigned flags))                                                \
 	X(cuDeviceGetCount, (int *n))                                              \
 	X(cuDeviceGet, (CUdevice *dev, int ordinal))                               \
+	X(cuDeviceGetUuid, (CUuuid *uuid, CUdevice dev))                           \
+	X(cuCtxSynchronize, (void))                                                \
 	X(cuGetErrorName, (CUresult r, const char **s))                            \
 	X(cuGetErrorString, (CUresult r, const char **s))                          \
 	X(cuDevicePrimaryCtxRetain, (CUcontext *ctx, CUdevice dev))                \
@@ -48,8 +50,9 @@ _Static_assert(sizeof(CUipcMemHandle) == CUDA_IPC_HANDLE_SIZE &&
 
 #define MAX_DEVICES 64
 #define HANDLE_CACHE 64 /* allocations whose IPC handle the producer keeps */
-#define MAX_CONTEXTS 8  /* contexts with an event ring */
-#define EVENT_RING 8    /* interprocess events per context */
+/* Interprocess events in use at once (one per tensor in flight): beyond
+ * it a send fails, as something never gives its events back. */
+#define MAX_EXPORT_EVENTS 65536
 
 /* Producer: an allocation already exported. */
 struct export_alloc {
@@ -59,12 +62,14 @@ struct export_alloc {
 	CUipcMemHandle handle;
 };
 
-/* Producer: the interprocess events of one context, recorded in turn. */
-struct event_ring {
-	CUcontext ctx; /* NULL: free slot */
-	unsigned next;
-	CUevent ev[EVENT_RING];
-	CUipcEventHandle handle[EVENT_RING];
+/* Producer: an interprocess event, recorded for one send at a time: it
+ * is busy from cuda_export until cuda_export_done (the receiver waited
+ * on it), as cuStreamWaitEvent waits for an event's latest record only. */
+struct export_event {
+	CUcontext ctx;
+	CUevent ev;
+	CUipcEventHandle handle;
+	bool busy;
 };
 
 /* Receiver: a producer's allocation mapped here. */
@@ -95,6 +100,9 @@ static struct {
 	int err;       /* 0 when the driver is usable */
 	char why[256]; /* when it is not */
 	int devices;   /* when it is: cuDeviceGetCount's */
+	/* Each ordinal's device UUID: descriptors name devices by it, as an
+	 * ordinal depends on each process's CUDA_VISIBLE_DEVICES. */
+	CUuuid uuid[MAX_DEVICES];
 	void *lib;
 #define X(name, params) CUresult (*name) params;
 	CUDA_DRIVER_FUNCS(X)
@@ -104,7 +112,8 @@ static struct {
 	CUcontext primary[MAX_DEVICES];
 	struct export_alloc allocs[HANDLE_CACHE];
 	unsigned allocs_next;
-	struct event_ring rings[MAX_CONTEXTS];
+	struct export_event *evs;
+	unsigned nevs;
 	struct import_map *maps;
 	struct import_event *events;
 	struct cuda_stats stats;
@@ -157,16 +166,38 @@ static void cu_try(void)
 	r = cu.cuInit(0);
 	if (r == CUDA_SUCCESS)
 		r = cu.cuDeviceGetCount(&n);
-	cu.devices = n;
+	cu.devices = n < MAX_DEVICES ? n : MAX_DEVICES;
+	for (int i = 0; r == CUDA_SUCCESS && i < cu.devices; i++) {
+		CUdevice dev;
+
+		r = cu.cuDeviceGet(&dev, i);
+		if (r == CUDA_SUCCESS)
+			r = cu.cuDeviceGetUuid(&cu.uuid[i], dev);
+	}
 	if (r == CUDA_ERROR_NO_DEVICE || (r == CUDA_SUCCESS && n < 1))
 		unavailable(-ENODEV, "no CUDA device");
 	else if (r != CUDA_SUCCESS)
 		unavailable(-ENODEV, "the driver does not start (%s)", cu_name(r));
 }
 
+/* A child forked after CUDA was loaded (a data loader's worker) inherits
+ * handles the driver does not honour there: every call says so instead. */
+static void forked(void)
+{
+	if (cu.err)
+		return;
+	snprintf(cu.why, sizeof(cu.why), "this process was forked from one that had started "
+		 "CUDA (CUDA does not survive fork: start the child with spawn, or use CUDA only "
+		 "after the fork)");
+	cu.err = -ENOTSUP;
+	/* The parent's lock may have been held by another of its threads. */
+	pthread_mutex_init(&cu.lock, NULL);
+}
+
 static void cu_load(void)
 {
 	cu_try();
+	pthread_atfork(NULL, NULL, forked);
 	/* Release pairs with cuda_forget_peer's acquire. */
 	atomic_store_explicit(&cu.tried, true, memory_order_release);
 }
@@ -189,7 +220,7 @@ static int cu_fail(CUresult r, const char *fmt, ...) SHMRPC_PRINTF(2, 3);
 static int cu_fail(CUresult r, const char *fmt, ...)
 {
 	const char *str = NULL;
-	char what[160];
+	char what[320];
 	va_list ap;
 	int err;
 
@@ -319,8 +350,10 @@ static int export_alloc(CUdeviceptr p, uint64_t id, struct cuda_ipc_desc *d, uin
 			return cu_fail(r, "cuMemGetAddressRange(0x%llx)", p);
 		r = cu.cuIpcGetMemHandle(&h, base);
 		if (r != CUDA_SUCCESS)
-			return cu_fail(r, "cuIpcGetMemHandle(0x%llx) (only cuMemAlloc memory can be shared: "
-				       "not cuMemCreate or memory pool allocations)", base);
+			return cu_fail(r, "cuIpcGetMemHandle(0x%llx): sending CUDA memory of "
+				       "cuMemCreate or a memory pool (torch's expandable_segments, "
+				       "cudaMallocAsync) is not supported yet; use torch's default "
+				       "caching allocator", base);
 		/* The oldest entry goes: an allocation no longer sent costs one
 		 * cuIpcGetMemHandle if it comes back. */
 		a = &cu.allocs[cu.allocs_next++ % HANDLE_CACHE];
@@ -337,42 +370,91 @@ static int export_alloc(CUdeviceptr p, uint64_t id, struct cuda_ipc_desc *d, uin
 	return 0;
 }
 
-/* Records the next event of ctx's ring on s; its handle goes to d.
- * Caller holds cu.lock, in ctx. */
+/* A free interprocess event of ctx (made when none is), recorded on s,
+ * busy until cuda_export_done; its handle goes to d. Caller holds
+ * cu.lock, in ctx. */
 static int export_event(CUcontext ctx, CUstream s, struct cuda_ipc_desc *d)
 {
-	struct event_ring *ring = NULL;
-	unsigned slot;
+	struct export_event *e = NULL;
 	CUresult r;
 
-	for (unsigned i = 0; i < MAX_CONTEXTS && !ring; i++)
-		if (cu.rings[i].ctx == ctx || !cu.rings[i].ctx)
-			ring = &cu.rings[i];
-	if (!ring)
-		return shmrpc__fail(-ENOSPC, "more than %d CUDA contexts export memory", MAX_CONTEXTS);
-	ring->ctx = ctx;
-	slot = ring->next % EVENT_RING;
-	if (!ring->ev[slot]) {
+	for (unsigned i = 0; i < cu.nevs && !e; i++)
+		if (!cu.evs[i].busy && cu.evs[i].ctx == ctx)
+			e = &cu.evs[i];
+	if (!e) {
+		struct export_event *grown;
 		CUevent ev;
 
+		if (cu.nevs == MAX_EXPORT_EVENTS)
+			return shmrpc__fail(-ENOSPC, "%d CUDA tensors are in flight, none of them "
+					    "waited on by its receiver yet: no more can be sent",
+					    MAX_EXPORT_EVENTS);
+		grown = realloc(cu.evs, (cu.nevs + 1) * sizeof(*grown));
+		if (!grown)
+			return shmrpc__fail(-ENOMEM, "out of memory for a CUDA event");
+		cu.evs = grown;
 		r = cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
 		if (r != CUDA_SUCCESS)
 			return cu_fail(r, "cuEventCreate(interprocess)");
-		r = cu.cuIpcGetEventHandle(&ring->handle[slot], ev);
+		e = &cu.evs[cu.nevs];
+		r = cu.cuIpcGetEventHandle(&e->handle, ev);
 		if (r != CUDA_SUCCESS) {
 			cu.cuEventDestroy_v2(ev);
 			return cu_fail(r, "cuIpcGetEventHandle");
 		}
-		ring->ev[slot] = ev;
+		e->ctx = ctx;
+		e->ev = ev;
+		e->busy = false;
+		cu.nevs++;
 		cu.stats.events_exported++;
 		publish();
 	}
-	r = cu.cuEventRecord(ring->ev[slot], s);
+	r = cu.cuEventRecord(e->ev, s);
 	if (r != CUDA_SUCCESS)
 		return cu_fail(r, "cuEventRecord");
-	ring->next++;
-	memcpy(d->event_handle, &ring->handle[slot], sizeof(d->event_handle));
+	e->busy = true;
+	memcpy(d->event_handle, &e->handle, sizeof(d->event_handle));
 	return 0;
+}
+
+/* Our event that d names. Caller holds cu.lock. */
+static struct export_event *own_export_event(const struct cuda_ipc_desc *d)
+{
+	for (unsigned i = 0; i < cu.nevs; i++)
+		if (!memcmp(&cu.evs[i].handle, d->event_handle, sizeof(d->event_handle)))
+			return &cu.evs[i];
+	return NULL;
+}
+
+void cuda_export_done(const struct cuda_ipc_desc *d)
+{
+	struct export_event *e;
+
+	if (!driver_ok() || d->event_pid != (uint32_t)getpid())
+		return;
+	pthread_mutex_lock(&cu.lock);
+	e = own_export_event(d);
+	if (e)
+		e->busy = false;
+	pthread_mutex_unlock(&cu.lock);
+}
+
+/* The ordinal here of the device d names (by its UUID). */
+static int local_device(const struct cuda_ipc_desc *d, int32_t *device)
+{
+	for (int i = 0; i < cu.devices; i++)
+		if (!memcmp(&cu.uuid[i], d->uuid, sizeof(d->uuid))) {
+			*device = i;
+			return 0;
+		}
+	return shmrpc__fail(-ENODEV, "a CUDA tensor of pid %u is on a device this process does "
+			    "not see (its cuda:%d there; check CUDA_VISIBLE_DEVICES of both)",
+			    d->pid, (int)d->device);
+}
+
+int cuda_local_device(const struct cuda_ipc_desc *d, int32_t *device)
+{
+	return ready() ?: local_device(d, device);
 }
 
 int cuda_export(const void *dptr, uint64_t len, uintptr_t stream, struct cuda_ipc_desc *out)
@@ -423,9 +505,14 @@ int cuda_export(const void *dptr, uint64_t len, uintptr_t stream, struct cuda_ip
 		return rc;
 	out->offset = p - out->base;
 	out->len = len;
+	/* The receiver bounds the mapping by it: what the driver says of an
+	 * IPC mapping's range is not documented (it may be a whole block of
+	 * sub-allocations). */
+	out->size = size;
 	out->pid = (uint32_t)getpid();
 	out->event_pid = out->pid;
 	out->device = device;
+	memcpy(out->uuid, &cu.uuid[device], sizeof(out->uuid));
 	return 0;
 }
 
@@ -433,6 +520,7 @@ int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream, struct
 {
 	uint32_t self = (uint32_t)getpid();
 	CUcontext ctx;
+	int32_t device;
 	int rc = ready();
 
 	if (rc)
@@ -443,7 +531,7 @@ int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream, struct
 				   out);
 	*out = *in;
 	pthread_mutex_lock(&cu.lock);
-	rc = primary_ctx(in->device, &ctx);
+	rc = local_device(in, &device) ?: primary_ctx(device, &ctx);
 	if (!rc)
 		rc = push_ctx(ctx);
 	if (!rc) {
@@ -458,16 +546,14 @@ int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t stream, struct
 /* The event of ours that d names, and its context. Caller holds cu.lock. */
 static int own_event(const struct cuda_ipc_desc *d, CUevent *ev, CUcontext *ctx)
 {
-	for (unsigned i = 0; i < MAX_CONTEXTS; i++)
-		for (unsigned j = 0; j < EVENT_RING; j++)
-			if (cu.rings[i].ev[j] &&
-			    !memcmp(&cu.rings[i].handle[j], d->event_handle, sizeof(d->event_handle))) {
-				*ev = cu.rings[i].ev[j];
-				*ctx = cu.rings[i].ctx;
-				return 0;
-			}
-	return shmrpc__fail(-EINVAL, "a CUDA descriptor of this process names an event it never "
-			    "recorded");
+	struct export_event *e = own_export_event(d);
+
+	if (!e)
+		return shmrpc__fail(-EINVAL, "a CUDA descriptor of this process names an event it "
+				    "never recorded");
+	*ev = e->ev;
+	*ctx = e->ctx;
+	return 0;
 }
 
 /* A descriptor this process exported, with its own event: its own pointer,
@@ -541,15 +627,13 @@ static bool drop_overlapped(const struct import_map *fresh)
 }
 
 /* d's allocation mapped, one reference more; *stale as cuda_import's.
- * Caller holds cu.lock, in the primary context of d->device. */
-static int import_map(const struct cuda_ipc_desc *d, struct import_map **out, bool *stale)
+ * Caller holds cu.lock, in the primary context of device (d's, here). */
+static int import_map(const struct cuda_ipc_desc *d, int32_t device, struct import_map **out,
+		      bool *stale)
 {
 	struct import_map *m = find_map(d->pid, d->alloc_id);
 	CUipcMemHandle h;
-	CUdeviceptr base;
-	size_t size;
 	CUresult r;
-	int rc;
 
 	if (m) {
 		cu.stats.cache_hits++;
@@ -568,18 +652,14 @@ static int import_map(const struct cuda_ipc_desc *d, struct import_map **out, bo
 		/* Open from here: unmap closes it, on every path. */
 		cu.stats.maps_open++;
 		publish();
-		/* The mapping's size bounds every descriptor of it. */
-		m->device = d->device;
-		r = cu.cuMemGetAddressRange_v2(&base, &size, m->local);
-		if (r != CUDA_SUCCESS) {
-			rc = cu_fail(r, "cuMemGetAddressRange of a CUDA IPC mapping");
-			unmap(m);
-			return rc;
-		}
+		/* The producer's size of the allocation bounds every
+		 * descriptor of it, and tells which of the producer's
+		 * addresses it covers (drop_overlapped). */
+		m->device = device;
 		m->pid = d->pid;
 		m->id = d->alloc_id;
 		m->base = d->base;
-		m->size = size;
+		m->size = d->size;
 		m->next = cu.maps;
 		cu.maps = m;
 		if (drop_overlapped(m) && stale)
@@ -613,8 +693,8 @@ static int check_own(const struct cuda_ipc_desc *d)
 }
 
 /* d's event, opened here. Caller holds cu.lock, in the primary context of
- * d->device. */
-static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
+ * device (d's, here). */
+static int import_event(const struct cuda_ipc_desc *d, int32_t device, CUevent *ev)
 {
 	struct import_event *e;
 	CUresult r;
@@ -634,7 +714,7 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 		return cu_fail(r, "cuIpcOpenEventHandle (event of pid %u)", d->event_pid);
 	}
 	e->pid = d->event_pid;
-	e->device = d->device;
+	e->device = device;
 	e->next = cu.events;
 	cu.events = e;
 	cu.stats.events_open++;
@@ -643,37 +723,24 @@ static int import_event(const struct cuda_ipc_desc *d, CUevent *ev)
 	return 0;
 }
 
-/* s waits for d's event (of another process). Caller holds cu.lock, in
- * the primary context of d->device. */
-static int wait_event(const struct cuda_ipc_desc *d, CUstream s)
-{
-	CUevent ev = NULL;
-	CUresult r;
-	int rc = import_event(d, &ev);
-
-	if (rc)
-		return rc;
-	r = cu.cuStreamWaitEvent(s, ev, 0);
-	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamWaitEvent");
-}
-
 /* d's bytes here (*src) and the event to wait for, with one reference on
  * d's mapping (*m; NULL for our own allocation). Caller holds cu.lock, in
- * the primary context of d->device. */
-static int import_source(const struct cuda_ipc_desc *d, struct import_map **m, CUevent *ev,
-			 CUdeviceptr *src, bool *stale)
+ * the primary context of device (d's, here). */
+static int import_source(const struct cuda_ipc_desc *d, int32_t device, struct import_map **m,
+			 CUevent *ev, CUdeviceptr *src, bool *stale)
 {
 	uint32_t self = (uint32_t)getpid();
 	CUcontext ctx;
 	int rc;
 
 	*m = NULL;
-	if (d->pid == self && d->event_pid == self)
-		rc = own_event(d, ev, &ctx);
-	else
-		/* Our own allocation, passed back by a receiver with its event:
-		 * nothing to map, but the range comes from another process. */
-		rc = (d->pid == self ? check_own(d) : import_map(d, m, stale)) ?: import_event(d, ev);
+	/* Our own allocation, passed back by a receiver: nothing to map, but
+	 * the range comes from another process. */
+	rc = d->pid == self ? check_own(d) : import_map(d, device, m, stale);
+	/* Our own event (a tensor we received, sent to ourselves): the driver
+	 * opens no handle of the calling process. */
+	if (!rc)
+		rc = d->event_pid == self ? own_event(d, ev, &ctx) : import_event(d, device, ev);
 	if (rc && *m)
 		(*m)->refs--; /* the mapping stays cached; only the reference goes */
 	if (!rc)
@@ -688,6 +755,7 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 	CUdeviceptr src;
 	CUresult r;
 	CUcontext ctx;
+	int32_t device;
 	int rc;
 
 	uint32_t self = (uint32_t)getpid();
@@ -700,11 +768,11 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 	if (d->pid == self && d->event_pid == self)
 		return import_local(d, (CUstream)stream, dptr);
 	pthread_mutex_lock(&cu.lock);
-	rc = primary_ctx(d->device, &ctx);
+	rc = local_device(d, &device) ?: primary_ctx(device, &ctx);
 	if (!rc)
 		rc = push_ctx(ctx);
 	if (!rc) {
-		rc = import_source(d, &m, &ev, &src, stale);
+		rc = import_source(d, device, &m, &ev, &src, stale);
 		if (!rc) {
 			r = cu.cuStreamWaitEvent((CUstream)stream, ev, 0);
 			if (r != CUDA_SUCCESS)
@@ -721,28 +789,34 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 	return rc;
 }
 
-int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream)
+int cuda_order(int32_t device, uintptr_t from, uintptr_t to)
 {
-	void *own;
 	CUcontext ctx;
+	CUevent ev;
+	CUresult r;
 	int rc = ready();
 
+	if (rc || from == to)
+		return rc;
+	pthread_mutex_lock(&cu.lock);
+	rc = primary_ctx(device, &ctx) ?: push_ctx(ctx);
+	pthread_mutex_unlock(&cu.lock);
 	if (rc)
 		return rc;
-	/* Our own event (a descriptor this process made): one of our rings';
-	 * the pointer import_local gives is not wanted here. */
-	if (d->event_pid == (uint32_t)getpid())
-		return import_local(d, (CUstream)stream, &own);
-	pthread_mutex_lock(&cu.lock);
-	rc = primary_ctx(d->device, &ctx);
-	if (!rc)
-		rc = push_ctx(ctx);
-	if (!rc) {
-		rc = wait_event(d, (CUstream)stream);
-		pop_ctx();
+	/* An event of this wait alone: recorded once, so nothing records it
+	 * again before the wait is queued. Destroying it with the wait still
+	 * queued is allowed (the driver frees it after). */
+	r = cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING);
+	if (r == CUDA_SUCCESS) {
+		r = cu.cuEventRecord(ev, (CUstream)from);
+		if (r == CUDA_SUCCESS)
+			r = cu.cuStreamWaitEvent((CUstream)to, ev, 0);
+		cu.cuEventDestroy_v2(ev);
 	}
-	pthread_mutex_unlock(&cu.lock);
-	return rc;
+	pop_ctx();
+	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "ordering CUDA stream 0x%lx after 0x%lx on "
+					       "device %d", (unsigned long)to, (unsigned long)from,
+					       (int)device);
 }
 
 int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy, bool *stale)
@@ -752,6 +826,7 @@ int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy,
 	CUcontext sctx, dctx;
 	CUevent ev = NULL;
 	CUresult r;
+	int32_t from;
 	int rc;
 
 	*stale = false;
@@ -759,9 +834,10 @@ int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy,
 	if (rc)
 		return rc;
 	pthread_mutex_lock(&cu.lock);
-	rc = primary_ctx(d->device, &sctx) ?: primary_ctx(device, &dctx) ?: push_ctx(sctx);
+	rc = local_device(d, &from) ?: primary_ctx(from, &sctx) ?: primary_ctx(device, &dctx) ?:
+	     push_ctx(sctx);
 	if (!rc) {
-		rc = import_source(d, &m, &ev, &src, stale);
+		rc = import_source(d, from, &m, &ev, &src, stale);
 		pop_ctx();
 	}
 	if (!rc && (rc = push_ctx(dctx)) && m)
@@ -779,7 +855,7 @@ int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device, void **copy,
 		if (!rc && (r = cu.cuMemcpyPeerAsync(dst, dctx, src, sctx, d->len, NULL)) !=
 				   CUDA_SUCCESS) {
 			rc = cu_fail(r, "copying %llu bytes from CUDA device %d to device %d",
-				     (unsigned long long)d->len, (int)d->device, (int)device);
+				     (unsigned long long)d->len, (int)from, (int)device);
 			cu.cuMemFree_v2(dst);
 		}
 		if (rc && m)
@@ -818,8 +894,11 @@ int cuda_stream_sync(int32_t device, uintptr_t stream)
 	pthread_mutex_unlock(&cu.lock);
 	if (rc)
 		return rc;
-	/* Outside cu.lock: the GPU may take a while, and others need the lock. */
-	r = cu.cuStreamSynchronize((CUstream)stream);
+	/* Outside cu.lock: the GPU may take a while, and others need the lock.
+	 * A per-thread default stream is its thread's own, and this may be
+	 * another thread: the whole context is waited for instead. */
+	r = (CUstream)stream == CU_STREAM_PER_THREAD ? cu.cuCtxSynchronize()
+						     : cu.cuStreamSynchronize((CUstream)stream);
 	pop_ctx();
 	return r == CUDA_SUCCESS ? 0 : cu_fail(r, "cuStreamSynchronize");
 }

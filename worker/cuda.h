@@ -13,8 +13,14 @@
  *  - Producer: the IPC handle, base and size of each allocation, keyed by
  *    the driver's buffer id (unique for the allocation's lifetime, so an
  *    address freed and reused never returns a stale handle):
- *    cuIpcGetMemHandle costs ~9 µs. And a small ring of interprocess
- *    events per context, created once with their handles.
+ *    cuIpcGetMemHandle costs ~9 µs. And a pool of interprocess events
+ *    per context, made once with their handles: each export takes a free
+ *    one and records it, and it stays busy until cuda_export_done, once
+ *    the receiver has queued its wait (the message's pin is released:
+ *    the peer's reply or TENSOR_ACK), as TensorPipe does. An event is
+ *    never recorded again while a receiver may still wait on it:
+ *    cuStreamWaitEvent waits for an event's latest record only, which
+ *    could be on another stream, before the writes it was to order.
  *  - Receiver: the mapping of each (producer pid, allocation) and each
  *    opened event: cuIpcOpenMemHandle and cuIpcOpenEventHandle cost
  *    ~140 µs each on an H100, so a warm import pays neither. Mappings are
@@ -40,9 +46,20 @@
  * makes the receiver's stream wait for that event (cuStreamWaitEvent: the
  * GPU waits, the host does not). What the receiver queues on its stream
  * afterwards therefore never runs before the producer's writes finished.
- * An event of the ring may be recorded again before a receiver waits on
- * it; the receiver then waits for the later record, which is later work:
- * it may wait longer, never less.
+ * A consumer that reads on another stream later (cuda_order) is ordered
+ * after the import's stream with an event of its own, not the producer's,
+ * which may be back in its pool by then.
+ *
+ * Devices. An ordinal depends on each process's CUDA_VISIBLE_DEVICES, so a
+ * descriptor names its device by UUID too; the receiver maps and waits in
+ * its own ordinal of that device (cuda_local_device).
+ *
+ * Sizes. The producer sends its allocation's size (cuMemGetAddressRange
+ * on its own pointer, which the driver documents). The receiver bounds
+ * descriptors by it and never asks the driver about an IPC mapping's
+ * range: small allocations may be sub-allocated from one block, which
+ * an IPC mapping maps whole, and guessing from it made neighbours look
+ * like freed allocations.
  *
  * A producer's exit. Freeing an exported allocation while another process
  * has it mapped is undefined (CUDA's documentation), and so is reading a
@@ -65,7 +82,8 @@
  * (tests/fake_cuda/: host memory that plays device memory); it is for
  * tests only, never needed otherwise.
  *
- * CUDA does not survive fork(): fork before the first call here.
+ * CUDA does not survive fork(): fork before the first call here. A child
+ * forked after it gets "not available" errors, never the parent's handles.
  */
 #ifndef SHMRPC_WORKER_CUDA_H
 #define SHMRPC_WORKER_CUDA_H
@@ -85,13 +103,15 @@ struct cuda_ipc_desc {
 	uint64_t alloc_id; /* the producer driver's buffer id of the allocation */
 	uint64_t offset;   /* of the tensor, from base */
 	uint64_t len;      /* of the tensor, in bytes */
+	uint64_t size;     /* of the allocation, as its producer knows it */
 	uint32_t pid;      /* the producer: whose allocation it is */
-	int32_t device;    /* ordinal of the device holding the allocation */
+	int32_t device;    /* the producer's ordinal of the device holding it */
 	uint32_t event_pid; /* whose event: the producer's, or that of a receiver
 			     * passing the tensor on (cuda_export_forward) */
 	uint32_t reserved;  /* 0 */
+	uint8_t uuid[16];   /* the device's UUID: the same in every process */
 };
-_Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 4 * 8 + 4 * 4,
+_Static_assert(sizeof(struct cuda_ipc_desc) == 2 * CUDA_IPC_HANDLE_SIZE + 5 * 8 + 4 * 4 + 16,
 	       "cuda_ipc_desc is part of the wire format: no padding");
 
 /*
@@ -125,6 +145,13 @@ SHMRPC_HIDDEN int cuda_device_count(int *n);
 SHMRPC_HIDDEN int cuda_export(const void *dptr, uint64_t len, uintptr_t stream,
 			      struct cuda_ipc_desc *out);
 
+/* The event of out, a descriptor of cuda_export or cuda_export_forward,
+ * back to its pool: its receiver has queued its wait (or never will). */
+SHMRPC_HIDDEN void cuda_export_done(const struct cuda_ipc_desc *out);
+
+/* The ordinal in this process of the device d names (by UUID). */
+SHMRPC_HIDDEN int cuda_local_device(const struct cuda_ipc_desc *d, int32_t *device);
+
 /*
  * in, a descriptor this process imported (or exported), described again
  * for another receiver: the same allocation, with an event of this
@@ -146,10 +173,11 @@ SHMRPC_HIDDEN int cuda_export_forward(const struct cuda_ipc_desc *in, uintptr_t 
  */
 SHMRPC_HIDDEN int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr,
 			      bool *stale);
-/* stream (a CUstream of d->device's primary context) waits for d's event
- * again, as cuda_import's did: for a consumer of the tensor that queues
- * its work on another stream than the one the import ordered. */
-SHMRPC_HIDDEN int cuda_wait(const struct cuda_ipc_desc *d, uintptr_t stream);
+/* Stream to (of device's primary context; 0: its legacy default one)
+ * runs what is queued on it from now on after what is queued on from so
+ * far: a consumer of a tensor on another stream than the one its import
+ * or its writes were ordered on. */
+SHMRPC_HIDDEN int cuda_order(int32_t device, uintptr_t from, uintptr_t to);
 /*
  * The tensor of d copied onto device (not d->device: a device map lands
  * it there): d mapped as cuda_import does (one reference, dropped with
@@ -164,7 +192,9 @@ SHMRPC_HIDDEN int cuda_import_copy(const struct cuda_ipc_desc *d, int32_t device
 				   bool *stale);
 /* Waits until the work queued on stream (of device's primary context; 0:
  * its legacy default stream) is done: a receiver releasing a tensor it
- * consumed there, before the producer may reuse the memory. */
+ * consumed there, before the producer may reuse the memory. The
+ * per-thread default stream (CU_STREAM_PER_THREAD, 2) may be another
+ * thread's: the whole context is waited for. */
 SHMRPC_HIDDEN int cuda_stream_sync(int32_t device, uintptr_t stream);
 /* Frees memory of cuda_import_copy. */
 SHMRPC_HIDDEN void cuda_free(int32_t device, void *p);

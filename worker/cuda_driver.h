@@ -24,6 +24,9 @@ typedef struct {
 typedef struct {
 	char reserved[CU_IPC_HANDLE_SIZE];
 } CUipcEventHandle;
+typedef struct {
+	char bytes[16];
+} CUuuid;
 
 enum { /* CUresult */
 	CUDA_SUCCESS = 0,
@@ -35,6 +38,7 @@ enum { /* CUresult */
 	CUDA_ERROR_MAP_FAILED = 205,
 	CUDA_ERROR_INVALID_HANDLE = 400,
 	CUDA_ERROR_NOT_FOUND = 500,
+	CUDA_ERROR_NOT_READY = 600,
 	CUDA_ERROR_NOT_PERMITTED = 800,
 	CUDA_ERROR_NOT_SUPPORTED = 801,
 };
@@ -50,5 +54,8 @@ enum { /* CUpointer_attribute */
 #define CU_EVENT_DISABLE_TIMING 0x2u
 #define CU_EVENT_INTERPROCESS 0x4u
 #define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1u
+/* The default streams' handles (cuda.h's; DLPack names them 1 and 2). */
+#define CU_STREAM_LEGACY ((CUstream)0x1)
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
 #endif

@@ -56,8 +56,13 @@ struct tensor_dev {
 	struct tensor_dev *next;
 	/* Receiver, under idle_cache.lock: the idle cache's link. */
 	struct tensor_dev *idle_next;
-	/* Receiver (imported): what was mapped, and from whom. */
+	/* Receiver (imported): what was mapped, and from whom; device: our
+	 * ordinal of its device (the descriptor's is the producer's). */
 	bool imported;
+	int32_t device;
+	/* Its consumers' streams were waited for (dev_drain): by the thread
+	 * that dropped the last handle, or at its release. */
+	bool drained;
 	uint32_t producer;         /* its rank */
 	struct tensor_view *view;  /* the job's pool the token is in (one reference) */
 	struct cuda_ipc_desc ipc;
@@ -233,6 +238,41 @@ static void heap_put(struct tensor_heap *h)
 
 /* ---- device tensors ---- */
 
+/* Waiting for the GPU is never done while handling frames (a pin's
+ * release runs there, on the loop thread or a polling one): every frame
+ * behind would wait too. */
+static bool must_not_block(void)
+{
+	return worker_agent && agent_must_not_block(worker_agent);
+}
+
+
+
+/*
+ * The last handle of a received tensor goes: the work its consumers queued
+ * on the streams they read it on must finish before the producer may free
+ * or reuse the memory (torch's receiver synchronizes its stream there too),
+ * as a stream's order says nothing to another process's allocator. Blocks
+ * the thread until that work is done; a failure (a consumer's stream
+ * destroyed meanwhile) is said, and the release goes on.
+ */
+static void dev_drain(struct tensor_dev *d)
+{
+	/* Relaxed: the acq_rel drops of the handles order the consumer's
+	 * store (shmrpc_tensor_cuda_wait) before this last one. */
+	uintptr_t consumer = atomic_load_explicit(&d->consumer, memory_order_relaxed);
+	int rc;
+
+	if (d->drained)
+		return;
+	rc = cuda_stream_sync(d->device, 0);
+	if (rc == 0 && consumer)
+		rc = cuda_stream_sync(d->device, consumer);
+	if (rc)
+		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
+	d->drained = true;
+}
+
 static void dev_put(struct tensor_dev *d);
 
 /* What dev holds, its last reference gone: a receiver's mapping, then
@@ -243,6 +283,7 @@ static void dev_release(struct tensor_dev *d)
 	struct agent *ag = worker_agent;
 
 	if (d->imported) {
+		dev_drain(d);
 		cuda_import_release(&d->ipc, false);
 		/* The token reference is of the job we received it in; after
 		 * that job, pool_leave dropped it already. */
@@ -251,6 +292,12 @@ static void dev_release(struct tensor_dev *d)
 			fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
 		tensor_view_put(d->view);
 	} else if (d->source) {
+		/* The copy was queued on the landing device's stream: done
+		 * before its memory and its source (whose producer may then
+		 * free it) go. */
+		if (cuda_stream_sync(d->copy_device, 0))
+			fprintf(stderr, "shmrpc: releasing a CUDA tensor a device map landed: %s\n",
+				shmrpc_errmsg());
 		cuda_free(d->copy_device, d->copy);
 		dev_put(d->source);
 	} else if (d->owner && d->owner->deleter) {
@@ -270,6 +317,38 @@ static bool producer_running(const struct agent *ag, const struct tensor_dev *d)
 	       atomic_load_explicit(&w->pid, memory_order_acquire) == d->ipc.pid;
 }
 
+struct dev_job {
+	struct job j;
+	struct tensor_dev *d;
+};
+
+static void run_dev_release(struct job *j)
+{
+	struct tensor_dev *d = ((struct dev_job *)j)->d;
+
+	free(j);
+	dev_release(d);
+}
+
+/* dev_release, on an executor when it would wait for the GPU here on the
+ * loop thread. */
+static void dev_release_soon(struct tensor_dev *d)
+{
+	struct dev_job *j;
+
+	if (((d->imported && !d->drained) || d->source) && must_not_block()) {
+		j = calloc(1, sizeof(*j));
+		if (j) {
+			j->j.run = run_dev_release;
+			j->d = d;
+			executor_submit(&j->j);
+			return;
+		}
+		/* Out of memory for the job: done here, the loop waiting once. */
+	}
+	dev_release(d);
+}
+
 /* Releases a list of idle entries (linked by idle_next), taken out of the
  * cache: their mappings close unless a handle still holds them. */
 static void idle_release(struct tensor_dev *gone)
@@ -278,7 +357,7 @@ static void idle_release(struct tensor_dev *gone)
 
 	while ((d = gone)) {
 		gone = d->idle_next;
-		dev_release(d);
+		dev_release_soon(d);
 	}
 }
 
@@ -370,26 +449,6 @@ void tensor_idle_forget(uint32_t pid)
 	idle_drop(pid ? IDLE_OF_PID : IDLE_ALL, pid);
 }
 
-/*
- * The last handle of a received tensor goes: the work its consumers queued
- * on the streams they read it on must finish before the producer may free
- * or reuse the memory (torch's receiver synchronizes its stream there too),
- * as a stream's order says nothing to another process's allocator. Blocks
- * the thread until that work is done; a failure (a consumer's stream
- * destroyed meanwhile) is said, and the release goes on.
- */
-static void dev_drain(struct tensor_dev *d)
-{
-	/* Relaxed: the acq_rel drops of the handles order the consumer's
-	 * store (shmrpc_tensor_cuda_wait) before this last one. */
-	uintptr_t consumer = atomic_load_explicit(&d->consumer, memory_order_relaxed);
-	int rc = cuda_stream_sync(d->ipc.device, 0);
-
-	if (rc == 0 && consumer)
-		rc = cuda_stream_sync(d->ipc.device, consumer);
-	if (rc)
-		fprintf(stderr, "shmrpc: releasing a received CUDA tensor: %s\n", shmrpc_errmsg());
-}
 
 /* Drops one reference of dev; the last one parks a received tensor in
  * the idle cache, or releases what it holds (dev_release). */
@@ -405,10 +464,13 @@ static void dev_put(struct tensor_dev *d)
 	was = atomic_fetch_sub_explicit(&d->refs, 1, memory_order_acq_rel);
 	if (was != 1)
 		return;
-	if (d->imported)
+	/* Drained now, as its user let go; while handling a frame, at its
+	 * release instead (parked, its token keeps the memory in the
+	 * producer; a release there goes to an executor). */
+	if (d->imported && !must_not_block())
 		dev_drain(d);
 	if (!idle_park(d))
-		dev_release(d);
+		dev_release_soon(d);
 }
 
 /* 0 when dev's bytes may be used here: a received tensor whose producer
@@ -737,9 +799,7 @@ int shmrpc_tensor_set_cuda_stream(shmrpc_tensor *t, uintptr_t stream)
 int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream)
 {
 	struct tensor_dev *d = t ? t->dev : NULL;
-	struct cuda_ipc_desc own;
 	uintptr_t wrote;
-	int rc;
 
 	if (!d)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_cuda_wait: not a CUDA tensor");
@@ -748,16 +808,14 @@ int shmrpc_tensor_cuda_wait(shmrpc_tensor *t, uintptr_t stream)
 		 * after the acq_rel drop of this handle. */
 		if (stream)
 			atomic_store_explicit(&d->consumer, stream, memory_order_relaxed);
-		return dev_check(d) ?: cuda_wait(&d->ipc, stream);
+		/* After the legacy default stream, which the import made wait
+		 * for the producer's writes. */
+		return dev_check(d) ?: cuda_order(d->device, 0, stream);
 	}
-	/* Of this process: its writes were queued on the stream set for it,
-	 * where cuda_export records an event for the consumer's stream to wait
-	 * on (as a send would). Relaxed: see shmrpc_tensor_set_cuda_stream. */
+	/* Of this process: its writes were queued on the stream set for it.
+	 * Relaxed: see shmrpc_tensor_set_cuda_stream. */
 	wrote = atomic_load_explicit(&d->stream, memory_order_relaxed);
-	if (wrote == stream)
-		return 0;
-	rc = cuda_export(t->dl.data, t->nbytes, wrote, &own);
-	return rc ? rc : cuda_wait(&own, stream);
+	return cuda_order(t->dl.device.device_id, wrote, stream);
 }
 
 /* ---- lists ---- */
@@ -805,15 +863,46 @@ void tensor_list_forget(struct tensor_list *l)
 {
 	for (uint32_t i = 0; i < l->nmade; i++)
 		shmrpc_tensor_free(l->made[i]);
+	for (uint32_t i = 0; i < l->nev; i++)
+		cuda_export_done(&l->ev[i]);
+	free(l->ev);
 	free(l->made);
 	free(l->t);
 	free(l->r);
 	*l = (struct tensor_list){ 0 };
 }
 
-int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held)
+/* d's event to give back when l goes. */
+static int list_add_event(struct tensor_list *l, const struct cuda_ipc_desc *d)
 {
+	if (l->nev == l->evcap) {
+		uint32_t cap = l->evcap ? 2 * l->evcap : 4;
+		struct cuda_ipc_desc *n = realloc(l->ev, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing CUDA events");
+		l->ev = n;
+		l->evcap = cap;
+	}
+	l->ev[l->nev++] = *d;
+	return 0;
+}
+
+int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
+{
+	uint32_t had = held->nev;
 	int rc = 0;
+
+	/* The events first, moved: whatever fails after, held gives them back. */
+	for (uint32_t i = 0; i < sent->nev && rc == 0; i++)
+		rc = list_add_event(held, &sent->ev[i]);
+	if (rc) {
+		held->nev = had; /* still sent's alone */
+		return rc;
+	}
+	free(sent->ev);
+	sent->ev = NULL;
+	sent->nev = sent->evcap = 0;
 
 	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
 		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
@@ -852,8 +941,9 @@ bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t)
 /* ---- descriptors ---- */
 
 /* The CUDA part of d's descriptor, for a new receiver; *token: its
- * lifetime token. */
-static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uint64_t *token)
+ * lifetime token. Its event goes to sent, busy until sent's holder goes. */
+static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uint64_t *token,
+			struct tensor_list *sent)
 {
 	struct tensor_dev *d = t->dev;
 	struct agent *ag = worker_agent;
@@ -874,12 +964,15 @@ static int dev_describe(const shmrpc_tensor *t, struct tensor_wire_cuda *wc, uin
 			return shmrpc__fail(-EINVAL, "a CUDA tensor of another job cannot be sent");
 		wc->producer = d->producer;
 		*token = d->token;
-		return cuda_export_forward(&d->ipc, stream, &wc->ipc);
+		rc = cuda_export_forward(&d->ipc, stream, &wc->ipc);
+	} else {
+		exports_reap(false);
+		wc->producer = ag->rank;
+		rc = dev_token(d, token) ?: cuda_export(t->dl.data, t->nbytes, stream, &wc->ipc);
 	}
-	exports_reap(false);
-	wc->producer = ag->rank;
-	rc = dev_token(d, token);
-	return rc ? rc : cuda_export(t->dl.data, t->nbytes, stream, &wc->ipc);
+	if (rc == 0 && (rc = list_add_event(sent, &wc->ipc)))
+		cuda_export_done(&wc->ipc);
+	return rc;
 }
 
 /* t's descriptor and, for an inline one, its bytes (ext type). */
@@ -960,7 +1053,7 @@ int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 	w = (struct tensor_wire){ d->off, d->nbytes, d->dl.dtype.code, d->dl.dtype.bits,
 				  d->dl.dtype.lanes, d->dl.ndim, d->dl.device.device_type,
 				  d->dl.device.device_id };
-	if (d->dev && (rc = dev_describe(d, &wc, &w.off)))
+	if (d->dev && (rc = dev_describe(d, &wc, &w.off, sent)))
 		return rc;
 	return pack_ext(pk, d, VALUE_EXT_TENSOR, &w, d->dev ? &wc : NULL) ?:
 	       tensor_list_add(sent, t);
@@ -976,22 +1069,30 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 {
 	struct agent *ag = worker_agent;
 	struct tensor_dev *d, *held;
-	int32_t at = w->device_id;
+	int32_t here, at;
 	void *data = NULL;
 	bool stale = false;
 	int rc;
 
-	if (wc->producer >= ag->world || wc->ipc.device != w->device_id || wc->ipc.len != w->nbytes)
+	if (wc->producer >= ag->world || wc->ipc.len != w->nbytes || wc->ipc.len > wc->ipc.size)
 		return shmrpc__fail(-EBADMSG, "a CUDA tensor descriptor that does not hold together "
-				    "(producer %u of %u workers, device %d and %d, %llu and %llu bytes)",
-				    wc->producer, ag->world, (int)wc->ipc.device, (int)w->device_id,
-				    (unsigned long long)wc->ipc.len, (unsigned long long)w->nbytes);
+				    "(producer %u of %u workers, %llu and %llu bytes of an allocation "
+				    "of %llu)", wc->producer, ag->world, (unsigned long long)wc->ipc.len,
+				    (unsigned long long)w->nbytes, (unsigned long long)wc->ipc.size);
+	/* Ordinals are each process's own (CUDA_VISIBLE_DEVICES): the device
+	 * is found here by its UUID; a device map maps the sender's ordinal
+	 * (w->device_id) to ours, as torch's. */
+	rc = cuda_local_device(&wc->ipc, &here);
+	if (rc)
+		return rc;
+	at = here;
 	if (land && (rc = devmap_land(ag, land, w->device_id, &at)))
 		return rc;
 	if (!(d = calloc(1, sizeof(*d))))
 		return shmrpc__fail(-ENOMEM, "out of memory receiving a CUDA tensor");
 	atomic_init(&d->refs, 1);
 	d->imported = true;
+	d->device = here;
 	d->producer = wc->producer;
 	d->ipc = wc->ipc;
 	d->token = w->off;
@@ -1008,7 +1109,7 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 	atomic_fetch_add_explicit(&d->view->refs, 1, memory_order_relaxed);
 	rc = dev_check(d);
 	held = d;
-	if (rc == 0 && at != d->ipc.device) {
+	if (rc == 0 && at != here) {
 		/* Mapped to another device: copied there once (torch copies
 		 * too), on the landing device's legacy default stream. */
 		if (!(held = calloc(1, sizeof(*held))))
@@ -1171,7 +1272,7 @@ static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
 	trace_pins(kind, pin->peer, pin->kind == PIN_REPLY, pin->msg_id, pin->held.n, bytes, status);
 }
 
-int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct tensor_list *sent)
+int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_list *sent)
 {
 	struct pin *pin = calloc(1, sizeof(*pin));
 	int rc;
@@ -1181,7 +1282,7 @@ int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, const struct te
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
 	rc = tensor_list_hold(sent, &pin->held);
 	/* Nothing by reference (all inline): nothing to wait for. */
-	if (rc || !pin->held.n) {
+	if (rc || (!pin->held.n && !pin->held.nev)) {
 		tensor_list_free(&pin->held);
 		free(pin);
 		return rc;

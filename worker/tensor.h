@@ -82,6 +82,8 @@
 #define SHMRPC_WORKER_TENSOR_H
 
 #include <msgpack.h>
+
+#include "worker/cuda.h"
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -129,6 +131,12 @@ struct tensor_list {
 	 * (the list's own, pinned with the others, freed with the list). */
 	shmrpc_tensor **made;
 	uint32_t nmade, madecap;
+	/* When encoding: the CUDA descriptors packed, whose interprocess
+	 * events stay busy until the receiver has waited on them: moved to
+	 * the message's pin (tensor_list_hold), given back when the list
+	 * that holds them goes (cuda_export_done). */
+	struct cuda_ipc_desc *ev;
+	uint32_t nev, evcap;
 };
 
 /* The agent's view of its pool: made when it attaches (one reference, the
@@ -149,8 +157,9 @@ SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t 
 					  const shmrpc_tensor *t);
 
 /* Adds to held a reference of ours to each tensor of sent that went by
- * reference (not inline; the pool copies the encoding made included). */
-SHMRPC_HIDDEN int tensor_list_hold(const struct tensor_list *sent, struct tensor_list *held);
+ * reference (not inline; the pool copies the encoding made included), and
+ * moves sent's CUDA events there. */
+SHMRPC_HIDDEN int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held);
 /* Handles of l whose bytes went by reference (pool or CUDA), so that the
  * sender pinned them and, for a reply, waits for a TENSOR_ACK. */
 SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
@@ -206,7 +215,7 @@ SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag, bool wait);
 
 /* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
 SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
-			   const struct tensor_list *sent);
+			   struct tensor_list *sent);
 SHMRPC_HIDDEN void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
 /* peer died: its pins, both kinds, go. */
 SHMRPC_HIDDEN void pins_release_peer(uint32_t peer);

@@ -486,7 +486,13 @@ class _LoaderJob:
             return
         job, self.job = self.job, None
         if self.pinned:
-            _torch().cuda.cudart().cudaHostUnregister(self.pinned)
+            # Copies queued from the pool with non_blocking=True may still
+            # be reading it: unregistered (and unmapped after) only once
+            # every device is done with them.
+            torch = _torch()
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+            torch.cuda.cudart().cudaHostUnregister(self.pinned)
         for r in self.ranks:
             try:
                 shmrpc.rpc_async(r, _w_leave)  # answered before this shutdown returns

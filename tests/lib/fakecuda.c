@@ -55,6 +55,9 @@ static void fake_delete(DLManagedTensor *m)
 {
 	int (*mem_free)(uint64_t p) = sym("cuMemFree_v2");
 
+	/* The driver frees in a current context only; a deleter may run on
+	 * any thread. */
+	tl_fake_cuda_device(m->dl_tensor.device.device_id);
 	CHECK(mem_free((uint64_t)(uintptr_t)m->dl_tensor.data) == 0, "cuMemFree");
 	free(m);
 	/* Relaxed: a counter the test polls. */
@@ -86,6 +89,14 @@ shmrpc_tensor *tl_fake_cuda_tensor_on(int device, uint64_t n, uint8_t fill)
 	f->m.deleter = fake_delete;
 	CHECK_OK(shmrpc_tensor_from_dlpack(&f->m, &t));
 	return t;
+}
+
+void tl_fake_cuda_sync(int device)
+{
+	int (*sync)(void) = sym("cuCtxSynchronize");
+
+	tl_fake_cuda_device(device);
+	CHECK(sync() == 0, "cuCtxSynchronize on device %d", device);
 }
 
 int tl_fake_cuda_deleted(void)

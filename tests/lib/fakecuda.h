@@ -25,6 +25,10 @@ void tl_fake_cuda_device(int device);
  * tl_fake_cuda_deleted. */
 shmrpc_tensor *tl_fake_cuda_tensor(uint64_t n, uint8_t fill);
 shmrpc_tensor *tl_fake_cuda_tensor_on(int device, uint64_t n, uint8_t fill);
+/* Waits until the work queued on device's streams is done: the fake's
+ * streams run later, as a GPU's, so a test reads on the host only after
+ * this (as a real consumer synchronizes before a host read). */
+void tl_fake_cuda_sync(int device);
 /* Deleters run so far in this process. */
 int tl_fake_cuda_deleted(void);
 /* Allocations of this process not yet freed (the fake driver's count). */
