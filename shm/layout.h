@@ -31,8 +31,9 @@
 /* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
  * and the CUDA IPC gauges of the worker slot; 4: the device maps; 5: the
  * 56-byte frame header (nesting depth, needed_by) and inline tensors; 6:
- * a request's help entries (help_n), so that workers of different builds
- * meet a version error, not "corrupt". */
+ * a request's help entries (help_n) and the 208-byte CUDA descriptor (the
+ * producer's allocation size, the device's UUID), so that workers of
+ * different builds meet a version error, not "corrupt". */
 #define SHM_FORMAT_VERSION 6u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u

@@ -517,7 +517,7 @@ static int worker(void)
 {
 	int rank = atoi(getenv("SHMRPC_RANK"));
 	struct shmrpc_device_map_entry map = { "worker2", 0, 1 };
-	struct shmrpc_options o = { .device_maps = &map, .num_device_maps = rank == 0 };
+	struct shmrpc_options o = SHMRPC_OPTIONS(.device_maps = &map, .num_device_maps = rank == 0);
 
 	/* Before the first CUDA call: the driver reads it once. */
 	CHECK(setenv("CUDA_VISIBLE_DEVICES", rank == 1 ? "1,0" : "0,1", 1) == 0, "setenv");
