@@ -88,7 +88,14 @@ bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer)
 	uint32_t st = atomic_load_explicit(&shm_worker(p->seg, peer)->state, memory_order_acquire);
 
 	return st != SHM_WORKER_DEAD && !ipc_waiter_is_dead(&p->waiter, peer) &&
-	       !ipc_port_ring_broken(p, peer);
+	       !ipc_port_ring_broken(p, peer) && !ipc_port_ring_abandoned(p, peer);
+}
+
+bool ipc_port_ring_abandoned(const struct ipc_port *p, uint32_t peer)
+{
+	/* Acquire pairs with the consumer's release store (ipc_port_poll). */
+	return peer != p->rank &&
+	       atomic_load_explicit(&p->out[peer].ctl->abandoned, memory_order_acquire);
 }
 
 bool ipc_port_ring_broken(const struct ipc_port *p, uint32_t peer)
@@ -359,6 +366,10 @@ int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
 				shmrpc__fail(rc, "the ring from worker %u is corrupt and is no longer read",
 					     src);
 				report(p);
+				/* Release, pairs with ipc_port_ring_abandoned's acquire:
+				 * the producer fails its calls to us, woken to see it. */
+				atomic_store_explicit(&r->ctl->abandoned, 1, memory_order_release);
+				ipc_doorbell_ring(shm_worker(p->seg, src), p->self);
 				break;
 			}
 			if (ipc_frame_decode(rec, len, src, p->rank, &f) == 0) {

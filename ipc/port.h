@@ -120,5 +120,8 @@ SHMRPC_HIDDEN bool ipc_port_take_dead(struct ipc_port *p, uint32_t *peer);
 SHMRPC_HIDDEN bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer);
 /* Any thread: whether the ring from peer went bad and is no longer read. */
 SHMRPC_HIDDEN bool ipc_port_ring_broken(const struct ipc_port *p, uint32_t peer);
+/* Whether peer found our ring to it corrupt and reads it no more (its
+ * requests, and our replies to its calls, are lost). */
+SHMRPC_HIDDEN bool ipc_port_ring_abandoned(const struct ipc_port *p, uint32_t peer);
 
 #endif

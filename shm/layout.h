@@ -31,8 +31,9 @@
 /* 2: the flight recorder; 3: its tensor handoffs and ring-space waits,
  * and the CUDA IPC gauges of the worker slot; 4: the device maps; 5: the
  * 56-byte frame header (nesting depth, needed_by) and inline tensors; 6:
- * a request's help entries (help_n) and the 208-byte CUDA descriptor (the
- * producer's allocation size, the device's UUID), so that workers of
+ * a request's help entries (help_n), the 208-byte CUDA descriptor (the
+ * producer's allocation size, the device's UUID) and a ring's abandoned
+ * mark, so that workers of
  * different builds meet a version error, not "corrupt". */
 #define SHM_FORMAT_VERSION 6u
 #define SHM_PAGE 4096u
@@ -213,7 +214,12 @@ struct shm_ring_ctl {
 	/* line 1, consumer side. head: written by the consumer with release
 	 * once a record is consumed; read by the producer with acquire. */
 	_Atomic uint64_t head;
-	uint8_t pad2[SHMRPC_CACHELINE - 8];
+	/* abandoned: set (release) by a consumer that found the ring corrupt
+	 * and reads it no more, before it rings the producer's doorbell; the
+	 * producer reads it (acquire) before it sends, and when woken, and
+	 * fails its calls to the consumer (ipc_port_ring_abandoned). */
+	_Atomic uint32_t abandoned;
+	uint8_t pad2[SHMRPC_CACHELINE - 12];
 	/* lines 2-3: constant after creation. */
 	uint64_t data_off;
 	uint32_t size;

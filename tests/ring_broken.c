@@ -3,9 +3,11 @@
  * the ring can hold, as a stray write into the job's memory would) is no
  * longer read, and that does not leave anyone waiting: rank 0's call to
  * rank 1, whose reply would come on that ring, fails naming the ring and
- * the worker; a new call to rank 1 fails at once with the same words; the
- * launcher names the worker that received the corrupt frame and the job
- * exits 1, not 0.
+ * the worker; a new call to rank 1 fails at once with the same words;
+ * rank 1, told through the ring's abandoned mark, fails its calls to rank
+ * 0 at once too, naming the link: the two are cut off from each other,
+ * and only they (rank 2 calls both). The launcher names the worker that
+ * received the corrupt frame and the job exits 1, not 0.
  */
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -21,6 +23,31 @@
 #include "tests/lib/testlib.h"
 
 #define BROKEN_TEXT "the ring from worker 1 (worker1) is corrupt and is no longer read"
+#define ABANDONED_TEXT "worker 0 (worker0) found the ring from this worker corrupt"
+
+static int fn_ping(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_int(shmrpc_rank());
+	return 0;
+}
+
+/* On rank 2, after the break: both workers of the cut link answer it. */
+static int fn_others(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	for (int dst = 0; dst < 2; dst++) {
+		shmrpc_future *f;
+		int rc = shmrpc_rpc_sync(dst, "ping", NULL, 0, 20000, &f);
+
+		CHECK(rc == 0 && shmrpc_future_value(f)->u.i == dst,
+		      "rank 2's call to rank %d after the break: %d %s", dst, rc, shmrpc_errmsg());
+		shmrpc_future_free(f);
+	}
+	fprintf(stderr, "rank 2 reached both\n");
+	*r = shmrpc_int(1);
+	return 0;
+}
 
 /* On rank 1: breaks its own ring to rank 0 through a mapping of its own,
  * then answers after a while (the reply is lost). */
@@ -29,7 +56,8 @@ static int fn_break(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 	const char *fd = getenv(SHMRPC_ENV_JOB_FD);
 	struct shm_ring_ctl *ctl;
 	struct shm_seg seg;
-	int dup_fd;
+	shmrpc_future *f;
+	int dup_fd, rc;
 
 	(void)c, (void)a, (void)n, (void)u;
 	CHECK(fd, "no %s", SHMRPC_ENV_JOB_FD);
@@ -45,6 +73,11 @@ static int fn_break(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 	ipc_doorbell_ring(shm_worker(&seg, 0), shm_worker(&seg, 1));
 	shm_seg_detach(&seg);
 	usleep(300000);
+	/* Rank 0 found the ring corrupt by now: our calls to it fail at once. */
+	rc = shmrpc_rpc_sync(0, "ping", NULL, 0, 20000, &f);
+	CHECK(rc == -SHMRPC_EPEERDEAD && strstr(shmrpc_errmsg(), ABANDONED_TEXT),
+	      "rank 1's call to rank 0 after the break: %d %s", rc, shmrpc_errmsg());
+	fprintf(stderr, "rank 1's call to rank 0 failed at once\n");
 	*r = shmrpc_int(1);
 	return 0;
 }
@@ -55,6 +88,8 @@ static int worker(void)
 	int rc;
 
 	CHECK_OK(shmrpc_register("break", "", fn_break, NULL));
+	CHECK_OK(shmrpc_register("ping", "", fn_ping, NULL));
+	CHECK_OK(shmrpc_register("others", "", fn_others, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0) {
 		uint64_t t0 = shmrpc_now_ns();
@@ -67,6 +102,11 @@ static int worker(void)
 		rc = shmrpc_rpc_sync(1, "break", NULL, 0, 20000, &f);
 		CHECK(rc == -SHMRPC_EPEERDEAD && strstr(shmrpc_errmsg(), BROKEN_TEXT),
 		      "a new call: %d %s", rc, shmrpc_errmsg());
+		/* After rank 1's own check (its handler sleeps 300 ms first). */
+		usleep(600000);
+		rc = shmrpc_rpc_sync(2, "others", NULL, 0, 20000, &f);
+		CHECK(rc == 0, "rank 2's calls: %d %s", rc, shmrpc_errmsg());
+		shmrpc_future_free(f);
 	}
 	CHECK_OK(shmrpc_shutdown(1, 30000));
 	return 0;
@@ -74,9 +114,12 @@ static int worker(void)
 
 int main(void)
 {
+	/* Each worker's success says so: a CHECK failing also ends the job 1. */
 	static const char *const texts[] = { "the call failed after",
+					     "rank 1's call to rank 0 failed at once",
+					     "rank 2 reached both",
 					     "shmrun: worker 0 (worker0) received 1 corrupt frame",
 					     NULL };
 
-	return tl_job_expect(worker, 1, texts, "-n", "2", NULL);
+	return tl_job_expect(worker, 1, texts, "-n", "3", NULL);
 }

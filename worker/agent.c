@@ -130,6 +130,10 @@ void agent_peer_gone_text(const struct agent *ag, uint32_t r, char *buf, size_t 
 		snprintf(buf, len, "the ring from worker %u (%s) is corrupt and is no longer read: "
 			 "its replies are lost (the job's memory was written outside shmrpc)", r,
 			 name);
+	} else if (ipc_port_ring_abandoned(&ag->port, r)) {
+		snprintf(buf, len, "worker %u (%s) found the ring from this worker corrupt and no "
+			 "longer reads it: requests to it are lost (the job's memory was written "
+			 "outside shmrpc)", r, name);
 	} else {
 		snprintf(buf, len, "worker %u (%s) died: its process ended, and its launcher has "
 			 "not recorded how", r, name);
@@ -483,11 +487,13 @@ static void settle_deaths(struct agent *ag, uint64_t now)
 	while (ipc_port_take_dead(&ag->port, &peer))
 		if (!ag->gone[peer] && !ag->dying_since[peer])
 			ag->dying_since[peer] = now;
-	/* A peer whose ring to us broke: no reply of its will come. */
+	/* A peer whose ring to us broke, or that abandoned ours to it: no
+	 * reply of its will come. */
 	for (peer = 0; peer < ag->world; peer++) {
 		char why[200];
 
-		if (ag->gone[peer] || !ipc_port_ring_broken(&ag->port, peer))
+		if (ag->gone[peer] || (!ipc_port_ring_broken(&ag->port, peer) &&
+				       !ipc_port_ring_abandoned(&ag->port, peer)))
 			continue;
 		agent_peer_gone_text(ag, peer, why, sizeof(why));
 		client_fail_peer(ag, peer, why);
