@@ -9,12 +9,18 @@
 
 static _Thread_local char errmsg[1024];
 
+int shmrpc__vfail(int err, const char *fmt, va_list ap)
+{
+	vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+	return err;
+}
+
 int shmrpc__fail(int err, const char *fmt, ...)
 {
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+	shmrpc__vfail(err, fmt, ap);
 	va_end(ap);
 	return err;
 }

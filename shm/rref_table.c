@@ -30,6 +30,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "shm/attach.h"
 #include "shm/memfd.h"
 #include "shm/rref_table.h"
 
@@ -118,46 +119,28 @@ int rref_table_create(struct rref_table *t, const struct rref_table_params *para
 	return 0;
 }
 
+static const struct shm_file_kind table_kind = { "RRef table", RREF_TABLE_MAGIC,
+						  RREF_TABLE_FORMAT_VERSION,
+						  sizeof(struct rref_table_header) };
+
 int rref_table_attach_fd(struct rref_table *t, int fd, bool readonly)
 {
 	struct rref_table_header h;
+	uint64_t file_size;
 	struct shape s;
-	struct stat st;
-	ssize_t n;
+	int err;
 
 	memset(t, 0, sizeof(*t));
 	t->fd = -1;
-	if (fstat(fd, &st) < 0)
-		return shmrpc__fail(-errno, "cannot attach to the RRef table on fd %d: %s", fd,
-				    strerror(errno));
-	/* Read the header with pread first: never map what we have not checked. */
-	n = pread(fd, &h, sizeof(h), 0);
-	if (n < 0)
-		return shmrpc__fail(-errno, "cannot read the RRef table header: %s", strerror(errno));
-	if ((size_t)n < offsetof(struct rref_table_header, header_size) || h.magic != RREF_TABLE_MAGIC)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table (bad magic)");
-	if (h.format_version != RREF_TABLE_FORMAT_VERSION)
-		return shmrpc__fail(-SHMRPC_EVERSION,
-				    "RRef table format %u, this library reads format %u: run the job "
-				    "and its tools from the same shmrpc build",
-				    h.format_version, RREF_TABLE_FORMAT_VERSION);
-	if ((size_t)n < sizeof(h))
-		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %zd bytes", n);
-	if (h.header_size != sizeof(h) || !table_shape(h.max_rrefs, h.world, &s) ||
-	    s.capacity != h.capacity || s.entry_size != h.entry_size ||
-	    s.heads_off != h.heads_off || s.slots_off != h.slots_off || s.total != h.total_size)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table: header layout is "
-				    "inconsistent (%u RRefs, %u workers)", h.max_rrefs, h.world);
-	if ((uint64_t)st.st_size < h.total_size)
-		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %lld bytes, header says %"
-				    PRIu64, (long long)st.st_size, h.total_size);
-	t->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE,
-		       MAP_SHARED, fd, 0);
-	if (t->base == MAP_FAILED) {
-		t->base = NULL;
-		return shmrpc__fail(-errno, "cannot map the RRef table (%" PRIu64 " bytes): %s",
-				    h.total_size, strerror(errno));
-	}
+	if ((err = shm_attach_header(fd, &table_kind, &h, &file_size)))
+		return err;
+	if (!table_shape(h.max_rrefs, h.world, &s) || s.capacity != h.capacity ||
+	    s.entry_size != h.entry_size || s.heads_off != h.heads_off ||
+	    s.slots_off != h.slots_off || s.total != h.total_size)
+		return shm_attach_inconsistent(&table_kind, "%u RRefs, %u workers", h.max_rrefs,
+					       h.world);
+	if ((err = shm_attach_map(fd, &table_kind, h.total_size, file_size, readonly, &t->base)))
+		return err;
 	t->fd = fd;
 	table_fill(t, &s, h.max_rrefs, h.world);
 	return 0;
