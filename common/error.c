@@ -58,7 +58,7 @@ const char *shmrpc_strerror(int err)
 	case -SHMRPC_ETRUNC:
 		return "shmrpc segment truncated";
 	case -SHMRPC_ECORRUPT:
-		return "corrupted frame (checksum mismatch)";
+		return "corrupted shared memory (a frame or a shared structure failed its check)";
 	case -SHMRPC_EPEERDEAD:
 		return "peer worker died";
 	case -SHMRPC_EREMOTE:

@@ -143,7 +143,9 @@ void report_trace(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
 /* After the job: says so on stderr if the RRef table is not empty. */
 void report_leaks(const struct job *j);
-/* After the job: names the workers that received corrupt frames; how many. */
+/* After the job: names the workers that received corrupt frames, and each
+ * shared structure found corrupt (tensor pool, RRef table) with who found
+ * it; how many such findings. */
 int report_corrupt(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);
