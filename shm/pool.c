@@ -717,10 +717,13 @@ static int b_unlink(const struct buddy *b, uint32_t u, uint32_t o)
 	/* Both neighbours must name u back: a link into another list (or to
 	 * a unit in use) would otherwise be followed on the next pop. */
 	if ((pv ? *b_next(b, pv - 1)
-		: atomic_load_explicit(&b->heads[o], memory_order_relaxed)) != u + 1)
-		return b_corrupt(b, o, pv);
-	if (nx && *b_prev(b, nx - 1) != u + 1)
-		return b_corrupt(b, o, nx);
+		: atomic_load_explicit(&b->heads[o], memory_order_relaxed)) != u + 1 ||
+	    (nx && *b_prev(b, nx - 1) != u + 1))
+		return POOL_BAD(b->p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's free list of %s blocks of order %u is corrupt: "
+				"the neighbours of %u (links %u, %u) do not name it back"
+				POOL_RESTART,
+				b->what, o, u, pv, nx);
 	if (pv)
 		*b_next(b, pv - 1) = nx;
 	else
