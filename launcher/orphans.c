@@ -7,7 +7,8 @@
  * SIGKILL) and reaped, so that nothing of the job outlives shmrun: not a
  * process, not the job's memfds it inherited, not the pipe that a
  * `$(shmrun ...)` waits on. (A kill -9 of shmrun itself leaves them to
- * init, as PR_SET_PDEATHSIG reaches only the workers.)
+ * init, as PR_SET_PDEATHSIG reaches only the workers: docs/ARCHITECTURE.md
+ * says what is and is not guaranteed then, and what would close the gap.)
  */
 #include <errno.h>
 #include <signal.h>
