@@ -112,15 +112,16 @@ static int pool_init_lists(struct shm_pool *p);
 static int pool_healthy(struct shm_pool *p)
 {
 	/* Relaxed: see shm/corrupt.h. */
-	uint64_t bad = atomic_load_explicit(&p->hdr->corrupt, memory_order_relaxed);
+	uint64_t bad = atomic_load_explicit(&p->hdr->corrupt, memory_order_relaxed), first;
 
 	if (!bad)
 		return 0;
+	first = bad & -bad; /* the sentence names one */
 	return shmrpc__fail(-SHMRPC_ECORRUPT, "%s %s found corrupt earlier (the job's memory was "
 			    "written outside shmrpc)" POOL_RESTART,
-			    shm_corrupt_name(bad & SHM_CORRUPT_ALL ? bad & -bad : bad),
-			    bad & (SHM_CORRUPT_POOL_LISTS | SHM_CORRUPT_POOL_HOLDERS |
-				   SHM_CORRUPT_POOL_RECORDS) ? "were" : "was");
+			    shm_corrupt_name(first),
+			    first == SHM_CORRUPT_POOL_CHUNKS || !(first & SHM_CORRUPT_ALL) ? "was"
+											    : "were");
 }
 
 static uint64_t class_size(uint32_t k)
