@@ -9,7 +9,9 @@
  *   holders   a holder table entry names a record past the pool's
  *   entries   a live RRef entry's owner set past the job's workers
  *   links     an owner's collect list made a loop through a live entry
- * Then worker 0 runs its load again. Each time: no process crashes (every
+ * Worker 1 runs a load of its own all along (large tensors to worker 0),
+ * and worker 0 runs its load again after the scribbling. Each time: no
+ * process crashes (every
  * worker exits 0, shmrun exits 1 and not by a signal); a call either
  * returns the right value or fails with a sentence naming the structure
  * (and at least one fails so, where the kind has calls that touch it);
@@ -17,6 +19,7 @@
  * shmrun names the structure; nothing is left in /dev/shm.
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,14 +44,14 @@ static const DLDataType i64 = { kDLInt, 64, 1 };
 struct kind {
 	const char *name;
 	const char *structure; /* shm_corrupt_name() of what it breaks */
-	const char *finder;    /* who finds it: "worker 0 (worker0)" ... */
+	const char *finder;    /* who must find it: "worker 0 (worker0)"; "worker": either */
 	bool calls_fail;       /* worker 0's calls touch it */
 };
 
 static const struct kind kinds[] = {
-	{ "records", "the tensor pool's block record", "worker 0 (worker0)", true },
-	{ "chunks", "the tensor pool's chunk table", "worker 0 (worker0)", true },
-	{ "lists", "the tensor pool's free list", "worker 0 (worker0)", true },
+	{ "records", "the tensor pool's block record", "worker", true },
+	{ "chunks", "the tensor pool's chunk table", "worker", true },
+	{ "lists", "the tensor pool's free list", "worker", true },
 	{ "holders", "the tensor pool's holder table", "worker 0 (worker0)", false },
 	{ "entries", "the RRef table's entr", "worker 0 (worker0)", true },
 	{ "links", "the RRef table's collect list", "worker 1 (worker1)", false },
@@ -185,6 +188,51 @@ static int load(const struct kind *k, int round)
 	return failed;
 }
 
+/* Worker 1's load while worker 0 scribbles and loads: large tensors only
+ * (no slab blocks, so that the records kind finds the slab block it
+ * marked still free), summed by worker 0. Until worker 0 says stop. */
+static atomic_bool stop_load;
+
+static int fn_stop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	/* Relaxed: a flag; the load thread's calls order nothing by it. */
+	atomic_store_explicit(&stop_load, true, memory_order_relaxed);
+	*r = shmrpc_nil();
+	return 0;
+}
+
+static void *background_load(void *arg)
+{
+	const struct kind *k = arg;
+	int64_t n = LARGE, seed = 0;
+
+	while (!atomic_load_explicit(&stop_load, memory_order_relaxed)) {
+		shmrpc_tensor *t;
+		shmrpc_future *f;
+		shmrpc_value v;
+		int64_t *d, want = 0;
+
+		if (shmrpc_tensor_alloc(i64, 1, &n, &t)) {
+			failed_naming(k, "worker 1's allocation");
+			usleep(1000);
+			continue;
+		}
+		d = shmrpc_tensor_data(t);
+		for (int64_t i = 0; i < n; i++)
+			want += d[i] = seed++;
+		v = shmrpc_tensor_value(t);
+		if (shmrpc_rpc_sync(0, "sum", &v, 1, 20000, &f)) {
+			failed_naming(k, "worker 1's call with a tensor");
+		} else {
+			CHECK(shmrpc_future_value(f)->u.i == want, "worker 1: a wrong sum");
+			shmrpc_future_free(f);
+		}
+		shmrpc_tensor_free(t);
+	}
+	return NULL;
+}
+
 /* A mapping of our own of one of the job's files, through the fd the
  * worker inherited (named in var). */
 static int dup_env_fd(const char *var)
@@ -277,12 +325,19 @@ static int worker(void)
 	const struct kind *k = kind_named(getenv("HOSTILE_KIND"));
 	int failed = 0, status;
 	shmrpc_rref *kept = NULL;
+	shmrpc_future *f;
 	pid_t pid;
 
 	CHECK_OK(shmrpc_register("sum", "t", fn_sum, NULL));
 	CHECK_OK(shmrpc_register("seven", "", fn_seven, NULL));
+	CHECK_OK(shmrpc_register("stop", "", fn_stop, NULL));
 	CHECK_OK(shmrpc_init(NULL));
-	if (shmrpc_rank() == 0) {
+	if (shmrpc_rank() == 1) {
+		pthread_t th;
+
+		CHECK(!pthread_create(&th, NULL, background_load, (void *)k), "pthread_create");
+		pthread_join(th, NULL);
+	} else {
 		CHECK(load(k, 1) == 0, "the load failed before any corruption: %s", shmrpc_errmsg());
 		/* An RRef of worker 1's that lives across the scribbling. */
 		CHECK_OK(shmrpc_remote(1, "seven", NULL, 0, 20000, &kept));
@@ -308,6 +363,8 @@ static int worker(void)
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
 			k->structure);
+		CHECK_OK(shmrpc_rpc_sync(1, "stop", NULL, 0, 20000, &f));
+		shmrpc_future_free(f);
 		shmrpc_rref_free(kept);
 		while (nheld)
 			shmrpc_tensor_free(held[--nheld]);
