@@ -162,19 +162,21 @@ $(RUNNER): $(BUILD)/obj/tests/runner/runner.o
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^
 
-# The fuzz target needs clang's libFuzzer runtime (libclang-rt-14-dev).
+# The fuzz targets (one per file of fuzz/: what decodes frames and values,
+# what walks the pool's and the RRef table's metadata) need clang's
+# libFuzzer runtime (libclang-rt-14-dev).
 FUZZ_CC  ?= clang
-FUZZ_BIN := build/fuzz/decode
-fuzz: $(FUZZ_BIN)
-$(FUZZ_BIN): fuzz/decode.c $(LIB_SRCS)
+FUZZ_BINS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/*.c))
+fuzz: $(FUZZ_BINS)
+build/fuzz/%: fuzz/%.c $(LIB_SRCS)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(CPPFLAGS) -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -o $@ \
-		fuzz/decode.c $(LIB_SRCS) $(LIBS)
+		$< $(LIB_SRCS) $(LIBS)
 
 check: deps
 	@$(MAKE) --no-print-directory all
 	@fuzz=; if [ -z "$(SAN)" ] && sh .ci/has-fuzzer.sh "$(FUZZ_CC)"; then \
-		$(MAKE) --no-print-directory fuzz && fuzz="$(FUZZ_BIN)"; fi; \
+		$(MAKE) --no-print-directory fuzz && fuzz="$(FUZZ_BINS)"; fi; \
 	SHMRPC_BUILD=$(BUILD) SHMRPC_SAN=$(SAN) SHMRPC_FUZZ="$$fuzz" $(RUNNER) -t $(TEST_TIMEOUT) \
 		-a .ci/allowed-skips $(TESTS)
 

@@ -9,12 +9,18 @@
 
 static _Thread_local char errmsg[1024];
 
+int shmrpc__vfail(int err, const char *fmt, va_list ap)
+{
+	vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+	return err;
+}
+
 int shmrpc__fail(int err, const char *fmt, ...)
 {
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+	shmrpc__vfail(err, fmt, ap);
 	va_end(ap);
 	return err;
 }
@@ -52,7 +58,7 @@ const char *shmrpc_strerror(int err)
 	case -SHMRPC_ETRUNC:
 		return "shmrpc segment truncated";
 	case -SHMRPC_ECORRUPT:
-		return "corrupted frame (checksum mismatch)";
+		return "corrupted shared memory (a frame or a shared structure failed its check)";
 	case -SHMRPC_EPEERDEAD:
 		return "peer worker died";
 	case -SHMRPC_EREMOTE:

@@ -39,8 +39,12 @@ int job_shm_create(struct job_shm *js, const struct job_shm_params *p)
 	if (rc) {
 		pool_detach(&js->pool);
 		shm_seg_detach(&js->seg);
+		return rc;
 	}
-	return rc;
+	/* What our sweeps find corrupt: the launcher's own word, which no
+	 * other process can write. */
+	js->pool.corrupt_note = js->rrefs.corrupt_note = &js->corrupt;
+	return 0;
 }
 
 void job_shm_close(struct job_shm *js)

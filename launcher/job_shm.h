@@ -18,6 +18,9 @@ struct job_shm {
 	struct shm_seg seg;
 	struct shm_pool pool;
 	struct rref_table rrefs;
+	/* SHM_CORRUPT_* bits of what this process (the launcher) found
+	 * corrupt in the pool and the RRef table: their corrupt_note. */
+	_Atomic uint64_t corrupt;
 };
 
 struct job_shm_params {

@@ -7,7 +7,8 @@
  * SIGKILL) and reaped, so that nothing of the job outlives shmrun: not a
  * process, not the job's memfds it inherited, not the pipe that a
  * `$(shmrun ...)` waits on. (A kill -9 of shmrun itself leaves them to
- * init, as PR_SET_PDEATHSIG reaches only the workers.)
+ * init, as PR_SET_PDEATHSIG reaches only the workers: guard.c stops them
+ * then.)
  */
 #include <errno.h>
 #include <signal.h>
@@ -47,7 +48,7 @@ static int children(const struct job *j, pid_t *out, int most)
 
 		for (uint32_t r = 0; r < j->o->nproc && !worker; r++)
 			worker = j->procs[r].pidfd >= 0 && j->procs[r].pid == pid;
-		if (!worker)
+		if (!worker && pid != j->guard_pid) /* the guard ends after them */
 			out[n++] = pid;
 	}
 	fclose(f);

@@ -5,6 +5,7 @@
 
 #include "common/clock.h"
 #include "launcher/shmrun.h"
+#include "shm/corrupt.h"
 #include "shm/exit_info.h"
 #include "worker/trace.h"
 
@@ -142,9 +143,45 @@ void report_leaks(const struct job *j)
 			"%s\n", left, first);
 }
 
+/* One line per structure found corrupt, naming who found it: the
+ * workers (their slots), shmrun's own sweeps, or only the pool's header
+ * (a process that was not told where to note it, or one killed first). */
+static int report_structures(const struct job *j)
+{
+	/* Relaxed: flags (shm/corrupt.h), read once every worker has ended. */
+	uint64_t own = atomic_load_explicit(&j->shm.corrupt, memory_order_relaxed);
+	uint64_t pool = atomic_load_explicit(&j->shm.pool.hdr->corrupt, memory_order_relaxed);
+	int bad = 0;
+
+	for (uint64_t bit = 1; bit & SHM_CORRUPT_ALL; bit <<= 1) {
+		char line[1024], who[SHM_NAME_MAX + 32];
+		size_t len = 0;
+
+		for (uint32_t r = 0; r < j->o->nproc; r++) {
+			if (!(atomic_load_explicit(&shm_worker(&j->shm.seg, r)->corrupt_found,
+						   memory_order_relaxed) & bit))
+				continue;
+			report_worker(j, r, who, sizeof(who));
+			if (len < sizeof(line))
+				len += (size_t)snprintf(line + len, sizeof(line) - len, "%s%s",
+							len ? ", " : "", who);
+		}
+		if ((own & bit) && len < sizeof(line))
+			len += (size_t)snprintf(line + len, sizeof(line) - len, "%sshmrun",
+						len ? ", " : "");
+		if (!len && !(pool & bit))
+			continue;
+		fprintf(stderr, "shmrun: %s: found corrupt by %s; the job's memory was "
+			"written outside shmrpc (the job fails)\n", shm_corrupt_name(bit),
+			len ? line : "a process of the job");
+		bad++;
+	}
+	return bad;
+}
+
 int report_corrupt(const struct job *j)
 {
-	int bad = 0;
+	int bad = report_structures(j);
 
 	for (uint32_t r = 0; r < j->o->nproc; r++) {
 		/* Relaxed: a statistic, and every worker has ended. */

@@ -3,7 +3,8 @@
  * order: options.c reads the command line, spawn.c creates the workers,
  * watch.c waits on them (pidfds, signals, the timeout) and tears the job
  * down, output.c carries --tag-output lines, report.c says what happened,
- * trace_json.c writes --trace's file.
+ * trace_json.c writes --trace's file, orphans.c and guard.c stop what the
+ * workers started (guard.c: also when shmrun itself is killed).
  *
  * The launcher is one thread; only it writes `struct job`.
  */
@@ -96,6 +97,8 @@ struct job {
 	uint64_t kill_at_ns; /* stopping: when SIGKILL follows; 0: none pending */
 	struct pollfd *pfd;  /* watch.c's, one per fd it watches */
 	struct watched *watched;
+	pid_t guard_pid;     /* guard.c's process; 0: none */
+	int guard_fd;        /* the write end of its pipe */
 };
 
 /* options.c: fills o from argv. Returns -1 to go on, or the exit code
@@ -136,6 +139,13 @@ int orphans_adopt(void);
 void orphans_reap(const struct job *j);
 void orphans_end(const struct job *j);
 
+/* guard.c: forks the guard, which stops the processes the workers left
+ * when shmrun ends before them (a kill -9); 0, or -1 said on stderr (the
+ * job runs without). guard_stop, once the orphans are stopped: it looks
+ * once more and ends. */
+int guard_start(struct job *j);
+void guard_stop(struct job *j);
+
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);
 /* The last records of rank's flight recorder, on stderr (--dump-on-failure). */
@@ -143,7 +153,9 @@ void report_trace(const struct job *j, uint32_t rank);
 void report_summary(const struct job *j);
 /* After the job: says so on stderr if the RRef table is not empty. */
 void report_leaks(const struct job *j);
-/* After the job: names the workers that received corrupt frames; how many. */
+/* After the job: names the workers that received corrupt frames, and each
+ * shared structure found corrupt (tensor pool, RRef table) with who found
+ * it; how many such findings. */
 int report_corrupt(const struct job *j);
 /* "worker 3 (worker3)" */
 void report_worker(const struct job *j, uint32_t rank, char *buf, size_t len);

@@ -188,7 +188,12 @@ struct shm_worker {
 	_Atomic uint32_t cuda_events_open;     /* peers' interprocess events opened here */
 	_Atomic uint32_t cuda_allocs_exported; /* own allocations whose IPC handle is kept (cached) */
 	_Atomic uint32_t cuda_events_exported; /* own interprocess events, recorded for receivers */
-	_Atomic uint64_t agent_reserved[4];
+	/* SHM_CORRUPT_* bits (shm/corrupt.h): the shared structures (the tensor
+	 * pool's, the RRef table's) that this worker found corrupt; set by any
+	 * of its threads (relaxed fetch_or), read by shmrun when the job ends
+	 * and by inspectors. */
+	_Atomic uint64_t corrupt_found;
+	_Atomic uint64_t agent_reserved[3];
 };
 _Static_assert(offsetof(struct shm_worker, doorbell) == 64, "doorbell on its own line");
 _Static_assert(offsetof(struct shm_worker, heartbeat_ns) == 128, "counters on their own line");

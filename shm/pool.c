@@ -65,6 +65,8 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "shm/attach.h"
+#include "shm/corrupt.h"
 #include "shm/memfd.h"
 #include "shm/pool.h"
 
@@ -99,6 +101,28 @@ static uint32_t log2_floor(uint64_t v)
 }
 
 static int pool_init_lists(struct shm_pool *p);
+
+/* A structure of the pool found corrupt (bit: SHM_CORRUPT_POOL_*): noted
+ * for this process's report and in the header; -SHMRPC_ECORRUPT. */
+#define POOL_BAD(p, bit, ...) shm_corrupt((p)->corrupt_note, &(p)->hdr->corrupt, (bit), __VA_ARGS__)
+#define POOL_RESTART "; the pool cannot be used (restart the job)"
+
+/* 0, or the sentence of a pool some process found corrupt: no block is
+ * handed out and no reference taken from then on. */
+static int pool_healthy(struct shm_pool *p)
+{
+	/* Relaxed: see shm/corrupt.h. */
+	uint64_t bad = atomic_load_explicit(&p->hdr->corrupt, memory_order_relaxed), first;
+
+	if (!bad)
+		return 0;
+	first = bad & -bad; /* the sentence names one */
+	return shmrpc__fail(-SHMRPC_ECORRUPT, "%s %s found corrupt earlier (the job's memory was "
+			    "written outside shmrpc)" POOL_RESTART,
+			    shm_corrupt_name(first),
+			    first == SHM_CORRUPT_POOL_CHUNKS || !(first & SHM_CORRUPT_ALL) ? "was"
+											    : "were");
+}
 
 static uint64_t class_size(uint32_t k)
 {
@@ -369,55 +393,30 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	return 0;
 }
 
+static const struct shm_file_kind pool_kind = { "tensor pool", POOL_MAGIC, POOL_FORMAT_VERSION,
+						 sizeof(struct pool_header) };
+
 int pool_attach_fd(struct shm_pool *p, int fd, bool readonly)
 {
 	struct pool_header h;
 	struct pool_shape s;
-	struct stat st;
-	ssize_t n;
+	uint64_t file_size;
+	int err;
 
 	memset(p, 0, sizeof(*p));
 	p->fd = -1;
-	if (fstat(fd, &st) < 0)
-		return shmrpc__fail(-errno, "cannot attach to the tensor pool on fd %d: %s", fd,
-				    strerror(errno));
-	/* Read the header with pread first: never map what we have not checked. */
-	n = pread(fd, &h, sizeof(h), 0);
-	if (n < 0)
-		return shmrpc__fail(-errno, "cannot read the tensor pool header: %s", strerror(errno));
-	if ((size_t)n < offsetof(struct pool_header, format_version) + 4 || h.magic != POOL_MAGIC)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc tensor pool (bad magic)");
-	if (h.format_version != POOL_FORMAT_VERSION)
-		return shmrpc__fail(-SHMRPC_EVERSION,
-				    "tensor pool format %u, this library reads format %u: run the job "
-				    "and its tools from the same shmrpc build",
-				    h.format_version, POOL_FORMAT_VERSION);
-	if ((size_t)n < sizeof(h) || (uint64_t)st.st_size < sizeof(h))
-		return shmrpc__fail(-SHMRPC_ETRUNC,
-				    "tensor pool truncated: %lld bytes, header alone is %zu",
-				    (long long)st.st_size, sizeof(h));
-	if (h.header_size != sizeof(h) || h.holder_size != sizeof(struct pool_holder) ||
-	    h.meta_size != sizeof(struct pool_meta) || h.chunk_size != sizeof(struct pool_chunk) ||
+	if ((err = shm_attach_header(fd, &pool_kind, &h, &file_size)))
+		return err;
+	if (h.holder_size != sizeof(struct pool_holder) || h.meta_size != sizeof(struct pool_meta) ||
+	    h.chunk_size != sizeof(struct pool_chunk) ||
 	    !pool_shape(h.world, h.holder_cap, h.max_blocks, h.nchunks, &s) ||
 	    s.total != h.total_size || s.holder_off != h.holder_off || s.table_off != h.table_off ||
 	    s.chunk_off != h.chunk_off || s.meta_off != h.meta_off || s.data_off != h.data_off ||
 	    h.data_size != (uint64_t)h.nchunks << POOL_CHUNK_SHIFT)
-		return shmrpc__fail(-SHMRPC_EBADSEG,
-				    "not a shmrpc tensor pool: header layout is inconsistent "
-				    "(world %u, %u chunks, total %" PRIu64 ")",
-				    h.world, h.nchunks, h.total_size);
-	if ((uint64_t)st.st_size < h.total_size)
-		return shmrpc__fail(-SHMRPC_ETRUNC,
-				    "tensor pool truncated: %lld bytes, header says %" PRIu64,
-				    (long long)st.st_size, h.total_size);
-
-	p->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED,
-		       fd, 0);
-	if (p->base == MAP_FAILED) {
-		p->base = NULL;
-		return shmrpc__fail(-errno, "cannot map the tensor pool (%" PRIu64 " bytes): %s",
-				    h.total_size, strerror(errno));
-	}
+		return shm_attach_inconsistent(&pool_kind, "world %u, %u chunks, total %" PRIu64,
+					       h.world, h.nchunks, h.total_size);
+	if ((err = shm_attach_map(fd, &pool_kind, h.total_size, file_size, readonly, &p->base)))
+		return err;
 	p->fd = fd;
 	pool_fill(p, &s, h.world, h.holder_cap, h.max_blocks, h.nchunks);
 	return 0;
@@ -532,65 +531,91 @@ static uint32_t class_of(uint64_t bytes)
 	return (uint32_t)(64 - __builtin_clzll(bytes - 1)) - POOL_MIN_SHIFT;
 }
 
+static int slab_nb_order(uint32_t k);
+
+/*
+ * What the chunk table says starts at off (inside the data area): the
+ * block's record and class, or false when no block starts there. Read
+ * from the pool, so checked: a LARGE entry must name an aligned run of
+ * chunks inside the pool and a record, a SLAB entry a class and a run of
+ * records that exist; else *bad (the chunk table is corrupt).
+ */
+static bool entry_block(const struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *cls,
+			bool *bad)
+{
+	uint64_t rel = off - p->data_off, in = rel & (POOL_CHUNK - 1);
+	uint32_t c = (uint32_t)(rel >> POOL_CHUNK_SHIFT);
+	uint64_t e = get_entry(p, c);
+	uint32_t o = ent_ord(e);
+
+	*bad = false;
+	if (ent_kind(e) == ENT_LARGE && in == 0) {
+		*bad = o > p->max_order || c & ((1u << o) - 1) ||
+		       (uint64_t)c + (1ull << o) > p->nchunks || ent_rec(e) >= p->max_blocks;
+		*idx = ent_rec(e);
+		*cls = LARGE_CLASS0 + o;
+		return !*bad;
+	}
+	if (ent_kind(e) != ENT_SLAB)
+		return false;
+	if (o >= POOL_SMALL_CLASSES ||
+	    (uint64_t)ent_rec(e) + (1u << slab_nb_order(o)) > p->max_blocks) {
+		*bad = true;
+		return false;
+	}
+	if (in & (class_size(o) - 1))
+		return false;
+	*idx = ent_rec(e) + (uint32_t)(in >> (o + POOL_MIN_SHIFT));
+	*cls = o;
+	return true;
+}
+
 /* The block at off: its index and class, or -EINVAL (off is checked
- * against everything this process knows, not trusted). */
+ * against everything this process knows, not trusted), or
+ * -SHMRPC_ECORRUPT when the chunk table's entry for it is impossible. */
 static int block_at(struct shm_pool *p, uint64_t off, uint32_t *idx, uint32_t *cls)
 {
-	uint64_t rel, e, in, i;
-	uint32_t k = POOL_NCLASS;
+	uint32_t i, k;
+	bool bad;
 
 	if (off < p->data_off || off >= p->size)
 		return shmrpc__fail(-EINVAL,
 				    "offset %" PRIu64 " is outside the tensor pool's data "
 				    "(%" PRIu64 "..%" PRIu64 ")",
 				    off, p->data_off, p->size);
-	rel = off - p->data_off;
-	e = get_entry(p, (uint32_t)(rel >> POOL_CHUNK_SHIFT));
-	in = rel & (POOL_CHUNK - 1);
-	i = ent_rec(e);
-	if (ent_kind(e) == ENT_LARGE && in == 0)
-		k = LARGE_CLASS0 + ent_ord(e);
-	else if (ent_kind(e) == ENT_SLAB && ent_ord(e) < POOL_SMALL_CLASSES &&
-		 !(in & (class_size(ent_ord(e)) - 1)))
-		k = ent_ord(e), i += in >> (k + POOL_MIN_SHIFT);
-	if (k == POOL_NCLASS)
-		return shmrpc__fail(-EINVAL, "offset %" PRIu64 " is not the start of a pool block",
-				    off);
-	if (k >= POOL_NCLASS || i >= p->max_blocks ||
-	    atomic_load_explicit(&p->meta[i].off, memory_order_relaxed) != off)
+	if (!entry_block(p, off, &i, &k, &bad))
+		return bad ? POOL_BAD(p, SHM_CORRUPT_POOL_CHUNKS,
+				      "the tensor pool's chunk table is corrupt: the entry of chunk "
+				      "%" PRIu64 " (offset %" PRIu64 ") names no block the pool can "
+				      "have" POOL_RESTART,
+				      (off - p->data_off) >> POOL_CHUNK_SHIFT, off)
+			   : shmrpc__fail(-EINVAL, "offset %" PRIu64 " is not the start of a pool "
+					  "block", off);
+	/* A stale offset (its block freed, the record given to another) reads
+	 * so too: the caller's, not a corrupt pool. */
+	if (atomic_load_explicit(&p->meta[i].off, memory_order_relaxed) != off)
 		return shmrpc__fail(-EINVAL,
 				    "offset %" PRIu64 ": the pool's records for it are inconsistent "
-				    "(class %u, record %" PRIu64 ")",
+				    "(class %u, record %u)",
 				    off, k, i);
-	*idx = (uint32_t)i;
+	*idx = i;
 	*cls = k;
 	return 0;
 }
 
 /* The class of block record idx, or POOL_NCLASS when the record holds no
  * block (free, or its chunk's entry does not name it): read from the
- * pool, so checked like anything else read there. */
+ * pool, so checked like anything else read there. Silent: inspectors,
+ * whose mapping is read-only, call it too. */
 static uint32_t block_class(struct shm_pool *p, uint32_t idx)
 {
 	uint64_t off = atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed);
 	uint32_t idx2, k;
+	bool bad;
 
-	if (off < p->data_off || off >= p->size)
+	if (off < p->data_off || off >= p->size || !entry_block(p, off, &idx2, &k, &bad))
 		return POOL_NCLASS;
-	/* block_at's sentence is not wanted here: check by hand. */
-	{
-		uint64_t rel = off - p->data_off, e = get_entry(p, (uint32_t)(rel >> POOL_CHUNK_SHIFT));
-		uint64_t in = rel & (POOL_CHUNK - 1);
-
-		if (ent_kind(e) == ENT_LARGE && in == 0)
-			k = LARGE_CLASS0 + ent_ord(e), idx2 = ent_rec(e);
-		else if (ent_kind(e) == ENT_SLAB && ent_ord(e) < POOL_SMALL_CLASSES &&
-			 !(in & (class_size(ent_ord(e)) - 1)))
-			k = ent_ord(e), idx2 = ent_rec(e) + (uint32_t)(in >> (k + POOL_MIN_SHIFT));
-		else
-			return POOL_NCLASS;
-	}
-	return idx2 == idx && k < POOL_NCLASS ? k : POOL_NCLASS;
+	return idx2 == idx ? k : POOL_NCLASS;
 }
 
 /* ---- The two buddy systems (under the lock) ------------------------------ */
@@ -654,10 +679,10 @@ static void b_mark(const struct buddy *b, uint32_t u, int order)
 
 static int b_corrupt(const struct buddy *b, uint32_t o, uint64_t link)
 {
-	return shmrpc__fail(-SHMRPC_ECORRUPT,
-			    "the tensor pool's free list of %s blocks of order %u is corrupt: it "
-			    "names %" PRIu64 " of %u; the pool cannot be used (restart the job)",
-			    b->what, o, link, b->n);
+	return POOL_BAD(b->p, SHM_CORRUPT_POOL_LISTS,
+			"the tensor pool's free list of %s blocks of order %u is corrupt: it "
+			"names %" PRIu64 " of %u" POOL_RESTART,
+			b->what, o, link, b->n);
 }
 
 static void b_push(const struct buddy *b, uint32_t u, uint32_t o)
@@ -690,6 +715,16 @@ static int b_unlink(const struct buddy *b, uint32_t u, uint32_t o)
 
 	if (nx > b->n || pv > b->n)
 		return b_corrupt(b, o, nx > b->n ? nx : pv);
+	/* Both neighbours must name u back: a link into another list (or to
+	 * a unit in use) would otherwise be followed on the next pop. */
+	if ((pv ? *b_next(b, pv - 1)
+		: atomic_load_explicit(&b->heads[o], memory_order_relaxed)) != u + 1 ||
+	    (nx && *b_prev(b, nx - 1) != u + 1))
+		return POOL_BAD(b->p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's free list of %s blocks of order %u is corrupt: "
+				"the neighbours of %u (links %u, %u) do not name it back"
+				POOL_RESTART,
+				b->what, o, u, pv, nx);
 	if (pv)
 		*b_next(b, pv - 1) = nx;
 	else
@@ -864,11 +899,14 @@ static int partial_remove(struct shm_pool *p, uint32_t k, uint32_t c)
 {
 	uint32_t nx = p->chunks[c].next, pv = p->chunks[c].prev;
 
-	if (nx > p->nchunks || pv > p->nchunks)
-		return shmrpc__fail(-SHMRPC_ECORRUPT,
-				    "the tensor pool's list of %s slabs is corrupt: it names chunk "
-				    "%u of %u; the pool cannot be used (restart the job)",
-				    "partial", nx > p->nchunks ? nx : pv, p->nchunks);
+	if (nx > p->nchunks || pv > p->nchunks ||
+	    (pv ? p->chunks[pv - 1].next
+		: atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed)) != c + 1 ||
+	    (nx && p->chunks[nx - 1].prev != c + 1))
+		return POOL_BAD(p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's list of slabs of %s blocks is corrupt at chunk "
+				"%u (links %u, %u of %u)" POOL_RESTART,
+				fmt_bytes((char[32]){ 0 }, class_size(k)), c, pv, nx, p->nchunks);
 	if (pv)
 		p->chunks[pv - 1].next = nx;
 	else
@@ -920,20 +958,45 @@ static uint64_t retain_budget(const struct shm_pool *p)
 	return b < POOL_RETAIN_MAX ? b : POOL_RETAIN_MAX;
 }
 
+/*
+ * Chunk c is a slab of class k: its entry says so and names records that
+ * exist, its free count and first free block are possible (none free
+ * exactly when there is no first). Its first record, or -SHMRPC_ECORRUPT.
+ */
+static int64_t slab_check(struct shm_pool *p, uint32_t c, uint32_t k)
+{
+	uint64_t e = get_entry(p, c);
+	uint32_t nb = 1u << slab_nb_order(k), j = p->chunks[c].free_head, nf = p->chunks[c].nfree;
+
+	if (ent_kind(e) != ENT_SLAB || ent_ord(e) != k || (uint64_t)ent_rec(e) + nb > p->max_blocks)
+		return POOL_BAD(p, SHM_CORRUPT_POOL_CHUNKS,
+				"the tensor pool's chunk table is corrupt: chunk %u, a slab of %s "
+				"blocks, has the entry %#" PRIx64 POOL_RESTART,
+				c, fmt_bytes((char[32]){ 0 }, class_size(k)), e);
+	if (nf > nb || j > nb || !j != !nf)
+		return POOL_BAD(p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's free list of the slab at chunk %u is corrupt: %u "
+				"of its %u blocks free, the first %u" POOL_RESTART,
+				c, nf, nb, j);
+	return ent_rec(e);
+}
+
 /* An empty slab goes back to the chunks and its records to theirs. */
 static int slab_release(struct shm_pool *p, uint32_t k, uint32_t c)
 {
 	struct buddy cb = chunk_buddy(p);
-	uint32_t r = ent_rec(get_entry(p, c));
-	int err = partial_remove(p, k, c);
+	int64_t r = slab_check(p, c, k);
+	int err;
 
-	if (err)
+	if (r < 0)
+		return (int)r;
+	if ((err = partial_remove(p, k, c)))
 		return err;
 	add_slab_free(p, -(int64_t)POOL_CHUNK);
 	add_retained(p, committed_in(p, c, 1));
 	p->chunks[c].nfree = p->chunks[c].free_head = 0;
 	set_entry(p, c, 0);
-	if ((err = recs_free(p, r, (uint32_t)slab_nb_order(k))))
+	if ((err = recs_free(p, (uint32_t)r, (uint32_t)slab_nb_order(k))))
 		return err;
 	return b_free(&cb, c, 0);
 }
@@ -981,16 +1044,17 @@ static int commit(struct shm_pool *p, uint64_t off, uint64_t len, uint64_t asked
 /* A small block of class k (under the lock): its record, or -errno. */
 static int64_t small_alloc(struct shm_pool *p, uint32_t k)
 {
-	uint32_t h = atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed), c, j, idx;
+	uint32_t h = atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed), c, j, idx, next;
 	uint32_t nbo = (uint32_t)slab_nb_order(k), nb = 1u << nbo;
-	uint64_t e, size = class_size(k);
+	uint64_t size = class_size(k);
+	int64_t first;
 	int err;
 
 	if (h > p->nchunks)
-		return shmrpc__fail(-SHMRPC_ECORRUPT,
-				    "the tensor pool's slab list of %s blocks names chunk %u of %u; "
-				    "the pool cannot be used (restart the job)",
-				    fmt_bytes((char[32]){ 0 }, size), h, p->nchunks);
+		return POOL_BAD(p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's list of slabs of %s blocks names chunk %u of %u"
+				POOL_RESTART,
+				fmt_bytes((char[32]){ 0 }, size), h, p->nchunks);
 	if (!h) {
 		/* A fresh slab: its records, its chunk, its memory. */
 		struct buddy cb = chunk_buddy(p), rb = rec_buddy(p);
@@ -1028,16 +1092,29 @@ static int64_t small_alloc(struct shm_pool *p, uint32_t k)
 		h = c + 1;
 	}
 	c = h - 1;
-	e = get_entry(p, c);
+	if ((first = slab_check(p, c, k)) < 0)
+		return first;
 	j = p->chunks[c].free_head;
-	if (ent_kind(e) != ENT_SLAB || ent_ord(e) != k || !j || j > nb ||
-	    (uint64_t)ent_rec(e) + nb > p->max_blocks || p->chunks[c].nfree == 0)
-		return shmrpc__fail(-SHMRPC_ECORRUPT,
-				    "the tensor pool's slab at chunk %u is corrupt (entry %#" PRIx64
-				    ", first free %u, %u free); the pool cannot be used (restart "
-				    "the job)", c, e, j, p->chunks[c].nfree);
-	idx = ent_rec(e) + j - 1;
-	p->chunks[c].free_head = p->meta[idx].next & ~POOL_LISTED;
+	if (!j)
+		return POOL_BAD(p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's list of slabs of %s blocks names the full slab "
+				"at chunk %u" POOL_RESTART,
+				fmt_bytes((char[32]){ 0 }, size), c);
+	/* The block it names must be free and listed, and name a possible
+	 * next: a link to a block in use would hand that block out twice. */
+	idx = (uint32_t)first + j - 1;
+	next = p->meta[idx].next;
+	if (!(next & POOL_LISTED) || (next & ~POOL_LISTED) > nb ||
+	    atomic_load_explicit(&p->meta[idx].refs, memory_order_relaxed) ||
+	    atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed) !=
+		    chunk_off(p, c) + (uint64_t)(j - 1) * size)
+		return POOL_BAD(p, SHM_CORRUPT_POOL_RECORDS,
+				"the tensor pool's block record %u, block %u of the slab at chunk "
+				"%u, is not a free block of it (link %#x, %u references)"
+				POOL_RESTART,
+				idx, j - 1, c, next,
+				atomic_load_explicit(&p->meta[idx].refs, memory_order_relaxed));
+	p->chunks[c].free_head = next & ~POOL_LISTED;
 	p->meta[idx].next = 0;
 
 	/* Release, after the slab's offs: as in large_alloc (pool_ref). */
@@ -1079,24 +1156,28 @@ static int64_t large_alloc(struct shm_pool *p, uint32_t o)
 static int block_free_locked(struct shm_pool *p, uint32_t idx, bool punched)
 {
 	struct pool_meta *m = &p->meta[idx];
-	uint64_t off = atomic_load_explicit(&m->off, memory_order_relaxed), e, in;
-	uint32_t c, k;
+	uint64_t off = atomic_load_explicit(&m->off, memory_order_relaxed);
+	uint32_t c, k, at, nb, j;
+	struct pool_chunk *ch;
+	int64_t first;
+	bool bad;
 
 	if (off < p->data_off || off >= p->size ||
 	    atomic_load_explicit(&m->refs, memory_order_acquire) != 0)
 		return 0;
 	c = (uint32_t)((off - p->data_off) >> POOL_CHUNK_SHIFT);
-	in = (off - p->data_off) & (POOL_CHUNK - 1);
-	e = get_entry(p, c);
-	if (ent_kind(e) == ENT_LARGE && in == 0 && ent_rec(e) == idx) {
+	if (!entry_block(p, off, &at, &k, &bad) || at != idx)
+		return bad ? POOL_BAD(p, SHM_CORRUPT_POOL_CHUNKS,
+				      "the tensor pool's chunk table is corrupt: the entry of chunk "
+				      "%u, where block record %u's block is, names no block the pool "
+				      "can have" POOL_RESTART,
+				      c, idx)
+			   : 0;
+	if (k >= LARGE_CLASS0) {
 		struct buddy cb = chunk_buddy(p);
-		uint32_t o = ent_ord(e);
+		uint32_t o = k - LARGE_CLASS0;
 		int err;
 
-		if ((uint64_t)c + (1ull << o) > p->nchunks)
-			return shmrpc__fail(-SHMRPC_ECORRUPT,
-					    "the tensor pool's block at chunk %u claims 2^%u chunks "
-					    "of %u", c, o, p->nchunks);
 		set_entry(p, c, 0);
 		/* Punched: nothing of it is committed; else its committed
 		 * chunks are kept for the next blocks. */
@@ -1108,26 +1189,29 @@ static int block_free_locked(struct shm_pool *p, uint32_t idx, bool punched)
 			return err;
 		return b_free(&cb, c, o);
 	}
-	if (ent_kind(e) != ENT_SLAB || (k = ent_ord(e)) >= POOL_SMALL_CLASSES ||
-	    in & (class_size(k) - 1) ||
-	    ent_rec(e) + (uint32_t)(in >> (k + POOL_MIN_SHIFT)) != idx || m->next & POOL_LISTED)
+	if (m->next & POOL_LISTED)
 		return 0;
-	{
-		uint32_t nb = 1u << slab_nb_order(k), j = (uint32_t)(in >> (k + POOL_MIN_SHIFT));
-		struct pool_chunk *ch = &p->chunks[c];
-
-		m->next = ch->free_head | POOL_LISTED;
-		ch->free_head = j + 1;
-		add_slab_free(p, (int64_t)class_size(k));
-		if (++ch->nfree == 1)
-			partial_add(p, k, c);
-		/* Empty: back to the chunks, unless it is its class's only slab
-		 * with room (kept warm for the next small block). */
-		if (ch->nfree == nb &&
-		    (atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed) != c + 1 ||
-		     ch->next))
-			return slab_release(p, k, c);
-	}
+	if ((first = slab_check(p, c, k)) < 0)
+		return (int)first;
+	nb = 1u << slab_nb_order(k);
+	j = idx - (uint32_t)first;
+	ch = &p->chunks[c];
+	if (ch->nfree >= nb)
+		return POOL_BAD(p, SHM_CORRUPT_POOL_LISTS,
+				"the tensor pool's free list of the slab at chunk %u is corrupt: "
+				"it counts all %u blocks free while block %u is in use" POOL_RESTART,
+				c, nb, j);
+	m->next = ch->free_head | POOL_LISTED;
+	ch->free_head = j + 1;
+	add_slab_free(p, (int64_t)class_size(k));
+	if (++ch->nfree == 1)
+		partial_add(p, k, c);
+	/* Empty: back to the chunks, unless it is its class's only slab
+	 * with room (kept warm for the next small block). */
+	if (ch->nfree == nb &&
+	    (atomic_load_explicit(&p->hdr->partial[k], memory_order_relaxed) != c + 1 ||
+	     ch->next))
+		return slab_release(p, k, c);
 	return 0;
 }
 
@@ -1149,11 +1233,13 @@ static int block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 	TSAN_DROP(p);
 	do {
 		if (r < n)
-			return shmrpc__fail(-SHMRPC_ECORRUPT,
-					    "pool block at offset %" PRIu64 " has %u references, "
-					    "%u to drop: the pool's records are inconsistent",
-					    atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
-					    r, n);
+			return POOL_BAD(p, SHM_CORRUPT_POOL_RECORDS,
+					"the tensor pool's block record %u is corrupt: its block "
+					"(offset %" PRIu64 ") has %u references and %u are dropped"
+					POOL_RESTART,
+					idx,
+					atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
+					r, n);
 	} while (!atomic_compare_exchange_weak_explicit(refs, &r, r - n, memory_order_acq_rel,
 							memory_order_acquire));
 	if (r != n)
@@ -1457,7 +1543,7 @@ static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool pu
 {
 	_Atomic uint64_t *life, *t;
 	uint64_t l, n = 0;
-	int err = 0;
+	int err = 0, derr;
 
 	if (rank >= p->world)
 		return shmrpc__fail(-EINVAL, "rank %u is outside the tensor pool's %u workers", rank,
@@ -1486,15 +1572,16 @@ static int sweep(struct shm_pool *p, uint32_t rank, uint32_t generation, bool pu
 								     memory_order_acq_rel,
 								     memory_order_acquire))
 				continue;
-			if (idx >= p->max_blocks) {
-				err = shmrpc__fail(-SHMRPC_ECORRUPT,
-						   "rank %u's holder table names block record %u "
-						   "of %u",
-						   rank, idx, p->max_blocks);
+			if (idx >= p->max_blocks || !entry_count(w)) {
+				err = POOL_BAD(p, SHM_CORRUPT_POOL_HOLDERS,
+					       "the tensor pool's holder table of rank %u is "
+					       "corrupt: an entry names %u references to block "
+					       "record %u of %u" POOL_RESTART,
+					       rank, entry_count(w), idx, p->max_blocks);
 				break;
 			}
-			if (block_drop(p, idx, entry_count(w), punch) < 0)
-				err = -SHMRPC_ECORRUPT;
+			if ((derr = block_drop(p, idx, entry_count(w), punch)) < 0)
+				err = derr;
 			else
 				n += entry_count(w);
 			break;
@@ -1512,7 +1599,10 @@ int pool_join(struct shm_pool *p, uint32_t rank, uint32_t generation)
 {
 	_Atomic uint64_t *life, *t;
 	uint64_t l;
+	int err = pool_healthy(p);
 
+	if (err)
+		return err;
 	if (rank >= p->world)
 		return shmrpc__fail(-EINVAL, "rank %u is outside the tensor pool's %u workers", rank,
 				    p->world);
@@ -1532,9 +1622,7 @@ int pool_join(struct shm_pool *p, uint32_t rank, uint32_t generation)
 					    "generation %u was there before",
 					    rank, generation, life_gen(l));
 		if (st == POOL_HOLDER_DEAD) {
-			int err = pool_sweep(p, rank, life_gen(l));
-
-			if (err < 0)
+			if ((err = pool_sweep(p, rank, life_gen(l))) < 0)
 				return err;
 			l = atomic_load_explicit(life, memory_order_acquire);
 			continue;
@@ -1621,7 +1709,7 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 {
 	uint32_t tag, k;
 	int64_t idx;
-	int err = holder_tag(p, rank, &tag);
+	int err = pool_healthy(p) ?: holder_tag(p, rank, &tag);
 
 	if (err)
 		return err;
@@ -1636,6 +1724,18 @@ int pool_alloc(struct shm_pool *p, uint32_t rank, uint64_t bytes, uint64_t *off)
 	if (idx < 0)
 		return (int)idx;
 	*off = atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed);
+	/* Written under the lock a moment ago, but in shared memory: the
+	 * block must still be where the chunk table says (this checks the
+	 * range that the commit below and the caller will touch). */
+	if (block_class(p, (uint32_t)idx) != k) {
+		err = POOL_BAD(p, SHM_CORRUPT_POOL_RECORDS,
+			       "the tensor pool's block record %" PRId64 " is corrupt: it was "
+			       "handed out at offset %" PRIu64 ", where the chunk table has no "
+			       "block of %s" POOL_RESTART,
+			       idx, *off, fmt_bytes((char[32]){ 0 }, class_size(k)));
+		*off = 0;
+		return err;
+	}
 	err = record(p, rank, tag, (uint32_t)idx);
 	if (err) {
 		block_drop(p, (uint32_t)idx, 1, true);
@@ -1668,7 +1768,7 @@ int pool_ref(struct shm_pool *p, uint32_t rank, uint64_t off)
 {
 	uint32_t tag, idx, k, r;
 	_Atomic uint32_t *refs;
-	int err = holder_tag(p, rank, &tag);
+	int err = pool_healthy(p) ?: holder_tag(p, rank, &tag);
 
 	if (err || (err = block_at(p, off, &idx, &k)))
 		return err;

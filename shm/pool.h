@@ -61,6 +61,13 @@
  *   reference that no table records (the block is never freed: a leak,
  *   counted as refs_unrecorded / lost_bytes in pool_stats), never a double
  *   free nor the free of a block still in use: pool.c argues it.
+ * - Nothing read from the pool is trusted: every index, offset, count and
+ *   link read there is checked before use. A check that fails is
+ *   -SHMRPC_ECORRUPT with a sentence naming the structure (block records,
+ *   chunk table, free lists, holder tables), noted for shmrun's report and
+ *   in the header (shm/corrupt.h): from then on pool_alloc, pool_ref and
+ *   pool_join of every process fail, so that a corrupt list never hands a
+ *   block out twice; drops and sweeps go on, checked as ever.
  * - Offsets come from other processes: every call validates them (inside
  *   the data area, the start of a carved block, not free) and refuses bad
  *   ones with -EINVAL and a sentence, without touching the pool. A stale
@@ -153,7 +160,11 @@ struct pool_header {
 	/* Under the lock: free chunks whose pages are still committed (kept
 	 * for the next block, up to the pool's retain budget). */
 	_Atomic uint64_t retained_chunks;
-	uint8_t reserved[POOL_PAGE - 512 - 40];
+	/* SHM_CORRUPT_* bits of the pool's structures some process found
+	 * corrupt (shm/corrupt.h; relaxed fetch_or, read relaxed): once set,
+	 * the pool hands out no block and takes no reference. */
+	_Atomic uint64_t corrupt;
+	uint8_t reserved[POOL_PAGE - 512 - 48];
 };
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "the pool's lock fits its line");
 _Static_assert(offsetof(struct pool_header, lock) == 128, "pool header layout");
@@ -231,6 +242,9 @@ struct shm_pool {
 	_Atomic uint64_t *tables;
 	struct pool_chunk *chunks;
 	struct pool_meta *meta;
+	/* Where this process notes a structure it found corrupt (a worker's
+	 * slot, the launcher's own word; NULL: nowhere). Set after attach. */
+	_Atomic uint64_t *corrupt_note;
 };
 
 struct pool_stats {

@@ -30,6 +30,8 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "shm/attach.h"
+#include "shm/corrupt.h"
 #include "shm/memfd.h"
 #include "shm/rref_table.h"
 
@@ -118,46 +120,28 @@ int rref_table_create(struct rref_table *t, const struct rref_table_params *para
 	return 0;
 }
 
+static const struct shm_file_kind table_kind = { "RRef table", RREF_TABLE_MAGIC,
+						  RREF_TABLE_FORMAT_VERSION,
+						  sizeof(struct rref_table_header) };
+
 int rref_table_attach_fd(struct rref_table *t, int fd, bool readonly)
 {
 	struct rref_table_header h;
+	uint64_t file_size;
 	struct shape s;
-	struct stat st;
-	ssize_t n;
+	int err;
 
 	memset(t, 0, sizeof(*t));
 	t->fd = -1;
-	if (fstat(fd, &st) < 0)
-		return shmrpc__fail(-errno, "cannot attach to the RRef table on fd %d: %s", fd,
-				    strerror(errno));
-	/* Read the header with pread first: never map what we have not checked. */
-	n = pread(fd, &h, sizeof(h), 0);
-	if (n < 0)
-		return shmrpc__fail(-errno, "cannot read the RRef table header: %s", strerror(errno));
-	if ((size_t)n < offsetof(struct rref_table_header, header_size) || h.magic != RREF_TABLE_MAGIC)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table (bad magic)");
-	if (h.format_version != RREF_TABLE_FORMAT_VERSION)
-		return shmrpc__fail(-SHMRPC_EVERSION,
-				    "RRef table format %u, this library reads format %u: run the job "
-				    "and its tools from the same shmrpc build",
-				    h.format_version, RREF_TABLE_FORMAT_VERSION);
-	if ((size_t)n < sizeof(h))
-		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %zd bytes", n);
-	if (h.header_size != sizeof(h) || !table_shape(h.max_rrefs, h.world, &s) ||
-	    s.capacity != h.capacity || s.entry_size != h.entry_size ||
-	    s.heads_off != h.heads_off || s.slots_off != h.slots_off || s.total != h.total_size)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc RRef table: header layout is "
-				    "inconsistent (%u RRefs, %u workers)", h.max_rrefs, h.world);
-	if ((uint64_t)st.st_size < h.total_size)
-		return shmrpc__fail(-SHMRPC_ETRUNC, "RRef table truncated: %lld bytes, header says %"
-				    PRIu64, (long long)st.st_size, h.total_size);
-	t->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE,
-		       MAP_SHARED, fd, 0);
-	if (t->base == MAP_FAILED) {
-		t->base = NULL;
-		return shmrpc__fail(-errno, "cannot map the RRef table (%" PRIu64 " bytes): %s",
-				    h.total_size, strerror(errno));
-	}
+	if ((err = shm_attach_header(fd, &table_kind, &h, &file_size)))
+		return err;
+	if (!table_shape(h.max_rrefs, h.world, &s) || s.capacity != h.capacity ||
+	    s.entry_size != h.entry_size || s.heads_off != h.heads_off ||
+	    s.slots_off != h.slots_off || s.total != h.total_size)
+		return shm_attach_inconsistent(&table_kind, "%u RRefs, %u workers", h.max_rrefs,
+					       h.world);
+	if ((err = shm_attach_map(fd, &table_kind, h.total_size, file_size, readonly, &t->base)))
+		return err;
 	t->fd = fd;
 	table_fill(t, &s, h.max_rrefs, h.world);
 	return 0;
@@ -263,20 +247,9 @@ int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot)
 	return -ENOENT;
 }
 
-/* The entry at slot if it holds id (and is not being filled or emptied). */
-static struct rref_entry *entry_of(const struct rref_table *t, uint32_t slot, uint64_t id)
-{
-	struct rref_entry *e;
-
-	if (slot >= t->capacity)
-		return NULL;
-	e = rref_entry_at(t, slot);
-	/* Acquire on both: pairs with the creator's release of state. */
-	if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
-	    RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire)) == RREF_FREE)
-		return NULL;
-	return e;
-}
+/* An entry (or a collect list: bit) found corrupt: noted for this
+ * process's report; -SHMRPC_ECORRUPT with the sentence. */
+#define TABLE_BAD(t, bit, ...) shm_corrupt((t)->corrupt_note, NULL, (bit), __VA_ARGS__)
 
 static int gone(uint32_t slot, uint64_t id)
 {
@@ -285,13 +258,47 @@ static int gone(uint32_t slot, uint64_t id)
 			    (uint64_t)RREF_ID_LOCAL(id), slot);
 }
 
+/*
+ * The entry at slot if it holds id (and is not being filled or emptied):
+ * 0 and *out, -ENOENT, or -SHMRPC_ECORRUPT when what a live entry must
+ * be (a state the table knows, an owner of the job) does not hold.
+ */
+static int entry_of(const struct rref_table *t, uint32_t slot, uint64_t id,
+		    struct rref_entry **out)
+{
+	struct rref_entry *e;
+	uint32_t st;
+
+	if (slot >= t->capacity)
+		return gone(slot, id);
+	e = rref_entry_at(t, slot);
+	/* Acquire on both: pairs with the creator's release of state. */
+	if (atomic_load_explicit(&e->key, memory_order_acquire) != id)
+		return gone(slot, id);
+	st = RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire));
+	if (st == RREF_FREE)
+		return gone(slot, id);
+	if (st > RREF_OWNER_DEAD || e->owner >= t->world)
+		return TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
+				 "the RRef table's entry of RRef %" PRIu64 ":%" PRIu64 " (slot %u) "
+				 "is corrupt: state %u, owner %u of %u workers; the RRef cannot be "
+				 "used (the job's memory was written outside shmrpc)",
+				 (uint64_t)RREF_ID_RANK(id), (uint64_t)RREF_ID_LOCAL(id), slot, st,
+				 e->owner, t->world);
+	*out = e;
+	return 0;
+}
+
 int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e || rank >= t->world)
-		return e ? shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
-					t->world) : gone(slot, id);
+	if (rc)
+		return rc;
+	if (rank >= t->world)
+		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+				    t->world);
 	/* total before the count: sum(counts) <= total whenever we stop.
 	 * seq_cst: a sender charging a receiver then checks that the receiver
 	 * lives; the launcher marks it dead then sweeps (rref_sweep_rank). */
@@ -346,23 +353,35 @@ static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id)
 static int drop(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_t n)
 {
 	/* acq_rel: every holder's use of the value happens before the last
-	 * drop, which the owner's free follows. */
-	uint32_t before = atomic_fetch_sub_explicit(&e->total, n, memory_order_acq_rel);
+	 * drop, which the owner's free follows. A CAS, not a subtraction:
+	 * a total below the counts (corrupt) is refused, never wrapped. */
+	uint32_t before = atomic_load_explicit(&e->total, memory_order_relaxed);
 
-	if (before < n)
-		return shmrpc__fail(-EOVERFLOW, "RRef table: entry %" PRIx64 " dropped %u references "
-				    "with %u left", id, n, before);
+	do {
+		if (before < n)
+			return TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
+					 "the RRef table's entry of RRef %" PRIu64 ":%" PRIu64
+					 " is corrupt: %u references are dropped and its total "
+					 "is %u; the RRef cannot be used (the job's memory was "
+					 "written outside shmrpc)",
+					 (uint64_t)RREF_ID_RANK(id), (uint64_t)RREF_ID_LOCAL(id), n,
+					 before);
+	} while (!atomic_compare_exchange_weak_explicit(&e->total, &before, before - n,
+							memory_order_acq_rel, memory_order_relaxed));
 	return before == n ? unreferenced(t, e, id) : 0;
 }
 
 int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
 	uint32_t c;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e || rank >= t->world)
-		return e ? shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
-					t->world) : gone(slot, id);
+	if (rc)
+		return rc;
+	if (rank >= t->world)
+		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+				    t->world);
 	/* The count before total (see rref_hold); never below zero. */
 	c = atomic_load_explicit(&e->counts[rank], memory_order_relaxed);
 	do {
@@ -377,12 +396,15 @@ int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank
 int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
 	       uint64_t value_off, uint64_t value_len)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
 	uint32_t w;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e || (state != RREF_READY && state != RREF_ERROR))
-		return e ? shmrpc__fail(-EINVAL, "an RRef stores a value or an error, not state %u",
-					state) : gone(slot, id);
+	if (rc)
+		return rc;
+	if (state != RREF_READY && state != RREF_ERROR)
+		return shmrpc__fail(-EINVAL, "an RRef stores a value or an error, not state %u",
+				    state);
 	/* Refused before the value is written: holders of a stored value read
 	 * it. Only the owner leaves PENDING for READY/ERROR, so a pending entry
 	 * stays so until the CAS, or becomes OWNER_DEAD (whose value no one reads). */
@@ -404,15 +426,23 @@ int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
 
 int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e)
-		return gone(slot, id);
+	if (rc)
+		return rc;
 	for (;;) {
 		/* Acquire: pairs with rref_store's release of the state. */
 		uint32_t w = atomic_load_explicit(&e->state, memory_order_acquire);
 		struct timespec ts;
 
+		if (RREF_STATE(w) > RREF_OWNER_DEAD)
+			return TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
+					 "the RRef table's entry of RRef %" PRIu64 ":%" PRIu64
+					 " is corrupt: state %u; the RRef cannot be used (the "
+					 "job's memory was written outside shmrpc)",
+					 (uint64_t)RREF_ID_RANK(id), (uint64_t)RREF_ID_LOCAL(id),
+					 RREF_STATE(w));
 		if (RREF_STATE(w) != RREF_PENDING)
 			return (int)RREF_STATE(w);
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)
@@ -432,10 +462,11 @@ int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadlin
 
 int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e)
-		return gone(slot, id);
+	if (rc)
+		return rc;
 	/* Acquire: pairs with the last drop (unreferenced's CAS). */
 	if (RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire)) != RREF_UNREFERENCED)
 		return shmrpc__fail(-EBUSY, "RRef %" PRIx64 " still has references", id);
@@ -445,9 +476,21 @@ int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
 bool rref_collect_push(struct rref_table *t, uint32_t slot)
 {
 	struct rref_entry *e = rref_entry_at(t, slot);
-	_Atomic uint32_t *head = &t->heads[e->owner];
+	_Atomic uint32_t *head;
+	uint32_t first;
+
+	/* Its owner was checked when it was found, but it is shared memory:
+	 * an owner beyond the job's would index past the heads. Not pushed,
+	 * the entry is leaked (and the job marked unhealthy). */
+	if (slot >= t->capacity || e->owner >= t->world) {
+		TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
+			  "the RRef table's entry at slot %u is corrupt: owner %u of %u workers",
+			  slot, slot < t->capacity ? e->owner : 0, t->world);
+		return false;
+	}
+	head = &t->heads[e->owner];
 	/* Relaxed: the CAS below publishes the link. */
-	uint32_t first = atomic_load_explicit(head, memory_order_relaxed);
+	first = atomic_load_explicit(head, memory_order_relaxed);
 
 	do
 		atomic_store_explicit(&e->collect_next, first, memory_order_relaxed);
@@ -476,22 +519,41 @@ uint32_t rref_collect_take(struct rref_table *t, uint32_t rank)
 
 uint32_t rref_collect_next(const struct rref_table *t, uint32_t slot)
 {
-	uint32_t next;
+	uint32_t next, owner;
+	struct rref_entry *n;
 
 	if (slot >= t->capacity)
 		return 0;
 	/* Relaxed: ordered by the take's acquire (the pushers' release). */
 	next = atomic_load_explicit(&rref_entry_at(t, slot)->collect_next, memory_order_relaxed);
-	return next <= t->capacity ? next : 0;
+	if (!next)
+		return 0;
+	/* Every entry of a taken list is UNREFERENCED, of the list's owner,
+	 * until that owner removes it (after reading its link): a link to
+	 * anything else is corrupt, or loops back to an entry already freed. */
+	owner = rref_entry_at(t, slot)->owner;
+	n = next <= t->capacity ? rref_entry_at(t, next - 1) : NULL;
+	if (!n || !RREF_KEY_LIVE(atomic_load_explicit(&n->key, memory_order_acquire)) ||
+	    RREF_STATE(atomic_load_explicit(&n->state, memory_order_acquire)) !=
+		    RREF_UNREFERENCED ||
+	    n->owner != owner) {
+		TABLE_BAD(t, SHM_CORRUPT_RREF_COLLECT,
+			  "the RRef table's collect list of worker %u is corrupt: slot %u links "
+			  "to %u, not an unreferenced entry of it (the rest of the list is "
+			  "leaked)", owner, slot, next);
+		return 0;
+	}
+	return next;
 }
 
 int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
 	uint32_t n;
+	int rc = entry_of(t, slot, id, &e);
 
-	if (!e || rank >= t->world)
-		return 0;
+	if (rc || rank >= t->world)
+		return rc == -ENOENT ? 0 : rc;
 	/* seq_cst: see rref_hold. Exchange: each reference is taken once. */
 	n = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 	return n ? drop(t, e, id, n) : 0;
@@ -531,15 +593,19 @@ static int owner_dead(struct rref_table *t, struct rref_entry *e, uint64_t id, u
 
 int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint64_t id)
 {
-	struct rref_entry *e = entry_of(t, slot, id);
+	struct rref_entry *e;
+	int rc = entry_of(t, slot, id, &e);
 
+	if (rc)
+		return rc == -ENOENT ? 0 : rc;
 	/* Acquire: pairs with the state's release stores. */
-	return e ? owner_dead(t, e, id, atomic_load_explicit(&e->state, memory_order_acquire)) : 0;
+	return owner_dead(t, e, id, atomic_load_explicit(&e->state, memory_order_acquire));
 }
 
 int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 {
-	int n = 0;
+	uint64_t n = 0; /* counts are 32-bit each: a sum of them overflows an int */
+	int err = 0, rc;
 
 	if (rank >= t->world)
 		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
@@ -562,6 +628,13 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 		if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
 		    RREF_STATE(w) == RREF_FREE)
 			continue;
+		if (RREF_STATE(w) > RREF_OWNER_DEAD || e->owner >= t->world) {
+			err = TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
+					"the RRef table's entry at slot %u is corrupt: state %u, "
+					"owner %u of %u workers (the sweep of worker %u skipped it)",
+					s, RREF_STATE(w), e->owner, t->world, rank);
+			continue;
+		}
 		if (e->owner == rank)
 			owner_dead(t, e, id, w);
 		/* seq_cst: see rref_hold. Exchange: each reference is taken
@@ -570,12 +643,14 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 		if (c) {
 			/* Unreferenced now: its (live) owner frees it. */
-			if (drop(t, e, id, c) == 1)
+			if ((rc = drop(t, e, id, c)) == 1)
 				rref_collect_push(t, s);
-			n += (int)c;
+			else if (rc < 0)
+				err = rc;
+			n += c;
 		}
 	}
-	return n;
+	return err ? err : (int)(n > INT_MAX ? INT_MAX : n);
 }
 
 bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *out)

@@ -57,7 +57,11 @@
  * does so with seq_cst and wakes all when waiters is nonzero. The fence
  * pairing is the doorbell's (ipc/doorbell.h): one of the two sees the other.
  *
- * Everything read from the table is checked: slot bounds, key, state.
+ * Nothing read from the table is trusted: slots, keys, states, owners,
+ * totals and collect links are checked before use. A check that fails
+ * is -SHMRPC_ECORRUPT with a sentence naming the entry or the list, noted
+ * for shmrun's report (shm/corrupt.h); the RRef it touched fails, the
+ * rest of the table goes on (an entry is no other entry's business).
  */
 #ifndef SHMRPC_SHM_RREF_TABLE_H
 #define SHMRPC_SHM_RREF_TABLE_H
@@ -167,6 +171,9 @@ struct rref_table {
 	uint32_t entry_size;
 	_Atomic uint32_t *heads; /* [world] */
 	uint8_t *slots;
+	/* Where this process notes a structure it found corrupt (a worker's
+	 * slot, the launcher's own word; NULL: nowhere). Set after attach. */
+	_Atomic uint64_t *corrupt_note;
 };
 
 /* A copy of one entry, for inspectors and tests. */
@@ -242,7 +249,9 @@ SHMRPC_HIDDEN bool rref_collect_push(struct rref_table *t, uint32_t slot);
 SHMRPC_HIDDEN bool rref_collect_pending(const struct rref_table *t, uint32_t rank);
 /* Takes rank's whole list: its first slot + 1, 0 if empty. */
 SHMRPC_HIDDEN uint32_t rref_collect_take(struct rref_table *t, uint32_t rank);
-/* The slot + 1 after slot on a taken list (0: the end, or a bad link). */
+/* The slot + 1 after slot on a taken list (0: the end, or a bad link:
+ * one to an entry that is not an UNREFERENCED one of the same owner, noted
+ * as a corrupt collect list). */
 SHMRPC_HIDDEN uint32_t rref_collect_next(const struct rref_table *t, uint32_t slot);
 
 /*

@@ -20,6 +20,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "common/error.h"
+#include "shm/attach.h"
 #include "shm/memfd.h"
 #include "shm/segment.h"
 
@@ -177,54 +178,32 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	return 0;
 }
 
+static const struct shm_file_kind seg_kind = { "segment", SHM_MAGIC, SHM_FORMAT_VERSION,
+						sizeof(struct shm_header) };
+
 int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 {
 	struct shm_header h;
 	struct shm_shape s;
-	struct stat st;
-	ssize_t n;
+	uint64_t file_size;
+	int err;
 
 	memset(seg, 0, sizeof(*seg));
 	seg->fd = -1;
-	if (fstat(fd, &st) < 0)
-		return shmrpc__fail(-errno, "cannot attach to fd %d: %s", fd, strerror(errno));
-	/* Read the header with pread first: never map what we have not checked. */
-	n = pread(fd, &h, sizeof(h), 0);
-	if (n < 0)
-		return shmrpc__fail(-errno, "cannot read segment header: %s", strerror(errno));
-	if ((size_t)n < offsetof(struct shm_header, format_version) + 4 || h.magic != SHM_MAGIC)
-		return shmrpc__fail(-SHMRPC_EBADSEG, "not a shmrpc segment (bad magic)");
-	if (h.format_version != SHM_FORMAT_VERSION)
-		return shmrpc__fail(-SHMRPC_EVERSION,
-				    "segment format %u, this library reads format %u: run the job "
-				    "and its tools from the same shmrpc build",
-				    h.format_version, SHM_FORMAT_VERSION);
-	if ((size_t)n < sizeof(h) || (uint64_t)st.st_size < sizeof(h))
-		return shmrpc__fail(-SHMRPC_ETRUNC, "segment truncated: %lld bytes, header alone is %zu",
-				    (long long)st.st_size, sizeof(h));
-	if (h.header_size != sizeof(h) || h.worker_size != sizeof(struct shm_worker) ||
+	if ((err = shm_attach_header(fd, &seg_kind, &h, &file_size)))
+		return err;
+	if (h.worker_size != sizeof(struct shm_worker) ||
 	    h.ring_ctl_size != sizeof(struct shm_ring_ctl) ||
 	    h.trace_rec_size != sizeof(struct shm_trace_rec) ||
 	    !shm_shape(h.world_size, h.ring_size, h.trace_records, &s) || s.total != h.total_size ||
 	    s.worker_off != h.worker_off || s.ring_ctl_off != h.ring_ctl_off ||
 	    s.ring_data_off != h.ring_data_off || s.trace_off != h.trace_off ||
 	    s.devmap_off != h.devmap_off)
-		return shmrpc__fail(-SHMRPC_EBADSEG,
-				    "not a shmrpc segment: header layout is inconsistent "
-				    "(world %u, ring size %u, total %llu)",
-				    h.world_size, h.ring_size, (unsigned long long)h.total_size);
-	if ((uint64_t)st.st_size < h.total_size)
-		return shmrpc__fail(-SHMRPC_ETRUNC,
-				    "segment truncated: %lld bytes, header says %llu",
-				    (long long)st.st_size, (unsigned long long)h.total_size);
-
-	seg->base = mmap(NULL, h.total_size, readonly ? PROT_READ : PROT_READ | PROT_WRITE,
-			 MAP_SHARED, fd, 0);
-	if (seg->base == MAP_FAILED) {
-		seg->base = NULL;
-		return shmrpc__fail(-errno, "cannot map the job segment (%llu bytes): %s",
-				    (unsigned long long)h.total_size, strerror(errno));
-	}
+		return shm_attach_inconsistent(&seg_kind, "world %u, ring size %u, total %llu",
+					       h.world_size, h.ring_size,
+					       (unsigned long long)h.total_size);
+	if ((err = shm_attach_map(fd, &seg_kind, h.total_size, file_size, readonly, &seg->base)))
+		return err;
 	seg->fd = fd;
 	seg->readonly = readonly;
 	seg->size = h.total_size;

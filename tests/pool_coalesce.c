@@ -228,31 +228,91 @@ static void test_rebuild(void)
 	pool_detach(&p);
 }
 
-/* Corrupt shared words: a sentence, never a crash or a wild index. */
+/* Corrupt shared words: a sentence naming the structure, never a crash,
+ * a wild index nor a block handed out twice; and once a structure is found
+ * corrupt, the pool hands out nothing more. Each case on a fresh pool. */
+static void corrupt_pool(struct shm_pool *p, uint32_t holder_cap)
+{
+	struct pool_params pp = { .bytes = 4 * MiB, .world = 1, .holder_cap = holder_cap };
+
+	CHECK_OK(pool_create(p, &pp));
+	CHECK_OK(pool_join(p, 0, 1));
+}
+
+static void expect_corrupt(int rc, const char *text, const char *what)
+{
+	CHECK(rc == -SHMRPC_ECORRUPT && strstr(shmrpc_errmsg(), text), "%s: %d %s", what, rc,
+	      shmrpc_errmsg());
+}
+
 static void test_corrupt(void)
 {
-	struct pool_params pp = { .bytes = 4 * MiB, .world = 1, .holder_cap = 64 };
 	struct shm_pool p;
-	uint64_t off;
+	uint64_t off, a, b;
 	uint32_t o = 6; /* the 4 MiB block's order (64 chunks) */
 
-	CHECK_OK(pool_create(&p, &pp));
-	CHECK_OK(pool_join(&p, 0, 1));
+	corrupt_pool(&p, 64);
 	CHECK(atomic_load(&p.hdr->chunk_free[o]) == 1, "a new 4 MiB pool is one free block");
 	atomic_store(&p.hdr->chunk_free[o], 1000);
-	CHECK(pool_alloc(&p, 0, MiB, &off) == -SHMRPC_ECORRUPT &&
-	      strstr(shmrpc_errmsg(), "free list of chunk blocks of order 6 is corrupt: it names "
-				      "1000 of 64"), "a wild list head: %s", shmrpc_errmsg());
+	expect_corrupt(pool_alloc(&p, 0, MiB, &off),
+		       "free list of chunk blocks of order 6 is corrupt: it names 1000 of 64",
+		       "a wild list head");
 	atomic_store(&p.hdr->chunk_free[o], 1);
+	expect_corrupt(pool_alloc(&p, 0, MiB, &off), "the tensor pool's free lists were found "
+		       "corrupt earlier", "an allocation after the corruption");
+	pool_detach(&p);
+
 	/* A chunk entry that claims more chunks than the pool has. */
+	corrupt_pool(&p, 64);
 	CHECK_OK(pool_alloc(&p, 0, MiB, &off));
 	atomic_store(&p.chunks[0].entry, atomic_load(&p.chunks[0].entry) | (40ull << 56));
-	CHECK(pool_block_size(&p, off) < 0 || pool_unref(&p, 0, off) <= 0,
-	      "a wild chunk entry was taken");
+	expect_corrupt(pool_unref(&p, 0, off), "the tensor pool's chunk table is corrupt",
+		       "a wild chunk entry");
+	pool_detach(&p);
+
 	/* A slab list naming a chunk beyond the pool. */
+	corrupt_pool(&p, 64);
 	atomic_store(&p.hdr->partial[0], 99);
-	CHECK(pool_alloc(&p, 0, 64, &off) == -SHMRPC_ECORRUPT && strstr(shmrpc_errmsg(), "99 of 64"),
-	      "a wild slab list: %s", shmrpc_errmsg());
+	expect_corrupt(pool_alloc(&p, 0, 64, &off), "99 of 64", "a wild slab list");
+	pool_detach(&p);
+
+	/* A slab's free list made to name a block in use: refused, never
+	 * the same block twice. */
+	corrupt_pool(&p, 64);
+	CHECK_OK(pool_alloc(&p, 0, 64, &a));
+	CHECK_OK(pool_alloc(&p, 0, 64, &b));
+	p.chunks[(a - p.data_off) >> POOL_CHUNK_SHIFT].free_head = 1;
+	expect_corrupt(pool_alloc(&p, 0, 64, &off), "is not a free block of it",
+		       "a slab link to a block in use");
+	pool_detach(&p);
+
+	/* A free-list link whose neighbour does not name it back. */
+	corrupt_pool(&p, 64);
+	CHECK_OK(pool_alloc(&p, 0, POOL_CHUNK, &a)); /* splits: free blocks of each order */
+	p.chunks[1].prev = 5;
+	expect_corrupt(pool_alloc(&p, 0, POOL_CHUNK, &off), "free list of chunk blocks of order 0",
+		       "a free-list link into another list");
+	pool_detach(&p);
+
+	/* A block record whose count is below what is dropped. */
+	corrupt_pool(&p, 64);
+	CHECK_OK(pool_alloc(&p, 0, 64, &a));
+	CHECK_OK(pool_ref(&p, 0, a));
+	{
+		uint32_t c = (uint32_t)((a - p.data_off) >> POOL_CHUNK_SHIFT);
+
+		atomic_store(&p.meta[(uint32_t)atomic_load(&p.chunks[c].entry)].refs, 1);
+	}
+	CHECK_OK(pool_unref(&p, 0, a)); /* the count's last: the block goes */
+	expect_corrupt(pool_sweep(&p, 0, 1), "the tensor pool's block record",
+		       "a count below the holder's records");
+	pool_detach(&p);
+
+	/* A holder table entry naming a record beyond the pool. */
+	corrupt_pool(&p, 64);
+	atomic_store(&p.tables[3], (uint64_t)1 << 48 | (uint64_t)1 << 32 | 0x7fffffffu);
+	expect_corrupt(pool_sweep(&p, 0, 1), "the tensor pool's holder table of rank 0 is corrupt",
+		       "a wild holder entry");
 	pool_detach(&p);
 }
 

@@ -1,5 +1,5 @@
 /*
- * A burst of 50,000 requests that each make one nested rpc_sync, on a pool
+ * A burst of 100,000 requests that each make one nested rpc_sync, on a pool
  * of 1 and of 4 threads: half of the nested calls go back to the caller,
  * half to the callee itself. A waiting executor thread runs only what its
  * own call needs (worker/executor.h), so the burst never piles up on one
@@ -37,7 +37,7 @@ static int worker(void)
 {
 	struct shmrpc_options o = SHMRPC_OPTIONS(.num_threads = atoi(getenv("BURST_THREADS")),
 						 .timeout_ms = 120000);
-	int n = (int)(50000 * tl_scale());
+	int n = (int)(100000 * tl_scale());
 	shmrpc_future **f;
 
 	CHECK_OK(shmrpc_register("inner", "i", fn_inner, NULL));

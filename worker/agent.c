@@ -717,6 +717,8 @@ static int attach_pool(struct agent *ag)
 	rc = pool_attach_fd(&ag->pool, (int)fd, false);
 	if (rc)
 		return rc;
+	/* What we find corrupt there, for shmrun's report (shm/corrupt.h). */
+	ag->pool.corrupt_note = &ag->self->corrupt_found;
 	(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* programs we exec need not inherit it */
 	/* Acquire pairs with the launcher's release when it set up the slot. */
 	rc = pool_join(&ag->pool, ag->rank,
@@ -744,8 +746,10 @@ static int attach_rrefs(struct agent *ag)
 	if (fd < 0)
 		return 0;
 	rc = rref_table_attach_fd(&ag->rrefs, (int)fd, false);
-	if (rc == 0)
+	if (rc == 0) {
 		(void)fcntl((int)fd, F_SETFD, FD_CLOEXEC); /* as the segment's and the pool's */
+		ag->rrefs.corrupt_note = &ag->self->corrupt_found;
+	}
 	if (rc == 0 && ag->rrefs.world != ag->world) {
 		rref_table_detach(&ag->rrefs);
 		rc = shmrpc__fail(-SHMRPC_EBADSEG, "the RRef table is for %u workers, the job has %u",

@@ -235,7 +235,7 @@ int main(int argc, char **argv)
 	struct allow *allowed = NULL;
 	int nallowed = 0;
 	char **tests;
-	int ntests;
+	int ntests, nplain;
 
 	while ((opt = getopt(argc, argv, "a:t:v")) != -1) {
 		if (opt == 't')
@@ -255,15 +255,18 @@ int main(int argc, char **argv)
 	prctl(PR_SET_CHILD_SUBREAPER, 1);
 	signal(SIGPIPE, SIG_IGN);
 	ntests = argc - optind;
-	tests = calloc((size_t)ntests + 2, sizeof(*tests));
+	/* SHMRPC_FUZZ: the fuzz targets, separated by spaces, run after the
+	 * tests; as many as the string has words at most. */
+	tests = calloc((size_t)ntests + (fuzz ? strlen(fuzz) : 0) + 2, sizeof(*tests));
 	for (int i = 0; i < ntests; i++)
 		tests[i] = argv[optind + i];
-	if (fuzz && *fuzz)
-		tests[ntests++] = (char *)fuzz;
+	nplain = ntests;
+	for (char *f = fuzz ? strtok(strdup(fuzz), " ") : NULL; f; f = strtok(NULL, " "))
+		tests[ntests++] = f;
 
 	for (int i = 0; i < ntests; i++) {
 		const char *name = base(tests[i]);
-		bool is_fuzz = fuzz && tests[i] == fuzz;
+		bool is_fuzz = i >= nplain;
 		FILE *out = tmpfile();
 		int shm_before = shm_leftovers(), status = 0, strays;
 		double t0 = now_s(), dt;
