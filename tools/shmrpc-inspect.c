@@ -22,7 +22,8 @@
  *
  * --check reports a dead worker, one still RUNNING whose process is gone
  * (the launcher has not reaped it), one stopped (SIGSTOP) or whose agent's
- * heartbeat is older than 5 s (stuck), corrupt frames, a dead holder of pool
+ * heartbeat is older than 5 s (stuck), corrupt frames, a shared structure a
+ * worker found corrupt (its slot's corrupt_found), a dead holder of pool
  * references (or a live one whose process is gone), a pool or RRef table
  * the job has but this tool cannot read (it would hide anything wrong in
  * it; the text and JSON say why where the part would be), and three RRef
@@ -97,6 +98,7 @@
 #include "common/error.h"
 #include "common/json.h"
 #include "ipc/ring.h"
+#include "shm/corrupt.h"
 #include "shm/exit_info.h"
 #include "shm/layout.h"
 #include "shm/pool.h"
@@ -169,6 +171,7 @@ struct wsnap {
 	uint32_t state, pid, exit_info, agent;
 	uint32_t cuda[NGAUGES];
 	uint64_t hb_age_ns; /* UINT64_MAX: no heartbeat yet */
+	uint64_t corrupt;   /* SHM_CORRUPT_* bits: what it found corrupt */
 	uint64_t val[NCOUNTERS];
 	uint64_t ring_in, ring_out;
 	char name[SHM_NAME_MAX + 1];
@@ -438,6 +441,8 @@ static void snap_worker(const struct shm_seg *seg, uint32_t rank, uint64_t now, 
 	s->pid = atomic_load_explicit(&w->pid, memory_order_relaxed);
 	s->exit_info = atomic_load_explicit(&w->exit_info, memory_order_relaxed);
 	s->agent = atomic_load_explicit(&w->agent_state, memory_order_relaxed);
+	/* Relaxed: the worker's fetch_or; a snapshot. */
+	s->corrupt = atomic_load_explicit(&w->corrupt_found, memory_order_relaxed);
 	hb = atomic_load_explicit(&w->heartbeat_ns, memory_order_relaxed);
 	s->hb_age_ns = hb == 0 ? UINT64_MAX : now > hb ? now - hb : 0;
 	for (size_t i = 0; i < NCOUNTERS; i++) {
@@ -1018,6 +1023,14 @@ static int check_workers(struct view *v)
 		if (s->val[CORRUPT_FRAMES]) {
 			printf("rank %u (%s) received %llu corrupt frames\n", r, printable(s->name, pbuf),
 			       (unsigned long long)s->val[CORRUPT_FRAMES]);
+			bad++;
+		}
+		/* Only the bits it knows: the word is the job's, anything may be in it. */
+		for (uint64_t bit = 1; bit & SHM_CORRUPT_ALL; bit <<= 1) {
+			if (!(s->corrupt & bit))
+				continue;
+			printf("rank %u (%s) found %s corrupt: the job's memory was written outside "
+			       "shmrpc\n", r, printable(s->name, pbuf), shm_corrupt_name(bit));
 			bad++;
 		}
 	}
