@@ -6,8 +6,9 @@
  * the worker; a new call to rank 1 fails at once with the same words;
  * rank 1, told through the ring's abandoned mark, fails its calls to rank
  * 0 at once too, naming the link: the two are cut off from each other,
- * and only they (rank 2 calls both). The launcher names the worker that
- * received the corrupt frame and the job exits 1, not 0.
+ * and only they: rank 2 calls both all along (a load running through the
+ * corruption, every call answered right). The launcher names the worker
+ * that received the corrupt frame and the job exits 1, not 0.
  */
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -24,6 +25,37 @@
 
 #define BROKEN_TEXT "the ring from worker 1 (worker1) is corrupt and is no longer read"
 #define ABANDONED_TEXT "worker 0 (worker0) found the ring from this worker corrupt"
+
+static atomic_bool stop_load;
+
+static int fn_stop(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	/* Relaxed: the flag alone; rank 2's loop reads it. */
+	atomic_store_explicit(&stop_load, true, memory_order_relaxed);
+	*r = shmrpc_int(1);
+	return 0;
+}
+
+/* Rank 2's load: calls to both workers of the link until told to stop. */
+static void load(void)
+{
+	long calls = 0;
+
+	while (!atomic_load_explicit(&stop_load, memory_order_relaxed)) {
+		for (int dst = 0; dst < 2; dst++) {
+			shmrpc_future *f;
+			int rc = shmrpc_rpc_sync(dst, "ping", NULL, 0, 20000, &f);
+
+			CHECK(rc == 0 && shmrpc_future_value(f)->u.i == dst,
+			      "rank 2's load call %ld to rank %d: %d %s", calls, dst, rc,
+			      shmrpc_errmsg());
+			shmrpc_future_free(f);
+			calls++;
+		}
+	}
+	fprintf(stderr, "rank 2's load: %ld calls, all answered\n", calls);
+}
 
 static int fn_ping(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -90,7 +122,10 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("break", "", fn_break, NULL));
 	CHECK_OK(shmrpc_register("ping", "", fn_ping, NULL));
 	CHECK_OK(shmrpc_register("others", "", fn_others, NULL));
+	CHECK_OK(shmrpc_register("stop", "", fn_stop, NULL));
 	CHECK_OK(shmrpc_init(NULL));
+	if (shmrpc_rank() == 2)
+		load();
 	if (shmrpc_rank() == 0) {
 		uint64_t t0 = shmrpc_now_ns();
 
@@ -107,6 +142,8 @@ static int worker(void)
 		rc = shmrpc_rpc_sync(2, "others", NULL, 0, 20000, &f);
 		CHECK(rc == 0, "rank 2's calls: %d %s", rc, shmrpc_errmsg());
 		shmrpc_future_free(f);
+		CHECK_OK(shmrpc_rpc_sync(2, "stop", NULL, 0, 20000, &f));
+		shmrpc_future_free(f);
 	}
 	CHECK_OK(shmrpc_shutdown(1, 30000));
 	return 0;
@@ -118,6 +155,7 @@ int main(void)
 	static const char *const texts[] = { "the call failed after",
 					     "rank 1's call to rank 0 failed at once",
 					     "rank 2 reached both",
+					     "all answered",
 					     "shmrun: worker 0 (worker0) received 1 corrupt frame",
 					     NULL };
 
