@@ -271,7 +271,9 @@ def _wait_all():
 
 def _note_future(fut):
     """rpc_async's hook: fut joins the enclosing _wait_all block's, if any."""
-    futures = getattr(_thread_local_var, "future_list", None)
+    # Its dict (this thread's), not getattr: a miss costs no AttributeError.
+    # (future_list is absent outside a block: torch's tests look.)
+    futures = _thread_local_var.__dict__.get("future_list")
     if futures is not None:
         futures.append(fut)
 
