@@ -9,6 +9,7 @@ import contextlib
 import io
 import pickle
 import sys
+import threading
 import types
 import weakref
 
@@ -197,6 +198,15 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, buf):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.buf = buf
+        self.reset()
+
+    def reset(self):
+        """Ready for the next pickle (_dumps reuses a thread's pickler:
+        making one costs more than pickling a few numbers with it)."""
+        self.clear_memo()  # a memo entry would name an object of the last pickle
+        self.buf.seek(0)
+        self.buf.truncate()
         self.rrefs = []
         self.tensors = []
         self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
@@ -266,20 +276,36 @@ _INLINE_MAX = 16 * 1024
 _OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
 
 
+class _IdlePickler(threading.local):
+    """pickler: this thread's _Pickler while no _dumps uses it (a _dumps
+    inside a _dumps, from an object's own __reduce__, makes its own)."""
+    pickler = None
+
+
+_idle = _IdlePickler()
+
+
 def _dumps(obj):
     """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
     if obj is None:  # most results: no pickle to make, nor to read
         return b"", [], []
-    buf = io.BytesIO()
-    p = _Pickler(buf)
-    p.dump(obj)
-    if p.grad_tensors is not None:
-        p.grad_tensors.sent()
-    data = buf.getvalue()
+    p = _idle.pickler
+    if p is None:
+        p = _Pickler(io.BytesIO())
+    else:
+        _idle.pickler = None
+    try:
+        p.dump(obj)
+        if p.grad_tensors is not None:
+            p.grad_tensors.sent()
+        data, rrefs, tensors = p.buf.getvalue(), p.rrefs, p.tensors
+    finally:
+        p.reset()
+        _idle.pickler = p
     if len(data) > _INLINE_MAX:
-        p.tensors.append(_shmrpc.from_bytes(data))
+        tensors.append(_shmrpc.from_bytes(data))
         data = _OUT_OF_LINE
-    return data, p.rrefs, p.tensors
+    return data, rrefs, tensors
 
 
 def _loads(msg, grad_mode="result"):

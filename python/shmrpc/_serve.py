@@ -6,7 +6,6 @@ kept live, an RRef fetch answered. Above the calls; below api.
 import sys
 import threading
 import traceback
-import types
 
 from . import _contexts, _shmrpc, autograd, profiler, server_profiler
 from ._calls import RRef, _call_method, _owned
@@ -111,13 +110,6 @@ def _serve_fetch(rref, caller, context_id):
 
 def _is_async_execution(func):
     """Decorated with shmrpc's or torch's functions.async_execution."""
-    if type(func) is types.FunctionType:
-        # Both decorators mark the function's own dict: read it, rather
-        # than ask with hasattr, whose miss (most functions) raises and
-        # catches an AttributeError on every call served.
-        marks = func.__dict__
-        return bool(marks) and (marks.get("_shmrpc_async_execution", False)
-                                or "_wrapped_async_rpc_function" in marks)
     return (getattr(func, "_shmrpc_async_execution", False)
             or hasattr(func, "_wrapped_async_rpc_function"))
 
