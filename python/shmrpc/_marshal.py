@@ -442,9 +442,11 @@ class _Named:
             return False
 
 
-# Per function sent by name: its _Named (the caller's side), and per
-# payload head its _Named (the callee's). Only functions a module names
-# are cached, so neither grows with lambdas or closures.
+# The _Named of functions sent by name, by (module, qualified name) on the
+# caller's side and by payload head on the callee's: one entry per name
+# (a function that replaces another under its name replaces its entry),
+# and only names that find their function, so neither grows with lambdas,
+# closures or rebound names.
 _named_funcs = {}
 _named_heads = {}
 
@@ -452,14 +454,13 @@ _named_heads = {}
 def _named(func):
     """func's _Named if pickle would send it by reference and the name
     finds func itself, else None."""
-    named = _named_funcs.get(func)
-    if named is not None and named.holds():
+    named = _named_funcs.get((func.__module__, func.__qualname__))
+    if named is not None and named.func is func and named.holds():
         return named
     ref = _by_name(func)
     if ref is None:
-        _named_funcs.pop(func, None)
         return None
-    named = _named_funcs[func] = _Named(func, *ref)
+    named = _named_funcs[ref] = _Named(func, *ref)
     return named
 
 
