@@ -155,25 +155,37 @@ class RRef:
     def _get_future(self):
         """A Future completed (with None) once the owner has stored the
         value, or with the remote call's error, as torch's."""
-        fut = Future()
         if self._r.is_owner() and self._r.confirmed_by_owner():
+            fut = Future()
             fut.set_result(None)
             return fut
+        return self._future_of(_rref_created)
 
-        def wait():  # this RRef itself: on its creator it knows remote()'s request
+    def _get_profiling_future(self):
+        """torch's: completes once the remote() that made this RRef, and so
+        its profiled event, have completed: the value stored, and the reply
+        that ends the event in (a user can read the value from the RRef
+        table before that reply has come: the event would end after the
+        future)."""
+        def created_and_replied(rref):
+            _rref_created(rref)
+            rref._r.profiled()  # waits for the reply of a profiled remote()
+        return self._future_of(created_and_replied)
+
+    def _future_of(self, wait):
+        """A Future completed (with None) once wait(self) returns, or with
+        its error; wait runs on a thread of its own."""
+        fut = Future()
+
+        def run():  # this RRef itself: on its creator it knows remote()'s request
             try:
-                _rref_created(self)
+                wait(self)
             except BaseException as e:
                 fut.set_exception(e)
             else:
                 fut.set_result(None)
-        threading.Thread(target=wait, name="shmrpc-rref-future", daemon=True).start()
+        threading.Thread(target=run, name="shmrpc-rref-future", daemon=True).start()
         return fut
-
-    def _get_profiling_future(self):
-        """torch's: completes once the remote() that made this RRef, and so
-        its profiled events, have completed."""
-        return self._get_future()
 
     def backward(self, dist_autograd_ctx_id=-1, retain_graph=False):
         """Backward from the value (a scalar tensor) on the owner: in the

@@ -25,7 +25,12 @@ class Future:
         return super().__new__(cls)
 
     def __init__(self, _c=None):
-        self._cond = threading.Condition()
+        # A plain lock, not a Condition (an RLock and a Python object of
+        # its own, about half of an rpc_async's Python work): a thread that
+        # must block in wait() adds a lock of its own to _waiters, which
+        # _finish releases.
+        self._lock = threading.Lock()
+        self._waiters = None
         self._have = False
         self._value = None
         self._error = None
@@ -37,7 +42,7 @@ class Future:
     def _from_call(self):
         """The call completed: its result becomes ours (once, from the
         completion callback or from wait(), whichever comes first)."""
-        with self._cond:
+        with self._lock:
             if self._have or self._settling:
                 return
             self._settling = True
@@ -49,12 +54,14 @@ class Future:
             self.set_result(value)
 
     def _finish(self, value, error):
-        with self._cond:
+        with self._lock:
             if self._have:
                 raise RuntimeError("Future can only be marked completed once")
             self._value, self._error, self._have = value, error, True
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            waiter.release()
         self._settle_torch(value, error)
         for cb in callbacks:
             self._run(cb)
@@ -85,17 +92,23 @@ class Future:
             except Exception:
                 pass  # _from_call raises it below
             self._from_call()
-        with self._cond:
+        waiter = None
+        with self._lock:
             if not self._have:
-                # On an executor thread, what completes us may be queued
-                # behind us: the pool runs it on another thread while this
-                # one is counted out (worker/executor.h).
-                _shmrpc.blocking(True)
-                try:
-                    while not self._have:
-                        self._cond.wait()
-                finally:
-                    _shmrpc.blocking(False)
+                waiter = threading.Lock()
+                waiter.acquire()  # _finish releases it
+                if self._waiters is None:
+                    self._waiters = []
+                self._waiters.append(waiter)
+        if waiter is not None:
+            # On an executor thread, what completes us may be queued
+            # behind us: the pool runs it on another thread while this
+            # one is counted out (worker/executor.h).
+            _shmrpc.blocking(True)
+            try:
+                waiter.acquire()
+            finally:
+                _shmrpc.blocking(False)
         if self._error is not None:
             raise self._error
         return self._value
@@ -109,7 +122,7 @@ class Future:
         return self._have or (self._c is not None and self._c.done())
 
     def add_done_callback(self, callback):
-        with self._cond:
+        with self._lock:
             if not self._have:
                 self._callbacks.append(callback)
                 # Only now does the call need to complete us by itself:
@@ -271,7 +284,9 @@ def _wait_all():
 
 def _note_future(fut):
     """rpc_async's hook: fut joins the enclosing _wait_all block's, if any."""
-    futures = getattr(_thread_local_var, "future_list", None)
+    # Its dict (this thread's), not getattr: a miss costs no AttributeError.
+    # (future_list is absent outside a block: torch's tests look.)
+    futures = _thread_local_var.__dict__.get("future_list")
     if futures is not None:
         futures.append(fut)
 

@@ -9,6 +9,7 @@ import contextlib
 import io
 import pickle
 import sys
+import threading
 import types
 import weakref
 
@@ -197,6 +198,15 @@ class _Pickler(pickle.Pickler):
 
     def __init__(self, buf):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.buf = buf
+        self.reset()
+
+    def reset(self):
+        """Ready for the next pickle (_dumps reuses a thread's pickler:
+        making one costs more than pickling a few numbers with it)."""
+        self.clear_memo()  # a memo entry would name an object of the last pickle
+        self.buf.seek(0)
+        self.buf.truncate()
         self.rrefs = []
         self.tensors = []
         self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
@@ -266,20 +276,36 @@ _INLINE_MAX = 16 * 1024
 _OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
 
 
+class _IdlePickler(threading.local):
+    """pickler: this thread's _Pickler while no _dumps uses it (a _dumps
+    inside a _dumps, from an object's own __reduce__, makes its own)."""
+    pickler = None
+
+
+_idle = _IdlePickler()
+
+
 def _dumps(obj):
     """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
     if obj is None:  # most results: no pickle to make, nor to read
         return b"", [], []
-    buf = io.BytesIO()
-    p = _Pickler(buf)
-    p.dump(obj)
-    if p.grad_tensors is not None:
-        p.grad_tensors.sent()
-    data = buf.getvalue()
+    p = _idle.pickler
+    if p is None:
+        p = _Pickler(io.BytesIO())
+    else:
+        _idle.pickler = None
+    try:
+        p.dump(obj)
+        if p.grad_tensors is not None:
+            p.grad_tensors.sent()
+        data, rrefs, tensors = p.buf.getvalue(), p.rrefs, p.tensors
+    finally:
+        p.reset()
+        _idle.pickler = p
     if len(data) > _INLINE_MAX:
-        p.tensors.append(_shmrpc.from_bytes(data))
+        tensors.append(_shmrpc.from_bytes(data))
         data = _OUT_OF_LINE
-    return data, p.rrefs, p.tensors
+    return data, rrefs, tensors
 
 
 def _loads(msg, grad_mode="result"):
@@ -330,6 +356,8 @@ def _immutable(value):
 
 def _result(msg, grad_mode="result"):
     """Unpickles a result; a RemoteException is raised as its own type."""
+    if not msg[0]:
+        return None  # most results: nothing to unpickle (_dumps)
     value = _loads(msg, grad_mode)
     if isinstance(value, RemoteException):
         exc_type = value.exception_type
@@ -386,31 +414,89 @@ def _by_name(func):
     return None
 
 
+class _Named:
+    """What a function sent by name costs to find once: its reference's
+    bytes (the payload's head), and the module dict and name that must
+    still find the function itself for the reference to hold (where the
+    name has no dot; a dotted one is looked up again every time)."""
+    __slots__ = ("func", "head", "module", "mod", "scope", "name")
+
+    def __init__(self, func, module, name):
+        self.func = func
+        self.head = b"".join((_BY_NAME, module.encode(), b"\0", name.encode(), b"\0"))
+        self.module = module
+        self.mod = sys.modules.get(module)
+        self.scope = None if "." in name or self.mod is None else vars(self.mod)
+        self.name = name
+
+    def holds(self):
+        """Whether the reference still finds func, as pickle would look it
+        up now (a module's attribute can be rebound, or the module
+        replaced in sys.modules)."""
+        if self.scope is not None:
+            return (sys.modules.get(self.module) is self.mod
+                    and self.scope.get(self.name) is self.func)
+        try:
+            return _resolve(self.module, self.name) is self.func
+        except Exception:
+            return False
+
+
+# The _Named of functions sent by name, by (module, qualified name) on the
+# caller's side and by payload head on the callee's: one entry per name
+# (a function that replaces another under its name replaces its entry),
+# and only names that find their function, so neither grows with lambdas,
+# closures or rebound names.
+_named_funcs = {}
+_named_heads = {}
+
+
+def _named(func):
+    """func's _Named if pickle would send it by reference and the name
+    finds func itself, else None."""
+    named = _named_funcs.get((func.__module__, func.__qualname__))
+    if named is not None and named.func is func and named.holds():
+        return named
+    ref = _by_name(func)
+    if ref is None:
+        return None
+    named = _named_funcs[ref] = _Named(func, *ref)
+    return named
+
+
 def _pack_call(func, args, kwargs, dst=None):
     """The call's payload (above). dst is not used: the autograd context
     travels in the message (_send_call); shmrpc.data passes it."""
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    _check_pickler()
-    ref = _by_name(func)
-    if ref is None:
+    if _default_pickler is not _pickler_ok:
+        _check_pickler()
+    named = _named(func) if type(func) is types.FunctionType else None
+    if named is None:
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
-    head = b"".join((_BY_NAME, ref[0].encode(), b"\0", ref[1].encode(), b"\0"))
     if not args and not kwargs:
-        return head, [], []
+        return named.head, [], []
     data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
-    return head + data, rrefs, tensors
+    return named.head + data, rrefs, tensors
 
 
 def _unpack_call(payload, rrefs, tensors):
     """(func, args, kwargs) from a call's payload."""
     if payload[:1] != _BY_NAME:
         return _loads((payload, rrefs, tensors), "call")
-    module, name, rest = payload[1:].split(b"\0", 2)
-    func = _resolve(module.decode(), name.decode())
-    if not rest:
+    end = payload.index(b"\0", payload.index(b"\0") + 1) + 1
+    head = payload if end == len(payload) else payload[:end]
+    named = _named_heads.get(head)
+    if named is not None and named.holds():
+        func = named.func
+    else:
+        module, name = (part.decode() for part in payload[1:end - 1].split(b"\0"))
+        func = _resolve(module, name)
+        if type(func) is types.FunctionType and _by_name(func) == (module, name):
+            _named_heads[head] = _Named(func, module, name)
+    if end == len(payload):
         return func, (), {}
-    args, kwargs = _loads((rest, rrefs, tensors), "call")
+    args, kwargs = _loads((payload[end:], rrefs, tensors), "call")
     return func, args, kwargs
 
 
@@ -441,12 +527,19 @@ def _use_rpc_pickler(rpc_pickler):
         _default_pickler = before
 
 
+# The pickler _check_pickler last let through (torch's, a fixed object, or
+# None): a call checks it again only when _default_pickler changed.
+_pickler_ok = None
+
+
 def _check_pickler():
     """Raises unless calls may be pickled shmrpc's way (no pickler of the
     program's own in effect)."""
+    global _pickler_ok
     if _default_pickler is not None and _default_pickler is not _torch_internal_pickler():
         raise _not_supported(f"an RPC pickler of the program's own "
                              f"({type(_default_pickler).__name__}, set by _use_rpc_pickler)")
+    _pickler_ok = _default_pickler
 
 
 # ---- _all_gather, _barrier, _wait_all_workers ----

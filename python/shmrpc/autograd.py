@@ -275,7 +275,7 @@ def _run_engine(ctx, tensors, grads, retain_graph):
         handles = [leaf.register_hook(functools.partial(_unshared, seen)) for leaf in leaves]
         for leaf in leaves:
             leaf.grad = None
-        outer, _tls.outgoing = getattr(_tls, "outgoing", None), {}
+        outer, _tls.outgoing = _tls.outgoing, {}
         try:
             torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         except Exception as e:
