@@ -289,16 +289,25 @@ static int entry_of(const struct rref_table *t, uint32_t slot, uint64_t id,
 	return 0;
 }
 
+/* entry_of, for a count of rank's. */
+static int entry_of_rank(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank,
+			 struct rref_entry **out)
+{
+	int rc = entry_of(t, slot, id, out);
+
+	if (rc == 0 && rank >= t->world)
+		rc = shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
+				  t->world);
+	return rc;
+}
+
 int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
 {
 	struct rref_entry *e;
-	int rc = entry_of(t, slot, id, &e);
+	int rc = entry_of_rank(t, slot, id, rank, &e);
 
 	if (rc)
 		return rc;
-	if (rank >= t->world)
-		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
-				    t->world);
 	/* total before the count: sum(counts) <= total whenever we stop.
 	 * seq_cst: a sender charging a receiver then checks that the receiver
 	 * lives; the launcher marks it dead then sweeps (rref_sweep_rank). */
@@ -375,13 +384,10 @@ int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank
 {
 	struct rref_entry *e;
 	uint32_t c;
-	int rc = entry_of(t, slot, id, &e);
+	int rc = entry_of_rank(t, slot, id, rank, &e);
 
 	if (rc)
 		return rc;
-	if (rank >= t->world)
-		return shmrpc__fail(-EINVAL, "no rank %u in an RRef table of %u workers", rank,
-				    t->world);
 	/* The count before total (see rref_hold); never below zero. */
 	c = atomic_load_explicit(&e->counts[rank], memory_order_relaxed);
 	do {
