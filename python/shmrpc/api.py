@@ -40,7 +40,6 @@ PyRRef = RRef
 _ignore_rref_leak = True
 
 
-
 def _initialized_now():
     return _core._initialized
 
@@ -312,24 +311,28 @@ def _shutdown_first(graceful, timeout):
     and the leak check. Returns the leak check's text ("": none)."""
     if not graceful:
         return ""
-    _gather_at_shutdown(timeout)
-    _delete_all_user_and_unforked_owner_rrefs()
-    if _ignore_rref_leak:
+    if not _gather_at_shutdown(timeout):
+        # Cut short by a death, as torch's would fail: the others may still
+        # run, and this worker's references go with its agent, as always.
         return ""
-    _gather_at_shutdown(timeout)
+    _delete_all_user_and_unforked_owner_rrefs()
+    if _ignore_rref_leak or not _gather_at_shutdown(timeout):
+        return ""
     return _shmrpc.rref_leaks()
 
 
 def _gather_at_shutdown(timeout):
     """_wait_all_workers, where a worker that died is not an error: the
     agent's own shutdown barrier, next, counts it out, as shmrpc's shutdown
-    always has."""
+    always has. False when a death cut the gather short."""
     try:
         _wait_all_workers(timeout)
     except RuntimeError:
         gone = [_shmrpc.peer_gone(r) for r in range(_shmrpc.world_size())]
         if not any(g is not None and g[0] for g in gone):
             raise
+        return False
+    return True
 
 
 def _wait_all_workers(timeout=DEFAULT_SHUTDOWN_TIMEOUT):
