@@ -219,18 +219,20 @@ struct shm_ring_ctl {
 	/* line 1, consumer side. head: written by the consumer with release
 	 * once a record is consumed; read by the producer with acquire. */
 	_Atomic uint64_t head;
-	/* abandoned: set (release) by a consumer that found the ring corrupt
-	 * and reads it no more, before it rings the producer's doorbell; the
-	 * producer reads it (acquire) before it sends, and when woken, and
-	 * fails its calls to the consumer (ipc_port_ring_abandoned). */
-	_Atomic uint32_t abandoned;
-	uint8_t pad2[SHMRPC_CACHELINE - 12];
-	/* lines 2-3: constant after creation. */
+	uint8_t pad2[SHMRPC_CACHELINE - 8];
+	/* lines 2-3: constant after creation, but for abandoned, set once. */
 	uint64_t data_off;
 	uint32_t size;
 	uint16_t src;
 	uint16_t dst;
-	uint8_t pad3[2 * SHMRPC_CACHELINE - 16];
+	/* abandoned: set (release) by a consumer that found the ring corrupt
+	 * and reads it no more, before it rings the producer's doorbell; the
+	 * producer reads it (acquire) before it sends, and on each turn of its
+	 * loop, and fails its calls to the consumer (ipc_port_ring_abandoned).
+	 * Here, not beside head, which the consumer writes all along: the
+	 * producer's loop reads it for every peer. */
+	_Atomic uint32_t abandoned;
+	uint8_t pad3[2 * SHMRPC_CACHELINE - 20];
 };
 _Static_assert(offsetof(struct shm_ring_ctl, head) == 64, "head on its own line");
 _Static_assert(offsetof(struct shm_ring_ctl, data_off) == 128, "constants on their own line");
