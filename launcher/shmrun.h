@@ -68,6 +68,8 @@ struct proc {
 	uint32_t exit_info; /* 0: exited 0; SHM_EXIT_* otherwise */
 	bool failed;  /* ended badly before the launcher stopped the job */
 	bool stopped; /* ended badly after the launcher began to stop the job */
+	bool slot_bad; /* its slot was found corrupt (integrity.c): said once */
+	pid_t pid_seen; /* a descendant of pid that its slot named (integrity.c) */
 	struct out_stream out[2]; /* stdout, stderr (--tag-output) */
 };
 
@@ -77,6 +79,7 @@ enum stop_reason {
 	STOP_SIGNAL,  /* the launcher was sent SIGINT, SIGTERM or SIGHUP */
 	STOP_TIMEOUT, /* --timeout expired */
 	STOP_ERROR,   /* the launcher could not start or watch every worker */
+	STOP_CORRUPT, /* the segment header was overwritten (integrity.c) */
 };
 
 struct job {
@@ -98,6 +101,10 @@ struct job {
 	struct pollfd *pfd;  /* watch.c's, one per fd it watches */
 	struct watched *watched;
 	pid_t guard_pid;     /* guard.c's process; 0: none */
+	struct shm_header hdr_copy; /* the header as shmrun wrote it (integrity.c) */
+	uint32_t hdr_generation;    /* what the header's generation must say: the deaths recorded */
+	bool header_bad;            /* found overwritten: said once */
+	uint64_t check_at;          /* when integrity_check runs next */
 	int guard_fd;        /* the write end of its pipe */
 };
 
@@ -145,6 +152,16 @@ void orphans_end(const struct job *j);
  * once more and ends. */
 int guard_start(struct job *j);
 void guard_stop(struct job *j);
+
+/* integrity.c: integrity_init keeps shmrun's copy of the header, once
+ * it is written; integrity_check, from the watch loop every
+ * SHMRUN_CHECK_NS, compares the header with it (a change stops the job,
+ * STOP_CORRUPT) and each slot with what shmrun recorded (a slot found
+ * corrupt is said once and fails the job at its end); both note
+ * SHM_CORRUPT_* in j->shm.corrupt for report_corrupt. */
+#define SHMRUN_CHECK_NS 100000000ull
+void integrity_init(struct job *j);
+void integrity_check(struct job *j);
 
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);

@@ -104,6 +104,8 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	output_finish(&p->out[0]);
 	output_finish(&p->out[1]);
 	job_worker_ended(&j->shm, rank, p->exit_info);
+	if (p->exit_info)
+		j->hdr_generation++; /* job_worker_ended bumped the header's */
 	if (!p->exit_info)
 		return;
 	if (j->stop != STOP_NONE) {
@@ -131,10 +133,15 @@ static void on_signal(struct job *j)
 	}
 }
 
-/* poll's timeout: until the earlier of the two deadlines (0: none), rounded up. */
-static int poll_ms(uint64_t now, uint64_t a, uint64_t b)
+static uint64_t earlier(uint64_t a, uint64_t b)
 {
-	uint64_t next = a && (!b || a < b) ? a : b;
+	return a && (!b || a < b) ? a : b;
+}
+
+/* poll's timeout: until the earliest of the three deadlines (0: none), rounded up. */
+static int poll_ms(uint64_t now, uint64_t a, uint64_t b, uint64_t c)
+{
+	uint64_t next = earlier(earlier(a, b), c);
 
 	if (!next)
 		return -1;
@@ -168,7 +175,7 @@ static bool watch_round(struct job *j, uint64_t now, uint64_t deadline)
 		pfd[nfds] = (struct pollfd){ .fd = p->pidfd, .events = POLLIN };
 		wd[nfds++] = (struct watched){ r, -1 };
 	}
-	if (poll(pfd, nfds, poll_ms(now, deadline, j->kill_at_ns)) < 0) {
+	if (poll(pfd, nfds, poll_ms(now, deadline, j->kill_at_ns, j->check_at)) < 0) {
 		if (errno == EINTR)
 			return true;
 		fprintf(stderr, "shmrun: poll: %s\n", strerror(errno));
@@ -197,6 +204,7 @@ static int exit_code(const struct job *j)
 	case STOP_TIMEOUT:
 		return SHMRUN_EXIT_TIMEOUT;
 	case STOP_ERROR:
+	case STOP_CORRUPT:
 		return SHMRUN_EXIT_FAILED;
 	default:
 		return j->failed ? SHMRUN_EXIT_FAILED : 0;
@@ -216,6 +224,10 @@ int watch_job(struct job *j)
 				fprintf(stderr, "shmrun: job timed out after %s s\n", j->o->timeout_text);
 				watch_stop(j, STOP_TIMEOUT, SIGTERM);
 			}
+		}
+		if (now >= j->check_at) {
+			integrity_check(j);
+			j->check_at = now + SHMRUN_CHECK_NS;
 		}
 		if (j->kill_at_ns && now >= j->kill_at_ns) {
 			signal_all(j, SIGKILL);
