@@ -141,10 +141,18 @@ void output_finish(struct out_stream *s);
 /* orphans.c: the processes the workers start. Makes shmrun their child
  * subreaper (0, or -1 said on stderr); reaps those that have ended (on
  * SIGCHLD); once every worker is reaped, stops the rest (SIGTERM, the
- * grace, SIGKILL), reaps them and says so on stderr. */
+ * grace, SIGKILL: every descendant, however deep), reaps them and says so
+ * on stderr. */
 int orphans_adopt(void);
 void orphans_reap(const struct job *j);
+/* sig to every descendant of shmrun but the live workers (their pidfds'
+ * business) and the guard: with the workers' own, when the job stops. */
+void orphans_signal(const struct job *j, int sig);
 void orphans_end(const struct job *j);
+
+/* tree.c: the descendants of root (not root), parents before children,
+ * into out (most at most); how many. */
+int tree_list(pid_t root, pid_t *out, int most);
 
 /* guard.c: forks the guard, which stops the processes the workers left
  * when shmrun ends before them (a kill -9); 0, or -1 said on stderr (the

@@ -65,12 +65,15 @@ void watch_free(struct job *j)
 		close(j->sigfd);
 }
 
+/* The workers and every process they started, however deep (orphans.c):
+ * a worker's children need not wait for its end to hear of the stop. */
 static void signal_all(const struct job *j, int sig)
 {
 	/* Through the pidfd: a reaped pid that was reused is never hit. */
 	for (uint32_t r = 0; r < j->o->nproc; r++)
 		if (j->procs[r].pidfd >= 0)
 			syscall(SYS_pidfd_send_signal, j->procs[r].pidfd, sig, NULL, 0);
+	orphans_signal(j, sig);
 }
 
 void watch_stop(struct job *j, enum stop_reason why, int sig)
