@@ -17,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/proc_stat.h"
 #include "launcher/shmrun.h"
 #include "shm/corrupt.h"
 #include "shm/slot.h"
@@ -56,25 +57,14 @@ static const char *header_changed(const struct job *j)
 	return NULL;
 }
 
-/* pid's parent, from /proc/PID/stat; 0 when it is gone. */
+/* pid's parent; 0 when it is gone. */
 static pid_t parent_of(pid_t pid)
 {
-	char path[32], buf[512], *paren;
-	int ppid = 0;
-	size_t n;
-	FILE *f;
+	char buf[512];
+	const char *f = proc_stat_fields(pid, buf, sizeof(buf), NULL);
+	int ppid;
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	if (!(f = fopen(path, "r")))
-		return 0;
-	n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = '\0';
-	/* "PID (COMM) S PPID ...": the name may hold spaces and parentheses. */
-	paren = strrchr(buf, ')');
-	if (!paren || sscanf(paren + 1, " %*c %d", &ppid) != 1)
-		return 0;
-	return (pid_t)ppid;
+	return f && sscanf(f, "%*c %d", &ppid) == 1 ? (pid_t)ppid : 0;
 }
 
 /*

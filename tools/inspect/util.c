@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/proc_stat.h"
 #include "tools/inspect/inspect.h"
 
 const char *name_of(const char *const *names, size_t n, uint32_t v)
@@ -37,22 +38,13 @@ int fail(const char *fmt, ...)
  * process is gone. */
 char process_state(uint32_t pid)
 {
-	char path[32], buf[512], *paren;
-	ssize_t n;
-	int fd;
+	char buf[512];
+	int err;
+	const char *f = proc_stat_fields((pid_t)pid, buf, sizeof(buf), &err);
 
-	snprintf(path, sizeof(path), "/proc/%u/stat", pid);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return errno == ENOENT || errno == ESRCH ? 0 : '?';
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return n == 0 || errno == ESRCH ? 0 : '?';
-	buf[n] = '\0';
-	/* "PID (COMM) S ...": the name may hold spaces and parentheses. */
-	paren = strrchr(buf, ')');
-	return paren && paren[1] == ' ' ? paren[2] : '?';
+	if (f)
+		return f[0];
+	return !err || err == -ENOENT || err == -ESRCH ? 0 : '?';
 }
 
 bool process_gone(uint32_t pid)
