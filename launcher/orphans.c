@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/proc_stat.h"
 #include "launcher/shmrun.h"
 
 #define MAX_LISTED 4096 /* children looked at per round; more wait for the next */
@@ -111,6 +112,15 @@ static void describe(pid_t pid, char *buf, size_t len)
 	snprintf(buf, len, "pid %d (%s)", (int)pid, comm);
 }
 
+/* A zombie, or gone. */
+static bool ended(pid_t pid)
+{
+	char buf[512];
+	const char *f = proc_stat_fields(pid, buf, sizeof(buf), NULL);
+
+	return !f || f[0] == 'Z' || f[0] == 'X';
+}
+
 static bool among(const pid_t *pids, int n, pid_t pid)
 {
 	for (int i = 0; i < n; i++)
@@ -134,6 +144,10 @@ void orphans_end(const struct job *j)
 
 		n = descendants(j, now, MAX_LISTED);
 		for (int i = 0; i < n; i++) {
+			/* One that has ended is not left running: ours is
+			 * reaped now, a deeper one waits for its parent. */
+			if (waitpid(now[i], NULL, WNOHANG) == now[i] || ended(now[i]))
+				continue;
 			if (late) {
 				kill(now[i], SIGKILL);
 			} else if (!among(termed, nterm, now[i]) && nterm < MAX_LISTED) {

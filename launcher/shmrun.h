@@ -4,7 +4,8 @@
  * watch.c waits on them (pidfds, signals, the timeout) and tears the job
  * down, output.c carries --tag-output lines, report.c says what happened,
  * trace_json.c writes --trace's file, orphans.c and guard.c stop what the
- * workers started (guard.c: also when shmrun itself is killed).
+ * workers started (guard.c: also when shmrun itself is killed; tree.c
+ * finds them), integrity.c checks the segment's header and slots.
  *
  * The launcher is one thread; only it writes `struct job`.
  */
