@@ -125,13 +125,15 @@ static void ended(const char *dir, const char *how, int sig, int code)
 
 static void heard_at_stop(const char *dir)
 {
-	/* Rank 1 fails once rank 0 is ready; rank 0 ignores SIGTERM and
-	 * ends (0) once its child got the SIGTERM of the abort. With a
-	 * grace of 60 s, only that ends it soon. */
+	/* Rank 1 fails once rank 0 is ready: its child has its trap set,
+	 * and it ignores SIGTERM itself; it ends (0) once its child got the
+	 * SIGTERM of the abort. With a grace of 60 s, only that ends it soon. */
 	const char *deaf = "d=$0; "
 			   "if [ $SHMRPC_RANK = 1 ]; then "
 			   "while [ ! -e \"$d/0.ready\" ]; do sleep 0.01; done; exit 3; fi; "
-			   "( trap ': > \"$d/0.got\"; exit 0' TERM; while :; do sleep 0.05; done ) & "
+			   "( trap ': > \"$d/0.got\"; exit 0' TERM; : > \"$d/0.sub\"; "
+			   "while :; do sleep 0.05; done ) & "
+			   "while [ ! -e \"$d/0.sub\" ]; do sleep 0.01; done; "
 			   "trap '' TERM; : > \"$d/0.ready\"; "
 			   "while [ ! -e \"$d/0.got\" ]; do sleep 0.05; done; exit 0";
 	const char *argv[] = { tl_shmrun_path(), "-n", "2", "--grace", "60", "--", "/bin/sh", "-c",
@@ -145,6 +147,8 @@ static void heard_at_stop(const char *dir)
 	snprintf(path, sizeof(path), "%s/0.got", dir);
 	CHECK(unlink(path) == 0, "no %s", path);
 	snprintf(path, sizeof(path), "%s/0.ready", dir);
+	CHECK(unlink(path) == 0, "no %s", path);
+	snprintf(path, sizeof(path), "%s/0.sub", dir);
 	CHECK(unlink(path) == 0, "no %s", path);
 }
 
