@@ -61,6 +61,8 @@ EXAMPLE_SRCS := $(wildcard examples/*.c)
 EXAMPLES := $(EXAMPLE_SRCS:examples/%.c=$(BUILD)/examples/%)
 TOOL_SRCS := $(wildcard tools/*.c)
 TOOLS    := $(TOOL_SRCS:tools/%.c=$(BUILD)/bin/%)
+# shmrpc-inspect's parts, one file per subject (tools/inspect/inspect.h).
+INSPECT_OBJS := $(patsubst %.c,$(BUILD)/obj/%.o,$(wildcard tools/inspect/*.c))
 LAUNCHER_SRCS := $(wildcard launcher/*.c)
 LAUNCHER := $(if $(LAUNCHER_SRCS),$(BUILD)/bin/shmrun)
 RUNNER   := $(BUILD)/bin/shmrpc-test-runner
@@ -131,6 +133,10 @@ $(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(BUILD)/libshmrpc.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/bin/%: $(BUILD)/obj/tools/%.o $(BUILD)/libshmrpc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+
+$(BUILD)/bin/shmrpc-inspect: $(BUILD)/obj/tools/shmrpc-inspect.o $(INSPECT_OBJS) $(BUILD)/libshmrpc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 

@@ -10,6 +10,8 @@
 #include "common/error.h"
 #include "ipc/doorbell.h"
 #include "ipc/port.h"
+#include "shm/corrupt.h"
+#include "shm/slot.h"
 
 /* A blocked sender re-checks its peer this often even without a wake-up. */
 #define SEND_SLICE_NS (20u * 1000u * 1000u)
@@ -87,6 +89,12 @@ bool ipc_port_peer_alive(struct ipc_port *p, uint32_t peer)
 	/* Acquire pairs with the launcher's release store of DEAD. */
 	uint32_t st = atomic_load_explicit(&shm_worker(p->seg, peer)->state, memory_order_acquire);
 
+	/* A state out of range was written outside shmrpc: the peer is not
+	 * known dead by it (its pidfd and the launcher still tell), and
+	 * shmrun names the slot. Relaxed: a flag (shm/corrupt.h). */
+	if (st > SHM_WORKER_DEAD)
+		atomic_fetch_or_explicit(&p->self->corrupt_found, SHM_CORRUPT_SLOTS,
+					 memory_order_relaxed);
 	return st != SHM_WORKER_DEAD && !ipc_waiter_is_dead(&p->waiter, peer) &&
 	       !ipc_port_ring_broken(p, peer) && !ipc_port_ring_abandoned(p, peer);
 }
@@ -434,6 +442,11 @@ int ipc_port_watch(struct ipc_port *p, uint32_t peer, pid_t pid)
 {
 	if (peer >= p->world)
 		return shmrpc__fail(-EINVAL, "no rank %u to watch", peer);
+	/* The pid comes from its slot: one no process can have is not
+	 * watched (its end is then noticed through the slot). */
+	if ((uint32_t)pid > SHM_PID_MAX)
+		return shm_corrupt(&p->self->corrupt_found, NULL, SHM_CORRUPT_SLOTS,
+				   "worker slot %u is corrupt: its pid is %d", peer, (int)pid);
 	return ipc_waiter_watch(&p->waiter, peer, pid);
 }
 

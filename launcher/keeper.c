@@ -22,6 +22,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/proc_stat.h"
 #include "launcher/job_shm.h"
 #include "launcher/keeper.h"
 #include "shm/exit_info.h"
@@ -79,24 +80,15 @@ static void say(const struct keeper *k, uint32_t rank, const char *what)
  * as waitpid's status); false when it is gone already. */
 static bool zombie_exit_info(const struct member *mb, uint32_t *info)
 {
-	char path[64], buf[1024], *p;
-	int fd, status = -1;
-	ssize_t n;
+	char buf[1024];
+	const char *p = proc_stat_fields(mb->pid, buf, sizeof(buf), NULL);
+	int status = -1;
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)mb->pid);
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0)
-		return false;
-	n = read(fd, buf, sizeof(buf) - 1);
-	close(fd);
-	if (n <= 0)
-		return false;
-	buf[n] = '\0';
-	/* Fields after the name, which may hold spaces and ')': from field 3. */
-	p = strrchr(buf, ')');
-	for (int field = 2; p && field < 52; field++)
-		p = strchr(p + 1, ' ');
-	if (!p || sscanf(p + 1, "%d", &status) != 1 || status < 0)
+	/* From field 3, where p is, to field 52 (exit_code, waitpid's status). */
+	for (int field = 3; p && field < 52; field++)
+		if ((p = strchr(p, ' ')))
+			p++;
+	if (!p || sscanf(p, "%d", &status) != 1 || status < 0)
 		return false;
 	/* Still unreaped after the read: the stat was our worker's. */
 	if (syscall(SYS_pidfd_send_signal, mb->pidfd, 0, NULL, 0) < 0)

@@ -84,10 +84,12 @@ int main(int argc, char **argv)
 		fprintf(stderr, "shmrun: %s\n", shmrpc_errmsg());
 		goto out;
 	}
+	integrity_init(&j);
 	guard_start(&j); /* without it the job runs as before: said on stderr */
 	if (spawn_workers(&j))
 		watch_stop(&j, STOP_ERROR, SIGTERM);
 	rc = watch_job(&j);
+	integrity_check(&j); /* what changed since its last look */
 	orphans_end(&j);
 	guard_stop(&j);
 	/* A failed job's trace is the one most wanted; a failed write only

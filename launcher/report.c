@@ -73,6 +73,8 @@ static const char *stopped_why(const struct job *j, char *buf, size_t len)
 		snprintf(buf, len, " by SIG%s", sigabbrev_np(j->stop_signal));
 	else if (j->stop == STOP_TIMEOUT)
 		snprintf(buf, len, " by the timeout");
+	else if (j->stop == STOP_CORRUPT)
+		snprintf(buf, len, " for its corrupt segment header");
 	else
 		buf[0] = '\0';
 	return buf;
@@ -111,7 +113,7 @@ void report_summary(const struct job *j)
 	if (stopped)
 		append(line, sizeof(line), &at, "%s%u stopped%s", j->failed ? "; " : ", ", stopped,
 		       stopped_why(j, why, sizeof(why)));
-	else if (j->stop == STOP_SIGNAL || j->stop == STOP_TIMEOUT)
+	else if (j->stop == STOP_SIGNAL || j->stop == STOP_TIMEOUT || j->stop == STOP_CORRUPT)
 		append(line, sizeof(line), &at, ", job stopped%s", stopped_why(j, why, sizeof(why)));
 	if (ok && ok < n)
 		append(line, sizeof(line), &at, ", %u exited 0", ok);

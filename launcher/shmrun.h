@@ -4,7 +4,8 @@
  * watch.c waits on them (pidfds, signals, the timeout) and tears the job
  * down, output.c carries --tag-output lines, report.c says what happened,
  * trace_json.c writes --trace's file, orphans.c and guard.c stop what the
- * workers started (guard.c: also when shmrun itself is killed).
+ * workers started (guard.c: also when shmrun itself is killed; tree.c
+ * finds them), integrity.c checks the segment's header and slots.
  *
  * The launcher is one thread; only it writes `struct job`.
  */
@@ -68,6 +69,8 @@ struct proc {
 	uint32_t exit_info; /* 0: exited 0; SHM_EXIT_* otherwise */
 	bool failed;  /* ended badly before the launcher stopped the job */
 	bool stopped; /* ended badly after the launcher began to stop the job */
+	bool slot_bad; /* its slot was found corrupt (integrity.c): said once */
+	pid_t pid_seen; /* a descendant of pid that its slot named (integrity.c) */
 	struct out_stream out[2]; /* stdout, stderr (--tag-output) */
 };
 
@@ -77,6 +80,7 @@ enum stop_reason {
 	STOP_SIGNAL,  /* the launcher was sent SIGINT, SIGTERM or SIGHUP */
 	STOP_TIMEOUT, /* --timeout expired */
 	STOP_ERROR,   /* the launcher could not start or watch every worker */
+	STOP_CORRUPT, /* the segment header was overwritten (integrity.c) */
 };
 
 struct job {
@@ -98,6 +102,10 @@ struct job {
 	struct pollfd *pfd;  /* watch.c's, one per fd it watches */
 	struct watched *watched;
 	pid_t guard_pid;     /* guard.c's process; 0: none */
+	struct shm_header hdr_copy; /* the header as shmrun wrote it (integrity.c) */
+	uint32_t hdr_generation;    /* what the header's generation must say: the deaths recorded */
+	bool header_bad;            /* found overwritten: said once */
+	uint64_t check_at;          /* when integrity_check runs next */
 	int guard_fd;        /* the write end of its pipe */
 };
 
@@ -134,10 +142,18 @@ void output_finish(struct out_stream *s);
 /* orphans.c: the processes the workers start. Makes shmrun their child
  * subreaper (0, or -1 said on stderr); reaps those that have ended (on
  * SIGCHLD); once every worker is reaped, stops the rest (SIGTERM, the
- * grace, SIGKILL), reaps them and says so on stderr. */
+ * grace, SIGKILL: every descendant, however deep), reaps them and says so
+ * on stderr. */
 int orphans_adopt(void);
 void orphans_reap(const struct job *j);
+/* sig to every descendant of shmrun but the live workers (their pidfds'
+ * business) and the guard: with the workers' own, when the job stops. */
+void orphans_signal(const struct job *j, int sig);
 void orphans_end(const struct job *j);
+
+/* tree.c: the descendants of root (not root), parents before children,
+ * into out (most at most); how many. */
+int tree_list(pid_t root, pid_t *out, int most);
 
 /* guard.c: forks the guard, which stops the processes the workers left
  * when shmrun ends before them (a kill -9); 0, or -1 said on stderr (the
@@ -145,6 +161,16 @@ void orphans_end(const struct job *j);
  * once more and ends. */
 int guard_start(struct job *j);
 void guard_stop(struct job *j);
+
+/* integrity.c: integrity_init keeps shmrun's copy of the header, once
+ * it is written; integrity_check, from the watch loop every
+ * SHMRUN_CHECK_NS, compares the header with it (a change stops the job,
+ * STOP_CORRUPT) and each slot with what shmrun recorded (a slot found
+ * corrupt is said once and fails the job at its end); both note
+ * SHM_CORRUPT_* in j->shm.corrupt for report_corrupt. */
+#define SHMRUN_CHECK_NS 100000000ull
+void integrity_init(struct job *j);
+void integrity_check(struct job *j);
 
 /* report.c */
 void report_death(const struct job *j, uint32_t rank);

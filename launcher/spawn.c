@@ -57,12 +57,14 @@ static void set_env_u32(const char *name, uint32_t v)
 static void exec_worker(const struct job *j, uint32_t rank, const int *out_ends)
 {
 	const struct shmrun_opts *o = j->o;
-	const char *name = shm_worker(&j->shm.seg, rank)->name;
-	char ino[24];
+	char ino[24], name[SHM_NAME_MAX];
 	struct stat st;
 
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != j->launcher_pid)
 		_exit(SHMRUN_EXIT_FAILED);
+	/* Its name as written in its slot, from the format again: the slot
+	 * is shared memory, which a worker started earlier may have changed. */
+	spawn_format_name(o->name_format, rank, rank, name, sizeof(name));
 	sigprocmask(SIG_SETMASK, &j->worker_sigmask, NULL);
 	sigaction(SIGPIPE, &j->worker_sigpipe, NULL);
 	if (o->tag_output && (dup2(out_ends[0], 1) < 0 || dup2(out_ends[1], 2) < 0))

@@ -65,12 +65,15 @@ void watch_free(struct job *j)
 		close(j->sigfd);
 }
 
+/* The workers and every process they started, however deep (orphans.c):
+ * a worker's children need not wait for its end to hear of the stop. */
 static void signal_all(const struct job *j, int sig)
 {
 	/* Through the pidfd: a reaped pid that was reused is never hit. */
 	for (uint32_t r = 0; r < j->o->nproc; r++)
 		if (j->procs[r].pidfd >= 0)
 			syscall(SYS_pidfd_send_signal, j->procs[r].pidfd, sig, NULL, 0);
+	orphans_signal(j, sig);
 }
 
 void watch_stop(struct job *j, enum stop_reason why, int sig)
@@ -104,6 +107,8 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	output_finish(&p->out[0]);
 	output_finish(&p->out[1]);
 	job_worker_ended(&j->shm, rank, p->exit_info);
+	if (p->exit_info)
+		j->hdr_generation++; /* job_worker_ended bumped the header's */
 	if (!p->exit_info)
 		return;
 	if (j->stop != STOP_NONE) {
@@ -131,10 +136,15 @@ static void on_signal(struct job *j)
 	}
 }
 
-/* poll's timeout: until the earlier of the two deadlines (0: none), rounded up. */
-static int poll_ms(uint64_t now, uint64_t a, uint64_t b)
+static uint64_t earlier(uint64_t a, uint64_t b)
 {
-	uint64_t next = a && (!b || a < b) ? a : b;
+	return a && (!b || a < b) ? a : b;
+}
+
+/* poll's timeout: until the earliest of the three deadlines (0: none), rounded up. */
+static int poll_ms(uint64_t now, uint64_t a, uint64_t b, uint64_t c)
+{
+	uint64_t next = earlier(earlier(a, b), c);
 
 	if (!next)
 		return -1;
@@ -168,7 +178,7 @@ static bool watch_round(struct job *j, uint64_t now, uint64_t deadline)
 		pfd[nfds] = (struct pollfd){ .fd = p->pidfd, .events = POLLIN };
 		wd[nfds++] = (struct watched){ r, -1 };
 	}
-	if (poll(pfd, nfds, poll_ms(now, deadline, j->kill_at_ns)) < 0) {
+	if (poll(pfd, nfds, poll_ms(now, deadline, j->kill_at_ns, j->check_at)) < 0) {
 		if (errno == EINTR)
 			return true;
 		fprintf(stderr, "shmrun: poll: %s\n", strerror(errno));
@@ -197,6 +207,7 @@ static int exit_code(const struct job *j)
 	case STOP_TIMEOUT:
 		return SHMRUN_EXIT_TIMEOUT;
 	case STOP_ERROR:
+	case STOP_CORRUPT:
 		return SHMRUN_EXIT_FAILED;
 	default:
 		return j->failed ? SHMRUN_EXIT_FAILED : 0;
@@ -216,6 +227,10 @@ int watch_job(struct job *j)
 				fprintf(stderr, "shmrun: job timed out after %s s\n", j->o->timeout_text);
 				watch_stop(j, STOP_TIMEOUT, SIGTERM);
 			}
+		}
+		if (now >= j->check_at) {
+			integrity_check(j);
+			j->check_at = now + SHMRUN_CHECK_NS;
 		}
 		if (j->kill_at_ns && now >= j->kill_at_ns) {
 			signal_all(j, SIGKILL);

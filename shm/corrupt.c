@@ -20,6 +20,10 @@ const char *shm_corrupt_name(uint64_t bit)
 		return "the RRef table's entries";
 	case SHM_CORRUPT_RREF_COLLECT:
 		return "the RRef table's collect lists";
+	case SHM_CORRUPT_SLOTS:
+		return "the worker slots";
+	case SHM_CORRUPT_HEADER:
+		return "the segment header";
 	default:
 		return "an unknown structure";
 	}

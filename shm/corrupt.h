@@ -25,7 +25,13 @@ enum shm_corrupt_bit {
 	SHM_CORRUPT_POOL_HOLDERS = 1u << 3, /* the holder tables */
 	SHM_CORRUPT_RREF_ENTRIES = 1u << 4, /* RRef entries: owner, counts, total, state */
 	SHM_CORRUPT_RREF_COLLECT = 1u << 5, /* the owners' collect lists */
-	SHM_CORRUPT_ALL = (1u << 6) - 1,
+	/* Found only by their readers' checks (shm/slot.h), nothing stops
+	 * serving for them: a worker slot's fields out of range, or not what
+	 * the launcher wrote; the segment header's constant fields changed
+	 * since the launcher wrote them (which ends the job). */
+	SHM_CORRUPT_SLOTS = 1u << 6,
+	SHM_CORRUPT_HEADER = 1u << 7,
+	SHM_CORRUPT_ALL = (1u << 8) - 1,
 };
 
 /* "the tensor pool's free lists": the structure of one bit. */

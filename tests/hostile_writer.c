@@ -9,6 +9,9 @@
  *   holders   a holder table entry names a record past the pool's
  *   entries   a live RRef entry's owner set past the job's workers
  *   links     an owner's collect list made a loop through a live entry
+ *   slots     worker 1's slot: state, pid, generation, exit record, name
+ *             (no NUL), doorbell, sleepers, heartbeat and counters
+ *   header    the segment header's world size, ring size and job name
  * Worker 1 runs a load of its own all along (large tensors to worker 0),
  * and worker 0 runs its load again after the scribbling. Each time: no
  * process crashes (every
@@ -18,7 +21,9 @@
  * no block is handed out twice (the offsets of every live tensor differ);
  * shmrpc-inspect --check names it while the job runs (once a worker found
  * it); shmrun names the
- * structure; nothing is left in /dev/shm.
+ * structure; nothing is left in /dev/shm. The header is shmrun's: it
+ * stops the job when it finds it changed, and the workers end by its
+ * SIGTERM, not by the header. `hostile_writer KIND` runs one kind.
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -48,15 +53,21 @@ struct kind {
 	const char *structure; /* shm_corrupt_name() of what it breaks */
 	const char *finder;    /* who must find it: "worker 0 (worker0)"; "worker": either */
 	bool calls_fail;       /* worker 0's calls touch it */
+	const char *said;      /* what shmrun and shmrpc-inspect --check say of it; NULL: no more */
+	bool stops;            /* shmrun stops the job for it: the workers end by its SIGTERM */
 };
 
 static const struct kind kinds[] = {
-	{ "records", "the tensor pool's block record", "worker", true },
-	{ "chunks", "the tensor pool's chunk table", "worker", true },
-	{ "lists", "the tensor pool's free list", "worker", true },
-	{ "holders", "the tensor pool's holder table", "worker 0 (worker0)", false },
-	{ "entries", "the RRef table's entr", "worker 0 (worker0)", true },
-	{ "links", "the RRef table's collect list", "worker 1 (worker1)", false },
+	{ "records", "the tensor pool's block record", "worker", true, NULL, false },
+	{ "chunks", "the tensor pool's chunk table", "worker", true, NULL, false },
+	{ "lists", "the tensor pool's free list", "worker", true, NULL, false },
+	{ "holders", "the tensor pool's holder table", "worker 0 (worker0)", false, NULL, false },
+	{ "entries", "the RRef table's entr", "worker 0 (worker0)", true, NULL, false },
+	{ "links", "the RRef table's collect list", "worker 1 (worker1)", false, NULL, false },
+	{ "slots", "the worker slots", "worker 0 (worker0)", false, "worker slot 1 is corrupt: ",
+	  false },
+	{ "header", "the segment header", "shmrun", false, "the segment header is corrupt: its "
+	  "world_size", true },
 };
 
 static const struct kind *kind_named(const char *name)
@@ -262,12 +273,49 @@ static uint32_t live_entry(struct rref_table *t, uint32_t owner)
 	return 0;
 }
 
+/* Worker 1's slot, every field but those that report corruption (and
+ * the words its threads hand work over by, whose meaning is theirs):
+ * lifecycle, name, doorbell, counters. Or the segment header's layout
+ * and name. */
+static void scribble_segment(const char *kind)
+{
+	struct shm_seg seg;
+	struct shm_worker *w;
+
+	CHECK_OK(shm_seg_attach_fd(&seg, dup_env_fd(SHMRPC_ENV_JOB_FD), false));
+	w = shm_worker(&seg, 1);
+	if (!strcmp(kind, "slots")) {
+		atomic_store(&w->state, 77);
+		atomic_store(&w->pid, 0x7fffffffu);
+		atomic_store(&w->generation, 12345);
+		atomic_store(&w->exit_info, 0xdeadbeefu);
+		memset(w->name, 'X', SHM_NAME_MAX);
+		atomic_fetch_add(&w->doorbell, 1000);
+		atomic_store(&w->sleepers, 1u << 20);
+		atomic_store(&w->heartbeat_ns, ~0ull);
+		atomic_store(&w->frames_sent, ~0ull);
+		atomic_store(&w->bytes_recv, ~0ull);
+		atomic_store(&w->calls_served, ~0ull);
+		atomic_store(&w->num_pending_futures, ~0ull);
+	} else {
+		seg.hdr->world_size = 77;
+		seg.hdr->ring_size = 3;
+		memset(seg.hdr->job_name, 'X', SHM_NAME_MAX);
+	}
+	shm_seg_detach(&seg);
+}
+
 /* The child: scribbles, as a stray or hostile process would. */
 static void scribble(const char *kind, uint64_t small_off, uint64_t large_off)
 {
 	struct shm_pool p;
 	struct rref_table t;
 	uint32_t cs, cl;
+
+	if (!strcmp(kind, "slots") || !strcmp(kind, "header")) {
+		scribble_segment(kind);
+		return;
+	}
 
 	CHECK_OK(pool_attach_fd(&p, dup_env_fd(SHMRPC_ENV_POOL_FD), false));
 	CHECK_OK(rref_table_attach_fd(&t, dup_env_fd(SHMRPC_ENV_RREF_FD), false));
@@ -336,6 +384,8 @@ static void inspect_names(const struct kind *k)
 	snprintf(text, sizeof(text), "found %s", k->structure);
 	CHECK(rc == 1 && strstr(out, text), "%s: shmrpc-inspect --check exited %d without \"%s\"",
 	      k->name, rc, text);
+	CHECK(!k->said || strstr(out, k->said), "%s: shmrpc-inspect --check does not say \"%s\"",
+	      k->name, k->said);
 }
 
 static int worker(void)
@@ -383,8 +433,13 @@ static int worker(void)
 			k->structure);
 		/* Found by now, where calls touch it or worker 1 walked its list
 		 * (a holder table is read only when its holder's references go). */
-		if (k->calls_fail || !strcmp(k->name, "links"))
+		if (k->calls_fail || !strcmp(k->name, "links") || !strcmp(k->name, "slots"))
 			inspect_names(k);
+		if (k->stops) {
+			/* shmrun looks a few times a second: its SIGTERM ends us. */
+			sleep(30);
+			CHECK(0, "%s: shmrun did not stop the job", k->name);
+		}
 		CHECK_OK(shmrpc_rpc_sync(1, "stop", NULL, 0, 20000, &f));
 		shmrpc_future_free(f);
 		shmrpc_rref_free(kept);
@@ -409,9 +464,13 @@ static void run_kind(const struct kind *k)
 	CHECK(rc == 1, "%s: shmrun exited %d, want 1 (a corrupt structure fails the job)", k->name,
 	      rc);
 	snprintf(text, sizeof(text), "hostile %s: ", k->name);
-	CHECK(strstr(out, text), "%s: worker 0 did not finish its load", k->name);
+	CHECK(k->stops || strstr(out, text), "%s: worker 0 did not finish its load", k->name);
 	CHECK(!strstr(out, "died:") && !strstr(out, "exited with code"),
 	      "%s: a worker crashed or failed", k->name);
+	CHECK(!k->stops || strstr(out, "2 stopped for its corrupt segment header"),
+	      "%s: the workers did not end by shmrun's stop", k->name);
+	snprintf(text, sizeof(text), "shmrun: %s", k->said ? k->said : "");
+	CHECK(!k->said || strstr(out, text), "%s: shmrun does not say \"%s\"", k->name, text);
 	snprintf(text, sizeof(text), "shmrun: %s", k->structure);
 	CHECK(strstr(out, text), "%s: shmrun does not name %s", k->name, k->structure);
 	snprintf(text, sizeof(text), "found corrupt by %s", k->finder);
@@ -419,12 +478,16 @@ static void run_kind(const struct kind *k)
 	CHECK(tl_shm_leftovers() == 0, "%s: files left in /dev/shm", k->name);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
 	if (tl_is_worker())
 		return worker();
 	if (access(tl_shmrun_path(), X_OK))
 		return tl_skip("shmrun is not built");
+	if (argc > 1) {
+		run_kind(kind_named(argv[1]));
+		return 0;
+	}
 	for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
 		run_kind(&kinds[i]);
 	return 0;

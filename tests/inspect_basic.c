@@ -28,6 +28,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/proc_stat.h"
 #include "shm/pool.h"
 #include "shm/rref_table.h"
 #include "shm/segment.h"
@@ -91,18 +92,10 @@ static void watch_twice(const char *job)
 /* The state letter of /proc/PID/stat ('T': stopped). */
 static char process_state(pid_t pid)
 {
-	char path[32], buf[512], *paren;
-	FILE *f;
-	size_t n;
+	char buf[512];
+	const char *f = proc_stat_fields(pid, buf, sizeof(buf), NULL);
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
-	if (!(f = fopen(path, "r")))
-		return 0;
-	n = fread(buf, 1, sizeof(buf) - 1, f);
-	fclose(f);
-	buf[n] = '\0';
-	paren = strrchr(buf, ')');
-	return paren && paren[1] == ' ' ? paren[2] : 0;
+	return f ? f[0] : 0;
 }
 
 static void inspect_job(const char *job)

@@ -49,7 +49,11 @@ static double run(const char *grace, const char *script, const char *dir)
 static void left_running(const char *dir)
 {
 	pid_t pids[2];
-	double s = run("3", "sleep 300 & echo $! > \"$0/$SHMRPC_RANK\"", dir);
+	/* The worker ends once its child runs sleep: until its exec the
+	 * child is a copy of sh, and shmrun would name it so (the flake of
+	 * "(sh), ...": under load the worker ended first). */
+	double s = run("3", "sleep 300 & echo $! > \"$0/$SHMRPC_RANK\"; "
+			    "until [ \"$(cat /proc/$!/comm)\" = sleep ]; do sleep 0.01; done", dir);
 
 	CHECK(s < 2.5, "%.2f s: the job waited for its orphans", s);
 	CHECK(strstr(out, "shmrun: the workers left 2 processes running (pid ") &&
