@@ -410,7 +410,7 @@ class _LoaderJob:
                 "workers from it is not supported yet: give the loader ranks of the job to load "
                 "with, DataLoader(..., workers=[...])")
         names = ["dataloader-trainer"] + [f"dataloader{i}" for i in range(n)]
-        self.job = _shmrpc.Job(names, loader.pool_size)
+        self.job = _shmrpc.Job(names, loader.pool_size, *_job_sizes(loader.pool_size))
         self.ranks = list(range(1, n + 1))
         self.pids = []
         fds = self.job.fds()
@@ -493,19 +493,53 @@ class _LoaderJob:
             for d in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(d)
             torch.cuda.cudart().cudaHostUnregister(self.pinned)
+        # The job has nothing to gather at its end (no RRefs; every call
+        # was waited for): once each worker has answered its leave, every
+        # process leaves on its own, and a graceful shutdown's gathers and
+        # barrier (8 ms, a short epoch's seventh) buy nothing.
+        leaves = []
         for r in self.ranks:
             try:
-                shmrpc.rpc_async(r, _w_leave)  # answered before this shutdown returns
+                leaves.append(shmrpc.rpc_async(r, _w_leave))
             except RuntimeError:
                 pass  # it died: the job's watcher has its cause
+        for fut in leaves:
+            try:
+                fut.wait()
+            except Exception:
+                pass  # it died meanwhile: as above
         try:
-            shmrpc.shutdown(graceful=True, timeout=30)
-        except Exception:
-            job.kill()
-            if _core._initialized:
-                shmrpc.shutdown(graceful=False)
+            shmrpc.shutdown(graceful=False)
         finally:
-            job.close(5000)
+            # The workers' exits (a few ms each: a forked trainer's address
+            # space to tear down) are not waited for here: a thread of the
+            # job reaps them and frees the job, kept in _closing until it
+            # is done (the interpreter's exit waits for it).
+            job.close(5000, False)
+            _closing[:] = [j for j in _closing if not j.closed()] + [job]
+
+
+# A loader's job makes no RRefs, and its pool holds batches: shmrun's
+# defaults (65536 RRefs, 2^18 block records, 2^18 holder records per rank)
+# are 25 MiB committed at creation, 8 ms of a short epoch's start. Here a
+# record per 8 KiB of pool (a 64 B block per record in the worst case would
+# be a waste of records nobody makes: batches are bigger), and holder tables
+# twice that, so no rank's table fills before the records run out: a
+# worker whose block does not fit then stacks its batch outside the pool
+# (_pool_stack), never an error. 256 MiB: 1.5 MiB committed, not 25.
+_JOB_RREFS = 64
+_POOL_BYTES_PER_RECORD = 8 << 10
+_MIN_POOL_RECORDS = 4096
+
+
+def _job_sizes(pool_bytes):
+    """(max_rrefs, pool_records, holder_records) of a loader's job."""
+    records = max(_MIN_POOL_RECORDS, pool_bytes // _POOL_BYTES_PER_RECORD)
+    records = min(records, 1 << 22)  # the pool's default cap
+    return _JOB_RREFS, records, 1 << (2 * records - 1).bit_length()
+
+
+_closing = []  # jobs whose close(wait=False) may still run
 
 
 def _pin_pool():
@@ -545,7 +579,7 @@ def _attach(name, world, fds):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        shmrpc.init_rpc(name)
+        shmrpc.init_rpc(name, rpc_backend_options=_OneThread())
     except BaseException:
         for fd in dups:
             try:
@@ -573,11 +607,12 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         _w_setup(key, spec, worker_id, num_workers, base_seed)
         import shmrpc
         shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
-        # Waits for the trainer's leave without a wake-up: a graceful
-        # shutdown barrier polls the other ranks every 200 us meanwhile,
-        # thousands of wake-ups a second on cores the loader shares.
+        # Waits for the trainer's leave without a wake-up (a graceful
+        # shutdown barrier would poll the other ranks every 200 us
+        # meanwhile, on cores the loader shares). The trainer has had every
+        # reply when it asks to leave: nothing is left to wait for.
         _leave.wait()
-        shmrpc.shutdown(graceful=True)
+        shmrpc.shutdown(graceful=False)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -591,7 +626,9 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
 
 class _OneThread:
     """A forked worker serves its loader on one executor thread: its
-    requests run in arrival order without waiting for their turn."""
+    requests run in arrival order without waiting for their turn. The
+    trainer, whom nobody calls, starts (and at the epoch's end joins) one
+    thread, not the default 16."""
     num_worker_threads = 1
 
 
