@@ -136,6 +136,9 @@ class _Batcher:
 
 
 _batchers = {}  # loader key -> _Batcher, in a worker
+# Clear while a forked worker sets itself up after joining (_child_main).
+_set_up = threading.Event()
+_set_up.set()
 _init_errors = {}  # loader key -> the text of worker_init_fn's failure
 
 
@@ -146,7 +149,13 @@ def _set_worker(worker_id, num_workers, base_seed, dataset):
     torch.set_num_threads(1)
     seed = base_seed + worker_id
     random.seed(seed)
-    torch.manual_seed(seed)
+    if torch.backends.cuda.is_built():
+        torch.manual_seed(seed)
+    else:
+        # torch.manual_seed's CUDA part, with no CUDA to seed, is a queued
+        # seeding that formats the stack (traceback.format_stack): 1.5 ms
+        # of a worker's start, on the first batch's path.
+        torch.default_generator.manual_seed(seed)
     if "numpy" in sys.modules:
         import numpy as np
         from torch.utils.data._utils import worker as torch_worker
@@ -184,6 +193,9 @@ def _w_fetch(key, seq, index):
     index None: a new epoch of persistent workers (an iterable dataset
     starts over), answered ("ok", None)."""
     b = _batchers.get(key)
+    if b is None:
+        _set_up.wait()
+        b = _batchers.get(key)
     if b is None:
         return ("error", RuntimeError, "shmrpc.data: this worker has no such loader")
     return b.in_turn(seq, lambda: _fetch(key, b, index))
@@ -604,9 +616,16 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
         rank = worker_id + 1
         os.environ.update(_job_env(rank, num_workers + 1, names[rank], fds))
-        _w_setup(key, spec, worker_id, num_workers, base_seed)
+        # Joins first, then sets up (seeds, worker_init_fn: milliseconds)
+        # while the trainer's start goes on: a fetch that comes meanwhile
+        # waits for the setup (_w_fetch).
+        _set_up.clear()
         import shmrpc
         shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
+        try:
+            _w_setup(key, spec, worker_id, num_workers, base_seed)
+        finally:
+            _set_up.set()
         # Waits for the trainer's leave without a wake-up (a graceful
         # shutdown barrier would poll the other ranks every 200 us
         # meanwhile, on cores the loader shares). The trainer has had every
