@@ -412,18 +412,31 @@ static PyObject *job_kill(PyObject *self, PyObject *unused)
 	Py_RETURN_NONE;
 }
 
+/* A copy of the job in a process forked from its launcher (a program's
+ * own fork after an epoch, while the job's close still runs): the threads,
+ * the children, the rank-0 references and the descriptors' state are the
+ * launcher's. Joining a thread the copy names would wait for ever, and a
+ * close could close descriptors the process has reused: the copy is left
+ * as it is (its mappings and memfds go when the process ends or execs). */
+static bool forked_copy(const JobObject *j)
+{
+	return j->kids && j->kids[0].pid && j->kids[0].pid != getpid();
+}
+
 static void job_dealloc(PyObject *self)
 {
 	JobObject *j = (JobObject *)self;
 	PyTypeObject *tp = Py_TYPE(self);
 
-	Py_BEGIN_ALLOW_THREADS
-	join_closer(j);
-	Py_END_ALLOW_THREADS
-	close_job(j, 0);
-	if (j->kids) {
-		pthread_mutex_destroy(&j->lock);
-		pthread_cond_destroy(&j->changed);
+	if (!forked_copy(j)) {
+		Py_BEGIN_ALLOW_THREADS
+		join_closer(j);
+		Py_END_ALLOW_THREADS
+		close_job(j, 0);
+		if (j->kids) {
+			pthread_mutex_destroy(&j->lock);
+			pthread_cond_destroy(&j->changed);
+		}
 	}
 	free(j->kids);
 	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
