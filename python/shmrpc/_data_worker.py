@@ -180,16 +180,23 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
         rank = worker_id + 1
         os.environ.update(_job_env(rank, num_workers + 1, names[rank], fds))
-        # Joins first, then sets up (seeds, worker_init_fn: milliseconds)
-        # while the trainer's start goes on: a fetch that comes meanwhile
-        # waits for the setup (_w_fetch).
-        _set_up.clear()
+        # The setup (seeds, worker_init_fn) takes milliseconds, and the
+        # join waits for every rank. A worker forked before the last sets
+        # itself up first, while the trainer forks the next ones; the last
+        # joins first (the trainer waits for it) and sets up while the
+        # trainer's start goes on: a fetch that comes meanwhile waits for
+        # the setup (_w_fetch).
         import shmrpc
-        shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
-        try:
+        if worker_id < num_workers - 1:
             _w_setup(key, spec, worker_id, num_workers, base_seed)
-        finally:
-            _set_up.set()
+            shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
+        else:
+            _set_up.clear()
+            shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
+            try:
+                _w_setup(key, spec, worker_id, num_workers, base_seed)
+            finally:
+                _set_up.set()
         # Waits for the trainer's leave without a wake-up (a graceful
         # shutdown barrier would poll the other ranks every 200 us
         # meanwhile, on cores the loader shares). The trainer has had every
