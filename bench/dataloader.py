@@ -16,7 +16,8 @@ written into the batch) and its hand-over. Prints per size
 vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
 shmrpc's GB/s over the one-write limit's (1 is the limit). Then what a
 short epoch feels (issue 23): workers not persistent, 4 KiB samples, the
-median of SHORT_RUNS fresh epochs of SHORT_BATCHES batches each
+median of SHORT_RUNS fresh epochs of SHORT_BATCHES batches each (shmrpc's
+and torch's taken in turn)
 
   BENCH dataloader_first_batch ms= torch_ms= vs_torch=
   BENCH dataloader_short_epoch batches=16 ms= torch_ms= vs_torch=
@@ -82,25 +83,35 @@ def run(module, nbytes, batches, **extra):
 
 
 SHORT_BATCHES = 16
-SHORT_RUNS = 7
+SHORT_RUNS = 9
 
 
-def short_epoch(module):
-    """(seconds to the first batch, seconds for the whole epoch), medians
-    over SHORT_RUNS fresh loaders of SHORT_BATCHES batches of 4 KiB samples."""
+def short_epoch(module, ds):
+    """(seconds to the first batch, seconds for the whole epoch) of a fresh
+    loader of SHORT_BATCHES batches."""
+    loader = module.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - t0
+    for _ in it:
+        pass
+    return first, time.perf_counter() - t0
+
+
+def short_epochs(modules):
+    """Per module, (first batch, whole epoch): medians over SHORT_RUNS
+    rounds of 4 KiB samples. Each round runs one epoch of every module, in
+    turn (the first module first in every other round): a load that other
+    programs put on the machine for a while weighs on both alike."""
     ds = Samples(4 << 10, SHORT_BATCHES * BATCH)
-    first, whole = [], []
-    for _ in range(SHORT_RUNS):
-        loader = module.DataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
-        t0 = time.perf_counter()
-        it = iter(loader)
-        next(it)
-        first.append(time.perf_counter() - t0)
-        for _ in it:
-            pass
-        whole.append(time.perf_counter() - t0)
-        del it, loader
-    return sorted(first)[SHORT_RUNS // 2], sorted(whole)[SHORT_RUNS // 2]
+    times = {m: [] for m in modules}
+    for r in range(SHORT_RUNS):
+        for m in (modules if r % 2 == 0 else modules[::-1]):
+            times[m].append(short_epoch(m, ds))
+    mid = SHORT_RUNS // 2
+    return [(sorted(f for f, _ in times[m])[mid], sorted(w for _, w in times[m])[mid])
+            for m in modules]
 
 
 def memset_rate(nbytes):
@@ -145,7 +156,7 @@ def main():
               f"torch_GBps={t_bw / 1e9:.3f} torch_trainer_cpu_us_per_batch={t_cpu * 1e6:.0f} "
               f"memset_GBps={m_bw / 1e9:.2f} memcpy_GBps={c_bw / 1e9:.2f} "
               f"vs_torch={s_rate / t_rate:.2f} vs_memset={s_bw / m_bw:.2f}", flush=True)
-    (s_first, s_all), (t_first, t_all) = short_epoch(sd), short_epoch(tud)
+    (s_first, s_all), (t_first, t_all) = short_epochs([sd, tud])
     print(f"BENCH dataloader_first_batch ms={s_first * 1e3:.1f} torch_ms={t_first * 1e3:.1f} "
           f"vs_torch={t_first / s_first:.2f}", flush=True)
     print(f"BENCH dataloader_short_epoch batches={SHORT_BATCHES} ms={s_all * 1e3:.1f} "

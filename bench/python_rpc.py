@@ -7,7 +7,7 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_rpc_sync median_ns= p99_ns= vs_torch_rpc= vs_floor=
   BENCH py_rpc_async calls_per_s= vs_torch_rpc=
   BENCH py_remote_to_here median_ns= vs_torch_rpc= vs_py_rpc_sync=
-  BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_torch_rpc=
+  BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_py_rpc_sync= vs_torch_rpc=
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
@@ -22,7 +22,8 @@ twice that); vs_floor is py_rpc_sync over it. vs_torch_rpc is shmrpc/torch for t
 torch/shmrpc for the throughput, so lower is better on every line. The
 tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
 hands over the same bytes, so the echo should take as long for 1 GiB as for
-1 KiB (ratio_1GiB_vs_1KiB near 1). The RRef lines: a proxy's rpc_sync on
+1 KiB (ratio_1GiB_vs_1KiB near 1), and at most twice an empty call
+(vs_py_rpc_sync, issue 23). The RRef lines: a proxy's rpc_sync on
 a live object (rref.rpc_sync().get()), and remote()+to_here() of a value
 made once on the owner: 1 KiB of bytes (a value that cannot change, read
 without asking the owner), 1 KiB bytearray (a live value, fetched with
@@ -296,7 +297,9 @@ def main():
              t["rref_values"].get(label))
     for _, label in SIZES:
         med = ours["echo"][label]
-        line("py_tensor_echo", [("size", label), ("median_ns", med)], med, t["echo"].get(label))
+        line("py_tensor_echo", [("size", label), ("median_ns", med),
+                                ("vs_py_rpc_sync", f"{med / ours['sync'][0]:.3g}")],
+             med, t["echo"].get(label))
     med, p99 = spin["sync"]
     line("py_rpc_sync mode=spin", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
     line("py_remote_to_here mode=spin", [("median_ns", spin["remote"]),

@@ -17,6 +17,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,10 @@ typedef struct {
 	pthread_mutex_t lock; /* kids[].ended/exit_info, running */
 	pthread_cond_t changed;
 	uint32_t running;     /* started and not reaped */
+	bool closing;         /* a closer thread runs close_job: only it touches the job */
+	pthread_t closer;
+	long long close_grace_ms;
+	_Atomic bool closer_done; /* release by the closer at its end; acquire in closed() */
 } JobObject;
 
 static void *watch_main(void *arg)
@@ -102,17 +107,21 @@ out:
 	return NULL;
 }
 
-/* Job(names, pool_bytes): names[r] is rank r's; rank 0 is this process. */
+/* Job(names, pool_bytes, max_rrefs=0, pool_records=0, holder_records=0):
+ * names[r] is rank r's; rank 0 is this process. The counts size the RRef
+ * table and the pool's records (0: the defaults, which are shmrun's). */
 static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
 	PyObject *names;
 	unsigned long long pool_bytes;
+	unsigned int max_rrefs = 0, pool_records = 0, holder_records = 0;
 	JobObject *j;
 	Py_ssize_t n;
 	int rc;
 
 	(void)kw;
-	if (!PyArg_ParseTuple(args, "OK", &names, &pool_bytes))
+	if (!PyArg_ParseTuple(args, "OK|III", &names, &pool_bytes, &max_rrefs, &pool_records,
+			      &holder_records))
 		return NULL;
 	n = PyList_Size(names);
 	if (n < 2 || n > (Py_ssize_t)SHM_MAX_WORLD) {
@@ -137,7 +146,10 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 	Py_BEGIN_ALLOW_THREADS
 	rc = job_shm_create(&j->shm, &(struct job_shm_params){ .world = (uint32_t)n,
 							  .job_name = "shmrpc.data",
-							  .pool_size = pool_bytes });
+							  .pool_size = pool_bytes,
+							  .max_rrefs = max_rrefs,
+							  .pool_records = pool_records,
+							  .holder_records = holder_records });
 	Py_END_ALLOW_THREADS
 	if (rc) {
 		PyErr_SetString(PyExc_RuntimeError, shmrpc_errmsg());
@@ -174,7 +186,8 @@ static JobObject *open_job(PyObject *self)
 {
 	JobObject *j = (JobObject *)self;
 
-	if (!j->open) {
+	/* closing first: while the closer runs, open is the closer's. */
+	if (j->closing || !j->open) {
 		PyErr_SetString(PyExc_ValueError, "the job is closed");
 		return NULL;
 	}
@@ -321,18 +334,61 @@ static void close_job(JobObject *j, long long grace_ms)
 	j->open = false;
 }
 
-/* close(grace_ms) */
+static void *closer_main(void *arg)
+{
+	JobObject *j = arg;
+
+	close_job(j, j->close_grace_ms);
+	atomic_store_explicit(&j->closer_done, true, memory_order_release);
+	return NULL;
+}
+
+/* The closer started by close(wait=False) has ended (joined here). */
+static void join_closer(JobObject *j)
+{
+	if (!j->closing)
+		return;
+	pthread_join(j->closer, NULL);
+	j->closing = false;
+}
+
+/* close(grace_ms=0, wait=True). wait False: a thread of its own closes
+ * the job (waits for the children, then frees the job's memory), and
+ * close returns at once; the object must be kept until closed() says
+ * so (its deallocation waits for that thread). */
 static PyObject *job_close(PyObject *self, PyObject *args)
 {
 	JobObject *j = (JobObject *)self;
 	long long grace_ms = 0;
+	int wait = 1;
 
-	if (!PyArg_ParseTuple(args, "|L", &grace_ms))
+	if (!PyArg_ParseTuple(args, "|Lp", &grace_ms, &wait))
 		return NULL;
+	if (!wait && !j->closing && j->open) {
+		j->close_grace_ms = grace_ms;
+		if (pthread_create(&j->closer, NULL, closer_main, j) == 0) {
+			j->closing = true;
+			Py_RETURN_NONE;
+		}
+		/* No thread to spare: closed here, as with wait. */
+	}
 	Py_BEGIN_ALLOW_THREADS
+	join_closer(j);
 	close_job(j, grace_ms);
 	Py_END_ALLOW_THREADS
 	Py_RETURN_NONE;
+}
+
+/* closed() -> bool: no close is left to finish (close(wait=False)'s
+ * thread has ended, or the job was closed in place). */
+static PyObject *job_closed(PyObject *self, PyObject *unused)
+{
+	JobObject *j = (JobObject *)self;
+
+	(void)unused;
+	if (j->closing)
+		return PyBool_FromLong(atomic_load_explicit(&j->closer_done, memory_order_acquire));
+	return PyBool_FromLong(!j->open);
 }
 
 /* pool_stats() -> (size, used): bytes of tensor data in the job's pool. */
@@ -356,15 +412,31 @@ static PyObject *job_kill(PyObject *self, PyObject *unused)
 	Py_RETURN_NONE;
 }
 
+/* A copy of the job in a process forked from its launcher (a program's
+ * own fork after an epoch, while the job's close still runs): the threads,
+ * the children, the rank-0 references and the descriptors' state are the
+ * launcher's. Joining a thread the copy names would wait for ever, and a
+ * close could close descriptors the process has reused: the copy is left
+ * as it is (its mappings and memfds go when the process ends or execs). */
+static bool forked_copy(const JobObject *j)
+{
+	return j->kids && j->kids[0].pid && j->kids[0].pid != getpid();
+}
+
 static void job_dealloc(PyObject *self)
 {
 	JobObject *j = (JobObject *)self;
 	PyTypeObject *tp = Py_TYPE(self);
 
-	close_job(j, 0);
-	if (j->kids) {
-		pthread_mutex_destroy(&j->lock);
-		pthread_cond_destroy(&j->changed);
+	if (!forked_copy(j)) {
+		Py_BEGIN_ALLOW_THREADS
+		join_closer(j);
+		Py_END_ALLOW_THREADS
+		close_job(j, 0);
+		if (j->kids) {
+			pthread_mutex_destroy(&j->lock);
+			pthread_cond_destroy(&j->changed);
+		}
 	}
 	free(j->kids);
 	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
@@ -378,7 +450,9 @@ static PyMethodDef job_methods[] = {
 	{ "ended", job_ended, METH_NOARGS, "ended() -> [(rank, pid, exit_info, text)]" },
 	{ "pool_stats", job_pool_stats, METH_NOARGS, "pool_stats() -> (size, used) bytes" },
 	{ "kill", job_kill, METH_NOARGS, "SIGKILL every child still running" },
-	{ "close", job_close, METH_VARARGS, "close(grace_ms): wait, then kill, then free" },
+	{ "close", job_close, METH_VARARGS,
+	  "close(grace_ms=0, wait=True): wait, then kill, then free (wait False: in a thread)" },
+	{ "closed", job_closed, METH_NOARGS, "closed() -> bool: no close left to finish" },
 	{ NULL, NULL, 0, NULL },
 };
 

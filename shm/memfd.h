@@ -4,7 +4,7 @@
  * pool are made here: created close-on-exec and mode 0600, sized, every
  * page committed (so that a full tmpfs or a memory limit is an error now,
  * with the size, and never a SIGBUS later), size sealed, mapped. The
- * pool's data is the exception: committed block by block (shm/pool.c).
+ * pool's data is the exception: committed block by block (shm/pool_lock.c).
  */
 #ifndef SHMRPC_SHM_MEMFD_H
 #define SHMRPC_SHM_MEMFD_H

@@ -33,7 +33,7 @@
  * - The lists change under one lock in the header, a robust process-shared
  *   mutex: a process that dies holding it leaves it to the next taker with
  *   EOWNERDEAD, which rebuilds every free list from the blocks themselves
- *   (pool.c: what a block's state is, and why a rebuild is exact at any
+ *   (pool_blocks.c: what a block's state is, and why a rebuild is exact at any
  *   instruction of the dead process). References (counts, holder tables)
  *   take no lock. The lock is held for a few list operations, never across
  *   a system call other than a slab's 64 KiB commit.

@@ -97,7 +97,11 @@ def _to_pool(kind, obj):
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
     if kind == "torch":
-        return _shmrpc.from_dlpack(obj.detach().contiguous())
+        if obj.requires_grad or not obj.is_contiguous():
+            obj = obj.detach().contiguous()
+        # The capsule straight from torch: Tensor.__dlpack__'s checks (a
+        # Python method) cost as much as the export itself.
+        return _shmrpc.from_dlpack(sys.modules["torch"].utils.dlpack.to_dlpack(obj))
     if type(obj) is _shmrpc.Tensor:
         return obj  # received: passed on as it is (the producer's memory)
     if type(obj).__module__.startswith("torch"):
@@ -180,7 +184,9 @@ def _from_pool(kind, t):
         torch = _receiving_torch()
         return torch.from_dlpack(t) if torch else t
     import torch
-    return torch.from_dlpack(t)  # holds t's reference through the capsule
+    # The capsule given, not the handle: torch.from_dlpack then skips its
+    # questions to the producer (device, stream). Holds t's reference.
+    return torch.utils.dlpack.from_dlpack(t.__dlpack__())
 
 
 # Objects of these exact types are never RRefs or tensors.
@@ -257,7 +263,7 @@ class _Unpickler(pickle.Unpickler):
             return t
         if isinstance(pid[2], dict):  # a view, sent with its storage (_Pickler)
             t = t.as_strided(pid[2]["size"], pid[2]["stride"], pid[2]["offset"])
-        elif pid[2] is not None:
+        elif pid[2] is not None and t.shape != pid[2]:  # mostly the shape it has
             t = t.reshape(pid[2])
         if len(pid) > 3:
             if self.grad_tensors is None:

@@ -22,6 +22,10 @@ LAYERS = [
     {"api", "_rendezvous"},
     {"as_torch"},
     {"__init__"},
+    {"_data_collate"},
+    {"_data_worker"},
+    {"_data_job"},
+    {"_data_iter"},
     {"data"},
 ]
 LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
