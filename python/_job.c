@@ -30,7 +30,8 @@
 #include "launcher/job_shm.h"
 #include "python/module.h"
 #include "shm/exit_info.h"
-#include "worker/agent.h"
+#include "worker/link.h"
+#include "worker/tensor.h"
 
 struct child {
 	pid_t pid;  /* 0: not started */

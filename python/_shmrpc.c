@@ -35,7 +35,8 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "python/module.h"
-#include "worker/agent.h"
+#include "worker/client.h"
+#include "worker/link.h"
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/msg.h"
@@ -1232,7 +1233,7 @@ static PyObject *mod_blocking(PyObject *m, PyObject *on)
 }
 
 /* take_replies(on): replies taken by the threads that wait for them
- * (worker/agent.h), for a data loader's trainer while it iterates. */
+ * (worker/link.h), for a data loader's trainer while it iterates. */
 static PyObject *mod_take_replies(PyObject *m, PyObject *on)
 {
 	int v = PyObject_IsTrue(on);

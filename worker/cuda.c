@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/cuda.h"
 #include "worker/cuda_driver.h"
 

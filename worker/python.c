@@ -3,7 +3,8 @@
 #include <msgpack.h>
 
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/client.h"
+#include "worker/link.h"
 #include "worker/msg.h"
 #include "worker/python.h"
 #include "worker/value.h"

@@ -13,7 +13,9 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/client.h"
+#include "worker/link.h"
+#include "worker/pins.h"
 #include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
@@ -21,6 +23,7 @@
 #include "worker/python.h"
 #include "worker/registry.h"
 #include "worker/rref.h"
+#include "worker/server.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
 #include "worker/value.h"
@@ -37,10 +40,6 @@ struct request_job {
 	struct help_chain up; /* the waits upstream of it (ipc/frame.h) */
 	uint8_t payload[];
 };
-
-/* The request this thread runs: the innermost, when it runs one while it
- * waits inside another (worker/executor.h). */
-static _Thread_local const struct request_job *serving;
 
 struct shmrpc_call {
 	struct arena arena;
@@ -81,11 +80,8 @@ static void send_reply(struct request_job *rq, uint16_t type, const void *buf, s
 	}
 
 	trace_rec(SHM_TRACE_FINISHED, rq->src, type, rq->msg_id, len, trace_reply_status(type));
-	if (rq->src == ag->rank) {
-		client_complete_local(ag, type, rq->msg_id, buf, len);
-		return;
-	}
-	/* A caller that died needs no answer; anything else is ours to report. */
+	/* A caller that died needs no answer; anything else is ours to report.
+	 * To ourselves, the reply completes the call at once (link.h). */
 	rc = agent_send(ag, rq->src, type, rq->msg_id, 0, 0, NULL, buf, len);
 	if (rc && rc != -SHMRPC_EPEERDEAD)
 		fprintf(stderr, "shmrpc: worker %u: cannot answer worker %u: %s\n", ag->rank,
@@ -580,12 +576,12 @@ static void run_request(struct job *j)
 	struct request_job *rq = (struct request_job *)j;
 	struct agent *ag = rq->ag;
 	shmrpc_call call = { .caller = rq->src };
-	const struct request_job *outer = serving;
+	const struct link_served me = { rq->src, rq->msg_id, rq->depth, &rq->up };
+	const struct link_served *outer = link_serving_swap(&me);
 
 	trace_rec(SHM_TRACE_STARTED, rq->src, rq->type, rq->msg_id, rq->len, SHM_TRACE_OK);
 	count(&ag->self->num_pending_futures, -1);
 	count(&ag->self->server_active_calls, 1);
-	serving = rq;
 	if (rq->depth == 0 || rq->depth > SHMRPC_MAX_NESTING) {
 		char msg[160];
 
@@ -596,7 +592,7 @@ static void run_request(struct job *j)
 	} else {
 		dispatch(rq, &call);
 	}
-	serving = outer;
+	link_serving_swap(outer);
 	count(&ag->self->server_active_calls, -1);
 	count(&ag->self->calls_served, 1);
 	arena_free(&call.arena);
@@ -689,71 +685,6 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 /* How long a quiet TENSOR_ACK may wait for a frame to ride with: longer
  * than a data loader's trainer takes between a worker's reply and its next
  * request to it (a few batches' time), short next to a training step. */
-#define ACK_DELAY_NS (1000u * 1000u)
-
-struct ack_job {
-	struct job base;
-	struct agent *ag;
-	uint32_t peer;
-	uint64_t msg_id;
-};
-
-static void run_ack(struct job *j)
-{
-	struct ack_job *a = (struct ack_job *)j;
-	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, 0, 0, NULL, NULL, 0);
-
-	/* A peer that died has had its pins released by its own sweep. */
-	if (rc && rc != -SHMRPC_EPEERDEAD)
-		fprintf(stderr, "shmrpc: worker %u: cannot acknowledge tensors to worker %u: %s\n",
-			a->ag->rank, a->peer, shmrpc_errmsg());
-	free(a);
-}
-
-void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id)
-{
-	struct ack_job *a;
-	struct ipc_msg m;
-	int rc;
-
-	if (peer == ag->rank) {
-		pins_release(peer, msg_id, PIN_REPLY);
-		return;
-	}
-	/* The poller never blocks in a send (port.h): it sends the ack itself
-	 * when the ring is free and has room, which spares a thread's wake-up
-	 * per reply that carried tensors, and else leaves it to an executor
-	 * thread. The loop thread (or a thread taking its replies, agent.h)
-	 * sends it quietly: it rides with our next frame to the peer (a data
-	 * loader's next request), which spares the peer a wake-up too, and
-	 * its pins wait ACK_DELAY_NS, or until the next flush after that. A
-	 * peer that died has had its pins released by its sweep. */
-	m = (struct ipc_msg){ .type = MSG_TENSOR_ACK, .msg_id = msg_id };
-	rc = agent_acks_quietly(ag) ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
-				    : ipc_port_try_send_now(&ag->port, peer, &m);
-	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
-		return;
-	if (!(a = malloc(sizeof(*a)))) {
-		fprintf(stderr, "shmrpc: worker %u: out of memory acknowledging tensors; worker %u "
-			"keeps them until it ends\n", ag->rank, peer);
-		return;
-	}
-	*a = (struct ack_job){ { .run = run_ack }, ag, peer, msg_id };
-	executor_submit(&a->base);
-}
-
-bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth,
-		    const struct help_chain **up)
-{
-	if (!serving)
-		return false;
-	*caller = serving->src;
-	*msg_id = serving->msg_id;
-	*depth = serving->depth;
-	*up = &serving->up;
-	return true;
-}
-
 void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 		   uint64_t needed_by, uint32_t depth, const void *help, uint32_t help_n,
 		   const void *payload, size_t len)

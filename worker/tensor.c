@@ -9,7 +9,7 @@
 
 #include "common/error.h"
 #include "shm/pool.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/cuda.h"
 #include "worker/devmap.h"
 #include "worker/executor.h"
@@ -1242,104 +1242,6 @@ int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_tensor **out)
 		*out = NULL;
 	}
 	return rc;
-}
-
-/* ---- pins ---- */
-
-struct pin {
-	struct pin *next;
-	uint32_t peer;
-	enum pin_kind kind;
-	uint64_t msg_id;
-	struct tensor_list held;
-};
-
-static struct {
-	pthread_mutex_t lock;
-	struct pin *head;
-} pins = { .lock = PTHREAD_MUTEX_INITIALIZER };
-
-/* The pin's handoff as the flight recorder shows it: kind PINNED or
- * UNPINNED, with its tensors and their bytes. */
-static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
-{
-	uint64_t bytes = 0;
-
-	if (!trace_self.ctl)
-		return;
-	for (uint32_t i = 0; i < pin->held.n; i++)
-		bytes += pin->held.t[i]->nbytes;
-	trace_pins(kind, pin->peer, pin->kind == PIN_REPLY, pin->msg_id, pin->held.n, bytes, status);
-}
-
-int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_list *sent)
-{
-	struct pin *pin = calloc(1, sizeof(*pin));
-	int rc;
-
-	if (!pin)
-		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
-	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
-	rc = tensor_list_hold(sent, &pin->held);
-	/* Nothing by reference (all inline): nothing to wait for. */
-	if (rc || (!pin->held.n && !pin->held.nev)) {
-		tensor_list_free(&pin->held);
-		free(pin);
-		return rc;
-	}
-	/* Before the pin is listed: its release, and so its UNPINNED, cannot
-	 * come first. */
-	trace_pin(pin, SHM_TRACE_PINNED, SHM_TRACE_OK);
-	pthread_mutex_lock(&pins.lock);
-	pin->next = pins.head;
-	pins.head = pin;
-	pthread_mutex_unlock(&pins.lock);
-	return 0;
-}
-
-enum pin_match { MATCH_ONE, MATCH_PEER, MATCH_ALL };
-
-/* Takes out the pins that match; frees them after the lock is dropped. */
-static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum pin_kind kind)
-{
-	static const uint32_t status[] = { [MATCH_ONE] = SHM_TRACE_OK,
-					   [MATCH_PEER] = SHM_TRACE_PEER_DEAD,
-					   [MATCH_ALL] = SHM_TRACE_SHUTDOWN };
-	struct pin **at, *pin, *gone = NULL;
-
-	pthread_mutex_lock(&pins.lock);
-	for (at = &pins.head; (pin = *at);) {
-		if (how == MATCH_ALL || (pin->peer == peer && (how == MATCH_PEER ||
-			(pin->msg_id == msg_id && pin->kind == kind)))) {
-			*at = pin->next;
-			pin->next = gone;
-			gone = pin;
-		} else {
-			at = &pin->next;
-		}
-	}
-	pthread_mutex_unlock(&pins.lock);
-	while ((pin = gone)) {
-		gone = pin->next;
-		trace_pin(pin, SHM_TRACE_UNPINNED, status[how]);
-		tensor_list_free(&pin->held);
-		free(pin);
-	}
-}
-
-void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
-{
-	release_if(MATCH_ONE, peer, msg_id, kind);
-}
-
-void pins_release_peer(uint32_t peer)
-{
-	release_if(MATCH_PEER, peer, 0, PIN_REQUEST);
-}
-
-void pins_release_all(void)
-{
-	release_if(MATCH_ALL, 0, 0, PIN_REQUEST);
 }
 
 /* ---- DLPack ---- */

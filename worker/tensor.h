@@ -183,11 +183,6 @@ SHMRPC_HIDDEN int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_te
 SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
 				shmrpc_tensor **out);
 
-enum pin_kind {
-	PIN_REQUEST = 0, /* our request to peer: released by its reply */
-	PIN_REPLY = 1,   /* our reply to peer's request: released by its TENSOR_ACK */
-};
-
 /* How often the loop thread has a producer's exports checked while there
  * are any. */
 #define TENSOR_REAP_NS (10u * 1000u * 1000u)
@@ -212,14 +207,5 @@ SHMRPC_HIDDEN uint64_t tensor_exports_tick(uint64_t now);
  * for the peers to leave), reports the rest on stderr. */
 struct agent;
 SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag, bool wait);
-
-/* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
-SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
-			   struct tensor_list *sent);
-SHMRPC_HIDDEN void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
-/* peer died: its pins, both kinds, go. */
-SHMRPC_HIDDEN void pins_release_peer(uint32_t peer);
-/* The agent stops: every pin goes. */
-SHMRPC_HIDDEN void pins_release_all(void);
 
 #endif
