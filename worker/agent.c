@@ -21,12 +21,13 @@
 #include "common/spin.h"
 #include "ipc/doorbell.h"
 #include "shm/exit_info.h"
+#include "worker/carry.h"
 #include "worker/client.h"
 #include "worker/cuda.h"
 #include "worker/devmap.h"
 #include "worker/executor.h"
-#include "worker/msg.h"
 #include "worker/link.h"
+#include "worker/msg.h"
 #include "worker/pins.h"
 #include "worker/rref.h"
 #include "worker/server.h"
@@ -415,6 +416,9 @@ static void process_once(void)
 {
 	pthread_atfork(NULL, NULL, forget_agent_in_child);
 	link_set_hooks(&hooks);
+	carry_set_rref_ops(&(struct rref_ops){ .pack = rref_pack, .unpack = rref_unpack,
+						.free = shmrpc_rref_free, .charge = rref_charge,
+						.uncharge = rref_uncharge });
 }
 
 /* *o = the caller's options, NULL the defaults, after checking what keeps

@@ -10,13 +10,13 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "worker/carry.h"
 #include "worker/client.h"
-#include "worker/pins.h"
 #include "worker/devmap.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/pins.h"
 #include "worker/profile.h"
-#include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
 #include "worker/value.h"
@@ -365,7 +365,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		goto out;
 	/* Each step below is undone, in reverse order, by the label of the
 	 * same name when a later one fails. */
-	if (sent->nr && (rc = rref_charge(ag, sent, (uint32_t)dst)))
+	if (sent->nr && (rc = rref_ops.charge(ag, sent, (uint32_t)dst)))
 		goto out;
 	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
 		timeout_ms = (int64_t)(ag->default_timeout_ns / 1000000u);
@@ -412,7 +412,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 pinned:
 	pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
 charged:
-	rref_uncharge(ag, sent, (uint32_t)dst);
+	rref_ops.uncharge(ag, sent, (uint32_t)dst);
 out:
 	tensor_list_forget(sent);
 	if (f)

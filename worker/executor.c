@@ -11,8 +11,8 @@
 #include "common/error.h"
 #include "common/spin.h"
 #include "ipc/doorbell.h"
-#include "worker/link.h"
 #include "worker/executor.h"
+#include "worker/link.h"
 
 /* Idle executor threads spin at most this long, whatever the mode: several
  * per process spinning for ever would starve everything else of CPU. */

@@ -7,9 +7,9 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
-#include "worker/link.h"
 #include "worker/executor.h"
 #include "worker/future.h"
+#include "worker/link.h"
 #include "worker/profile.h"
 #include "worker/value.h"
 

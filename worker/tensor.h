@@ -144,6 +144,7 @@ struct tensor_list {
 SHMRPC_HIDDEN int tensor_view_open(struct shm_pool *p, struct tensor_view **out);
 SHMRPC_HIDDEN void tensor_view_put(struct tensor_view *v);
 
+/* The lists' functions are carry.c's (the level above the handles). */
 SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
 SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
 /* Frees every handle of the list (dropping their references) and the list. */
@@ -156,6 +157,8 @@ SHMRPC_HIDDEN bool tensor_list_has(const struct tensor_list *l, const shmrpc_ten
 SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t n,
 					  const shmrpc_tensor *t);
 
+/* d's event to give back when l goes. */
+SHMRPC_HIDDEN int tensor_list_add_event(struct tensor_list *l, const struct cuda_ipc_desc *d);
 /* Adds to held a reference of ours to each tensor of sent that went by
  * reference (not inline; the pool copies the encoding made included), and
  * moves sent's CUDA events there. */
