@@ -419,6 +419,7 @@ static void process_once(void)
 	carry_set_rref_ops(&(struct rref_ops){ .pack = rref_pack, .unpack = rref_unpack,
 						.free = shmrpc_rref_free, .charge = rref_charge,
 						.uncharge = rref_uncharge });
+	rref_set_collect(rref_owner_collect_listed);
 }
 
 /* *o = the caller's options, NULL the defaults, after checking what keeps
