@@ -35,14 +35,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "python/module.h"
-#include "worker/client.h"
-#include "worker/executor.h"
-#include "worker/future.h"
-#include "worker/link.h"
-#include "worker/msg.h"
-#include "worker/profile.h"
-#include "worker/python.h"
-#include "worker/rref.h"
+#include "worker/python_api.h"
 
 static PyObject *handler; /* the Python handler; owned */
 
@@ -59,6 +52,14 @@ static PyObject *fail(int rc)
 {
 	PyErr_SetString(rc == -ETIMEDOUT ? PyExc_TimeoutError : PyExc_RuntimeError,
 			shmrpc_errmsg());
+	return NULL;
+}
+
+/* torch's RuntimeError for a call that needs the agent before init_rpc. */
+static PyObject *not_initialized(void)
+{
+	PyErr_SetString(PyExc_RuntimeError,
+			"RPC has not been initialized. Call shmrpc.init_rpc first.");
 	return NULL;
 }
 
@@ -625,21 +626,34 @@ static PyObject *future_done(PyObject *self, PyObject *unused)
 	return PyBool_FromLong(shmrpc_future_done(HANDLE(self)));
 }
 
+/* profiled_call's readers of a Future's and an RRef's handle. */
+static bool future_profiled_of(void *h, struct python_profiled *p)
+{
+	return python_profiled(h, p);
+}
+
+static bool rref_profiled_of(void *h, struct python_profiled *p)
+{
+	return python_rref_profiled(h, p);
+}
+
 /* A call made for torch's profiler (worker/profile.h), once it has
  * completed (waited for; it ends by its reply, its timeout or its callee's
  * death): (key, sent_ns, done_ns, [(name, start_ns, end_ns, rank, thread),
  * ...]), the callee's events (none if it failed); None for another call. */
-static PyObject *profiled_call(shmrpc_future *f)
+static PyObject *profiled_call(void *h, bool (*profiled)(void *h, struct python_profiled *p))
 {
+	struct python_profiled p;
 	const struct profile_events *pe;
 	PyObject *list;
+	bool is;
 
-	if (!f || !(f->profile_what & PROFILE_TORCH))
-		return new_ref(Py_None);
 	Py_BEGIN_ALLOW_THREADS
-	future_wait_until(f, 0);
+	is = profiled(h, &p);
 	Py_END_ALLOW_THREADS
-	pe = f->callee_events;
+	if (!is)
+		return new_ref(Py_None);
+	pe = p.events;
 	list = PyList_New(pe ? pe->n : 0);
 	for (uint32_t i = 0; list && pe && i < pe->n; i++) {
 		const struct profile_event_rec *e = &pe->ev[i];
@@ -653,15 +667,15 @@ static PyObject *profiled_call(shmrpc_future *f)
 		else
 			PyList_SetItem(list, i, t);
 	}
-	return list ? Py_BuildValue("(sKKN)", f->profile_key, (unsigned long long)f->sent_ns,
-				    (unsigned long long)f->done_ns, list)
+	return list ? Py_BuildValue("(sKKN)", p.key, (unsigned long long)p.sent_ns,
+				    (unsigned long long)p.done_ns, list)
 		    : NULL;
 }
 
 static PyObject *future_profiled(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return profiled_call(HANDLE(self));
+	return profiled_call(HANDLE(self), future_profiled_of);
 }
 
 /* Runs a Python callable once the future completes (an executor thread). */
@@ -745,7 +759,7 @@ static PyObject *rref_to_here(PyObject *self, PyObject *args)
 static PyObject *rref_id(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyLong_FromUnsignedLongLong(((shmrpc_rref *)HANDLE(self))->id);
+	return PyLong_FromUnsignedLongLong(python_rref_id(HANDLE(self)));
 }
 
 static PyObject *rref_owner(PyObject *self, PyObject *unused)
@@ -775,7 +789,7 @@ static PyObject *rref_confirmed(PyObject *self, PyObject *unused)
 static PyObject *rref_profiled(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return profiled_call(((shmrpc_rref *)HANDLE(self))->created);
+	return profiled_call(HANDLE(self), rref_profiled_of);
 }
 
 static PyObject *rref_str(PyObject *self)
@@ -909,7 +923,7 @@ static PyObject *mod_set_live_release(PyObject *m, PyObject *fn)
 	}
 	Py_XDECREF(releaser);
 	releaser = new_ref(fn);
-	rref_set_live_release(release_live);
+	python_set_live_release(release_live);
 	return new_ref(Py_None);
 }
 
@@ -996,14 +1010,10 @@ static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 	rq.context_id = (int64_t)context_id;
 	rq.message_id = (int64_t)message_id;
 	rq.retain_graph = retain;
-	profile_name_next(kind, fn);
-	if (torch)
-		profile_torch_next(PROFILE_TORCH | (torch & (PROFILE_SHAPES | PROFILE_MEMORY)));
-	client_sync_next(kind && !strcmp(kind, "rpc_sync"));
+	python_call_begin(kind, fn, torch, kind && !strcmp(kind, "rpc_sync"));
 	/* The GIL stays: msg borrows from the objects (and a send is short). */
 	rc = python_request_async(dst, &rq, (int64_t)timeout, &f);
-	profile_forget_next(); /* a request refused before it went */
-	client_sync_next(false);
+	python_call_end();
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : future_wrap(f);
 }
@@ -1034,11 +1044,9 @@ static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 		return NULL;
 	rq.context_id = (int64_t)context_id;
 	rq.message_id = (int64_t)message_id;
-	profile_name_next("rpc_remote", fn);
-	if (torch)
-		profile_torch_next(PROFILE_TORCH | (torch & (PROFILE_SHAPES | PROFILE_MEMORY)));
+	python_call_begin("rpc_remote", fn, torch, false);
 	rc = python_remote(dst, &rq, (int64_t)timeout, &r);
-	profile_forget_next(); /* a request refused before it went */
+	python_call_end();
 	msg_free(&rq.msg);
 	return rc ? fail(rc) : rref_wrap(r);
 }
@@ -1224,10 +1232,7 @@ static PyObject *mod_blocking(PyObject *m, PyObject *on)
 	if (v < 0)
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
-	if (v)
-		executor_block_begin();
-	else
-		executor_block_end();
+	python_blocking(v);
 	Py_END_ALLOW_THREADS
 	Py_RETURN_NONE;
 }
@@ -1236,20 +1241,18 @@ static PyObject *mod_blocking(PyObject *m, PyObject *on)
  * (worker/link.h), for a data loader's trainer while it iterates. */
 static PyObject *mod_take_replies(PyObject *m, PyObject *on)
 {
-	int v = PyObject_IsTrue(on);
+	int v = PyObject_IsTrue(on), rc;
 
 	(void)m;
 	if (v < 0)
 		return NULL;
-	if (!worker_agent && v) {
+	Py_BEGIN_ALLOW_THREADS
+	rc = python_take_replies(v);
+	Py_END_ALLOW_THREADS
+	if (rc) {
 		PyErr_SetString(PyExc_RuntimeError, "the RPC agent is not running");
 		return NULL;
 	}
-	if (!worker_agent) /* off: shutdown turned it off already */
-		Py_RETURN_NONE;
-	Py_BEGIN_ALLOW_THREADS
-	agent_take_replies(worker_agent, v);
-	Py_END_ALLOW_THREADS
 	Py_RETURN_NONE;
 }
 
@@ -1289,7 +1292,7 @@ static PyObject *mod_profile_stop(PyObject *m, PyObject *unused)
 static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
 {
 	(void)m, (void)unused;
-	return PyBool_FromLong(executor_on_worker_thread());
+	return PyBool_FromLong(python_on_executor());
 }
 
 /* peer_gone(rank) -> None while rank is in the job, else (died, why):
@@ -1298,26 +1301,25 @@ static PyObject *mod_on_executor(PyObject *m, PyObject *unused)
  * api._all_gather's waits watch. */
 static PyObject *mod_peer_gone(PyObject *m, PyObject *rank)
 {
-	struct agent *ag = worker_agent;
 	char why[256];
 	long r = PyLong_AsLong(rank);
+	bool gone = false, died = false;
+	uint32_t world = 0;
+	int rc;
 
 	(void)m;
 	if (r == -1 && PyErr_Occurred())
 		return NULL;
-	if (!ag) {
-		PyErr_SetString(PyExc_RuntimeError,
-				"RPC has not been initialized. Call shmrpc.init_rpc first.");
-		return NULL;
-	}
-	if (r < 0 || (unsigned long)r >= ag->world)
+	rc = python_peer_gone(r < INT32_MIN || r > INT32_MAX ? -1 : (int)r, &gone, &died, why,
+			      sizeof(why), &world);
+	if (rc == -ENOTCONN)
+		return not_initialized();
+	if (rc)
 		return PyErr_Format(PyExc_ValueError, "no worker of rank %ld: the job has %u "
-				    "workers", r, ag->world);
-	if (!agent_peer_gone(ag, (uint32_t)r))
+				    "workers", r, world);
+	if (!gone)
 		Py_RETURN_NONE;
-	agent_peer_gone_text(ag, (uint32_t)r, why, sizeof(why));
-	return Py_BuildValue("(Ns)", PyBool_FromLong(!ipc_port_peer_alive(&ag->port, (uint32_t)r)),
-			     why);
+	return Py_BuildValue("(Ns)", PyBool_FromLong(died), why);
 }
 
 /* debug_info() -> {key: int}: this worker's agent gauges from its slot
@@ -1325,37 +1327,29 @@ static PyObject *mod_peer_gone(PyObject *m, PyObject *rank)
  * and torch's RRef counts. */
 static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
 {
-	struct agent *ag = worker_agent;
-	const struct shm_worker *w;
+	struct python_gauges g;
 	uint64_t takes = atomic_load_explicit(&gil_takes, memory_order_relaxed);
 	uint64_t wait_ns = atomic_load_explicit(&gil_wait_ns, memory_order_relaxed);
-	struct rref_debug_counts rc;
 
 	(void)m, (void)unused;
-	if (!ag) {
-		PyErr_SetString(PyExc_RuntimeError,
-				"RPC has not been initialized. Call shmrpc.init_rpc first.");
-		return NULL;
-	}
-	w = ag->self;
-	rref_debug_counts(ag, &rc);
-	/* Relaxed: gauges the owner updates as it goes; a snapshot. */
-#define GAUGE(f) (unsigned long long)atomic_load_explicit(&w->f, memory_order_relaxed)
+	if (python_gauges(&g))
+		return not_initialized();
+#define GAUGE(f) (unsigned long long)g.f
 	return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
 			     "agent.thread_pool_size", GAUGE(thread_pool_size),
 			     "agent.num_idle_threads", GAUGE(num_idle_threads),
 			     "agent.client_active_calls", GAUGE(client_active_calls),
 			     "agent.server_active_calls", GAUGE(server_active_calls),
-			     "agent.server_pending_calls", GAUGE(num_pending_futures),
+			     "agent.server_pending_calls", GAUGE(server_pending_calls),
 			     "agent.calls_served", GAUGE(calls_served),
 			     "agent.gil_average_wait_time_us",
 			     (unsigned long long)(takes ? wait_ns / takes / 1000 : 0),
 			     "agent.gil_acquisitions", (unsigned long long)takes,
 			     "agent.gil_wait_time_ns", (unsigned long long)wait_ns,
-			     "num_owner_rrefs", (unsigned long long)rc.owners,
-			     "num_pending_futures", (unsigned long long)rc.pending_owners,
-			     "num_forks", (unsigned long long)rc.forks,
-			     "num_pending_users", (unsigned long long)rc.pending_users);
+			     "num_owner_rrefs", GAUGE(owner_rrefs),
+			     "num_pending_futures", GAUGE(pending_owner_rrefs),
+			     "num_forks", GAUGE(forks),
+			     "num_pending_users", GAUGE(pending_users));
 #undef GAUGE
 }
 
@@ -1363,15 +1357,14 @@ static PyObject *mod_debug_info(PyObject *m, PyObject *unused)
  * (worker/rref.h), a graceful shutdown's step before its leak check. */
 static PyObject *mod_rref_drop_users(PyObject *m, PyObject *unused)
 {
+	int rc;
+
 	(void)m, (void)unused;
-	if (!worker_agent) {
-		PyErr_SetString(PyExc_RuntimeError,
-				"RPC has not been initialized. Call shmrpc.init_rpc first.");
-		return NULL;
-	}
 	Py_BEGIN_ALLOW_THREADS
-	rref_drop_users(worker_agent);
+	rc = python_rref_drop_users();
 	Py_END_ALLOW_THREADS
+	if (rc)
+		return not_initialized();
 	Py_RETURN_NONE;
 }
 
@@ -1382,12 +1375,8 @@ static PyObject *mod_rref_leaks(PyObject *m, PyObject *unused)
 	char text[4096];
 
 	(void)m, (void)unused;
-	if (!worker_agent) {
-		PyErr_SetString(PyExc_RuntimeError,
-				"RPC has not been initialized. Call shmrpc.init_rpc first.");
-		return NULL;
-	}
-	rref_leaks(worker_agent, text, sizeof(text));
+	if (python_rref_leaks(text, sizeof(text)))
+		return not_initialized();
 	return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
 }
 

@@ -7,6 +7,7 @@
 #include "worker/link.h"
 #include "worker/msg.h"
 #include "worker/python.h"
+#include "worker/python_api.h"
 #include "worker/value.h"
 
 static _Atomic(python_handler_fn) handler;

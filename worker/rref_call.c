@@ -20,6 +20,7 @@
 #include "worker/msg.h"
 #include "worker/profile.h"
 #include "worker/python.h"
+#include "worker/python_api.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
 #include "worker/value.h"
