@@ -22,7 +22,7 @@
  * rings itself while it spins (agent_poll): a waiting caller
  * then takes its own reply, an idle executor its next request, and a call
  * crosses two threads instead of four. Whoever polls does what the loop
- * thread would (on_frame: queue requests, complete futures); one at a
+ * thread would (the hooks' frame: queue requests, complete futures); one at a
  * time, by poll_lock, because each ring has one consumer.
  */
 #ifndef SHMRPC_WORKER_LINK_H

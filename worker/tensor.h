@@ -1,5 +1,9 @@
 /*
- * Tensors in the pool, as the agent handles them.
+ * Tensors in the pool, as the agent handles them. Declared here, made in
+ * several files (docs/ARCHITECTURE.md, "worker/ in levels"): the pool's
+ * mapping (tensor_view.c), device tensors' bytes (tensor_dev.c), handles
+ * (tensor.c), carry lists (carry.c), descriptors (tensor_wire.c); the
+ * pins are pins.h's.
  *
  * Handing over. A tensor travels as a descriptor (pool offset, byte size,
  * dtype, shape) in a MessagePack extension (docs/PROTOCOL.md). The sender's
@@ -101,8 +105,8 @@ struct tensor_view {
 	_Atomic uint32_t refs;
 };
 
-struct tensor_dev; /* a device tensor's bytes (tensor.c) */
-struct tensor_heap; /* a small tensor's bytes in this process's memory (tensor.c) */
+struct tensor_dev; /* a device tensor's bytes (tensor_dev.c) */
+struct tensor_heap; /* a small tensor's bytes in this process's memory (tensor_impl.h) */
 
 struct shmrpc_tensor {
 	struct tensor_view *view; /* the mapping dl.data points into; NULL on a device */

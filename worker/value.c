@@ -222,7 +222,11 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 		}
 		if (o->via.ext.type == VALUE_EXT_RREF && got) {
 			shmrpc_rref *r;
-			int rc = rref_ops.unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
+			/* The operations come with the first shmrpc_init (carry.h). */
+			int rc = !rref_ops.unpack
+					 ? shmrpc__fail(-ENOTSUP, "an RRef came in, but no RPC agent "
+							"has started in this process")
+					 : rref_ops.unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
 
 			if (rc == 0 && (rc = tensor_list_add_rref(got, r)))
 				rref_ops.free(r);
