@@ -45,13 +45,15 @@ static uint64_t agents_started;
 
 /* ---- what a frame means (link.h's hooks) ---- */
 
-/* A frame from src (a ring's, or one we sent ourselves): a request to
- * serve, or a reply to one of our calls. */
+/* A frame from src (a ring's, or one we sent ourselves): the ack of a
+ * reply's tensors, a request to serve, or a reply to one of our calls. */
 static void deliver(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 		    uint64_t needed_by, uint32_t depth, const void *help, uint32_t help_n,
 		    const void *payload, size_t len)
 {
-	if (worker_msg_is_request(type) || !worker_msg_name(type))
+	if (type == MSG_TENSOR_ACK)
+		pins_release(src, msg_id, PIN_REPLY);
+	else if (worker_msg_is_request(type) || !worker_msg_name(type))
 		server_submit(ag, src, type, msg_id, needed_by, depth, help, help_n, payload, len);
 	else
 		client_complete(ag, src, type, msg_id, payload, len);
@@ -59,14 +61,10 @@ static void deliver(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_
 
 static void on_frame(struct agent *ag, const struct ipc_frame *f)
 {
-	if (f->hdr.type == MSG_TENSOR_ACK)
-		pins_release(f->hdr.src, f->hdr.msg_id, PIN_REPLY);
-	else
-		/* ipc_frame_decode checked that the help entries fit. */
-		deliver(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->hdr.needed_by,
-			f->hdr.depth, f->payload, f->hdr.help_n,
-			f->payload + f->hdr.help_n * sizeof(struct ipc_help),
-			f->hdr.payload_len - f->hdr.help_n * sizeof(struct ipc_help));
+	/* ipc_frame_decode checked that the help entries fit. */
+	deliver(ag, f->hdr.src, f->hdr.type, f->hdr.msg_id, f->hdr.needed_by, f->hdr.depth,
+		f->payload, f->hdr.help_n, f->payload + f->hdr.help_n * sizeof(struct ipc_help),
+		f->hdr.payload_len - f->hdr.help_n * sizeof(struct ipc_help));
 }
 
 static void on_local(struct agent *ag, uint16_t type, uint64_t msg_id, uint64_t needed_by,
