@@ -18,7 +18,6 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/spin.h"
 #include "ipc/doorbell.h"
 #include "shm/exit_info.h"
 #include "worker/carry.h"

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "worker/link.h"
 #include "worker/cuda.h"
 #include "worker/cuda_driver.h"
 #include "worker/cuda_impl.h"

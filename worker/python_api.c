@@ -1,6 +1,5 @@
 /* The Python extension's way into worker/ (python_api.h). */
 #include <errno.h>
-#include <string.h>
 
 #include "worker/client.h"
 #include "worker/executor.h"

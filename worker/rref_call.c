@@ -10,11 +10,8 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/spin.h"
-#include "ipc/doorbell.h"
 #include "worker/client.h"
 #include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/link.h"
 #include "worker/msg.h"

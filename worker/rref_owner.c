@@ -5,18 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
-#include "ipc/doorbell.h"
-#include "worker/client.h"
-#include "worker/devmap.h"
 #include "worker/executor.h"
-#include "worker/future.h"
 #include "worker/link.h"
-#include "worker/msg.h"
-#include "worker/profile.h"
-#include "worker/python.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
 #include "worker/value.h"

@@ -12,18 +12,14 @@
 #include "common/error.h"
 #include "worker/client.h"
 #include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/link.h"
 #include "worker/msg.h"
-#include "worker/pins.h"
 #include "worker/profile.h"
 #include "worker/python.h"
 #include "worker/registry.h"
 #include "worker/rref.h"
-#include "worker/server.h"
 #include "worker/server_impl.h"
 #include "worker/tensor.h"
-#include "worker/trace.h"
 #include "worker/value.h"
 /* The call's error, set by its function or by the checks before it. */
 static void call_fail(shmrpc_call *call, const char *type, const char *msg)

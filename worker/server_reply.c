@@ -5,22 +5,15 @@
 #include <msgpack.h>
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "common/clock.h"
 #include "common/error.h"
-#include "worker/client.h"
 #include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/link.h"
 #include "worker/msg.h"
 #include "worker/pins.h"
 #include "worker/profile.h"
-#include "worker/python.h"
-#include "worker/registry.h"
 #include "worker/rref.h"
-#include "worker/server.h"
 #include "worker/server_impl.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"

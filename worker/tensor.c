@@ -10,11 +10,8 @@
 #include "common/error.h"
 #include "shm/pool.h"
 #include "worker/cuda.h"
-#include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/link.h"
 #include "worker/tensor_impl.h"
-#include "worker/trace.h"
 
 /* *p = the running agent's tensor pool: 0, -ENOTCONN or -ENOTSUP. */
 int tensor_pool_get(struct shm_pool **p)

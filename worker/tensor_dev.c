@@ -7,18 +7,15 @@
 #include <pthread.h>
 #include <stdalign.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include "common/error.h"
 #include "shm/pool.h"
 #include "worker/cuda.h"
-#include "worker/devmap.h"
 #include "worker/executor.h"
 #include "worker/link.h"
 #include "worker/tensor_impl.h"
-#include "worker/trace.h"
 
 /* The producer's sources that receivers may hold (a reference each). */
 static struct {

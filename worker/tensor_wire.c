@@ -15,11 +15,9 @@
 #include "shm/pool.h"
 #include "worker/cuda.h"
 #include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/carry.h"
 #include "worker/link.h"
 #include "worker/tensor_impl.h"
-#include "worker/trace.h"
 #include "worker/value.h"
 
 /* The CUDA part of d's descriptor, for a new receiver; *token: its
