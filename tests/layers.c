@@ -6,7 +6,9 @@
  * one), and calls only files of lower levels: anything upward goes
  * through a hook set at init. Read from the object files with nm: a call
  * is an undefined symbol of one object that another defines. Each call
- * against the levels is printed as "file -> file (symbol)".
+ * against the levels is printed as "file -> file (symbol)". The Python
+ * extension (the .c files of python/) reaches worker/ through one header made for it,
+ * worker/python_api.h: it includes no other worker header.
  */
 #include <ctype.h>
 #include <dirent.h>
@@ -160,6 +162,40 @@ static int read_levels(void)
 	return stale;
 }
 
+/* The worker headers the .c files of python/ include other than PYTHON_API, each said;
+ * how many. */
+#define PYTHON_API "worker/python_api.h"
+#define INCLUDE "#include \""
+static int python_includes(void)
+{
+	DIR *d = opendir("python");
+	struct dirent *e;
+	int wrong = 0;
+
+	CHECK(d, "cannot open python/: run the test from the repository's root");
+	while ((e = readdir(d))) {
+		size_t len = strlen(e->d_name);
+		char path[300], line[512];
+		FILE *f;
+
+		if (len < 3 || strcmp(e->d_name + len - 2, ".c"))
+			continue;
+		snprintf(path, sizeof(path), "python/%s", e->d_name);
+		CHECK((f = fopen(path, "r")), "cannot read %s", path);
+		while (fgets(line, sizeof(line), f))
+			if (strncmp(line, INCLUDE "worker/", strlen(INCLUDE "worker/")) == 0 &&
+			    strncmp(line + strlen(INCLUDE), PYTHON_API "\"", strlen(PYTHON_API) + 1)) {
+				fprintf(stderr, "%s includes %.*s: the extension reaches worker/ "
+					"through " PYTHON_API " alone\n", path,
+					(int)strcspn(line + 9, "\n"), line + 9);
+				wrong++;
+			}
+		fclose(f);
+	}
+	closedir(d);
+	return wrong;
+}
+
 /* Whether a call from object a to object b keeps the levels. */
 static bool allowed(const struct obj *a, const struct obj *b)
 {
@@ -176,7 +212,7 @@ int main(void)
 	int wrong, calls = 0;
 
 	read_objects();
-	wrong = read_levels();
+	wrong = read_levels() + python_includes();
 	for (int i = 0; i < nobjs; i++)
 		if (objs[i].folder == NFOLDERS - 1 && objs[i].level < 0) {
 			fprintf(stderr, "%s.c has no level in %s\n", objs[i].name, LEVELS_DOC);
@@ -202,7 +238,8 @@ int main(void)
 					b->name, key.sym, a->level, b->level);
 			wrong++;
 		}
-	CHECK(wrong == 0, "%d calls or files against the levels of %s (above)", wrong, LEVELS_DOC);
+	CHECK(wrong == 0, "%d calls, files or includes against the layers of %s (above)", wrong,
+	      LEVELS_DOC);
 	CHECK(calls > 100, "only %d calls between the library's objects found", calls);
 	printf("%d objects, %d calls between them, all pointing down\n", nobjs, calls);
 	for (int i = 0; i < nobjs; i++) {
