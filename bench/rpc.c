@@ -23,7 +23,7 @@
 
 #include "shmrpc.h"
 #include "bench/bench.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/trace.h"
 
 static int nothing(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)

@@ -31,7 +31,7 @@
 #include "launcher/job_shm.h"
 #include "python/module.h"
 #include "shm/exit_info.h"
-#include "worker/agent.h"
+#include "worker/python_api.h"
 
 struct child {
 	pid_t pid;  /* 0: not started */
@@ -486,13 +486,13 @@ static PyObject *mod_die_with_parent(PyObject *m, PyObject *arg)
  * pool are pinned host memory. */
 static PyObject *mod_pool_mapping(PyObject *m, PyObject *unused)
 {
-	struct agent *ag = worker_agent;
+	void *base;
+	uint64_t size;
 
 	(void)m, (void)unused;
-	if (!ag || !ag->has_pool)
+	if (!python_pool_mapping(&base, &size))
 		Py_RETURN_NONE;
-	return Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)ag->view->base,
-			     (unsigned long long)ag->view->size);
+	return Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)base, (unsigned long long)size);
 }
 
 static PyMethodDef job_functions[] = {

@@ -3,10 +3,61 @@
 #define SHMRPC_PYTHON_MODULE_H
 
 #include <Python.h>
+#include <stdbool.h>
+#include <stdint.h>
 
-/* _job.c: adds the Job type to the module; 0 or -1 with an exception. */
+#include "shmrpc.h"
+#include "worker/python_api.h"
+
+/* _handles.c: every object of this module wraps one library handle,
+ * which it owns. */
+typedef struct {
+	PyObject_HEAD
+	void *h;
+} HandleObject;
+
+#define HANDLE(o) (((HandleObject *)(o))->h)
+
+extern PyObject *FutureType, *RRefType, *TensorType;
+
+/* Py_NewRef is not in the 3.9 stable ABI. */
+PyObject *new_ref(PyObject *o);
+/* An exception with shmrpc's text for rc: TimeoutError for timeouts,
+ * RuntimeError otherwise (the Python layer re-raises remote ones). */
+PyObject *fail(int rc);
+/* torch's RuntimeError for a call that needs the agent before init_rpc. */
+PyObject *not_initialized(void);
+void release_future(void *h);
+void release_rref(void *h);
+void release_tensor(void *h);
+/* An object's dealloc: its handle released, then the object. */
+void dealloc_with(PyObject *self, void (*release)(void *));
+/* New objects owning their handle (released on failure). */
+PyObject *future_wrap(shmrpc_future *f);
+PyObject *rref_wrap(shmrpc_rref *r);
+PyObject *tensor_wrap(shmrpc_tensor *t);
+
+/* _handler.c: a message as Python objects and back. */
+PyObject *msg_to_py(const shmrpc_value *v);
+int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m);
+void msg_free(struct python_msg *m);
+/* The GIL, taken by a thread of the library (an executor's). */
+PyGILState_STATE gil_take(void);
+/* The handler python_set_handler installs (shmrpc_init's). */
+int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
+		struct profile_events *ops);
+/* How often executor threads took the GIL, and how long they waited. */
+void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
+
+/* Each file adds its types and functions to the module; 0 or -1 with an
+ * exception. */
+int module_add_calls(PyObject *m);
+int module_add_future(PyObject *m);
+int module_add_handler(PyObject *m);
+int module_add_tensor(PyObject *m);
+/* _job.c: adds the Job type to the module. */
 int module_add_job(PyObject *m);
-/* _join.c: adds join() and leave(); 0 or -1 with an exception. */
+/* _join.c: adds join() and leave(). */
 int module_add_join(PyObject *m);
 
 #endif

@@ -35,7 +35,7 @@
 #include "tests/lib/job.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 
 #define WORLD 4
 #define FAILS 3

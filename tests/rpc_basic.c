@@ -227,7 +227,7 @@ int main(void)
 		return tl_skip("shmrun is not built");
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", NULL) == 0, "2 workers failed");
 	/* In spin mode, waiting callers and idle executors never sleep and take
-	 * frames off the rings themselves (worker/agent.h), not only within a
+	 * frames off the rings themselves (worker/link.h), not only within a
 	 * short budget: the same checks must hold. */
 	CHECK(tl_shmrun(out, sizeof(out), "-n", "2", "--wait=spin", NULL) == 0,
 	      "2 workers in spin mode failed");

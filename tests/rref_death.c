@@ -36,7 +36,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "shm/pool.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/rref.h"
 #include "tests/lib/barrier.h"
 #include "tests/lib/job.h"

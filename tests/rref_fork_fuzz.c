@@ -26,7 +26,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "shm/pool.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "tests/lib/barrier.h"
 #include "tests/lib/job.h"
 #include "tests/lib/settle.h"

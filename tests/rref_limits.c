@@ -23,7 +23,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/rref.h"
 #include "tests/lib/job.h"
 #include "tests/lib/settle.h"

@@ -24,7 +24,8 @@
 #include "tests/lib/keep.h"
 #include "tests/lib/settle.h"
 #include "tests/lib/testlib.h"
-#include "worker/agent.h"
+#include "worker/client.h"
+#include "worker/link.h"
 #include "worker/msg.h"
 #include "worker/value.h"
 

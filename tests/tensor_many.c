@@ -11,7 +11,7 @@
 
 #include "shmrpc.h"
 #include "shm/pool.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
 

@@ -10,12 +10,13 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/carry.h"
+#include "worker/client.h"
 #include "worker/devmap.h"
 #include "worker/future.h"
 #include "worker/msg.h"
+#include "worker/pins.h"
 #include "worker/profile.h"
-#include "worker/rref.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
 #include "worker/value.h"
@@ -97,7 +98,7 @@ static void settled(struct agent *ag, shmrpc_future *f)
 	future_unref(f);
 }
 
-static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
+void client_complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 		     const void *payload, size_t len)
 {
 	shmrpc_future *f = pending_take(msg_id, src);
@@ -142,21 +143,10 @@ static void complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 			future_fail(f, -EBADMSG, NULL, "a malformed EXCEPTION reply came back", NULL);
 		arena_free(&a);
 	} else if (future_complete_packed(f, payload, len)) {
-		server_ack_tensors(ag, src, msg_id);
+		pins_ack(ag, src, msg_id);
 	}
 	arena_free(&pa);
 	settled(ag, f);
-}
-
-void client_on_reply(struct agent *ag, const struct ipc_frame *fr)
-{
-	complete(ag, fr->hdr.src, fr->hdr.type, fr->hdr.msg_id, fr->payload, fr->hdr.payload_len);
-}
-
-void client_complete_local(struct agent *ag, uint16_t type, uint64_t msg_id, const void *payload,
-			   size_t len)
-{
-	complete(ag, ag->rank, type, msg_id, payload, len);
 }
 
 static void fail_chain(struct agent *ag, shmrpc_future *f, int err, const char *why, bool timeout)
@@ -336,6 +326,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	uint32_t caller = 0, depth = 0;
 	uint64_t served = 0, needed_by;
 	const struct help_chain *up = NULL;
+	const struct link_served *sv;
 	struct help_chain help = { 0 };
 	int rc;
 
@@ -343,7 +334,13 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	sync_next = false;
 	profile_take_names(&kind, &name, &torch);
 	asks = (profile_on() ? PROFILE_CALLS : 0u) | torch;
-	nested = server_serving(&caller, &served, &depth, &up);
+	if ((sv = link_serving())) {
+		caller = sv->src;
+		served = sv->msg_id;
+		depth = sv->depth;
+		up = sv->up;
+	}
+	nested = sv != NULL;
 	depth++;
 	if (depth > SHMRPC_MAX_NESTING)
 		rc = shmrpc__fail(-SHMRPC_ENESTING, "cannot %s on worker %d: calls would nest "
@@ -368,7 +365,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 		goto out;
 	/* Each step below is undone, in reverse order, by the label of the
 	 * same name when a later one fails. */
-	if (sent->nr && (rc = rref_charge(ag, sent, (uint32_t)dst)))
+	if (sent->nr && (rc = rref_ops.charge(ag, sent, (uint32_t)dst)))
 		goto out;
 	if (timeout_ms == SHMRPC_TIMEOUT_DEFAULT)
 		timeout_ms = (int64_t)(ag->default_timeout_ns / 1000000u);
@@ -396,10 +393,8 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	/* In the table before it is sent: the reply may come back at once. */
 	pending_add(f);
 	trace_rec(SHM_TRACE_SENT, f->dst, type, f->msg_id, sb->size, SHM_TRACE_OK);
-	if ((uint32_t)dst == ag->rank) {
-		server_submit(ag, ag->rank, type, f->msg_id, needed_by, depth, help.e, help.n,
-			      sb->data, sb->size);
-	} else if ((rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, &help,
+	/* To ourselves, the request is queued at once (link.h). */
+	if ((rc = agent_send(ag, (uint32_t)dst, type, f->msg_id, needed_by, depth, &help,
 				    sb->data, sb->size))) {
 		char msg[1024];
 
@@ -417,7 +412,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 pinned:
 	pins_release((uint32_t)dst, f->msg_id, PIN_REQUEST);
 charged:
-	rref_uncharge(ag, sent, (uint32_t)dst);
+	rref_ops.uncharge(ag, sent, (uint32_t)dst);
 out:
 	tensor_list_forget(sent);
 	if (f)

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 #include "worker/cuda.h"
 #include "worker/devmap.h"
 #include "worker/tensor.h"

@@ -11,9 +11,8 @@
 #include "common/error.h"
 #include "common/spin.h"
 #include "ipc/doorbell.h"
-#include "worker/agent.h"
 #include "worker/executor.h"
-#include "worker/future.h"
+#include "worker/link.h"
 
 /* Idle executor threads spin at most this long, whatever the mode: several
  * per process spinning for ever would starve everything else of CPU. */
@@ -28,8 +27,9 @@
 
 struct waiter {
 	struct waiter *next;
-	shmrpc_future *f;
-	bool helps; /* takes f's jobs now: below EXECUTOR_HELP_LEVELS, not running one */
+	uint64_t call;            /* the call's id (struct job's needed_by) */
+	const _Atomic int *done; /* the call's completion */
+	bool helps; /* takes the call's jobs now: below EXECUTOR_HELP_LEVELS, not running one */
 	struct job *mail, *mail_tail; /* handed to it, not run yet */
 	pthread_cond_t cond; /* signalled with ex.lock held: mail, or f done */
 };
@@ -75,13 +75,6 @@ static _Thread_local struct {
 	int n;
 	bool open;
 } batch;
-
-struct callback_job {
-	struct job base;
-	shmrpc_future *f;
-	void (*fn)(shmrpc_future *, void *);
-	void *arg;
-};
 
 static void set_idle(int delta)
 {
@@ -244,7 +237,7 @@ static bool run_next(void)
 	return true;
 }
 
-/* An idle spinning thread takes requests off the rings itself (agent.h):
+/* An idle spinning thread takes requests off the rings itself (link.h):
  * what it queues, it runs next (push wakes no one while it is awake). */
 static bool spin_work(void *arg)
 {
@@ -438,7 +431,7 @@ static struct waiter **bucket(uint64_t msg_id)
 static bool hand_to_waiter(struct job *j)
 {
 	for (struct waiter *w = *bucket(j->needed_by); w; w = w->next) {
-		if (!w->helps || w->f->msg_id != j->needed_by)
+		if (!w->helps || w->call != j->needed_by)
 			continue;
 		j->next = NULL;
 		if (w->mail_tail)
@@ -532,28 +525,7 @@ void executor_batch_end(void)
 	batch.open = false;
 }
 
-static void run_callback(struct job *j)
-{
-	struct callback_job *c = (struct callback_job *)j;
-
-	c->fn(c->f, c->arg);
-	future_unref(c->f);
-	free(c);
-}
-
-int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *), void *arg)
-{
-	struct callback_job *c = malloc(sizeof(*c));
-
-	if (!c)
-		return shmrpc__fail(-ENOMEM, "out of memory queueing a future callback");
-	future_ref(f);
-	*c = (struct callback_job){ { .run = run_callback }, f, fn, arg };
-	executor_submit(&c->base);
-	return 0;
-}
-
-void executor_kick(shmrpc_future *f)
+void executor_kick(uint64_t call, const _Atomic int *done)
 {
 	/* seq_cst fence: after the completer's store of done, before reading
 	 * helpers; pairs with the fence in executor_help_until (a waiter
@@ -562,8 +534,8 @@ void executor_kick(shmrpc_future *f)
 	if (!atomic_load_explicit(&ex.helpers, memory_order_relaxed))
 		return;
 	pthread_mutex_lock(&ex.lock);
-	for (struct waiter *w = *bucket(f->msg_id); w; w = w->next)
-		if (w->f == f)
+	for (struct waiter *w = *bucket(call); w; w = w->next)
+		if (w->done == done)
 			pthread_cond_signal(&w->cond);
 	pthread_mutex_unlock(&ex.lock);
 }
@@ -585,7 +557,7 @@ bool executor_on_worker_thread(void)
 static void take_queued(struct waiter *w)
 {
 	for (struct job **at = &ex.head, *j, *last = NULL; (j = *at);) {
-		if (j->needed_by != w->f->msg_id) {
+		if (j->needed_by != w->call) {
 			last = j;
 			at = &j->next;
 			continue;
@@ -617,9 +589,9 @@ static void run_for(struct waiter *w, struct job *j)
 	w->helps = true;
 }
 
-int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
+int executor_help_until(uint64_t call, const _Atomic int *done, uint64_t deadline_ns)
 {
-	struct waiter w = { .f = f, .helps = help_levels < EXECUTOR_HELP_LEVELS };
+	struct waiter w = { .call = call, .done = done, .helps = help_levels < EXECUTOR_HELP_LEVELS };
 	uint64_t grace = shmrpc_now_ns() + EXECUTOR_GRACE_NS;
 	bool blocked = false;
 	pthread_condattr_t ca;
@@ -631,8 +603,8 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	pthread_mutex_lock(&ex.lock);
 	/* Not busy while it waits (busy_add): requests must ring to be served. */
 	busy_release();
-	w.next = *bucket(f->msg_id);
-	*bucket(f->msg_id) = &w;
+	w.next = *bucket(call);
+	*bucket(call) = &w;
 	/* Counted before done is read, with a seq_cst fence between: pairs
 	 * with executor_kick (a completion either sees us or we see done).
 	 * Relaxed: the count changes under the lock, which we hold. */
@@ -641,7 +613,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	if (w.helps && ex.tagged)
 		take_queued(&w);
 	/* Acquire pairs with the completer's release of done. */
-	while (!atomic_load_explicit(&f->done, memory_order_acquire)) {
+	while (!atomic_load_explicit(done, memory_order_acquire)) {
 		struct job *j = w.mail;
 		uint64_t now, until;
 		struct timespec ts;
@@ -681,7 +653,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 		ts = (struct timespec){ (time_t)(until / 1000000000u), (long)(until % 1000000000u) };
 		pthread_cond_timedwait(&w.cond, &ex.lock, &ts);
 	}
-	for (struct waiter **at = bucket(f->msg_id);; at = &(*at)->next)
+	for (struct waiter **at = bucket(call);; at = &(*at)->next)
 		if (*at == &w) {
 			*at = w.next;
 			break;
@@ -706,7 +678,7 @@ int executor_help_until(shmrpc_future *f, uint64_t deadline_ns)
 	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
 	pthread_cond_destroy(&w.cond);
-	return atomic_load_explicit(&f->done, memory_order_acquire) ? 0 : -ETIMEDOUT;
+	return atomic_load_explicit(done, memory_order_acquire) ? 0 : -ETIMEDOUT;
 }
 
 void executor_block_begin(void)

@@ -25,6 +25,7 @@
 #ifndef SHMRPC_WORKER_EXECUTOR_H
 #define SHMRPC_WORKER_EXECUTOR_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -63,19 +64,20 @@ SHMRPC_HIDDEN void executor_submit(struct job *j);
  * (the loop thread brackets each poll of the rings with them). */
 SHMRPC_HIDDEN void executor_batch_begin(void);
 SHMRPC_HIDDEN void executor_batch_end(void);
-SHMRPC_HIDDEN int executor_submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *),
-					   void *arg);
-/* An idle thread that spins (its hand-off budget, agent.h) polls ag's
+/* An idle thread that spins (its hand-off budget, link.h) polls ag's
  * rings meanwhile; NULL stops it. */
 struct agent;
 SHMRPC_HIDDEN void executor_poll_rings(struct agent *ag);
-/* Wakes the executor threads that wait for f (it has completed). */
-SHMRPC_HIDDEN void executor_kick(shmrpc_future *f);
+/* Wakes the executor threads that wait for call (done: its completion,
+ * just stored). */
+SHMRPC_HIDDEN void executor_kick(uint64_t call, const _Atomic int *done);
 SHMRPC_HIDDEN bool executor_on_worker_thread(void);
-/* On an executor thread: waits until f, a call of ours, is done or the
- * deadline (0: none) passes, running the jobs f needs meanwhile (above).
- * 0 or -ETIMEDOUT. */
-SHMRPC_HIDDEN int executor_help_until(shmrpc_future *f, uint64_t deadline_ns);
+/* On an executor thread: waits until call, one of ours (its id: struct
+ * job's needed_by), is done (*done, acquire: pairs with the completer's
+ * release) or the deadline (0: none) passes, running the jobs the call
+ * needs meanwhile (above). 0 or -ETIMEDOUT. */
+SHMRPC_HIDDEN int executor_help_until(uint64_t call, const _Atomic int *done,
+				      uint64_t deadline_ns);
 /* Around any other wait of an executor thread: it is counted out of the
  * pool meanwhile (above). Nothing on other threads. */
 SHMRPC_HIDDEN void executor_block_begin(void);

@@ -7,9 +7,9 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
-#include "worker/agent.h"
 #include "worker/executor.h"
 #include "worker/future.h"
+#include "worker/link.h"
 #include "worker/profile.h"
 #include "worker/value.h"
 
@@ -61,6 +61,35 @@ void future_unref(shmrpc_future *f)
 	free(f);
 }
 
+struct callback_job {
+	struct job base;
+	shmrpc_future *f;
+	void (*fn)(shmrpc_future *, void *);
+	void *arg;
+};
+
+static void run_callback(struct job *j)
+{
+	struct callback_job *c = (struct callback_job *)j;
+
+	c->fn(c->f, c->arg);
+	future_unref(c->f);
+	free(c);
+}
+
+/* Runs fn(f, arg) on an executor thread, f held until then. */
+static int submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *), void *arg)
+{
+	struct callback_job *c = malloc(sizeof(*c));
+
+	if (!c)
+		return shmrpc__fail(-ENOMEM, "out of memory queueing a future callback");
+	future_ref(f);
+	*c = (struct callback_job){ { .run = run_callback }, f, fn, arg };
+	executor_submit(&c->base);
+	return 0;
+}
+
 /* Marks f done, wakes its waiters and queues its callbacks; f->lock held on entry. */
 static void finish(shmrpc_future *f)
 {
@@ -73,12 +102,12 @@ static void finish(shmrpc_future *f)
 	atomic_store_explicit(&f->done, 1, memory_order_release);
 	pthread_cond_broadcast(&f->cond);
 	pthread_mutex_unlock(&f->lock);
-	executor_kick(f);
+	executor_kick(f->msg_id, &f->done);
 	agent_future_done();
 	while (cbs) {
 		struct future_cb *next = cbs->next;
 
-		executor_submit_callback(f, cbs->fn, cbs->arg);
+		submit_callback(f, cbs->fn, cbs->arg);
 		free(cbs);
 		cbs = next;
 	}
@@ -129,12 +158,18 @@ static bool is_done(shmrpc_future *f)
 	return atomic_load_explicit(&f->done, memory_order_acquire);
 }
 
+/* is_done for agent_wait_reply. */
+static bool done_of(void *f)
+{
+	return is_done(f);
+}
+
 struct spin_wait {
 	shmrpc_future *f;
 	struct agent *ag;
 };
 
-/* A spinning waiter takes its reply itself (agent.h); it stops when the
+/* A spinning waiter takes its reply itself (link.h); it stops when the
  * agent is going. */
 static bool spin_done(void *arg)
 {
@@ -145,7 +180,7 @@ static bool spin_done(void *arg)
 	return !agent_spin_poll(w->ag) || is_done(w->f);
 }
 
-/* Spins a hand-off's budget (agent.h) for f; whether f is done. */
+/* Spins a hand-off's budget (link.h) for f; whether f is done. */
 static bool spin_wait(shmrpc_future *f, uint64_t deadline_ns)
 {
 	struct spin_wait w = { f, agent_spin_begin() };
@@ -168,12 +203,12 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 	/* An executor thread runs what the call needs rather than spin: the
 	 * reply it waits for may depend on it (executor.h). */
 	if (executor_on_worker_thread())
-		return executor_help_until(f, deadline_ns);
+		return executor_help_until(f->msg_id, &f->done, deadline_ns);
 	if (is_done(f) || spin_wait(f, deadline_ns)) /* done before: nothing to learn */
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
-	if (agent_wait_reply(f, deadline_ns)) /* we take our replies (agent.h) */
+	if (agent_wait_reply(done_of, f, deadline_ns)) /* we take our replies (link.h) */
 		return is_done(f) ? 0 : -ETIMEDOUT;
 	pthread_mutex_lock(&f->lock);
 	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)
@@ -239,7 +274,7 @@ int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg)
 	pthread_mutex_lock(&f->lock);
 	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
 		pthread_mutex_unlock(&f->lock);
-		return executor_submit_callback(f, cb, arg);
+		return submit_callback(f, cb, arg);
 	}
 	c = malloc(sizeof(*c));
 	if (!c) {

@@ -3,9 +3,11 @@
 #include <msgpack.h>
 
 #include "common/error.h"
-#include "worker/agent.h"
+#include "worker/client.h"
+#include "worker/link.h"
 #include "worker/msg.h"
 #include "worker/python.h"
+#include "worker/python_api.h"
 #include "worker/value.h"
 
 static _Atomic(python_handler_fn) handler;

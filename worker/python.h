@@ -86,9 +86,6 @@ struct python_request {
 typedef int (*python_handler_fn)(uint32_t caller, const struct python_request *in,
 				 struct python_request *out, struct profile_events *ops);
 
-/* Installs the handler; without one, Python requests are answered
- * "request type PYTHON_CALL is not supported yet" (a C-only worker). */
-SHMRPC_HIDDEN void python_set_handler(python_handler_fn fn);
 SHMRPC_HIDDEN python_handler_fn python_handler(void);
 /* Whether the binding's handler serves requests of this type. */
 SHMRPC_HIDDEN bool python_is_request(uint32_t type);
@@ -105,27 +102,12 @@ SHMRPC_HIDDEN int python_request_value(const struct python_request *r, struct ar
  * sentence if the value is not that type's payload. */
 SHMRPC_HIDDEN int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 				    struct python_request *r);
-/* The Python message of a reply to python_request_async: a PYTHON_RET or
- * _RESP payload, or the one a FORWARD_AUTOGRAD_RESP wraps (the future
- * does not keep the reply's type: the two shapes differ). */
-SHMRPC_HIDDEN int python_reply_of(const shmrpc_value *v, struct arena *a, struct python_msg *m);
-/* Sends r (a request type the binding sends: PYTHON_CALL or an autograd
- * one) to dst; the future's value is the reply (python_reply_of). */
-SHMRPC_HIDDEN int python_request_async(int dst, const struct python_request *r,
-				       int64_t timeout_ms, shmrpc_future **out);
+
 /* How many requests of type this process sent (python_request_async,
  * python_remote); python_count_sent counts one more. */
 SHMRPC_HIDDEN uint64_t python_sent(uint16_t type);
 SHMRPC_HIDDEN void python_count_sent(uint16_t type);
-/* Sends r, a PYTHON_REMOTE_CALL or a FORWARD_AUTOGRAD_REQ wrapping one, to
- * dst (rref.c); the RRef's value is the pickled result. */
-SHMRPC_HIDDEN int python_remote(int dst, const struct python_request *r, int64_t timeout_ms,
-				shmrpc_rref **out);
-/* RRef(value) on this worker (rref.c): an owner RRef, ready at once,
- * whose value is pickled (a value no code can change), or, live, the
- * binding's own object (it keeps it under the RRef's id from now on). */
-SHMRPC_HIDDEN int python_rref_local(const char *pickled, uint32_t len, bool live,
-				    shmrpc_rref **out);
+
 /* Packs r (as python_remote takes it) as its payload for the new RRef
  * (id, slot); sent gets its tensors and RRefs (value_pack's). */
 SHMRPC_HIDDEN int python_remote_pack(msgpack_packer *pk, const struct python_request *r,

@@ -114,6 +114,10 @@ SHMRPC_HIDDEN int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot,
 /* Frees what the RRefs on our collect list hold (rref_table.h), and
  * removes them: the last drop of each put it there. Any thread. */
 SHMRPC_HIDDEN void rref_owner_collect_listed(struct agent *ag);
+/* What a drop of ours that unreferenced an RRef we own runs at once:
+ * rref_owner_collect_listed, set by agent.c at init (rref_owner.c is of
+ * a level above the handles'). */
+SHMRPC_HIDDEN void rref_set_collect(void (*collect)(struct agent *ag));
 /* A peer died (its references were swept): collects every RRef of ours it
  * left unreferenced (the sweep listed them), and drops our pending-child
  * references to forks sent to a child that is gone. From an executor thread. */

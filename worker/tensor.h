@@ -1,5 +1,9 @@
 /*
- * Tensors in the pool, as the agent handles them.
+ * Tensors in the pool, as the agent handles them. Declared here, made in
+ * several files (docs/ARCHITECTURE.md, "worker/ in levels"): the pool's
+ * mapping (tensor_view.c), device tensors' bytes (tensor_dev.c), handles
+ * (tensor.c), carry lists (carry.c), descriptors (tensor_wire.c); the
+ * pins are pins.h's.
  *
  * Handing over. A tensor travels as a descriptor (pool offset, byte size,
  * dtype, shape) in a MessagePack extension (docs/PROTOCOL.md). The sender's
@@ -101,8 +105,8 @@ struct tensor_view {
 	_Atomic uint32_t refs;
 };
 
-struct tensor_dev; /* a device tensor's bytes (tensor.c) */
-struct tensor_heap; /* a small tensor's bytes in this process's memory (tensor.c) */
+struct tensor_dev; /* a device tensor's bytes (tensor_dev.c) */
+struct tensor_heap; /* a small tensor's bytes in this process's memory (tensor_impl.h) */
 
 struct shmrpc_tensor {
 	struct tensor_view *view; /* the mapping dl.data points into; NULL on a device */
@@ -144,6 +148,7 @@ struct tensor_list {
 SHMRPC_HIDDEN int tensor_view_open(struct shm_pool *p, struct tensor_view **out);
 SHMRPC_HIDDEN void tensor_view_put(struct tensor_view *v);
 
+/* The lists' functions are carry.c's (the level above the handles). */
 SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
 SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
 /* Frees every handle of the list (dropping their references) and the list. */
@@ -156,6 +161,8 @@ SHMRPC_HIDDEN bool tensor_list_has(const struct tensor_list *l, const shmrpc_ten
 SHMRPC_HIDDEN bool tensor_list_has_before(const struct tensor_list *l, uint32_t n,
 					  const shmrpc_tensor *t);
 
+/* d's event to give back when l goes. */
+SHMRPC_HIDDEN int tensor_list_add_event(struct tensor_list *l, const struct cuda_ipc_desc *d);
 /* Adds to held a reference of ours to each tensor of sent that went by
  * reference (not inline; the pool copies the encoding made included), and
  * moves sent's CUDA events there. */
@@ -183,11 +190,6 @@ SHMRPC_HIDDEN int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_te
 SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
 				shmrpc_tensor **out);
 
-enum pin_kind {
-	PIN_REQUEST = 0, /* our request to peer: released by its reply */
-	PIN_REPLY = 1,   /* our reply to peer's request: released by its TENSOR_ACK */
-};
-
 /* How often the loop thread has a producer's exports checked while there
  * are any. */
 #define TENSOR_REAP_NS (10u * 1000u * 1000u)
@@ -212,14 +214,5 @@ SHMRPC_HIDDEN uint64_t tensor_exports_tick(uint64_t now);
  * for the peers to leave), reports the rest on stderr. */
 struct agent;
 SHMRPC_HIDDEN void tensor_exports_shutdown(struct agent *ag, bool wait);
-
-/* Pins the tensors of a message (peer, msg_id, kind); 0 or -errno. */
-SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
-			   struct tensor_list *sent);
-SHMRPC_HIDDEN void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
-/* peer died: its pins, both kinds, go. */
-SHMRPC_HIDDEN void pins_release_peer(uint32_t peer);
-/* The agent stops: every pin goes. */
-SHMRPC_HIDDEN void pins_release_all(void);
 
 #endif

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "worker/rref.h"
+#include "worker/carry.h"
 #include "worker/tensor.h"
 #include "worker/value.h"
 
@@ -55,7 +55,7 @@ static int pack(msgpack_packer *pk, const shmrpc_value *v, int depth, struct ten
 			return shmrpc__fail(-EINVAL, "an RRef cannot travel in this message");
 		if (!v->u.r)
 			return shmrpc__fail(-EINVAL, "an RRef value without an RRef");
-		return rref_pack(pk, v->u.r) ?: tensor_list_add_rref(sent, v->u.r);
+		return rref_ops.pack(pk, v->u.r) ?: tensor_list_add_rref(sent, v->u.r);
 	default:
 		return shmrpc__fail(-EINVAL, "a value of unknown type %u cannot be sent", v->type);
 	}
@@ -222,10 +222,14 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 		}
 		if (o->via.ext.type == VALUE_EXT_RREF && got) {
 			shmrpc_rref *r;
-			int rc = rref_unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
+			/* The operations come with the first shmrpc_init (carry.h). */
+			int rc = !rref_ops.unpack
+					 ? shmrpc__fail(-ENOTSUP, "an RRef came in, but no RPC agent "
+							"has started in this process")
+					 : rref_ops.unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
 
 			if (rc == 0 && (rc = tensor_list_add_rref(got, r)))
-				shmrpc_rref_free(r);
+				rref_ops.free(r);
 			if (rc == 0)
 				*v = shmrpc_rref_value(r);
 			return rc;

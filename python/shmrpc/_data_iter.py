@@ -53,7 +53,7 @@ class _Iter(_BaseIter):
                 loader._workers = self.workers
         # In a job of its own, this process waits for every call it makes:
         # it takes the workers' replies itself when it waits, and a reply
-        # that comes before that wakes nobody (worker/agent.h).
+        # that comes before that wakes nobody (worker/link.h).
         self.took_replies = self.workers.job is not None
         if self.took_replies:
             _shmrpc.take_replies(True)

@@ -5,7 +5,7 @@
 #include "common/clock.h"
 #include "shm/pool.h"
 #include "tests/lib/settle.h"
-#include "worker/agent.h"
+#include "worker/link.h"
 
 uint32_t tl_rrefs_live(void)
 {

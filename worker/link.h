@@ -1,5 +1,12 @@
 /*
- * The RPC agent of this process: one per process, started by shmrpc_init.
+ * The link: this process's agent (struct agent, worker_agent), who the
+ * peers are and whether they are there, sending (to oneself included),
+ * taking what the rings hold, the startup wait and the hand-off spin.
+ * Everything in worker/ above the leaves reaches the job through here;
+ * what a frame means is for the levels above, which say it through the
+ * hooks agent.c sets at init (struct link_hooks).
+ *
+ * The agent (agent.c) is one per process, started by shmrpc_init.
  *
  * Threads:
  *  - the loop thread polls the incoming rings and sleeps on the doorbell
@@ -15,11 +22,11 @@
  * rings itself while it spins (agent_poll): a waiting caller
  * then takes its own reply, an idle executor its next request, and a call
  * crosses two threads instead of four. Whoever polls does what the loop
- * thread would (on_frame: queue requests, complete futures); one at a
+ * thread would (the hooks' frame: queue requests, complete futures); one at a
  * time, by poll_lock, because each ring has one consumer.
  */
-#ifndef SHMRPC_WORKER_AGENT_H
-#define SHMRPC_WORKER_AGENT_H
+#ifndef SHMRPC_WORKER_LINK_H
+#define SHMRPC_WORKER_LINK_H
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -33,7 +40,10 @@
 #include "shm/pool.h"
 #include "shm/rref_table.h"
 #include "shm/segment.h"
-#include "worker/tensor.h"
+#include "shmrpc.h"
+
+struct devmap_landing;
+struct tensor_view;
 
 struct agent {
 	struct shm_seg seg;
@@ -125,10 +135,10 @@ SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
  * Off again, the rings are polled at once.
  */
 SHMRPC_HIDDEN void agent_take_replies(struct agent *ag, bool on);
-/* A user thread waits for f until the deadline (ns, 0: none) that way:
- * false when the mode is off (or goes off meanwhile): the caller waits
- * its usual way. */
-SHMRPC_HIDDEN bool agent_wait_reply(shmrpc_future *f, uint64_t deadline_ns);
+/* A user thread waits until done(arg) (a future's completion) or the
+ * deadline (ns, 0: none) that way: false when the mode is off (or goes off
+ * meanwhile): the caller waits its usual way. */
+SHMRPC_HIDDEN bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t deadline_ns);
 /* A future was completed: wakes the threads on the replies' bell. */
 SHMRPC_HIDDEN void agent_future_done(void);
 /* The calling thread (the loop thread, or one taking its replies) may
@@ -159,58 +169,73 @@ struct help_chain {
 
 /* Sends a frame from a non-loop thread; the text of a failure in errmsg.
  * needed_by, depth, help: a request's (ipc/frame.h; help NULL: none); 0
- * and NULL for other frames. */
+ * and NULL for other frames. To ourselves (dst our rank), the frame goes
+ * to the hooks' local at once, through no ring. */
 SHMRPC_HIDDEN int agent_send(struct agent *ag, uint32_t dst, uint16_t type, uint64_t msg_id,
 			     uint64_t needed_by, uint32_t depth, const struct help_chain *help,
 			     const void *payload, size_t len);
 
-/* client.c: the table of calls waiting for their reply (loop thread side). */
-SHMRPC_HIDDEN void client_on_reply(struct agent *ag, const struct ipc_frame *f);
-SHMRPC_HIDDEN void client_complete_local(struct agent *ag, uint16_t type, uint64_t msg_id,
-					 const void *payload, size_t len);
-SHMRPC_HIDDEN uint64_t client_expire(struct agent *ag, uint64_t now);
-SHMRPC_HIDDEN void client_fail_peer(struct agent *ag, uint32_t peer, const char *why);
-SHMRPC_HIDDEN void client_fail_all(struct agent *ag, const char *why);
+/* What the levels above do with a frame (agent.c sets them at init,
+ * before the first poll; they stay until the process ends). */
+struct link_hooks {
+	/* A frame taken from a ring, on the thread that polls (agent_poll). */
+	void (*frame)(struct agent *ag, const struct ipc_frame *f);
+	/* A frame sent to ourselves (agent_send), on the sending thread. */
+	void (*local)(struct agent *ag, uint16_t type, uint64_t msg_id, uint64_t needed_by,
+		      uint32_t depth, const struct help_chain *help, const void *payload,
+		      size_t len);
+	/* Around each poll of the rings (the executor's batch of jobs). */
+	void (*poll_begin)(void);
+	void (*poll_end)(void);
+};
+SHMRPC_HIDDEN void link_set_hooks(const struct link_hooks *h);
 
-/* client.c: a call's payload, [fn, args] or [fn, flags, args]; the
- * tensors and RRefs in args are added to sent. */
-#define CALL_F_PROXY 1u /* args[0] is an RRef owned by the callee: pass its value */
-SHMRPC_HIDDEN int client_encode_call(msgpack_sbuffer *sb, const char *fn, const shmrpc_value *args,
-				     uint32_t nargs, uint32_t flags, struct tensor_list *sent);
-/* client.c: "<verb> fn()<tail>" (fn cut at 256 bytes) in what, for
- * client_request's errors. Made on every call, so by hand: snprintf costs
- * more than the rest of encoding a call. verb and tail are short literals. */
-#define CLIENT_WHAT_MAX 320
-SHMRPC_HIDDEN void client_what(char what[static CLIENT_WHAT_MAX], const char *verb,
-			       const char *fn, const char *tail);
-/* client.c: sends a request (payload sb) to dst and makes its future.
- * sent: the tensors (pinned until the reply) and RRefs (charged to dst)
- * the payload holds; the list is consumed. what: "call foo()", for errors. */
-SHMRPC_HIDDEN int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb,
-				 struct tensor_list *sent, int64_t timeout_ms, const char *what,
-				 shmrpc_future **out);
+/* The request this thread serves (the innermost, if it serves another
+ * while it waits): its caller, id, depth and the waits upstream of it. */
+struct link_served {
+	uint32_t src;
+	uint64_t msg_id;
+	uint32_t depth;
+	const struct help_chain *up;
+};
+/* The server says which request this thread serves from now on (NULL:
+ * none) and gets the one before, to give back when it is done. */
+SHMRPC_HIDDEN const struct link_served *link_serving_swap(const struct link_served *s);
+/* The request this thread serves; NULL on a thread that serves none. */
+SHMRPC_HIDDEN const struct link_served *link_serving(void);
 
-/* client.c: waits for f; its value in *out, or its error (f freed). */
-SHMRPC_HIDDEN int client_sync_wait(shmrpc_future *f, shmrpc_future **out);
+/* A peer's slot, as the launcher and the peer publish it. */
+static inline uint32_t link_agent_state(const struct agent *ag, uint32_t r)
+{
+	/* Acquire pairs with the owner's release store of its state. */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->agent_state, memory_order_acquire);
+}
 
-/* server.c: tells peer that the tensors of its reply msg_id are ours now. */
-SHMRPC_HIDDEN void server_ack_tensors(struct agent *ag, uint32_t peer, uint64_t msg_id);
-/* server.c: a request, copied out of the ring, run on an executor thread.
- * needed_by, depth: the frame header's (ipc/frame.h); help (help_n
- * entries, unaligned), the waits upstream of it. */
-SHMRPC_HIDDEN void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
-				 uint64_t needed_by, uint32_t depth, const void *help,
-				 uint32_t help_n, const void *payload, size_t len);
-/* server.c: the request this thread serves (its innermost, if it helps
- * with another while it waits): its caller, id, depth and the waits
- * upstream of it; false on a thread that serves none. */
-SHMRPC_HIDDEN bool server_serving(uint32_t *caller, uint64_t *msg_id, uint32_t *depth,
-				  const struct help_chain **up);
+static inline uint32_t link_worker_state(const struct agent *ag, uint32_t r)
+{
+	/* Acquire pairs with the launcher's release of DEAD/EXITED (exit_info before it). */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->state, memory_order_acquire);
+}
 
-/* client.c: on, the next request this thread sends is an rpc_sync (it will
- * wait for it before anything else), which lets the caller of the request
- * it serves run it while waiting (worker/executor.h); off after the send,
- * for a call refused before it. */
-SHMRPC_HIDDEN void client_sync_next(bool on);
+/* How rank r ended: read after link_worker_state said DEAD or EXITED. */
+static inline uint32_t link_exit_info(const struct agent *ag, uint32_t r)
+{
+	/* Relaxed: published by the state's store, which link_worker_state acquired. */
+	return atomic_load_explicit(&shm_worker(&ag->seg, r)->exit_info, memory_order_relaxed);
+}
+
+/* Publishes our agent_state (release: what we did before is visible with
+ * it) and rings every peer to see it. */
+SHMRPC_HIDDEN void link_set_agent_state(struct agent *ag, uint32_t st);
+
+/* shmrpc_init, once the port is open: the hand-off spin of the port's
+ * wait mode; shmrpc_shutdown: 0 again. */
+SHMRPC_HIDDEN void link_handoff_open(const struct agent *ag);
+SHMRPC_HIDDEN void link_handoff_close(void);
+/* User threads may poll ag's rings while they spin (agent_spin_begin);
+ * NULL: no more, and returns once none does (shutdown). */
+SHMRPC_HIDDEN void link_spin_agent(struct agent *ag);
+/* A child forked from this process waits for no reply of ours. */
+SHMRPC_HIDDEN void link_forget_in_child(void);
 
 #endif

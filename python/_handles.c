@@ -1,0 +1,97 @@
+/* The module's objects: each wraps one library handle, which it owns. */
+#define Py_LIMITED_API 0x03090000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shmrpc.h"
+#include "python/module.h"
+#include "worker/python_api.h"
+
+/* Py_NewRef is not in the 3.9 stable ABI. */
+PyObject *new_ref(PyObject *o)
+{
+	Py_INCREF(o);
+	return o;
+}
+
+/* An exception with shmrpc's text for rc: TimeoutError for timeouts,
+ * RuntimeError otherwise (the Python layer re-raises remote ones). */
+PyObject *fail(int rc)
+{
+	PyErr_SetString(rc == -ETIMEDOUT ? PyExc_TimeoutError : PyExc_RuntimeError,
+			shmrpc_errmsg());
+	return NULL;
+}
+
+/* torch's RuntimeError for a call that needs the agent before init_rpc. */
+PyObject *not_initialized(void)
+{
+	PyErr_SetString(PyExc_RuntimeError,
+			"RPC has not been initialized. Call shmrpc.init_rpc first.");
+	return NULL;
+}
+
+PyObject *FutureType, *RRefType, *TensorType;
+
+void release_future(void *h)
+{
+	shmrpc_future_free(h);
+}
+
+void release_rref(void *h)
+{
+	shmrpc_rref_free(h);
+}
+
+void release_tensor(void *h)
+{
+	shmrpc_tensor_free(h);
+}
+
+/* A new object of type owning h (released on failure). */
+static PyObject *wrap(PyObject *type, void *h, void (*release)(void *))
+{
+	HandleObject *o = PyObject_New(HandleObject, (PyTypeObject *)type);
+
+	if (!o) {
+		release(h);
+		return NULL;
+	}
+	o->h = h;
+	return (PyObject *)o;
+}
+
+void dealloc_with(PyObject *self, void (*release)(void *))
+{
+	PyTypeObject *tp = Py_TYPE(self);
+
+	release(HANDLE(self));
+	((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+	Py_DECREF(tp); /* heap types: each instance holds its type */
+}
+
+PyObject *rref_wrap(shmrpc_rref *r)
+{
+	return wrap(RRefType, r, release_rref);
+}
+
+/* ---- Tensor: a block of the pool, for DLPack consumers ---- */
+
+PyObject *tensor_wrap(shmrpc_tensor *t)
+{
+	return wrap(TensorType, t, release_tensor);
+}
+
+/* ---- Future ---- */
+
+PyObject *future_wrap(shmrpc_future *f)
+{
+	return wrap(FutureType, f, release_future);
+}

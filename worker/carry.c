@@ -1,0 +1,137 @@
+/*
+ * Carry lists (struct tensor_list, worker/tensor.h): the tensors and RRefs
+ * a message or a value holds, and the CUDA events its descriptors keep
+ * busy. RRefs are of a level above (worker/rref.c): the list frees them,
+ * and the value and client levels pack and charge them, through the
+ * operations agent.c sets at init (rref_ops).
+ */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "common/error.h"
+#include "worker/carry.h"
+#include "worker/cuda.h"
+
+struct rref_ops rref_ops;
+
+void carry_set_rref_ops(const struct rref_ops *ops)
+{
+	rref_ops = *ops;
+}
+
+int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t)
+{
+	if (l->n == l->cap) {
+		uint32_t cap = l->cap ? 2 * l->cap : 4;
+		shmrpc_tensor **n = realloc(l->t, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
+		l->t = n;
+		l->cap = cap;
+	}
+	l->t[l->n++] = t;
+	return 0;
+}
+
+int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r)
+{
+	if (l->nr == l->rcap) {
+		uint32_t cap = l->rcap ? 2 * l->rcap : 4;
+		shmrpc_rref **n = realloc(l->r, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing RRefs");
+		l->r = n;
+		l->rcap = cap;
+	}
+	l->r[l->nr++] = r;
+	return 0;
+}
+
+void tensor_list_free(struct tensor_list *l)
+{
+	for (uint32_t i = 0; i < l->n; i++)
+		shmrpc_tensor_free(l->t[i]);
+	for (uint32_t i = 0; i < l->nr; i++)
+		rref_ops.free(l->r[i]);
+	tensor_list_forget(l);
+}
+
+void tensor_list_forget(struct tensor_list *l)
+{
+	for (uint32_t i = 0; i < l->nmade; i++)
+		shmrpc_tensor_free(l->made[i]);
+	for (uint32_t i = 0; i < l->nev; i++)
+		cuda_export_done(&l->ev[i]);
+	free(l->ev);
+	free(l->made);
+	free(l->t);
+	free(l->r);
+	*l = (struct tensor_list){ 0 };
+}
+
+int tensor_list_add_event(struct tensor_list *l, const struct cuda_ipc_desc *d)
+{
+	if (l->nev == l->evcap) {
+		uint32_t cap = l->evcap ? 2 * l->evcap : 4;
+		struct cuda_ipc_desc *n = realloc(l->ev, cap * sizeof(*n));
+
+		if (!n)
+			return shmrpc__fail(-ENOMEM, "out of memory listing CUDA events");
+		l->ev = n;
+		l->evcap = cap;
+	}
+	l->ev[l->nev++] = *d;
+	return 0;
+}
+
+int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
+{
+	uint32_t had = held->nev;
+	int rc = 0;
+
+	/* The events first, moved: whatever fails after, held gives them back. */
+	for (uint32_t i = 0; i < sent->nev && rc == 0; i++)
+		rc = tensor_list_add_event(held, &sent->ev[i]);
+	if (rc) {
+		held->nev = had; /* still sent's alone */
+		return rc;
+	}
+	free(sent->ev);
+	sent->ev = NULL;
+	sent->nev = sent->evcap = 0;
+
+	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
+		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
+
+		if (s->heap)
+			continue; /* went inline: its bytes are in the message */
+		rc = shmrpc_tensor_retain(s, &t);
+		if (rc == 0 && (rc = tensor_list_add(held, t)))
+			shmrpc_tensor_free(t);
+	}
+	return rc;
+}
+
+uint32_t tensor_list_by_ref(const struct tensor_list *l)
+{
+	uint32_t n = l->nmade;
+
+	for (uint32_t i = 0; i < l->n; i++)
+		n += !l->t[i]->heap;
+	return n;
+}
+
+bool tensor_list_has_before(const struct tensor_list *l, uint32_t n, const shmrpc_tensor *t)
+{
+	for (uint32_t i = 0; i < n && i < l->n; i++)
+		if (l->t[i] == t)
+			return true;
+	return false;
+}
+
+bool tensor_list_has(const struct tensor_list *l, const shmrpc_tensor *t)
+{
+	return tensor_list_has_before(l, l->n, t);
+}

@@ -1,0 +1,165 @@
+/*
+ * Pins (pins.h): each message's held tensors, listed until the receiver
+ * takes them, and the TENSOR_ACK that says it did.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/error.h"
+#include "worker/executor.h"
+#include "worker/msg.h"
+#include "worker/pins.h"
+#include "worker/trace.h"
+
+struct pin {
+	struct pin *next;
+	uint32_t peer;
+	enum pin_kind kind;
+	uint64_t msg_id;
+	struct tensor_list held;
+};
+
+static struct {
+	pthread_mutex_t lock;
+	struct pin *head;
+} pins = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+/* The pin's handoff as the flight recorder shows it: kind PINNED or
+ * UNPINNED, with its tensors and their bytes. */
+static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
+{
+	uint64_t bytes = 0;
+
+	if (!trace_self.ctl)
+		return;
+	for (uint32_t i = 0; i < pin->held.n; i++)
+		bytes += pin->held.t[i]->nbytes;
+	trace_pins(kind, pin->peer, pin->kind == PIN_REPLY, pin->msg_id, pin->held.n, bytes, status);
+}
+
+int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_list *sent)
+{
+	struct pin *pin = calloc(1, sizeof(*pin));
+	int rc;
+
+	if (!pin)
+		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
+	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
+	rc = tensor_list_hold(sent, &pin->held);
+	/* Nothing by reference (all inline): nothing to wait for. */
+	if (rc || (!pin->held.n && !pin->held.nev)) {
+		tensor_list_free(&pin->held);
+		free(pin);
+		return rc;
+	}
+	/* Before the pin is listed: its release, and so its UNPINNED, cannot
+	 * come first. */
+	trace_pin(pin, SHM_TRACE_PINNED, SHM_TRACE_OK);
+	pthread_mutex_lock(&pins.lock);
+	pin->next = pins.head;
+	pins.head = pin;
+	pthread_mutex_unlock(&pins.lock);
+	return 0;
+}
+
+enum pin_match { MATCH_ONE, MATCH_PEER, MATCH_ALL };
+
+/* Takes out the pins that match; frees them after the lock is dropped. */
+static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	static const uint32_t status[] = { [MATCH_ONE] = SHM_TRACE_OK,
+					   [MATCH_PEER] = SHM_TRACE_PEER_DEAD,
+					   [MATCH_ALL] = SHM_TRACE_SHUTDOWN };
+	struct pin **at, *pin, *gone = NULL;
+
+	pthread_mutex_lock(&pins.lock);
+	for (at = &pins.head; (pin = *at);) {
+		if (how == MATCH_ALL || (pin->peer == peer && (how == MATCH_PEER ||
+			(pin->msg_id == msg_id && pin->kind == kind)))) {
+			*at = pin->next;
+			pin->next = gone;
+			gone = pin;
+		} else {
+			at = &pin->next;
+		}
+	}
+	pthread_mutex_unlock(&pins.lock);
+	while ((pin = gone)) {
+		gone = pin->next;
+		trace_pin(pin, SHM_TRACE_UNPINNED, status[how]);
+		tensor_list_free(&pin->held);
+		free(pin);
+	}
+}
+
+void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	release_if(MATCH_ONE, peer, msg_id, kind);
+}
+
+void pins_release_peer(uint32_t peer)
+{
+	release_if(MATCH_PEER, peer, 0, PIN_REQUEST);
+}
+
+void pins_release_all(void)
+{
+	release_if(MATCH_ALL, 0, 0, PIN_REQUEST);
+}
+
+/* ---- TENSOR_ACK ---- */
+
+#define ACK_DELAY_NS (1000u * 1000u)
+
+struct ack_job {
+	struct job base;
+	struct agent *ag;
+	uint32_t peer;
+	uint64_t msg_id;
+};
+
+static void run_ack(struct job *j)
+{
+	struct ack_job *a = (struct ack_job *)j;
+	int rc = agent_send(a->ag, a->peer, MSG_TENSOR_ACK, a->msg_id, 0, 0, NULL, NULL, 0);
+
+	/* A peer that died has had its pins released by its own sweep. */
+	if (rc && rc != -SHMRPC_EPEERDEAD)
+		fprintf(stderr, "shmrpc: worker %u: cannot acknowledge tensors to worker %u: %s\n",
+			a->ag->rank, a->peer, shmrpc_errmsg());
+	free(a);
+}
+
+void pins_ack(struct agent *ag, uint32_t peer, uint64_t msg_id)
+{
+	struct ack_job *a;
+	struct ipc_msg m;
+	int rc;
+
+	if (peer == ag->rank) {
+		pins_release(peer, msg_id, PIN_REPLY);
+		return;
+	}
+	/* The poller never blocks in a send (port.h): it sends the ack itself
+	 * when the ring is free and has room, which spares a thread's wake-up
+	 * per reply that carried tensors, and else leaves it to an executor
+	 * thread. The loop thread (or a thread taking its replies, link.h)
+	 * sends it quietly: it rides with our next frame to the peer (a data
+	 * loader's next request), which spares the peer a wake-up too, and
+	 * its pins wait ACK_DELAY_NS, or until the next flush after that. A
+	 * peer that died has had its pins released by its sweep. */
+	m = (struct ipc_msg){ .type = MSG_TENSOR_ACK, .msg_id = msg_id };
+	rc = agent_acks_quietly(ag) ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
+				    : ipc_port_try_send_now(&ag->port, peer, &m);
+	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
+		return;
+	if (!(a = malloc(sizeof(*a)))) {
+		fprintf(stderr, "shmrpc: worker %u: out of memory acknowledging tensors; worker %u "
+			"keeps them until it ends\n", ag->rank, peer);
+		return;
+	}
+	*a = (struct ack_job){ { .run = run_ack }, ag, peer, msg_id };
+	executor_submit(&a->base);
+}

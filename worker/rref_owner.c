@@ -1,0 +1,328 @@
+/* The owner's records of its RRefs' values: stored, fetched, collected; see rref.h. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/spin.h"
+#include "worker/executor.h"
+#include "worker/link.h"
+#include "worker/rref.h"
+#include "worker/rref_impl.h"
+#include "worker/value.h"
+
+#define RECORD_BUCKETS 1024u
+
+struct record {
+	struct record *next;
+	uint64_t id;
+	uint32_t slot;
+	uint64_t value_off;     /* our pool block with the encoded value or error */
+	struct tensor_list held; /* our references to what the value holds */
+	bool live;              /* the value is an object the binding keeps (python.h) */
+};
+
+/* Set once at init by the binding that keeps live values, before any
+ * request runs; read by whoever frees a record. Release/acquire: the
+ * binding's state that the hook reads is set before it. */
+static _Atomic(rref_live_release_fn) live_release;
+
+void rref_set_live_release(rref_live_release_fn fn)
+{
+	atomic_store_explicit(&live_release, fn, memory_order_release);
+}
+
+/* The binding lets go of the live value of id: the RRef went, or its
+ * store failed. */
+static void release_live(uint64_t id)
+{
+	rref_live_release_fn fn = atomic_load_explicit(&live_release, memory_order_acquire);
+
+	if (fn)
+		fn(id);
+}
+
+static struct {
+	pthread_mutex_t lock;
+	struct record *bucket[RECORD_BUCKETS];
+} records = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static struct record **record_at(uint64_t id)
+{
+	struct record **at = &records.bucket[(id * 0x9e3779b97f4a7c15ull) >> 54];
+
+	while (*at && (*at)->id != id)
+		at = &(*at)->next;
+	return at;
+}
+
+static void record_free(struct agent *ag, struct record *rec)
+{
+	if (rec->live)
+		release_live(rec->id);
+	tensor_list_free(&rec->held);
+	if (pool_unref(&ag->pool, ag->rank, rec->value_off))
+		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+	free(rec);
+}
+
+int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot)
+{
+	struct rref_info info;
+
+	if (!ag->has_rrefs)
+		return shmrpc__fail(-ENOTSUP, "this job has no RRef table");
+	if (!rref_info_at(&ag->rrefs, slot, &info) || info.id != id || info.owner != ag->rank)
+		return shmrpc__fail(-EBADMSG, "a remote call names an RRef (id %#" PRIx64 ", slot "
+				    "%u) that is not ours in the RRef table", id, slot);
+	return 0;
+}
+
+/* Encodes v into a new pool block; the tensors (by reference: an inline
+ * one's bytes are in the block) and RRefs it holds get references of ours
+ * in held, and are listed in sent. */
+static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, uint64_t *len,
+		       struct tensor_list *held, struct tensor_list *sent)
+{
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	int rc;
+
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	rc = value_pack(&pk, v, sent) ?: tensor_list_hold(sent, held);
+	for (uint32_t i = 0; i < sent->nr && rc == 0; i++) {
+		shmrpc_rref *r;
+
+		rc = shmrpc_rref_retain(sent->r[i], &r) ?: tensor_list_add_rref(held, r);
+	}
+	if (rc == 0)
+		rc = pool_alloc(&ag->pool, ag->rank, sb.size, off);
+	if (rc == 0) {
+		memcpy(pool_at(&ag->pool, *off, sb.size), sb.data, sb.size);
+		*len = sb.size;
+	}
+	msgpack_sbuffer_destroy(&sb);
+	return rc;
+}
+
+int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_value *result,
+		     const shmrpc_value *error, bool live, struct tensor_list *sent)
+{
+	struct record *rec = calloc(1, sizeof(*rec));
+	uint64_t len = 0;
+	int rc = rec ? 0 : shmrpc__fail(-ENOMEM, "out of memory storing an RRef's value");
+
+	if (rc == 0) {
+		rec->id = id;
+		rec->slot = slot;
+		rec->live = live && !error;
+		rc = store_block(ag, error ? error : result, &rec->value_off, &len, &rec->held, sent);
+	}
+	if (rc) {
+		char msg[1024];
+
+		/* Our run's reference goes all the same; the creator's request
+		 * fails with this error, and to_here() with it. */
+		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
+		if (rec)
+			tensor_list_free(&rec->held);
+		free(rec);
+		if (live)
+			release_live(id);
+		if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1)
+			rref_unreferenced(ag, id, slot, ag->rank);
+		return shmrpc__fail(rc, "cannot store the RRef's value: %s", msg);
+	}
+	pthread_mutex_lock(&records.lock);
+	*record_at(id) = rec;
+	pthread_mutex_unlock(&records.lock);
+	/* From here readers may decode the block; our run's reference goes. */
+	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, rec->value_off, len);
+	if (rc == 1)
+		rref_unreferenced(ag, id, slot, ag->rank);
+	return rc < 0 ? rc : 0;
+}
+
+struct look {
+	struct rref_table *t;
+	uint32_t slot;
+	uint64_t id;
+	int st;
+};
+
+/* One look at the entry: a deadline already passed never sleeps. */
+static bool looked_settled(void *arg)
+{
+	struct look *l = arg;
+
+	l->st = rref_wait(l->t, l->slot, l->id, 1);
+	return l->st != -ETIMEDOUT;
+}
+
+/* Waits for id to leave PENDING. An executor thread is counted out of its
+ * pool meanwhile (executor_block_begin), which runs the owner's job for
+ * the value, if queued, on another thread: run here, it could wait for
+ * what a frame below produces. Elsewhere the wait spins first as long as a
+ * hand-off does (worker_handoff_spin), since the owner's store wakes a
+ * futex sleeper only with a syscall. */
+int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
+{
+	struct look l = { &ag->rrefs, slot, id, 0 };
+	bool came;
+
+	if (looked_settled(&l)) /* no hand-off: nothing for the spin budget to learn */
+		return l.st;
+	if (executor_on_worker_thread()) {
+		executor_block_begin();
+		l.st = rref_wait(&ag->rrefs, slot, id, deadline_ns);
+		executor_block_end();
+		return l.st;
+	}
+	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
+	worker_handoff_spun(came);
+	return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
+}
+
+int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
+		     size_t *len, uint32_t *state)
+{
+	struct rref_entry *e;
+	int st = rref_wait_ready(ag, slot, id, deadline_ns);
+	const void *at;
+
+	if (st < 0)
+		return st == -ETIMEDOUT ? shmrpc__fail(st, "the RRef's value was not ready in time")
+					: st;
+	if (st != RREF_READY && st != RREF_ERROR)
+		return shmrpc__fail(-EINVAL, "RRef %#" PRIx64 " is %s", id, rref_state_name((uint32_t)st));
+	e = rref_entry_at(&ag->rrefs, slot);
+	/* Relaxed: ordered by the acquire of the state in rref_wait. */
+	*len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
+	at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed), *len);
+	if (!at || !(*buf = malloc(*len ? *len : 1)))
+		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read RRef %#" PRIx64 "'s value",
+				    id);
+	pool_read(*buf, at, *len);
+	*state = (uint32_t)st;
+	return 0;
+}
+
+/* Frees what the UNREFERENCED RRef id of ours holds (taken off our
+ * collect list); ignores anything else. */
+static void owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
+{
+	struct owner_forks *of, **fat;
+	struct rref_info info;
+	struct record *rec, **at;
+
+	/* Only an UNREFERENCED entry: nobody can reach the value any more. */
+	if (!rref_info_at(&ag->rrefs, slot, &info) || info.id != id ||
+	    info.state != RREF_UNREFERENCED || info.owner != ag->rank)
+		return;
+	pthread_mutex_lock(&records.lock);
+	at = record_at(id);
+	rec = *at;
+	if (rec)
+		*at = rec->next;
+	pthread_mutex_unlock(&records.lock);
+	/* The fork ids go with the entry, under the lock of owner_hold. */
+	pthread_mutex_lock(&rref_forks.lock);
+	for (fat = &rref_forks.owned[rref_fork_bucket(id)]; (of = *fat) && of->id != id; fat = &of->next)
+		;
+	if (of)
+		*fat = of->next;
+	/* Without a record it never got a value (its store failed). */
+	rref_remove(&ag->rrefs, slot, id);
+	pthread_mutex_unlock(&rref_forks.lock);
+	if (of)
+		free(of->fork);
+	free(of);
+	if (rec)
+		record_free(ag, rec);
+}
+
+void rref_owner_collect_listed(struct agent *ag)
+{
+	uint32_t at = rref_collect_take(&ag->rrefs, ag->rank);
+
+	/* A list is at most the table long; a bad link ends it. */
+	for (uint32_t n = 0; at && n < ag->rrefs.capacity; n++) {
+		uint32_t slot = at - 1;
+		struct rref_info info;
+
+		/* The link first: collecting frees the entry for reuse. */
+		at = rref_collect_next(&ag->rrefs, slot);
+		if (rref_info_at(&ag->rrefs, slot, &info))
+			owner_collect(ag, info.id, slot);
+	}
+}
+
+void rref_owner_collect_all(struct agent *ag)
+{
+	struct pending_child *gone = NULL, *c;
+
+	/* Forks sent to a child that is gone: it will never accept them (its
+	 * references were swept, the one the owner made for it included). */
+	pthread_mutex_lock(&rref_forks.lock);
+	for (uint32_t b = 0; b < FORK_BUCKETS; b++) {
+		struct pending_child **at = &rref_forks.child[b];
+
+		while ((c = *at)) {
+			if (c->child != ag->rank && !rref_peer_running(ag, c->child)) {
+				*at = c->next;
+				c->next = gone;
+				gone = c;
+			} else {
+				at = &c->next;
+			}
+		}
+	}
+	pthread_mutex_unlock(&rref_forks.lock);
+	while ((c = gone)) {
+		gone = c->next;
+		rref_child_drop(ag, c);
+	}
+	/* What the sweep left unreferenced, it put on our list. */
+	rref_owner_collect_listed(ag);
+}
+
+void rref_owner_free_all(struct agent *ag)
+{
+	/* The launcher sweeps the references the pending children hold. */
+	pthread_mutex_lock(&rref_forks.lock);
+	for (uint32_t b = 0; b < FORK_BUCKETS; b++) {
+		struct pending_child *c;
+		struct owner_forks *of;
+
+		while ((c = rref_forks.child[b])) {
+			rref_forks.child[b] = c->next;
+			if (c->via && --c->via->refs == 0)
+				free(c->via);
+			free(c);
+		}
+		while ((of = rref_forks.owned[b])) {
+			rref_forks.owned[b] = of->next;
+			free(of->fork);
+			free(of);
+		}
+	}
+	pthread_mutex_unlock(&rref_forks.lock);
+	for (uint32_t b = 0; b < RECORD_BUCKETS; b++) {
+		struct record *rec;
+
+		/* Freed outside the lock: a record's RRefs may be ours too. */
+		pthread_mutex_lock(&records.lock);
+		rec = records.bucket[b];
+		records.bucket[b] = NULL;
+		pthread_mutex_unlock(&records.lock);
+		while (rec) {
+			struct record *next = rec->next;
+
+			record_free(ag, rec);
+			rec = next;
+		}
+	}
+}
