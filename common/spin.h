@@ -5,7 +5,7 @@
  * agent spins this long at each hand-off and then sleeps. The spin yields
  * the CPU now and then so that, on a machine with fewer cores than busy
  * threads, the thread that has the work can run. How long to spin at a
- * hand-off is the agent's choice (worker/agent.h: it follows the wait mode).
+ * hand-off is the agent's choice (worker/link.h: it follows the wait mode).
  *
  * Where the wait mode sleeps, the budget adapts (struct shmrpc_spin_budget,
  * one per waiting thread): doubled after a spin that saw the work come,

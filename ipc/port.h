@@ -93,7 +93,7 @@ SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct i
  * the next frame towards dst wakes it for both (it lies before that one in
  * the ring), or, if none goes within delay_ns, ipc_port_flush_quiet does.
  * For a thread that flushes in time: the loop thread, or a thread taking
- * its own replies (worker/agent.h), which flushes before and while it
+ * its own replies (worker/link.h), which flushes before and while it
  * waits. Saves a sleeping peer a wake-up per such frame when others
  * follow. */
 SHMRPC_HIDDEN int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
