@@ -46,6 +46,22 @@ _TYPE_KINDS = {}
 _TORCH_DTYPE_OK = {}
 
 
+# torch.Tensor and torch's DLPack export and import (C functions), once a
+# torch tensor was seen: the pickler's fast path (_Pickler.persistent_id).
+_torch_tensor_type = None
+_to_dlpack = None
+_from_dlpack = None
+
+
+def _know_torch(torch):
+    global _torch_tensor_type, _to_dlpack, _from_dlpack
+    _to_dlpack = torch._C._to_dlpack
+    # torch.utils.dlpack.from_dlpack without its Python wrapper, which asks
+    # a capsule nothing.
+    _from_dlpack = torch._C._from_dlpack
+    _torch_tensor_type = torch.Tensor
+
+
 def _type_kind(t):
     """numpy and torch are recognised by their type's module and name
     (importing neither); another type by whether it speaks DLPack (CuPy's
@@ -53,6 +69,8 @@ def _type_kind(t):
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
         return _NUMPY
     if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+        if _torch_tensor_type is None:
+            _know_torch(sys.modules["torch"])
         return _TORCH
     if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
         return _DLPACK
@@ -101,7 +119,7 @@ def _to_pool(kind, obj):
             obj = obj.detach().contiguous()
         # The capsule straight from torch: Tensor.__dlpack__'s checks (a
         # Python method) cost as much as the export itself.
-        return _shmrpc.from_dlpack(sys.modules["torch"].utils.dlpack.to_dlpack(obj))
+        return _shmrpc.from_dlpack(_to_dlpack(obj))
     if type(obj) is _shmrpc.Tensor:
         return obj  # received: passed on as it is (the producer's memory)
     if type(obj).__module__.startswith("torch"):
@@ -183,10 +201,32 @@ def _from_pool(kind, t):
         # cupy.from_dlpack or a later torch. Never copied to the host.
         torch = _receiving_torch()
         return torch.from_dlpack(t) if torch else t
-    import torch
-    # The capsule given, not the handle: torch.from_dlpack then skips its
-    # questions to the producer (device, stream). Holds t's reference.
-    return torch.utils.dlpack.from_dlpack(t.__dlpack__())
+    if _from_dlpack is None:
+        import torch
+        _know_torch(torch)
+    # The capsule given, not the handle: torch then skips its questions to
+    # the producer (device, stream). Holds t's reference.
+    return _from_dlpack(t.__dlpack__())
+
+
+def _plain_tensor(obj):
+    """Whether obj is the common tensor, which its handle describes whole:
+    a contiguous, non-empty CPU torch.Tensor (not a subclass) of a pool
+    dtype that needs no autograd. The fast path of the pickler and of
+    _TENSORS; its handle is _plain_handle(obj)."""
+    return (type(obj) is _torch_tensor_type and obj.is_cpu and not obj.requires_grad
+            and _TORCH_DTYPE_OK.get(obj.dtype) and obj.is_contiguous() and obj.numel() > 0)
+
+
+def _plain_handle(obj):
+    return _shmrpc.from_dlpack(_to_dlpack(obj))
+
+
+# A value, or a call's arguments, that is only such tensors travels as
+# this mark and their handles, without a pickle (docs/PROTOCOL.md): a
+# value is the one tensor, a call's arguments are the tensors in order,
+# no keywords. A pickle starts with its PROTO opcode, 0x80.
+_TENSORS = b"\x03"
 
 
 # Objects of these exact types are never RRefs or tensors.
@@ -220,6 +260,11 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
             return None
+        if _plain_tensor(obj):
+            # Its handle has its shape, so its id is the bare index (a
+            # tuple's elements would each come back here, the shape's too).
+            self.tensors.append(_plain_handle(obj))
+            return len(self.tensors) - 1
         if isinstance(obj, _rref_type):
             self.rrefs.append(obj._r)
             return ("rref", len(self.rrefs) - 1)
@@ -252,6 +297,8 @@ class _Unpickler(pickle.Unpickler):
         self.grad_tensors = None  # an _contexts._Incoming, at the first tensor that required grad
 
     def persistent_load(self, pid):
+        if type(pid) is int:  # a CPU torch tensor of its handle's shape (_Pickler)
+            return _from_pool("torch", self.tensors[pid])
         if pid[0] == "rref":
             return _rref_of(self.rrefs[pid[1]])
         handle = self.tensors[pid[1]]
@@ -295,6 +342,8 @@ def _dumps(obj):
     """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
     if obj is None:  # most results: no pickle to make, nor to read
         return b"", [], []
+    if _plain_tensor(obj):
+        return _TENSORS, [], [_plain_handle(obj)]
     p = _idle.pickler
     if p is None:
         p = _Pickler(io.BytesIO())
@@ -320,6 +369,8 @@ def _loads(msg, grad_mode="result"):
         return None
     if not rrefs and not tensors:  # nothing beside the pickle: C's unpickler alone
         return pickle.loads(data)
+    if data == _TENSORS:
+        return _from_pool("torch", tensors[0])
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     u = _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode)
@@ -482,6 +533,8 @@ def _pack_call(func, args, kwargs, dst=None):
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
     if not args and not kwargs:
         return named.head, [], []
+    if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
+        return named.head + _TENSORS, [], [_plain_handle(a) for a in args]
     data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
     return named.head + data, rrefs, tensors
 
@@ -502,6 +555,8 @@ def _unpack_call(payload, rrefs, tensors):
             _named_heads[head] = _Named(func, module, name)
     if end == len(payload):
         return func, (), {}
+    if payload[end:] == _TENSORS:
+        return func, tuple(_from_pool("torch", t) for t in tensors), {}
     args, kwargs = _loads((payload[end:], rrefs, tensors), "call")
     return func, args, kwargs
 

@@ -148,3 +148,42 @@ def test_many_small_tensors():
     small = np.arange(16, dtype=np.float32)
     got, callee_pooled = rpc.rpc_sync(PEER, where, args=(small,))
     assert not callee_pooled and (got == small).all(), "a small numpy array travels inline"
+
+
+def kinds(*args, **kwargs):
+    """What the callee got: each argument's type, shape and sum."""
+    return [(type(a).__name__, tuple(a.shape), float(a.sum())) for a in args] + \
+        [(k, type(v).__name__, tuple(v.shape)) for k, v in sorted(kwargs.items())]
+
+
+def test_tensor_only_calls():
+    # A call whose arguments are only plain CPU tensors, and a result that
+    # is one, travel without a pickle (_marshal._TENSORS): every shape
+    # arrives as it was, a pool tensor still by reference; anything else
+    # beside them (a number, a keyword, a view, a tensor that requires
+    # grad) takes the pickle, and arrives as it was too.
+    torch = pytest.importorskip("torch")
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.arange(5, dtype=torch.int64).reshape(5, 1).t()  # contiguous, strides (1, 1)
+    c = torch.tensor(2.5)
+    pool_t = rpc.empty((3, 4), "float32", like="torch")
+    pool_t.fill_(1.0)
+    assert rpc.rpc_sync(PEER, kinds, args=(a, b, c, pool_t)) == [
+        ("Tensor", (2, 3), 15.0), ("Tensor", (1, 5), 10.0), ("Tensor", (), 2.5),
+        ("Tensor", (3, 4), 12.0)], "tensors alone, of several shapes"
+    for t in (a, b, c):
+        got = rpc.rpc_sync(PEER, echo, args=(t,))
+        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t), \
+            f"echoed: {got!r} for {t!r}"
+    back = rpc.rpc_sync(PEER, echo, args=(pool_t,))
+    back[1, 1] = 9.0
+    assert pool_t[1, 1].item() == 9.0, "a pool tensor echoed is the same memory"
+    assert rpc.remote(PEER, echo, args=(a,)).to_here().equal(a), "a tensor in an RRef"
+    assert rpc.rpc_sync(PEER, kinds, args=(a,), kwargs={"k": b}) == [
+        ("Tensor", (2, 3), 15.0), ("k", "Tensor", (1, 5))], "a keyword beside a tensor"
+    assert rpc.rpc_sync(PEER, echo, args=((a, 3),))[1] == 3, "a number beside a tensor"
+    assert rpc.rpc_sync(PEER, kinds, args=(a, a.t())) == [
+        ("Tensor", (2, 3), 15.0), ("Tensor", (3, 2), 15.0)], "a view beside a plain tensor"
+    g = torch.ones(3, requires_grad=True)
+    got = rpc.rpc_sync(PEER, echo, args=(g,))
+    assert torch.equal(got, g.detach()), "a tensor that requires grad"
