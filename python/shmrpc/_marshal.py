@@ -68,7 +68,10 @@ def _type_kind(t):
     arrays...)."""
     if t.__module__ == "numpy" and t.__name__ == "ndarray":
         return _NUMPY
-    if t.__module__.startswith("torch") and getattr(t, "__name__", "") in ("Tensor", "Parameter"):
+    # A Parameter is not handed over itself: pickled by its own reduce, as
+    # torch's RPC pickler does (its dispatch table names torch.Tensor alone),
+    # it arrives a Parameter, its data (a Tensor) handed over.
+    if t.__module__.startswith("torch") and getattr(t, "__name__", "") == "Tensor":
         if _torch_tensor_type is None:
             _know_torch(sys.modules["torch"])
         return _TORCH

@@ -187,3 +187,20 @@ def test_tensor_only_calls():
     g = torch.ones(3, requires_grad=True)
     got = rpc.rpc_sync(PEER, echo, args=(g,))
     assert torch.equal(got, g.detach()), "a tensor that requires grad"
+
+
+def grad_of(x):
+    return type(x).__name__, x.requires_grad
+
+
+def test_parameter_arrives_a_parameter():
+    # As torch's RPC pickler, which hands over torch.Tensor alone: a
+    # Parameter goes by its own reduce, its data handed over, and arrives a
+    # Parameter that requires grad as it did (torch 1.13 does the same).
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.arange(3, dtype=torch.float32))
+    assert rpc.rpc_sync(PEER, grad_of, args=(p,)) == ("Parameter", True)
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert rpc.rpc_sync(PEER, grad_of, args=(frozen,)) == ("Parameter", False)
+    back = rpc.rpc_sync(PEER, echo, args=(p,))
+    assert type(back) is torch.nn.Parameter and torch.equal(back.detach(), p.detach())
