@@ -96,6 +96,9 @@ struct agent {
  */
 SHMRPC_HIDDEN uint64_t worker_handoff_spin(uint64_t deadline_ns);
 SHMRPC_HIDDEN void worker_handoff_spun(bool came);
+/* How many of this thread's hand-off spins met the work, and how many ran
+ * out so that it slept (bench/rpc prints the share). */
+SHMRPC_HIDDEN void worker_handoff_counts(uint64_t *met, uint64_t *missed);
 
 /*
  * A user thread that spins at a wait polls the rings (above) between
