@@ -213,6 +213,7 @@ int agent_poll(struct agent *ag, bool wait)
 		return -EBUSY;
 	hooks.poll_begin();
 	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
+	hooks.polled(ag);
 	hooks.poll_end();
 	pthread_mutex_unlock(&ag->poll_lock);
 	return n;

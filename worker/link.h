@@ -189,6 +189,9 @@ struct link_hooks {
 		      size_t len);
 	/* Around each poll of the rings (the executor's batch of jobs). */
 	void (*poll_begin)(void);
+	/* After the frames of each poll, within the batch: the agent's news
+	 * that is not in the rings (RRefs to collect), on the polling thread. */
+	void (*polled)(struct agent *ag);
 	void (*poll_end)(void);
 };
 SHMRPC_HIDDEN void link_set_hooks(const struct link_hooks *h);
