@@ -7,8 +7,8 @@
  * spin_caught_pct: the share of the caller's hand-off spins that met the
  * reply (worker_handoff_counts): nothing in an echo touches the bytes, so a
  * size whose figure is far above the others' with a low share here lost
- * to the wait, not to the size (issue 23's 1.7 µs at 1 KiB and 6.4 µs at
- * 64 MiB: the 6.5 µs of a default mode whose spins had stopped meeting).
+ * to the wait, not to the size (issue 23 saw 1.7 µs at 1 KiB, 6.4 µs at
+ * 64 MiB: about the 6.5 µs of its slow default-mode rpc_sync).
  * The peers (bench/torch_tensor.py: torch.distributed.rpc and a
  * torch.multiprocessing queue moving the same tensors) are measured in the
  * same `make bench` run. -q: fewer round trips.

@@ -12,9 +12,7 @@
  * halved after one that ran out, unless a quarter or more of the recent
  * full-length spins met the work: then it stays at the maximum (a partner
  * that is quick most of the time is not given up for a slow answer now
- * and then). Below the maximum, every wait that begins in the first
- * SHMRPC_SPIN_PROBE_WINDOW_NS of each SHMRPC_SPIN_PROBE_PERIOD_NS of the
- * monotonic clock spins the maximum (a probe). A partner that answers within a few microseconds is thus met
+ * and then). A partner that answers within a few microseconds is thus met
  * spinning, which spares both a wake-up (tens of microseconds on a VM whose
  * idle vCPU halts); one that takes longer, or a machine with more busy
  * threads than cores, soon costs about 1 µs a wait.
@@ -32,20 +30,11 @@
 #define SHMRPC_SPIN_MIN_NS 250u
 #define SHMRPC_SPIN_MAX_NS 16000u
 #define SHMRPC_SPIN_START_NS 2000u
-/* Now and then a budget below the maximum spins the maximum: a spin that
- * ran out says nothing of how much longer the work took (the sleep's
- * wake-up is in any time measured after it), so only a longer spin can
- * find that the partner has become quick again. Two partners that both
- * sleep are each slow because the other sleeps: a probe meets the work
- * only while the partner probes too. So the probes follow the clock, which
- * every process of the box shares, not a count of one's own waits: with
- * "every 16th wait", two sides waiting in lockstep kept the phase their
- * counters started with, and a job whose phases differed never left the
- * sleeping state (rpc_sync 6.5 µs against 0.84 µs in another run). The
- * window costs a thread that always waits at most window/period (6 %) of
- * spinning while its partner is really slow. */
-#define SHMRPC_SPIN_PROBE_PERIOD_NS (1u << 20)
-#define SHMRPC_SPIN_PROBE_WINDOW_NS (1u << 16)
+/* Every so many waits a budget below the maximum spins the maximum once: a
+ * spin that ran out says nothing of how much longer the work took (the
+ * sleep's wake-up is in any time measured after it), so only a longer spin
+ * can find that the partner has become quick again. */
+#define SHMRPC_SPIN_PROBE_EVERY 16u
 
 /* At or above this share (in 1/256) of full-length spins that met the
  * work, a budget at the maximum stays there. */
@@ -54,33 +43,24 @@
 /* An adaptive spin budget; { 0 } starts at SHMRPC_SPIN_START_NS. */
 struct shmrpc_spin_budget {
 	uint32_t ns;
+	uint32_t waits;
 	int32_t met;  /* share of full-length spins that met the work, 1/256, over about 8 */
 	bool probing; /* this wait spins the maximum */
 	bool clipped; /* ... or less: what is left of the waiter's time */
 };
 
-/* The budget of a spin that begins at now_ns (the monotonic clock), at
- * most limit_ns (the time the waiter has left; UINT64_MAX: no limit). */
-static inline uint64_t shmrpc_spin_budget_ns_at(struct shmrpc_spin_budget *b, uint64_t limit_ns,
-						uint64_t now_ns)
+/* The budget of the next spin, at most limit_ns (the time the waiter has
+ * left; UINT64_MAX: no limit). */
+static inline uint64_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b, uint64_t limit_ns)
 {
 	uint32_t ns;
 
 	if (!b->ns)
 		b->ns = SHMRPC_SPIN_START_NS;
-	b->probing = b->ns < SHMRPC_SPIN_MAX_NS &&
-		     now_ns % SHMRPC_SPIN_PROBE_PERIOD_NS < SHMRPC_SPIN_PROBE_WINDOW_NS;
+	b->probing = b->ns < SHMRPC_SPIN_MAX_NS && ++b->waits % SHMRPC_SPIN_PROBE_EVERY == 0;
 	ns = b->probing ? SHMRPC_SPIN_MAX_NS : b->ns;
 	b->clipped = limit_ns < ns;
 	return b->clipped ? limit_ns : ns;
-}
-
-/* The same, now; the clock is read only below the maximum (no probe
- * there), so a thread whose spins meet the work pays nothing for it. */
-static inline uint64_t shmrpc_spin_budget_ns(struct shmrpc_spin_budget *b, uint64_t limit_ns)
-{
-	return shmrpc_spin_budget_ns_at(b, limit_ns,
-					b->ns == SHMRPC_SPIN_MAX_NS ? 0 : shmrpc_now_ns());
 }
 
 /* After that spin: whether it saw the work come. A probe, or a spin cut

@@ -2,11 +2,9 @@
  * 2 µs and doubles up to 16 µs while spins meet the work; at 16 µs it stays
  * while a quarter or more of the recent spins there meet it (a partner
  * quick half the time keeps it), else it halves down to 250 ns; below 16 µs
- * it spins the whole 16 µs in the first 64 µs of each 1 ms of the clock
- * (the same instants for every process: two sleeping partners probe
- * together), and such a probe that meets the work sets the maximum at
- * once, one that runs out changes nothing; nor does a spin cut short by
- * the waiter's deadline that runs out. */
+ * it spins the whole 16 µs every 16th wait, and such a probe that meets the
+ * work sets the maximum at once, one that runs out changes nothing; nor
+ * does a spin cut short by the waiter's deadline that runs out. */
 #include <stdio.h>
 
 #include "common/spin.h"
@@ -14,27 +12,11 @@
 
 #define MAX SHMRPC_SPIN_MAX_NS
 #define MIN SHMRPC_SPIN_MIN_NS
-#define PERIOD SHMRPC_SPIN_PROBE_PERIOD_NS
-#define WINDOW SHMRPC_SPIN_PROBE_WINDOW_NS
 
-/* The clock of the waits below: it starts past a probe window. */
-static uint64_t clock_ns = WINDOW;
-
-/* One wait at clock_ns, which then moves on by step_ns: the budget it
- * spins, then whether the work came within it. */
-static uint32_t wait_at(struct shmrpc_spin_budget *b, bool came, uint64_t step_ns)
-{
-	uint32_t ns = (uint32_t)shmrpc_spin_budget_ns_at(b, UINT64_MAX, clock_ns);
-
-	clock_ns += step_ns;
-	shmrpc_spin_budget_update(b, came);
-	return ns;
-}
-
-/* One wait outside the probe windows. */
+/* One wait: the budget it spins, then whether the work came within it. */
 static uint32_t wait_once(struct shmrpc_spin_budget *b, bool came)
 {
-	uint32_t ns = (uint32_t)shmrpc_spin_budget_ns_at(b, UINT64_MAX, WINDOW);
+	uint32_t ns = (uint32_t)shmrpc_spin_budget_ns(b, UINT64_MAX);
 
 	shmrpc_spin_budget_update(b, came);
 	return ns;
@@ -63,8 +45,8 @@ int main(void)
 	uint32_t ns, at_max = 0;
 	int i;
 
-	CHECK(shmrpc_spin_budget_ns_at(&b, UINT64_MAX, WINDOW) == SHMRPC_SPIN_START_NS,
-	      "starts at %u ns", b.ns);
+	CHECK(shmrpc_spin_budget_ns(&b, UINT64_MAX) == SHMRPC_SPIN_START_NS, "starts at %u ns",
+	      b.ns);
 
 	/* A partner that meets half the spins keeps the maximum. */
 	b = quick_partner();
@@ -91,37 +73,31 @@ int main(void)
 	CHECK(b.ns == MIN, "not down to the minimum after 64 slow waits: %u", b.ns);
 	CHECK(at_max > 1, "a single slow answer gave up the maximum");
 
-	/* At the minimum, a wait that begins in a probe window (the first
-	 * WINDOW ns of each PERIOD of the clock) spins the maximum, any other
-	 * the minimum; one that runs out leaves the budget as it was. Waits
-	 * 10 µs apart over 3 periods. */
-	for (i = 0; i < 3 * (int)(PERIOD / 10000); i++) {
-		bool in_window = clock_ns % PERIOD < WINDOW;
-		uint64_t at = clock_ns;
-
-		ns = wait_at(&b, false, 10000);
-		CHECK(ns == (in_window ? MAX : MIN), "the wait at %llu ns spun %u ns",
-		      (unsigned long long)at, ns);
-		CHECK(b.ns == MIN, "the wait at %llu ns: budget %u after running out",
-		      (unsigned long long)at, b.ns);
+	/* At the minimum, every 16th wait spins the maximum; one that runs
+	 * out leaves the budget as it was. */
+	for (i = 0; i < 64; i++) {
+		ns = wait_once(&b, false);
+		CHECK(ns == (b.waits % SHMRPC_SPIN_PROBE_EVERY ? MIN : MAX), "wait %u spun %u ns",
+		      b.waits, ns);
+		CHECK(b.ns == MIN, "wait %u: budget %u after running out", b.waits, b.ns);
 	}
 
 	/* A probe that meets the work sets the maximum at once. */
-	clock_ns += PERIOD - clock_ns % PERIOD;
+	while ((b.waits + 1) % SHMRPC_SPIN_PROBE_EVERY)
+		wait_once(&b, false);
 	CHECK(b.ns == MIN, "before the probe: %u", b.ns);
-	ns = wait_at(&b, true, 0);
+	ns = wait_once(&b, true);
 	CHECK(ns == MAX && b.ns == MAX, "a probe that met the work: spun %u ns, then %u", ns, b.ns);
 
 	/* A spin cut short by the waiter's time left: that long, and if it runs
 	 * out the budget stays. */
 	b = (struct shmrpc_spin_budget){ 0 };
-	CHECK(shmrpc_spin_budget_ns_at(&b, 700, WINDOW) == 700, "a 700 ns limit gave %u ns", b.ns);
+	CHECK(shmrpc_spin_budget_ns(&b, 700) == 700, "a 700 ns limit gave %u ns", b.ns);
 	shmrpc_spin_budget_update(&b, false);
 	CHECK(b.ns == SHMRPC_SPIN_START_NS, "a cut spin that ran out changed the budget to %u", b.ns);
-	CHECK(shmrpc_spin_budget_ns_at(&b, 0, WINDOW) == 0, "a deadline passed still spins");
+	CHECK(shmrpc_spin_budget_ns(&b, 0) == 0, "a deadline passed still spins");
 	shmrpc_spin_budget_update(&b, true);
 	CHECK(b.ns == 2 * SHMRPC_SPIN_START_NS, "a cut spin that met the work: %u", b.ns);
-	printf("spin_budget: start, doubling, keeping, halving, probes on the clock and cut spins "
-	       "as documented\n");
+	printf("spin_budget: start, doubling, keeping, halving, probes and cut spins as documented\n");
 	return 0;
 }
