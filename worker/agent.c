@@ -75,11 +75,13 @@ static void on_local(struct agent *ag, uint16_t type, uint64_t msg_id, uint64_t 
 
 static void collect_if_due(struct agent *ag);
 
+static void polled(struct agent *ag);
+
 static const struct link_hooks hooks = {
 	.frame = on_frame,
 	.local = on_local,
 	.poll_begin = executor_batch_begin,
-	.polled = collect_if_due,
+	.polled = polled,
 	.poll_end = executor_batch_end,
 };
 
@@ -143,6 +145,16 @@ static void collect_if_due(struct agent *ag)
 	if (ag->has_rrefs && collect_due(ag) &&
 	    !atomic_exchange_explicit(&ag->collect_queued, true, memory_order_seq_cst))
 		collect_rrefs(ag, false);
+}
+
+/* After a poll of the rings: a server looks at the collect list (the loop
+ * thread does after its own polls). Not a user thread spinning at a wait:
+ * no wake-up relies on it (rref.c), and its every poll would read the
+ * list heads' line that pushers write. */
+static void polled(struct agent *ag)
+{
+	if (executor_on_worker_thread())
+		collect_if_due(ag);
 }
 
 /* A peer's pidfd fired: fail its calls once the launcher has said how it
