@@ -147,8 +147,8 @@ static void collect_if_due(struct agent *ag)
 		collect_rrefs(ag, false);
 }
 
-/* After a poll of the rings: a server looks at the collect list (the loop
- * thread does after its own polls). Not a user thread spinning at a wait:
+/* At each poll of the rings: a server looks at the collect list (the loop
+ * thread does before each of its polls). Not a user thread spinning at a wait:
  * no wake-up relies on it (rref.c), and its every poll would read the
  * list heads' line that pushers write. */
 static void polled(struct agent *ag)
@@ -268,9 +268,9 @@ static void *loop_main(void *arg)
 		uint64_t now, next, next_reap, sleep_ns;
 		int n;
 
+		collect_if_due(ag); /* before the frames, as the servers (polled) */
 		n = agent_poll(ag, false);
 		now = shmrpc_now_ns();
-		collect_if_due(ag); /* also when another thread held the poll */
 
 		settle_deaths(ag, now);
 		next = client_expire(ag, now);

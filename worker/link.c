@@ -212,8 +212,8 @@ int agent_poll(struct agent *ag, bool wait)
 	else if (pthread_mutex_trylock(&ag->poll_lock))
 		return -EBUSY;
 	hooks.poll_begin();
-	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	hooks.polled(ag);
+	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	hooks.poll_end();
 	pthread_mutex_unlock(&ag->poll_lock);
 	return n;

@@ -189,8 +189,10 @@ struct link_hooks {
 		      size_t len);
 	/* Around each poll of the rings (the executor's batch of jobs). */
 	void (*poll_begin)(void);
-	/* After the frames of each poll, within the batch: the agent's news
-	 * that is not in the rings (RRefs to collect), on the polling thread. */
+	/* Before the frames of each poll, within the batch: the agent's news
+	 * that is not in the rings (RRefs to collect), on the polling thread.
+	 * Before, so that what a peer did before it sent the frames (its last
+	 * drop, then a call) is queued before them. */
 	void (*polled)(struct agent *ag);
 	void (*poll_end)(void);
 };
