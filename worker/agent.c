@@ -73,10 +73,15 @@ static void on_local(struct agent *ag, uint16_t type, uint64_t msg_id, uint64_t 
 		help ? help->n : 0, payload, len);
 }
 
+static void collect_if_due(struct agent *ag);
+
+static void polled(struct agent *ag);
+
 static const struct link_hooks hooks = {
 	.frame = on_frame,
 	.local = on_local,
 	.poll_begin = executor_batch_begin,
+	.polled = polled,
 	.poll_end = executor_batch_end,
 };
 
@@ -129,6 +134,27 @@ static bool collect_due(void *arg)
 	/* seq_cst: see run_collect. */
 	return rref_collect_pending(&ag->rrefs, ag->rank) &&
 	       !atomic_load_explicit(&ag->collect_queued, memory_order_seq_cst);
+}
+
+/* Queues the collection of our collect list when it is due; any thread
+ * that polls the rings (the loop thread, an executor thread: a user's
+ * last drop wakes the owner's servers as a request does, rref.c). seq_cst:
+ * see run_collect; the exchange lets one of them queue it. */
+static void collect_if_due(struct agent *ag)
+{
+	if (ag->has_rrefs && collect_due(ag) &&
+	    !atomic_exchange_explicit(&ag->collect_queued, true, memory_order_seq_cst))
+		collect_rrefs(ag, false);
+}
+
+/* At each poll of the rings: a server looks at the collect list (the loop
+ * thread does before each of its polls). Not a user thread spinning at a wait:
+ * no wake-up relies on it (rref.c), and its every poll would read the
+ * list heads' line that pushers write. */
+static void polled(struct agent *ag)
+{
+	if (executor_on_worker_thread())
+		collect_if_due(ag);
 }
 
 /* A peer's pidfd fired: fail its calls once the launcher has said how it
@@ -242,12 +268,9 @@ static void *loop_main(void *arg)
 		uint64_t now, next, next_reap, sleep_ns;
 		int n;
 
+		collect_if_due(ag); /* before the frames, as the servers (polled) */
 		n = agent_poll(ag, false);
 		now = shmrpc_now_ns();
-		/* seq_cst: see run_collect. Only this thread sets the flag. */
-		if (ag->has_rrefs && collect_due(ag) &&
-		    !atomic_exchange_explicit(&ag->collect_queued, true, memory_order_seq_cst))
-			collect_rrefs(ag, false);
 
 		settle_deaths(ag, now);
 		next = client_expire(ag, now);

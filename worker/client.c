@@ -98,17 +98,32 @@ static void settled(struct agent *ag, shmrpc_future *f)
 	future_unref(f);
 }
 
+static void fail_chain(struct agent *ag, shmrpc_future *f, int err, const char *why, bool timeout);
+
 void client_complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 		     const void *payload, size_t len)
 {
 	shmrpc_future *f = pending_take(msg_id, src);
 	struct arena pa = { 0 };
+	/* A reply after the call's deadline is late even if the deadline scan
+	 * has not run yet (a loaded machine): torch's timeout thread would
+	 * have failed the call, and so do we, as the scan would have. Only a
+	 * call that has a deadline reads the clock, and the coarse one (10 ns,
+	 * not 43: this is on every call's path); it lags by at most a tick,
+	 * so a reply is never failed before its deadline, and one less than a
+	 * tick late may still pass. */
+	bool late = !f || (f->deadline_ns && shmrpc_coarse_now_ns() >= f->deadline_ns);
 
 	/* The callee has its own references to our arguments' tensors now. */
 	pins_release(src, msg_id, PIN_REQUEST);
-	trace_rec(SHM_TRACE_COMPLETED, src, type, msg_id, len, f ? trace_reply_status(type) : SHM_TRACE_LATE);
-	if (!f) {
+	trace_rec(SHM_TRACE_COMPLETED, src, type, msg_id, len,
+		  late ? SHM_TRACE_LATE : trace_reply_status(type));
+	if (late) {
 		count(&ag->self->late_replies, 1);
+		if (f) {
+			f->hnext = NULL; /* a chain of one */
+			fail_chain(ag, f, -ETIMEDOUT, NULL, true);
+		}
 		return;
 	}
 	if (type == MSG_RUN_WITH_PROFILING_RESP) {

@@ -54,6 +54,9 @@ struct agent *worker_agent;
 #define HANDOFF_ADAPTIVE (UINT64_MAX - 1)
 static _Atomic uint64_t handoff_spin_ns;
 static _Thread_local struct shmrpc_spin_budget handoff_budget;
+/* This thread's hand-off spins that met the work, and that ran out (the
+ * thread then slept): plain per-thread counters, no shared line. */
+static _Thread_local uint64_t handoff_met, handoff_missed;
 
 uint64_t worker_handoff_spin(uint64_t deadline_ns)
 {
@@ -71,8 +74,18 @@ uint64_t worker_handoff_spin(uint64_t deadline_ns)
 
 void worker_handoff_spun(bool came)
 {
+	if (came)
+		handoff_met++;
+	else
+		handoff_missed++;
 	if (atomic_load_explicit(&handoff_spin_ns, memory_order_relaxed) == HANDOFF_ADAPTIVE)
 		shmrpc_spin_budget_update(&handoff_budget, came);
+}
+
+void worker_handoff_counts(uint64_t *met, uint64_t *missed)
+{
+	*met = handoff_met;
+	*missed = handoff_missed;
 }
 
 void link_handoff_open(const struct agent *ag)
@@ -199,6 +212,7 @@ int agent_poll(struct agent *ag, bool wait)
 	else if (pthread_mutex_trylock(&ag->poll_lock))
 		return -EBUSY;
 	hooks.poll_begin();
+	hooks.polled(ag);
 	n = ipc_port_poll(&ag->port, on_frame, ag, 256);
 	hooks.poll_end();
 	pthread_mutex_unlock(&ag->poll_lock);

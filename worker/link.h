@@ -96,6 +96,9 @@ struct agent {
  */
 SHMRPC_HIDDEN uint64_t worker_handoff_spin(uint64_t deadline_ns);
 SHMRPC_HIDDEN void worker_handoff_spun(bool came);
+/* How many of this thread's hand-off spins met the work, and how many ran
+ * out so that it slept (bench/rpc prints the share). */
+SHMRPC_HIDDEN void worker_handoff_counts(uint64_t *met, uint64_t *missed);
 
 /*
  * A user thread that spins at a wait polls the rings (above) between
@@ -186,6 +189,11 @@ struct link_hooks {
 		      size_t len);
 	/* Around each poll of the rings (the executor's batch of jobs). */
 	void (*poll_begin)(void);
+	/* Before the frames of each poll, within the batch: the agent's news
+	 * that is not in the rings (RRefs to collect), on the polling thread.
+	 * Before, so that what a peer did before it sent the frames (its last
+	 * drop, then a call) is queued before them. */
+	void (*polled)(struct agent *ag);
 	void (*poll_end)(void);
 };
 SHMRPC_HIDDEN void link_set_hooks(const struct link_hooks *h);
