@@ -407,6 +407,7 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	ex.stop = false;
 	ex.idle = 0;
 	ex.busy = 0;
+	atomic_store_explicit(&ex.said_busy, false, memory_order_relaxed); /* a new slot says 0 */
 	ex.blocked = 0;
 	ex.retired = 0;
 	ex.unretire = 0;
