@@ -149,10 +149,11 @@ $(BUILD)/obj/python/%.o: python/%.c
 	$(CC) $(CPPFLAGS) -isystem $(PY_INC) $(CFLAGS) -MMD -MP -c -o $@ $<
 
 # The extension: its C files, launcher/job_shm.c for the jobs that
-# shmrpc.data launches itself, and launcher/keeper.c for the keeper of a
-# job that processes join without shmrun.
+# shmrpc.data launches itself, and launcher/keeper.c (with seg_watch.c,
+# its header and slot checks) for the keeper of a job that processes join
+# without shmrun.
 $(BUILD)/python/shmrpc/_shmrpc.abi3.so: $(PY_C_SRCS:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/launcher/job_shm.o \
-		$(BUILD)/obj/launcher/keeper.o $(LIB_OBJS)
+		$(BUILD)/obj/launcher/keeper.o $(BUILD)/obj/launcher/seg_watch.o $(LIB_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS)
 

@@ -61,11 +61,13 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	 * servers_busy or replies_taken before it polls (the frame either
 	 * sees 0 and rings, or that poll sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
+	/* Only a 1 is a promise: any other value was written by no thread of
+	 * the target's, and the frame rings as usual. */
 	if (kind == IPC_FRAME_REQUEST && !after_quiet &&
-	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed))
+	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed) == 1)
 		return;
 	if (kind == IPC_FRAME_REPLY && !after_quiet &&
-	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed))
+	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed) == 1)
 		return;
 	/* Nobody asleep on the doorbell: the target's loop thread polls before
 	 * it sleeps, and wakes whom the frame concerns (a burst of requests

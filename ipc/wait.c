@@ -22,6 +22,18 @@
 #define TAG_PROBE 2ull
 #define TAG_PID (1ull << 32) /* | id */
 
+/* A spin-mode waiter's nap when the job has more processes than this one
+ * may run on: long enough to give the core away, short beside a call. */
+#define CROWDED_NAP_NS 20000
+
+/* True when world processes outnumber the CPUs this process may run on. */
+static bool crowded(uint32_t world)
+{
+	cpu_set_t set;
+
+	return sched_getaffinity(0, sizeof(set), &set) == 0 && world > (uint32_t)CPU_COUNT(&set);
+}
+
 static int warned_fallback;
 
 const char *ipc_wait_mode_name(enum ipc_wait_mode m)
@@ -191,6 +203,7 @@ int ipc_waiter_init(struct ipc_waiter *w, struct shm_worker *self, uint32_t max_
 	w->max_ids = max_ids;
 	w->watcher_efd = -1;
 	w->fixed_spin_ns = spin && *spin ? atoi(spin) : -1;
+	w->crowded = crowded(max_ids);
 	w->pidfds = malloc(max_ids * sizeof(*w->pidfds));
 	w->dead_bits = calloc(words, sizeof(*w->dead_bits));
 	w->reported_bits = calloc(words, sizeof(*w->reported_bits));
@@ -323,10 +336,13 @@ bool ipc_waiter_take_dead(struct ipc_waiter *w, uint32_t *id)
 }
 
 /* Spins until the doorbell moves, ready(arg), or budget_ns passes; true
- * unless the budget ran out. */
+ * unless the budget ran out. A yielding spin on a crowded machine naps
+ * instead: sched_yield keeps a spinner runnable, so eight spinners on two
+ * cores take most of the time their busy peers need to make progress. */
 static bool spin_for(struct ipc_waiter *w, uint32_t seq, uint64_t budget_ns, bool yield,
 		     bool (*ready)(void *), void *arg)
 {
+	static const struct timespec nap = { 0, CROWDED_NAP_NS };
 	uint64_t start = shmrpc_now_ns();
 
 	for (uint32_t i = 1;; i++) {
@@ -336,7 +352,9 @@ static bool spin_for(struct ipc_waiter *w, uint32_t seq, uint64_t budget_ns, boo
 		if ((i & 63) == 0) {
 			if (shmrpc_now_ns() - start >= budget_ns)
 				return false;
-			if (yield)
+			if (yield && w->crowded)
+				nanosleep(&nap, NULL);
+			else if (yield)
 				sched_yield();
 		}
 	}

@@ -9,7 +9,8 @@
  *    and rings the doorbell when one fires. Chosen, with one line on
  *    stderr, where io_uring or its futex ops are unavailable.
  *  - spin: never sleeps (pause, yield now and then); the watcher thread
- *    reports deaths. For measurements and dedicated cores.
+ *    reports deaths. For measurements and dedicated cores: where the
+ *    job's processes outnumber the CPUs, it naps 20 us instead of yielding.
  *
  * A death is reported once per watched id by ipc_waiter_take_dead(); the
  * waiter also rings its own doorbell so that every thread of the process
@@ -41,6 +42,7 @@ struct ipc_waiter {
 	struct shm_worker *self;
 	uint32_t max_ids;
 	int32_t fixed_spin_ns; /* SHMRPC_SPIN_NS, or -1: adaptive */
+	bool crowded;          /* max_ids processes outnumber our CPUs */
 	struct shmrpc_spin_budget spin; /* adaptive, when not fixed */
 	int *pidfds;                 /* by id; -1 when not watched */
 	_Atomic uint64_t *dead_bits; /* set by whoever saw the death (release) */

@@ -7,11 +7,17 @@
  * parent has not collected it yet), checked against the pidfd (a pid
  * still unreaped cannot have been reused), and is "cause unknown" when its
  * parent was faster.
+ *
+ * Like shmrun's watch loop (integrity.c), it looks at the segment header
+ * and the slots a few times a second (seg_watch.h): a header changed
+ * stops the job (SIGTERM to each worker in it, through its pidfd); a slot
+ * found corrupt is said once; either makes the keeper exit 1.
  */
 #include <errno.h>
 #include <stdarg.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +31,7 @@
 #include "common/proc_stat.h"
 #include "launcher/job_shm.h"
 #include "launcher/keeper.h"
+#include "launcher/seg_watch.h"
 #include "shm/exit_info.h"
 
 /* Nobody joined (the starter died first), or a refused job's ranks stopped coming. */
@@ -36,6 +43,7 @@ struct member {
 	pid_t pid;
 	int pidfd; /* -1: not in the job */
 	int conn;  /* -1: closed */
+	struct seg_watch_rank watch; /* what its slot must say */
 };
 
 struct keeper {
@@ -51,6 +59,8 @@ struct keeper {
 	 * or KEEPER_IDLE_NS passed since (refused_at). */
 	char refusal[JOIN_MSG_MAX];
 	uint64_t refused_at;
+	struct seg_watch watch; /* the header as the keeper wrote it */
+	uint64_t check_at;      /* when keeper_check runs next */
 };
 
 size_t join_sockaddr(const char *key, void *sockaddr_un)
@@ -125,6 +135,16 @@ static uint32_t agent_state(const struct keeper *k, uint32_t rank)
 				    memory_order_acquire);
 }
 
+/* job_worker_ended, and what its slot and the header must say now. */
+static void worker_ended(struct keeper *k, uint32_t rank, uint32_t info)
+{
+	job_worker_ended(&k->shm, rank, info);
+	k->m[rank].watch.ended = true;
+	k->m[rank].watch.exit_info = info;
+	if (info)
+		k->watch.generation++; /* job_worker_ended bumped the header's */
+}
+
 /* Its pidfd fired: the worker died (or exited without leaving). */
 static void on_death(struct keeper *k, uint32_t rank)
 {
@@ -136,7 +156,7 @@ static void on_death(struct keeper *k, uint32_t rank)
 		info = agent_state(k, rank) == SHM_AGENT_GONE ? 0 : 0xffffffffu;
 	/* Sweeps its pool blocks and RRefs, marks the slot, rings the bells:
 	 * the others fail its pending calls naming it. */
-	job_worker_ended(&k->shm, rank, info);
+	worker_ended(k, rank, info);
 	if (info) {
 		shm_exit_info_format(info, cause, sizeof(cause));
 		snprintf(what, sizeof(what), "died: %s", cause);
@@ -160,7 +180,7 @@ static void on_close(struct keeper *k, uint32_t rank)
 			return;
 		}
 	}
-	job_worker_ended(&k->shm, rank, 0);
+	worker_ended(k, rank, 0);
 	forget(k, rank);
 }
 
@@ -291,7 +311,10 @@ static void on_knock(struct keeper *k)
 	 * one that reads the pid sees both. */
 	atomic_store_explicit(&w->generation, 1, memory_order_release);
 	atomic_store_explicit(&w->pid, (uint32_t)cred.pid, memory_order_release);
-	k->m[req.rank] = (struct member){ .pid = (pid_t)cred.pid, .pidfd = pidfd, .conn = conn };
+	k->m[req.rank] = (struct member){
+		.pid = (pid_t)cred.pid, .pidfd = pidfd, .conn = conn,
+		.watch = { .pid = (pid_t)cred.pid, .generation = 1 },
+	};
 	k->present++;
 	k->joined++;
 	k->knocked++;
@@ -299,6 +322,21 @@ static void on_knock(struct keeper *k)
 		/* It went before it was told: a leave before its start. */
 		on_close(k, req.rank);
 	}
+}
+
+/* The header and the slots, as shmrun's watch loop looks at them. The
+ * slots only while the job can start: a refused job's slots say so in
+ * their own way (a name taken), and nobody uses them. */
+static void keeper_check(struct keeper *k)
+{
+	if (seg_watch_header(&k->watch, &k->shm.seg, false, &k->shm.corrupt,
+			     k->present ? ": the job is stopped" : ""))
+		for (uint32_t r = 0; r < k->world; r++)
+			if (k->m[r].pidfd >= 0)
+				syscall(SYS_pidfd_send_signal, k->m[r].pidfd, SIGTERM, NULL, 0);
+	for (uint32_t r = 0; r < k->world && !k->refusal[0]; r++)
+		seg_watch_slot(&k->watch, &k->shm.seg, r, &k->m[r].watch, &k->shm.corrupt,
+			       " (the keeper exits 1)");
 }
 
 static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, uint64_t start)
@@ -325,6 +363,14 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 		if (now - since >= KEEPER_IDLE_NS)
 			return false;
 		timeout = (int)((since + KEEPER_IDLE_NS - now) / 1000000u) + 1;
+	} else if (k->present) {
+		uint64_t now = shmrpc_now_ns();
+
+		if (now >= k->check_at) {
+			keeper_check(k);
+			k->check_at = now + SEG_WATCH_EVERY_NS;
+		}
+		timeout = (int)((k->check_at - now) / 1000000u) + 1;
 	}
 	if (poll(pfd, n, timeout) < 0)
 		return errno == EINTR;
@@ -374,18 +420,21 @@ int keeper_run(int lfd, uint32_t world, uint64_t pool_size)
 		fprintf(stderr, "shmrpc keeper: %s\n", shmrpc_errmsg());
 		goto out;
 	}
+	seg_watch_init(&k.watch, &k.shm.seg, "shmrpc keeper");
 	/* Until every worker that joined has gone (the first to go closed
 	 * the door, so none can come after), and, for a job refused, every
 	 * rank came to hear why. */
 	while ((k.present || !k.joined || (k.refusal[0] && k.knocked < k.world)) &&
 	       keeper_round(&k, pfd, who, start))
 		;
-	rc = 0;
+	keeper_check(&k); /* what changed since its last look */
 	for (uint32_t r = 0; r < world; r++)
 		if (k.m[r].pidfd >= 0) {
 			job_worker_ended(&k.shm, r, 0xffffffffu);
 			forget(&k, r);
 		}
+	/* Relaxed: the keeper's own word. */
+	rc = atomic_load_explicit(&k.shm.corrupt, memory_order_relaxed) ? 1 : 0;
 	job_shm_close(&k.shm);
 out:
 	if (k.lfd >= 0)

@@ -20,6 +20,7 @@
 #include <sys/types.h>
 
 #include "launcher/job_shm.h"
+#include "launcher/seg_watch.h"
 
 /* Exit codes of the launcher itself. */
 #define SHMRUN_EXIT_FAILED 1  /* a worker failed, or the job could not start */
@@ -69,8 +70,7 @@ struct proc {
 	uint32_t exit_info; /* 0: exited 0; SHM_EXIT_* otherwise */
 	bool failed;  /* ended badly before the launcher stopped the job */
 	bool stopped; /* ended badly after the launcher began to stop the job */
-	bool slot_bad; /* its slot was found corrupt (integrity.c): said once */
-	pid_t pid_seen; /* a descendant of pid that its slot named (integrity.c) */
+	struct seg_watch_rank watch; /* what its slot must say (integrity.c) */
 	struct out_stream out[2]; /* stdout, stderr (--tag-output) */
 };
 
@@ -102,9 +102,7 @@ struct job {
 	struct pollfd *pfd;  /* watch.c's, one per fd it watches */
 	struct watched *watched;
 	pid_t guard_pid;     /* guard.c's process; 0: none */
-	struct shm_header hdr_copy; /* the header as shmrun wrote it (integrity.c) */
-	uint32_t hdr_generation;    /* what the header's generation must say: the deaths recorded */
-	bool header_bad;            /* found overwritten: said once */
+	struct seg_watch watch;     /* the header as shmrun wrote it (integrity.c) */
 	uint64_t check_at;          /* when integrity_check runs next */
 	int guard_fd;        /* the write end of its pipe */
 };
@@ -168,7 +166,7 @@ void guard_stop(struct job *j);
  * STOP_CORRUPT) and each slot with what shmrun recorded (a slot found
  * corrupt is said once and fails the job at its end); both note
  * SHM_CORRUPT_* in j->shm.corrupt for report_corrupt. */
-#define SHMRUN_CHECK_NS 100000000ull
+#define SHMRUN_CHECK_NS SEG_WATCH_EVERY_NS
 void integrity_init(struct job *j);
 void integrity_check(struct job *j);
 

@@ -108,7 +108,7 @@ static void on_worker_end(struct job *j, uint32_t rank)
 	output_finish(&p->out[1]);
 	job_worker_ended(&j->shm, rank, p->exit_info);
 	if (p->exit_info)
-		j->hdr_generation++; /* job_worker_ended bumped the header's */
+		j->watch.generation++; /* job_worker_ended bumped the header's */
 	if (!p->exit_info)
 		return;
 	if (j->stop != STOP_NONE) {

@@ -1,9 +1,9 @@
 """pip install --no-build-isolation --no-index ./python: the package shmrpc
 with its C extension built from the repository's sources, as `make python`
-builds it (the Makefile's PY_* rules): python/*.c, launcher/job_shm.c, launcher/keeper.c and
-libshmrpc's objects (common, shm, ipc, worker), on the stable ABI (abi3,
-Python >= 3.9). It downloads nothing: Debian's python3-pip brings
-setuptools and wheel.
+builds it (the Makefile's PY_* rules): python/*.c, launcher/job_shm.c,
+launcher/keeper.c, launcher/seg_watch.c and libshmrpc's objects (common,
+shm, ipc, worker), on the stable ABI (abi3, Python >= 3.9). It downloads
+nothing: Debian's python3-pip brings setuptools and wheel.
 """
 import glob
 import os
@@ -17,8 +17,8 @@ ROOT = os.path.dirname(HERE)  # the C sources are beside python/, not in it
 
 def sources():
     found = []
-    for pattern in ("python/*.c", "launcher/job_shm.c", "launcher/keeper.c", "common/*.c", "shm/*.c", "ipc/*.c",
-                    "worker/*.c"):
+    for pattern in ("python/*.c", "launcher/job_shm.c", "launcher/keeper.c", "launcher/seg_watch.c",
+                    "common/*.c", "shm/*.c", "ipc/*.c", "worker/*.c"):
         found += sorted(glob.glob(os.path.join(ROOT, pattern)))
     return found
 

@@ -131,7 +131,9 @@ struct shm_worker {
 	 * `sleepers`. `servers_busy`, 1 while every thread of the owner that
 	 * serves requests runs one: a request then waits for the first of
 	 * them to finish, which stores 0, fences, and polls the rings itself
-	 * (worker/executor.c). `replies_taken`, 1 while the owner's threads
+	 * (worker/executor.c), which keeps what it said and restores the
+	 * word, naming the slot corrupt, when its loop thread finds it
+	 * written by another process. `replies_taken`, 1 while the owner's threads
 	 * take their replies themselves and none waits for one: a reply then
 	 * waits for the next thread to wait, which stores 0, fences, and polls
 	 * the rings first (worker/agent.c). And `servers_bell`, the futex word

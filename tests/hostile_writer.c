@@ -11,6 +11,11 @@
  *   links     an owner's collect list made a loop through a live entry
  *   slots     worker 1's slot: state, pid, generation, exit record, name
  *             (no NUL), doorbell, sleepers, heartbeat and counters
+ *   promises  worker 1's slot says all its servers are busy and its
+ *             threads take their replies: peers' frames would ring
+ *             nothing (ipc/doorbell.h); worker 1 restores servers_busy
+ *             and names the slots (replies_taken is only survived: a
+ *             reply waits for the loop thread's next round, <= 100 ms)
  *   header    the segment header's world size, ring size and job name
  * Worker 1 runs a load of its own all along (large tensors to worker 0),
  * and worker 0 runs its load again after the scribbling. Each time: no
@@ -66,6 +71,7 @@ static const struct kind kinds[] = {
 	{ "links", "the RRef table's collect list", "worker 1 (worker1)", false, NULL, false },
 	{ "slots", "the worker slots", "worker 0 (worker0)", false, "worker slot 1 is corrupt: ",
 	  false },
+	{ "promises", "the worker slots", "worker 1 (worker1)", false, NULL, false },
 	{ "header", "the segment header", "shmrun", false, "the segment header is corrupt: its "
 	  "world_size", true },
 };
@@ -275,8 +281,8 @@ static uint32_t live_entry(struct rref_table *t, uint32_t owner)
 
 /* Worker 1's slot, every field but those that report corruption (and
  * the words its threads hand work over by, whose meaning is theirs):
- * lifecycle, name, doorbell, counters. Or the segment header's layout
- * and name. */
+ * lifecycle, name, doorbell, counters. Or the two words by which it lets
+ * frames ring nothing. Or the segment header's layout and name. */
 static void scribble_segment(const char *kind)
 {
 	struct shm_seg seg;
@@ -297,6 +303,9 @@ static void scribble_segment(const char *kind)
 		atomic_store(&w->bytes_recv, ~0ull);
 		atomic_store(&w->calls_served, ~0ull);
 		atomic_store(&w->num_pending_futures, ~0ull);
+	} else if (!strcmp(kind, "promises")) {
+		atomic_store(&w->servers_busy, 1);
+		atomic_store(&w->replies_taken, 1);
 	} else {
 		seg.hdr->world_size = 77;
 		seg.hdr->ring_size = 3;
@@ -312,7 +321,7 @@ static void scribble(const char *kind, uint64_t small_off, uint64_t large_off)
 	struct rref_table t;
 	uint32_t cs, cl;
 
-	if (!strcmp(kind, "slots") || !strcmp(kind, "header")) {
+	if (!strcmp(kind, "slots") || !strcmp(kind, "promises") || !strcmp(kind, "header")) {
 		scribble_segment(kind);
 		return;
 	}
@@ -423,17 +432,22 @@ static int worker(void)
 		for (int round = 2; round < 6; round++)
 			failed += load(k, round);
 		CHECK(!k->calls_fail || failed > 0, "no call touched %s", k->structure);
-		if (!strcmp(k->name, "links")) {
-			/* Worker 1 walks its list when it wakes: it finds the loop. */
-			for (int i = 0; i < 1000 && !(found_by(1) & SHM_CORRUPT_RREF_COLLECT); i++)
+		if (!strcmp(k->name, "links") || !strcmp(k->name, "promises")) {
+			/* Worker 1 walks its list, and looks at its slot's words,
+			 * when its loop thread goes to sleep. */
+			uint64_t bit = !strcmp(k->name, "links") ? SHM_CORRUPT_RREF_COLLECT
+								 : SHM_CORRUPT_SLOTS;
+
+			for (int i = 0; i < 1000 && !(found_by(1) & bit); i++)
 				usleep(10000);
-			CHECK(found_by(1) & SHM_CORRUPT_RREF_COLLECT, "worker 1 found no loop");
+			CHECK(found_by(1) & bit, "%s: worker 1 found nothing", k->name);
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
 			k->structure);
 		/* Found by now, where calls touch it or worker 1 walked its list
 		 * (a holder table is read only when its holder's references go). */
-		if (k->calls_fail || !strcmp(k->name, "links") || !strcmp(k->name, "slots"))
+		if (k->calls_fail || !strcmp(k->name, "links") || !strcmp(k->name, "slots") ||
+		    !strcmp(k->name, "promises"))
 			inspect_names(k);
 		if (k->stops) {
 			/* shmrun looks a few times a second: its SIGTERM ends us. */

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "ipc/doorbell.h"
+#include "shm/corrupt.h"
 #include "shm/exit_info.h"
 #include "worker/carry.h"
 #include "worker/client.h"
@@ -258,6 +259,26 @@ static void watch_peers(struct agent *ag)
 			first, why);
 }
 
+/* Before the loop thread sleeps: the words of our slot that let peers'
+ * frames ring nothing are ours alone, but any process of the user can
+ * write them; one that says more than we did would leave frames waiting
+ * for our next round. Restored, said once, and reported as the slots'
+ * corruption (which fails the job at its end). True: poll again. */
+static bool slot_promises_restored(struct agent *ag)
+{
+	static bool said;
+
+	if (!executor_check_busy_word())
+		return false;
+	shm_corrupt(&ag->self->corrupt_found, NULL, SHM_CORRUPT_SLOTS,
+		    "worker slot %u is corrupt: its servers_busy is not what worker %u stored "
+		    "(the job's memory was written outside shmrpc); restored", ag->rank, ag->rank);
+	if (!said)
+		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
+	said = true;
+	return true;
+}
+
 static void *loop_main(void *arg)
 {
 	struct agent *ag = arg;
@@ -280,7 +301,7 @@ static void *loop_main(void *arg)
 		next_reap = ipc_port_flush_quiet(&ag->port, now); /* quiet TENSOR_ACKs */
 		if (next_reap < next)
 			next = next_reap;
-		if (n > 0)
+		if (n > 0 || slot_promises_restored(ag))
 			continue;
 		sleep_ns = any_dying(ag) ? 2000000u : LOOP_MAX_SLEEP_NS;
 		if (next != UINT64_MAX && next - now < sleep_ns)

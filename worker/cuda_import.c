@@ -61,17 +61,23 @@ static struct import_map *find_map(uint32_t pid, uint64_t id)
 	return NULL;
 }
 
+/* An import closed (or not: a failure leaves nothing to do, it is
+ * forgotten either way) and unlinked: freed, and one fewer open. */
+static void forget(void *import, uint32_t *open)
+{
+	free(import);
+	(*open)--;
+	cuda_publish();
+}
+
 /* Closes and frees m, unlinked by the caller (holding cu.lock). */
 static void unmap(struct import_map *m)
 {
-	/* A failure leaves nothing to do: the mapping is forgotten either way. */
 	if (!cuda_push_ctx(cu.primary[m->device])) {
 		cu.cuIpcCloseMemHandle(m->local);
 		cuda_pop_ctx();
 	}
-	free(m);
-	cu.stats.maps_open--;
-	cuda_publish();
+	forget(m, &cu.stats.maps_open);
 }
 
 /* fresh is a new allocation of its producer: any other mapping of that
@@ -261,19 +267,28 @@ int cuda_import(const struct cuda_ipc_desc *d, uintptr_t stream, void **dptr, bo
 	return rc;
 }
 
-int cuda_order(int32_t device, uintptr_t from, uintptr_t to)
+/* Pushes device's primary context (made if need be) on this thread;
+ * cuda_pop_ctx after. */
+static int enter_device(int32_t device)
 {
 	CUcontext ctx;
+	int rc;
+
+	pthread_mutex_lock(&cu.lock);
+	rc = cuda_primary_ctx(device, &ctx) ?: cuda_push_ctx(ctx);
+	pthread_mutex_unlock(&cu.lock);
+	return rc;
+}
+
+int cuda_order(int32_t device, uintptr_t from, uintptr_t to)
+{
 	CUevent ev;
 	CUresult r;
 	int rc = cuda_ready();
 
 	if (rc || from == to)
 		return rc;
-	pthread_mutex_lock(&cu.lock);
-	rc = cuda_primary_ctx(device, &ctx) ?: cuda_push_ctx(ctx);
-	pthread_mutex_unlock(&cu.lock);
-	if (rc)
+	if ((rc = enter_device(device)))
 		return rc;
 	/* An event of this wait alone: recorded once, so nothing records it
 	 * again before the wait is queued. Destroying it with the wait still
@@ -355,16 +370,12 @@ void cuda_free(int32_t device, void *p)
 
 int cuda_stream_sync(int32_t device, uintptr_t stream)
 {
-	CUcontext ctx;
 	CUresult r;
 	int rc = cuda_ready();
 
 	if (rc)
 		return rc;
-	pthread_mutex_lock(&cu.lock);
-	rc = cuda_primary_ctx(device, &ctx) ?: cuda_push_ctx(ctx);
-	pthread_mutex_unlock(&cu.lock);
-	if (rc)
+	if ((rc = enter_device(device)))
 		return rc;
 	/* Outside cu.lock: the GPU may take a while, and others need the lock.
 	 * A per-thread default stream is its thread's own, and this may be
@@ -433,9 +444,7 @@ void cuda_forget_peer(uint32_t pid)
 			cu.cuEventDestroy_v2(e->ev);
 			cuda_pop_ctx();
 		}
-		free(e);
-		cu.stats.events_open--;
-		cuda_publish();
+		forget(e, &cu.stats.events_open);
 	}
 	pthread_mutex_unlock(&cu.lock);
 }

@@ -56,6 +56,7 @@ static struct {
 	_Atomic int helpers; /* waiters in the lists, for executor_kick's look without the lock */
 	_Atomic bool stop; /* written under the lock; read without it by spinners */
 	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
+	_Atomic bool said_busy; /* what busy_add stored in the slot's servers_busy */
 	struct shm_worker *gauges;
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
@@ -88,23 +89,50 @@ static void set_idle(int delta)
  * requests then ring nothing, since no thread could run one before a busy
  * one is done. True when that stops being so: the caller must then take
  * the requests that came unannounced (poll_unannounced). Only once the
- * rings can be polled (executor_poll_rings) are all ever said busy. */
+ * rings can be polled (executor_poll_rings) are all ever said busy. What
+ * we said is ex.said_busy: the slot's word is only what peers read. */
 static bool busy_add(int delta)
 {
 	bool was_all = ex.busy == ex.nthreads;
 
 	ex.busy += delta;
 	/* seq_cst stores, in one order with the senders' fences (doorbell.h);
-	 * acquire pairs with executor_poll_rings' release. */
+	 * acquire pairs with executor_poll_rings' release. said_busy: relaxed,
+	 * written under ex.lock, read first without it by
+	 * executor_check_busy_word, which takes ex.lock before acting. */
 	if (ex.busy == ex.nthreads && !was_all &&
-	    atomic_load_explicit(&ex.poll_agent, memory_order_acquire))
+	    atomic_load_explicit(&ex.poll_agent, memory_order_acquire)) {
+		atomic_store_explicit(&ex.said_busy, true, memory_order_relaxed);
 		atomic_store_explicit(&ex.gauges->servers_busy, 1, memory_order_seq_cst);
-	else if (was_all && ex.busy != ex.nthreads &&
-		 atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed)) {
+	} else if (was_all && ex.busy != ex.nthreads &&
+		   atomic_load_explicit(&ex.said_busy, memory_order_relaxed)) {
+		atomic_store_explicit(&ex.said_busy, false, memory_order_relaxed);
 		atomic_store_explicit(&ex.gauges->servers_busy, 0, memory_order_seq_cst);
 		return true;
 	}
 	return false;
+}
+
+bool executor_check_busy_word(void)
+{
+	bool want;
+	uint32_t have;
+
+	/* Relaxed: a look; the lock below orders what is acted on. */
+	if (!ex.gauges || atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed) ==
+				  atomic_load_explicit(&ex.said_busy, memory_order_relaxed))
+		return false;
+	pthread_mutex_lock(&ex.lock);
+	want = atomic_load_explicit(&ex.said_busy, memory_order_relaxed);
+	have = atomic_load_explicit(&ex.gauges->servers_busy, memory_order_relaxed);
+	if (have != want) /* seq_cst: as busy_add's stores */
+		atomic_store_explicit(&ex.gauges->servers_busy, want, memory_order_seq_cst);
+	pthread_mutex_unlock(&ex.lock);
+	/* After a store of 0, the fence of busy_add's callers: the caller
+	 * polls next, and a sender read 0 and rang, or the poll finds it. */
+	if (have != want && !want)
+		atomic_thread_fence(memory_order_seq_cst);
+	return have != want;
 }
 
 /* Takes the requests that peers sent without a wake-up while every thread
@@ -379,6 +407,7 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	ex.stop = false;
 	ex.idle = 0;
 	ex.busy = 0;
+	atomic_store_explicit(&ex.said_busy, false, memory_order_relaxed); /* a new slot says 0 */
 	ex.blocked = 0;
 	ex.retired = 0;
 	ex.unretire = 0;

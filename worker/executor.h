@@ -72,6 +72,10 @@ SHMRPC_HIDDEN void executor_poll_rings(struct agent *ag);
  * just stored). */
 SHMRPC_HIDDEN void executor_kick(uint64_t call, const _Atomic int *done);
 SHMRPC_HIDDEN bool executor_on_worker_thread(void);
+/* Restores the slot's servers_busy to what the pool last said if another
+ * process wrote it (a stray 1 would let peers' requests ring nothing while
+ * threads idle); true when it did: the caller polls the rings next. */
+SHMRPC_HIDDEN bool executor_check_busy_word(void);
 /* On an executor thread: waits until call, one of ours (its id: struct
  * job's needed_by), is done (*done, acquire: pairs with the completer's
  * release) or the deadline (0: none) passes, running the jobs the call

@@ -115,6 +115,24 @@ static bool wraps(uint16_t type, int64_t wrapped)
 	return wrapped == MSG_PYTHON_RET || wrapped == MSG_REMOTE_RET;
 }
 
+/* Whether a message of type is a Python message alone, with nothing
+ * around it: the package's calls and replies. */
+static bool bare(uint16_t type)
+{
+	switch (type) {
+	case MSG_PYTHON_CALL:
+	case MSG_PYTHON_REMOTE_CALL:
+	case MSG_PYTHON_RET:
+	case MSG_PYTHON_RREF_FETCH_RET:
+	case MSG_BACKWARD_AUTOGRAD_RESP:
+	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
+	case MSG_RREF_BACKWARD_RESP:
+		return true;
+	default:
+		return false;
+	}
+}
+
 int python_request_value(const struct python_request *r, struct arena *a, shmrpc_value *out)
 {
 	shmrpc_value *items = arena_alloc(a, 5 * sizeof(*items)), *rref, msg;
@@ -123,6 +141,8 @@ int python_request_value(const struct python_request *r, struct arena *a, shmrpc
 
 	if (!items)
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
+	if (bare(r->type))
+		return python_msg_value(&r->msg, a, out);
 	switch (r->type) {
 	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_FORWARD_AUTOGRAD_RESP:
@@ -171,14 +191,6 @@ int python_request_value(const struct python_request *r, struct arena *a, shmrpc
 		if (r->type == MSG_RREF_BACKWARD_REQ)
 			items[n++] = shmrpc_bool(r->retain_graph);
 		break;
-	case MSG_PYTHON_CALL:
-	case MSG_PYTHON_REMOTE_CALL:
-	case MSG_PYTHON_RET:
-	case MSG_PYTHON_RREF_FETCH_RET:
-	case MSG_BACKWARD_AUTOGRAD_RESP:
-	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
-	case MSG_RREF_BACKWARD_RESP:
-		return python_msg_value(&r->msg, a, out);
 	default:
 		return shmrpc__fail(-EINVAL, "message type %u is no Python message", r->type);
 	}
@@ -216,6 +228,8 @@ int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 
 	*r = (struct python_request){ .type = type, .context_id = -1,
 				      .msg = { .data = "" } /* "", not NULL: Python's bytes */ };
+	if (bare(type))
+		return python_msg_of(v, a, &r->msg);
 	switch (type) {
 	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_FORWARD_AUTOGRAD_RESP:
@@ -259,14 +273,6 @@ int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 		r->msg.nrrefs = 1;
 		r->context_id = it[1].u.i;
 		return 0;
-	case MSG_PYTHON_CALL:
-	case MSG_PYTHON_REMOTE_CALL:
-	case MSG_PYTHON_RET:
-	case MSG_PYTHON_RREF_FETCH_RET:
-	case MSG_BACKWARD_AUTOGRAD_RESP:
-	case MSG_CLEANUP_AUTOGRAD_CONTEXT_RESP:
-	case MSG_RREF_BACKWARD_RESP:
-		return python_msg_of(v, a, &r->msg);
 	default:
 		return shmrpc__fail(-EINVAL, "message type %u is no Python message", type);
 	}

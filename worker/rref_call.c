@@ -172,20 +172,11 @@ static int read_value(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms, shmr
 static int fetch_by_message(struct agent *ag, shmrpc_rref *r, int64_t timeout_ms,
 			    shmrpc_future **out)
 {
-	struct tensor_list none = { 0 };
-	msgpack_sbuffer sb;
-	msgpack_packer pk;
 	shmrpc_future *f;
-	int rc;
+	int rc = rref_request(ag, r->owner, MSG_SCRIPT_RREF_FETCH_CALL,
+			      &(struct rref_at){ r->id, r->slot }, NULL, timeout_ms,
+			      "fetch an RRef's value", &f);
 
-	msgpack_sbuffer_init(&sb);
-	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	msgpack_pack_array(&pk, 2);
-	msgpack_pack_uint64(&pk, r->id);
-	msgpack_pack_uint32(&pk, r->slot);
-	rc = client_request(ag, (int)r->owner, MSG_SCRIPT_RREF_FETCH_CALL, &sb, &none, timeout_ms,
-			    "fetch an RRef's value", &f);
-	msgpack_sbuffer_destroy(&sb);
 	return rc ? rc : client_sync_wait(f, out);
 }
 

@@ -111,29 +111,40 @@ int rref_pack(msgpack_packer *pk, const shmrpc_rref *r)
 	return 0;
 }
 
-/* Sends a fork message and forgets it, or keeps its request in *out. */
-static int send_fork_msg(struct agent *ag, uint32_t dst, uint16_t type, uint64_t id, uint32_t slot,
-			 uint64_t fork_id, shmrpc_future **out)
+int rref_request(struct agent *ag, uint32_t dst, uint16_t type, const struct rref_at *at,
+		 const uint64_t *fork_id, int64_t timeout_ms, const char *what, shmrpc_future **f)
 {
 	struct tensor_list none = { 0 };
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
-	shmrpc_future *f;
 	int rc;
 
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	if (type == MSG_RREF_FORK_REQUEST) {
+	if (at) {
 		msgpack_pack_array(&pk, 2);
-		msgpack_pack_uint64(&pk, id);
-		msgpack_pack_uint32(&pk, slot);
+		msgpack_pack_uint64(&pk, at->id);
+		msgpack_pack_uint32(&pk, at->slot);
 	}
-	msgpack_pack_uint64(&pk, fork_id);
-	/* No timeout: a live owner answers; a death fails the request. */
-	rc = client_request(ag, (int)dst, type, &sb, &none, SHMRPC_TIMEOUT_NONE,
-			    type == MSG_RREF_FORK_REQUEST ? "confirm an RRef fork with its owner"
-							  : "accept an RRef fork", &f);
+	if (fork_id)
+		msgpack_pack_uint64(&pk, *fork_id);
+	rc = client_request(ag, (int)dst, type, &sb, &none, timeout_ms, what, f);
 	msgpack_sbuffer_destroy(&sb);
+	return rc;
+}
+
+/* Sends a fork message and forgets it, or keeps its request in *out. */
+static int send_fork_msg(struct agent *ag, uint32_t dst, uint16_t type, uint64_t id, uint32_t slot,
+			 uint64_t fork_id, shmrpc_future **out)
+{
+	bool request = type == MSG_RREF_FORK_REQUEST;
+	shmrpc_future *f;
+	/* No timeout: a live owner answers; a death fails the request. */
+	int rc = rref_request(ag, dst, type, request ? &(struct rref_at){ id, slot } : NULL,
+			      &fork_id, SHMRPC_TIMEOUT_NONE,
+			      request ? "confirm an RRef fork with its owner" : "accept an RRef fork",
+			      &f);
+
 	if (rc == 0 && out)
 		*out = f;
 	else if (rc == 0)

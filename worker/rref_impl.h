@@ -109,6 +109,17 @@ SHMRPC_HIDDEN void rref_unreferenced(struct agent *ag, uint64_t id, uint32_t slo
 SHMRPC_HIDDEN void rref_drop(struct agent *ag, uint64_t id, uint32_t slot, uint32_t owner);
 
 /* rref_fork.c */
+/* Where an RRef is: its id and its RRef table slot. */
+struct rref_at {
+	uint64_t id;
+	uint32_t slot;
+};
+/* Sends a request about an RRef to dst (client_request, with what): its
+ * payload [id, slot] when at is given, then *fork_id when given (an
+ * RREF_FORK_ACCEPT's is that alone). */
+SHMRPC_HIDDEN int rref_request(struct agent *ag, uint32_t dst, uint16_t type,
+			       const struct rref_at *at, const uint64_t *fork_id,
+			       int64_t timeout_ms, const char *what, shmrpc_future **f);
 /* A pending child goes: its reference (or its via's owed one) with it. */
 SHMRPC_HIDDEN void rref_child_drop(struct agent *ag, struct pending_child *c);
 /* One reference for rank unless the RRef is unreferenced already (its

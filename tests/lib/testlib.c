@@ -1,4 +1,5 @@
 #include <dirent.h>
+#include <sched.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -31,6 +32,15 @@ double tl_scale(void)
 #else
 	return 1.0;
 #endif
+}
+
+unsigned tl_cores(void)
+{
+	cpu_set_t set;
+
+	return sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0
+		       ? (unsigned)CPU_COUNT(&set)
+		       : 1;
 }
 
 bool tl_wait_children(void)

@@ -38,6 +38,8 @@
 int tl_skip(const char *reason);
 /* Scale for long loops: 1 normally, smaller under sanitizers (SHMRPC_TEST_SCALE). */
 double tl_scale(void);
+/* The CPUs this process may run on (at least 1). */
+unsigned tl_cores(void);
 /* Waits for every child; false if any exited non-zero or by a signal
  * (each reported on stderr with its pid). */
 bool tl_wait_children(void);

@@ -8,7 +8,8 @@ the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
 missing; a world_size that is not the job's; init_rpc again after
-shutdown. After each case no process is left (children joined, the job's
+shutdown; a segment header overwritten while the job runs stops it, as
+shmrun's watch would (the keeper's). After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
 (tests/python/test_join_torch.py: torch.multiprocessing.spawn.)"""
 import multiprocessing as mp
@@ -81,6 +82,12 @@ def run_case(rank, world, init_method, case, q, name=None):
         if case == "ring":
             out["result"] = rpc.rpc_sync(f"w{(rank + 1) % world}", add, args=(rank, 100))
             out["info"] = (rpc.get_worker_info().name, rpc.get_worker_info().id)
+        elif case == "scribble":
+            # The keeper's watch: worker 0 overwrites the header's world
+            # size, as a stray process could; the keeper stops the job.
+            if rank == 0:
+                scribble_world_size(77)
+            time.sleep(WAIT)  # its SIGTERM ends us
         elif case == "death" and rank == 0:
             # Rank 1 kills itself serving this call: it fails, naming rank 1.
             q.put({"rank": 0, "keeper": out["keeper"], "pending": True})
@@ -102,6 +109,22 @@ def run_case(rank, world, init_method, case, q, name=None):
         out["exc"] = f"{type(e).__name__}: {e}"
     out["memfds"] = memfds()
     q.put(out)
+
+
+def scribble_world_size(value):
+    """Writes the job segment's header field world_size (shm/layout.h: at
+    byte 24) through this process's memfd of the segment."""
+    import mmap
+    import struct
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shmrpc-job"):
+                with mmap.mmap(int(fd), 4096) as m:
+                    m[24:28] = struct.pack("<I", value)
+                return
+        except OSError:
+            pass
+    raise AssertionError("no memfd of the job's segment")
 
 
 def memfds():
@@ -287,6 +310,25 @@ def test_torchrun_convention_death():
     assert codes == [0, -signal.SIGKILL, 0], (codes, reports)
     assert "worker 1 (w1)" in got[0]["error"], got[0]
     nothing_left({got[0]["keeper"]}, [f"tcp:{port}"])
+
+
+def test_keeper_watches_header(tmp_path):
+    port = free_port()
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:  # the keeper's stderr is its starter's
+        procs = [subprocess.Popen([sys.executable, "-c", "import test_join; test_join.torchrun_main()"],
+                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                           WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r),
+                                           JOIN_CASE="scribble",
+                                           PYTHONPATH=os.pathsep.join([HERE, os.environ.get(
+                                               "PYTHONPATH", "")])),
+                                  stdout=subprocess.PIPE, stderr=f, text=True) for r in range(2)]
+        _, codes = collect(procs)
+    assert codes == [-signal.SIGTERM] * 2, (codes, err.read_text())
+    nothing_left((), [f"tcp:{port}"])
+    text = err.read_text()
+    assert ("shmrpc keeper: the segment header is corrupt: its world_size is not what shmrpc "
+            "keeper wrote") in text and "the job is stopped" in text, text
 
 
 def test_world_size_one(monkeypatch):
