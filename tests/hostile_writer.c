@@ -13,9 +13,8 @@
  *             (no NUL), doorbell, sleepers, heartbeat and counters
  *   promises  worker 1's slot says all its servers are busy and its
  *             threads take their replies: peers' frames would ring
- *             nothing (ipc/doorbell.h); worker 1 restores servers_busy
- *             and names the slots (replies_taken is only survived: a
- *             reply waits for the loop thread's next round, <= 100 ms)
+ *             nothing (ipc/doorbell.h); worker 1 restores both words
+ *             and names the slots
  *   header    the segment header's world size, ring size and job name
  * Worker 1 runs a load of its own all along (large tensors to worker 0),
  * and worker 0 runs its load again after the scribbling. Each time: no
@@ -379,6 +378,20 @@ static uint64_t found_by(uint32_t rank)
 	return v;
 }
 
+/* Worker rank's replies_taken: 0 where its threads do not take their
+ * replies (a C worker never does), once it restored a stray 1. */
+static uint32_t replies_taken_of(uint32_t rank)
+{
+	struct shm_seg seg;
+	uint32_t v;
+
+	CHECK_OK(shm_seg_attach_fd(&seg, dup_env_fd(SHMRPC_ENV_JOB_FD), true));
+	/* Relaxed: a look at a word the worker restores. */
+	v = atomic_load_explicit(&shm_worker(&seg, rank)->replies_taken, memory_order_relaxed);
+	shm_seg_detach(&seg);
+	return v;
+}
+
 /* shmrpc-inspect --check on the live job names the structure, found by a
  * worker (the launcher is our parent). */
 static void inspect_names(const struct kind *k)
@@ -441,6 +454,11 @@ static int worker(void)
 			for (int i = 0; i < 1000 && !(found_by(1) & bit); i++)
 				usleep(10000);
 			CHECK(found_by(1) & bit, "%s: worker 1 found nothing", k->name);
+		}
+		if (!strcmp(k->name, "promises")) {
+			for (int i = 0; i < 1000 && replies_taken_of(1); i++)
+				usleep(10000);
+			CHECK(!replies_taken_of(1), "promises: worker 1 left a stray replies_taken");
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
 			k->structure);

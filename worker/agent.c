@@ -267,12 +267,16 @@ static void watch_peers(struct agent *ag)
 static bool slot_promises_restored(struct agent *ag)
 {
 	static bool said;
+	const char *word = executor_check_busy_word()   ? "servers_busy"
+			   : agent_check_replies_word(ag) ? "replies_taken"
+							   : NULL;
 
-	if (!executor_check_busy_word())
+	if (!word)
 		return false;
 	shm_corrupt(&ag->self->corrupt_found, NULL, SHM_CORRUPT_SLOTS,
-		    "worker slot %u is corrupt: its servers_busy is not what worker %u stored "
-		    "(the job's memory was written outside shmrpc); restored", ag->rank, ag->rank);
+		    "worker slot %u is corrupt: its %s is not what worker %u stored "
+		    "(the job's memory was written outside shmrpc); restored", ag->rank, word,
+		    ag->rank);
 	if (!said)
 		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
 	said = true;

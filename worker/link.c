@@ -257,6 +257,26 @@ static bool own_publish(void)
 	return true;
 }
 
+bool agent_check_replies_word(struct agent *ag)
+{
+	uint32_t want, have;
+
+	/* Relaxed: a look. Only a stray 1 harms (a stray 0 rings a bell more);
+	 * and a 1 we published is checked under own.lock, which orders it. */
+	if (atomic_load_explicit(&ag->self->replies_taken, memory_order_relaxed) != 1)
+		return false;
+	pthread_mutex_lock(&own.lock);
+	want = own.ag == ag && own.published;
+	have = atomic_load_explicit(&ag->self->replies_taken, memory_order_relaxed);
+	if (have != want) /* seq_cst, with own_publish's fence after a 0: as its stores */
+		atomic_store_explicit(&ag->self->replies_taken, want, memory_order_seq_cst);
+	pthread_mutex_unlock(&own.lock);
+	if (have == want)
+		return false;
+	atomic_thread_fence(memory_order_seq_cst);
+	return true;
+}
+
 /* Takes what the rings hold; its TENSOR_ACKs go quietly (agent_acks_quietly). */
 static int own_poll(struct agent *ag)
 {

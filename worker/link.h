@@ -138,6 +138,10 @@ SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
  * Off again, the rings are polled at once.
  */
 SHMRPC_HIDDEN void agent_take_replies(struct agent *ag, bool on);
+/* Restores the slot's replies_taken to what agent_take_replies published
+ * if another process wrote a 1 there (peers' replies would ring nothing
+ * while no thread takes them); true when it did: the caller polls next. */
+SHMRPC_HIDDEN bool agent_check_replies_word(struct agent *ag);
 /* A user thread waits until done(arg) (a future's completion) or the
  * deadline (ns, 0: none) that way: false when the mode is off (or goes off
  * meanwhile): the caller waits its usual way. */
