@@ -366,30 +366,27 @@ static void scribble(const char *kind, uint64_t small_off, uint64_t large_off)
 }
 
 /* Worker 1's slot, seen from worker 0: what it found corrupt. */
-static uint64_t found_by(uint32_t rank)
+/* Worker rank's corrupt_found (what it found) or, !found, its
+ * replies_taken (0 where its threads do not take their replies, as a C
+ * worker's never do, once it restored a stray 1). Relaxed: a flag
+ * (shm/corrupt.h), and a look at a word the worker restores. */
+static uint64_t slot_word(uint32_t rank, bool found)
 {
 	struct shm_seg seg;
+	struct shm_worker *w;
 	uint64_t v;
 
 	CHECK_OK(shm_seg_attach_fd(&seg, dup_env_fd(SHMRPC_ENV_JOB_FD), true));
-	/* Relaxed: a flag (shm/corrupt.h). */
-	v = atomic_load_explicit(&shm_worker(&seg, rank)->corrupt_found, memory_order_relaxed);
+	w = shm_worker(&seg, rank);
+	v = found ? atomic_load_explicit(&w->corrupt_found, memory_order_relaxed)
+		  : atomic_load_explicit(&w->replies_taken, memory_order_relaxed);
 	shm_seg_detach(&seg);
 	return v;
 }
 
-/* Worker rank's replies_taken: 0 where its threads do not take their
- * replies (a C worker never does), once it restored a stray 1. */
-static uint32_t replies_taken_of(uint32_t rank)
+static uint64_t found_by(uint32_t rank)
 {
-	struct shm_seg seg;
-	uint32_t v;
-
-	CHECK_OK(shm_seg_attach_fd(&seg, dup_env_fd(SHMRPC_ENV_JOB_FD), true));
-	/* Relaxed: a look at a word the worker restores. */
-	v = atomic_load_explicit(&shm_worker(&seg, rank)->replies_taken, memory_order_relaxed);
-	shm_seg_detach(&seg);
-	return v;
+	return slot_word(rank, true);
 }
 
 /* shmrpc-inspect --check on the live job names the structure, found by a
@@ -456,9 +453,9 @@ static int worker(void)
 			CHECK(found_by(1) & bit, "%s: worker 1 found nothing", k->name);
 		}
 		if (!strcmp(k->name, "promises")) {
-			for (int i = 0; i < 1000 && replies_taken_of(1); i++)
+			for (int i = 0; i < 1000 && slot_word(1, false); i++)
 				usleep(10000);
-			CHECK(!replies_taken_of(1), "promises: worker 1 left a stray replies_taken");
+			CHECK(!slot_word(1, false), "promises: worker 1 left a stray replies_taken");
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
 			k->structure);
