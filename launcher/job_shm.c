@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 
 #include "shmrpc.h"
+#include "common/cuda_leftovers.h"
 #include "ipc/doorbell.h"
 #include "launcher/job_shm.h"
 
@@ -59,6 +60,12 @@ uint32_t job_reap(int pidfd, int pid)
 	siginfo_t si = { 0 };
 	int rc;
 
+	/* Dead but not reaped first: its pid is not anyone else's yet. */
+	do
+		rc = waitid(P_PIDFD, (id_t)pidfd, &si, WEXITED | WNOWAIT);
+	while (rc < 0 && errno == EINTR);
+	if (rc == 0)
+		cuda_leftovers_remove(pid);
 	do
 		rc = waitid(P_PIDFD, (id_t)pidfd, &si, WEXITED);
 	while (rc < 0 && errno == EINTR);

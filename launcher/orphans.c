@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/cuda_leftovers.h"
 #include "common/proc_stat.h"
 #include "launcher/shmrun.h"
 
@@ -88,13 +89,25 @@ void orphans_signal(const struct job *j, int sig)
 		kill(pids[i], sig);
 }
 
+/* Reaps pid if it is shmrun's child and has ended; whether it did. The
+ * CUDA driver's files of it go first, while its pid is still its own. */
+static bool reap(pid_t pid)
+{
+	siginfo_t si = { 0 };
+
+	if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) || si.si_pid != pid)
+		return false;
+	cuda_leftovers_remove(pid);
+	return waitpid(pid, NULL, WNOHANG) == pid;
+}
+
 void orphans_reap(const struct job *j)
 {
 	static pid_t pids[MAX_LISTED];
 	int n = children(j, pids, MAX_LISTED);
 
 	for (int i = 0; i < n; i++)
-		waitpid(pids[i], NULL, WNOHANG);
+		reap(pids[i]);
 }
 
 /* "pid 123 (sleep)" for the message. */
@@ -146,7 +159,7 @@ void orphans_end(const struct job *j)
 		for (int i = 0; i < n; i++) {
 			/* One that has ended is not left running: ours is
 			 * reaped now, a deeper one waits for its parent. */
-			if (waitpid(now[i], NULL, WNOHANG) == now[i] || ended(now[i]))
+			if (reap(now[i]) || ended(now[i]))
 				continue;
 			if (late) {
 				kill(now[i], SIGKILL);
