@@ -340,11 +340,28 @@ bool ipc_port_want_space(struct ipc_port *p, uint32_t dst, uint32_t len)
 	return false;
 }
 
-static void report(struct ipc_port *p)
+/*
+ * The ring from src holds a record that fails its checks: its control
+ * words (rc of ipc_ring_peek), or a frame's header or payload (its
+ * checksum, its ranks). Either way the ring is no longer read: a frame
+ * dropped would leave the call it carried waiting for its timeout, or
+ * forever without one, and what follows a damaged frame is not to be
+ * trusted more. The calls of both sides on this link fail at once instead;
+ * shmrpc_errmsg and stderr say why.
+ */
+static void break_ring(struct ipc_port *p, struct ipc_ring *r, uint32_t src, int err,
+		       const char *why)
 {
+	shmrpc__fail(err, "the ring from worker %u is no longer read: %s", src, why);
+	/* Relaxed: has_input only skips the ring sooner or later. */
+	atomic_store_explicit(&p->in_broken[src], true, memory_order_relaxed);
 	/* Relaxed: a statistic. */
 	atomic_fetch_add_explicit(&p->self->corrupt_frames, 1, memory_order_relaxed);
-	fprintf(stderr, "shmrpc: worker %u: %s; dropped\n", p->rank, shmrpc_errmsg());
+	fprintf(stderr, "shmrpc: worker %u: %s\n", p->rank, shmrpc_errmsg());
+	/* Release, pairs with ipc_port_ring_abandoned's acquire: the producer
+	 * fails its calls to us, woken to see it. */
+	atomic_store_explicit(&r->ctl->abandoned, 1, memory_order_release);
+	ipc_doorbell_ring(shm_worker(p->seg, src), p->self);
 }
 
 int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
@@ -369,23 +386,18 @@ int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max)
 			if (rc == 0)
 				break;
 			if (rc < 0) {
-				/* Relaxed: has_input only skips the ring sooner or later. */
-				atomic_store_explicit(&p->in_broken[src], true, memory_order_relaxed);
-				shmrpc__fail(rc, "the ring from worker %u is corrupt and is no longer read",
-					     src);
-				report(p);
-				/* Release, pairs with ipc_port_ring_abandoned's acquire:
-				 * the producer fails its calls to us, woken to see it. */
-				atomic_store_explicit(&r->ctl->abandoned, 1, memory_order_release);
-				ipc_doorbell_ring(shm_worker(p->seg, src), p->self);
+				break_ring(p, r, src, rc, "its positions or records are impossible");
 				break;
 			}
-			if (ipc_frame_decode(rec, len, src, p->rank, &f) == 0) {
-				fn(arg, &f);
-				bytes += f.hdr.payload_len;
-			} else {
-				report(p);
+			if (ipc_frame_decode(rec, len, src, p->rank, &f)) {
+				char why[256];
+
+				snprintf(why, sizeof(why), "%s", shmrpc_errmsg());
+				break_ring(p, r, src, -SHMRPC_ECORRUPT, why);
+				break;
 			}
+			fn(arg, &f);
+			bytes += f.hdr.payload_len;
 			ipc_ring_consume(r, len);
 			got++;
 			n++;

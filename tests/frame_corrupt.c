@@ -1,8 +1,9 @@
-/* Corrupt frames are dropped and reported, good ones keep flowing: frames
- * sent through a port (ranks 0 and 1 in one process) are damaged inside
- * the ring before the consumer polls. Oversized payloads are refused with
- * both sizes named, and ipc_frame_decode refuses short records, wrong
- * ranks, unknown flags and bad checksums. */
+/* A corrupt frame is never delivered, and the ring it came on is no longer
+ * read, its sender told: frames sent through a port (ranks 0 and 1 in one
+ * process) are damaged inside the ring before the consumer polls.
+ * Oversized payloads are refused with both sizes named, and
+ * ipc_frame_decode refuses short records, wrong ranks, unknown flags and
+ * bad checksums. */
 #include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -69,70 +70,93 @@ static uint8_t *next_record(struct ipc_port *rcv, uint32_t *len)
 	return (uint8_t *)rec;
 }
 
-static void test_port(void)
+struct pair {
+	struct shm_seg seg;
+	struct ipc_port snd, rcv; /* ranks 0 and 1 */
+};
+
+static void pair_open(struct pair *pr)
 {
 	struct shm_seg_params sp = { .world_size = 2 };
-	struct ipc_port snd, rcv;
-	struct shm_seg seg;
+
+	CHECK_OK(shm_seg_create(&pr->seg, &sp));
+	CHECK_OK(ipc_port_open(&pr->snd, &pr->seg, 0, IPC_WAIT_FUTEX));
+	CHECK_OK(ipc_port_open(&pr->rcv, &pr->seg, 1, IPC_WAIT_FUTEX));
+}
+
+static void pair_close(struct pair *pr)
+{
+	ipc_port_close(&pr->snd);
+	ipc_port_close(&pr->rcv);
+	shm_seg_detach(&pr->seg);
+}
+
+/*
+ * Frame 1 arrives; frame 2 is damaged at byte `at` of its record before
+ * the poll: nothing is delivered, the error names the frame and `why`, the
+ * ring is no longer read (frame 3 behind it stays unread), and the sender
+ * sees it abandoned, so both sides' calls on the link fail at once.
+ */
+static void damaged(uint32_t at, const char *why)
+{
 	struct rx rx = { .n = 0 };
+	struct pair pr;
 	const char *err;
-	uint32_t len, max;
-	char want[64];
-	int taken, rc;
+	uint32_t len;
+	int taken;
 
-	CHECK_OK(shm_seg_create(&seg, &sp));
-	CHECK_OK(ipc_port_open(&snd, &seg, 0, IPC_WAIT_FUTEX));
-	CHECK_OK(ipc_port_open(&rcv, &seg, 1, IPC_WAIT_FUTEX));
-
-	CHECK_OK(send_id(&snd, 1, PAYLOAD));
-	CHECK(ipc_port_poll(&rcv, on_frame, &rx, 16) == 1 && rx.n == 1 && rx.ids[0] == 1,
+	pair_open(&pr);
+	CHECK_OK(send_id(&pr.snd, 1, PAYLOAD));
+	CHECK(ipc_port_poll(&pr.rcv, on_frame, &rx, 16) == 1 && rx.n == 1 && rx.ids[0] == 1,
 	      "good frame 1 not received");
+	CHECK_OK(send_id(&pr.snd, 2, PAYLOAD));
+	CHECK_OK(send_id(&pr.snd, 3, PAYLOAD));
+	next_record(&pr.rcv, &len)[at] ^= 0x40;
+	err = poll_capturing(&pr.rcv, &rx, 16, &taken);
+	CHECK(taken == 0 && rx.n == 1, "%s: %d frames taken after the damaged one", why, taken);
+	CHECK(strstr(shmrpc_errmsg(), "corrupted frame from worker 0, message id 2") &&
+		      strstr(shmrpc_errmsg(), why) &&
+		      strstr(shmrpc_errmsg(), "the ring from worker 0 is no longer read: corrupted frame"),
+	      "errmsg: %s", shmrpc_errmsg());
+	CHECK(strstr(err, "shmrpc: worker 1: the ring from worker 0 is no longer read: corrupted frame from worker 0, message id 2"),
+	      "stderr: %s", err);
+	CHECK(atomic_load(&pr.rcv.self->corrupt_frames) == 1, "corrupt_frames %llu",
+	      (unsigned long long)atomic_load(&pr.rcv.self->corrupt_frames));
+	CHECK(ipc_port_ring_broken(&pr.rcv, 0), "the receiver still reads the ring");
+	CHECK(ipc_port_ring_abandoned(&pr.snd, 1), "the sender is not told");
+	CHECK(ipc_port_poll(&pr.rcv, on_frame, &rx, 16) == 0 && rx.n == 1,
+	      "a frame behind the damaged one was delivered");
+	pair_close(&pr);
+}
+
+static void test_port(void)
+{
+	struct rx rx = { .n = 0 };
+	struct pair pr;
+	uint32_t max;
+	char want[64];
+	int rc;
 
 	/* A flipped header byte (src_gen): the header checksum fails. */
-	CHECK_OK(send_id(&snd, 2, PAYLOAD));
-	next_record(&rcv, &len)[20] ^= 0x40;
-	err = poll_capturing(&rcv, &rx, 1, &taken);
-	CHECK(taken == 1 && rx.n == 1, "corrupt header delivered (%d taken)", taken);
-	CHECK(strstr(shmrpc_errmsg(), "corrupted frame from worker 0, message id 2") &&
-		      strstr(shmrpc_errmsg(), "header checksum mismatch"),
-	      "errmsg: %s", shmrpc_errmsg());
-	CHECK(strstr(err, "shmrpc: worker 1: corrupted frame from worker 0, message id 2") &&
-		      strstr(err, "; dropped"),
-	      "stderr: %s", err);
-
+	damaged(20, "header checksum mismatch");
 	/* A flipped payload byte: the payload checksum fails. */
-	CHECK_OK(send_id(&snd, 3, PAYLOAD));
-	next_record(&rcv, &len)[sizeof(struct ipc_frame_hdr) + PAYLOAD / 2] ^= 1;
-	err = poll_capturing(&rcv, &rx, 1, &taken);
-	CHECK(taken == 1 && rx.n == 1, "corrupt payload delivered (%d taken)", taken);
-	CHECK(strstr(shmrpc_errmsg(), "corrupted frame from worker 0, message id 3: checksum mismatch"),
-	      "errmsg: %s", shmrpc_errmsg());
-	CHECK(strstr(err, "corrupted frame from worker 0, message id 3: checksum mismatch; dropped"),
-	      "stderr: %s", err);
-	CHECK(atomic_load(&rcv.self->corrupt_frames) == 2, "corrupt_frames %llu",
-	      (unsigned long long)atomic_load(&rcv.self->corrupt_frames));
+	damaged((uint32_t)sizeof(struct ipc_frame_hdr) + PAYLOAD / 2, "checksum mismatch");
 
-	/* The consumer goes on: later frames arrive, the largest one included. */
-	max = ipc_port_max_payload(&snd);
-	CHECK_OK(send_id(&snd, 4, PAYLOAD));
-	CHECK_OK(send_id(&snd, 5, max));
-	CHECK(ipc_port_poll(&rcv, on_frame, &rx, 16) == 2 && rx.n == 3 && rx.ids[1] == 4 &&
-		      rx.ids[2] == 5,
-	      "frames after the corrupt ones lost (%d received)", rx.n);
-	CHECK(!rcv.in_broken[0], "ring marked broken");
-
-	/* One byte more than fits: refused, both sizes named. */
-	rc = send_id(&snd, 6, max + 1);
+	/* The largest frame goes through; one byte more is refused, both
+	 * sizes named. */
+	pair_open(&pr);
+	max = ipc_port_max_payload(&pr.snd);
+	CHECK_OK(send_id(&pr.snd, 5, max));
+	CHECK(ipc_port_poll(&pr.rcv, on_frame, &rx, 16) == 1 && rx.n == 1 && rx.ids[0] == 5,
+	      "the largest frame was not received");
+	rc = send_id(&pr.snd, 6, max + 1);
 	CHECK(rc == -EMSGSIZE, "oversized send returned %d", rc);
 	snprintf(want, sizeof(want), "a %u-byte payload", max + 1);
 	CHECK(strstr(shmrpc_errmsg(), want), "errmsg does not name %u: %s", max + 1, shmrpc_errmsg());
 	snprintf(want, sizeof(want), "at most %u bytes", max);
 	CHECK(strstr(shmrpc_errmsg(), want), "errmsg does not name %u: %s", max, shmrpc_errmsg());
-	CHECK(ipc_port_poll(&rcv, on_frame, &rx, 16) == 0, "refused frame arrived");
-
-	ipc_port_close(&snd);
-	ipc_port_close(&rcv);
-	shm_seg_detach(&seg);
+	CHECK(ipc_port_poll(&pr.rcv, on_frame, &rx, 16) == 0, "refused frame arrived");
+	pair_close(&pr);
 }
 
 static struct {

@@ -27,7 +27,9 @@
  * it); shmrun names the
  * structure; nothing is left in /dev/shm. The header is shmrun's: it
  * stops the job when it finds it changed, and the workers end by its
- * SIGTERM, not by the header. `hostile_writer KIND` runs one kind.
+ * SIGTERM, not by the header. `hostile_writer KIND` runs one kind. The
+ * rings, control and data, are broken in tests/ring_broken: it takes a
+ * third worker to show that only the link is cut and a load goes on.
  */
 #include <fcntl.h>
 #include <pthread.h>

@@ -1,6 +1,7 @@
 /*
  * A ring whose shared state is made impossible (its tail pushed past what
- * the ring can hold, as a stray write into the job's memory would) is no
+ * the ring can hold, as a stray write into the job's memory would), or
+ * which holds a frame that fails its checks (a record of garbage), is no
  * longer read, and that does not leave anyone waiting: rank 0's call to
  * rank 1, whose reply would come on that ring, fails naming the ring and
  * the worker; a new call to rank 1 fails at once with the same words;
@@ -19,6 +20,7 @@
 #include "shmrpc.h"
 #include "common/clock.h"
 #include "ipc/doorbell.h"
+#include "ipc/ring.h"
 #include "shm/segment.h"
 #include "tests/lib/job.h"
 #include "tests/lib/testlib.h"
@@ -81,12 +83,38 @@ static int fn_others(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_v
 	return 0;
 }
 
-/* On rank 1: breaks its own ring to rank 0 through a mapping of its own,
- * then answers after a while (the reply is lost). */
+/* The tail pushed past what the ring can hold: its control words are
+ * impossible. Release, as a producer publishes: the consumer must see it. */
+static void break_control(const struct shm_seg *seg)
+{
+	struct shm_ring_ctl *ctl = shm_ring(seg, 1, 0);
+
+	atomic_store_explicit(&ctl->tail,
+			      atomic_load_explicit(&ctl->head, memory_order_relaxed) +
+				      4ull * seg->ring_size,
+			      memory_order_release);
+}
+
+/* A record of garbage committed as a producer would: the ring is sound,
+ * the frame in it fails its checks. */
+static void break_data(const struct shm_seg *seg)
+{
+	struct ipc_ring r;
+	uint8_t *rec;
+
+	ipc_ring_open(&r, seg, 1, 0, true);
+	rec = ipc_ring_reserve(&r, 96);
+	CHECK(rec, "no room in the ring from rank 1 to rank 0");
+	memset(rec, 0xa5, 96);
+	ipc_ring_commit(&r);
+}
+
+/* On rank 1: breaks its own ring to rank 0 through a mapping of its own
+ * (RING_BROKEN_HOW: control or data), then answers after a while (the
+ * reply is lost). */
 static int fn_break(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
-	const char *fd = getenv(SHMRPC_ENV_JOB_FD);
-	struct shm_ring_ctl *ctl;
+	const char *fd = getenv(SHMRPC_ENV_JOB_FD), *how = getenv("RING_BROKEN_HOW");
 	struct shm_seg seg;
 	shmrpc_future *f;
 	int dup_fd, rc;
@@ -96,12 +124,10 @@ static int fn_break(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 	dup_fd = fcntl(atoi(fd), F_DUPFD_CLOEXEC, 0);
 	CHECK(dup_fd >= 0, "dup(%s)", fd);
 	CHECK_OK(shm_seg_attach_fd(&seg, dup_fd, false));
-	ctl = shm_ring(&seg, 1, 0);
-	/* Release, as a producer publishes: the consumer must see it. */
-	atomic_store_explicit(&ctl->tail,
-			      atomic_load_explicit(&ctl->head, memory_order_relaxed) +
-				      4ull * seg.ring_size,
-			      memory_order_release);
+	if (how && !strcmp(how, "data"))
+		break_data(&seg);
+	else
+		break_control(&seg);
 	ipc_doorbell_ring(shm_worker(&seg, 0), shm_worker(&seg, 1));
 	shm_seg_detach(&seg);
 	usleep(300000);
@@ -158,6 +184,18 @@ int main(void)
 					     "all answered",
 					     "shmrun: worker 0 (worker0) received 1 corrupt frame",
 					     NULL };
+	static const char *const hows[] = { "control", "data" };
 
-	return tl_job_expect(worker, 1, texts, "-n", "3", NULL);
+	if (tl_is_worker())
+		return worker();
+	for (int i = 0; i < 2; i++) {
+		int rc;
+
+		setenv("RING_BROKEN_HOW", hows[i], 1);
+		rc = tl_job_expect(worker, 1, texts, "-n", "3", NULL);
+		if (rc)
+			return rc;
+		fprintf(stderr, "ring_broken: %s: ok\n", hows[i]);
+	}
+	return 0;
 }
