@@ -337,3 +337,4 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 _marshal.set_rref_type(RRef)
+_marshal.set_proxy_func(_call_method)

@@ -341,10 +341,21 @@ class _IdlePickler(threading.local):
 _idle = _IdlePickler()
 
 
+def _scalars(values):
+    """Whether values (a tuple) holds only scalars of _IMMUTABLE_TYPES,
+    which can hold no RRef nor tensor (exact types: a subclass may)."""
+    return all(map(_IMMUTABLE_TYPES.__contains__, map(type, values)))
+
+
 def _dumps(obj):
     """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
     if obj is None:  # most results: no pickle to make, nor to read
         return b"", [], []
+    if type(obj) in _IMMUTABLE_TYPES or (type(obj) is tuple and _scalars(obj)):
+        # Nothing to take out of the pickle: C's pickler alone, without
+        # _Pickler's persistent_id, a Python call per object (a number
+        # took 3.0 us that way, 0.3 this way; docs/ARCHITECTURE.md).
+        return _inline(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], [])
     if _plain_tensor(obj):
         return _TENSORS, [], [_plain_handle(obj)]
     p = _idle.pickler
@@ -360,6 +371,11 @@ def _dumps(obj):
     finally:
         p.reset()
         _idle.pickler = p
+    return _inline(data, rrefs, tensors)
+
+
+def _inline(data, rrefs, tensors):
+    """The message of a pickle: in the frame, or past _INLINE_MAX in the pool."""
     if len(data) > _INLINE_MAX:
         tensors.append(_shmrpc.from_bytes(data))
         data = _OUT_OF_LINE
@@ -538,7 +554,17 @@ def _pack_call(func, args, kwargs, dst=None):
         return named.head, [], []
     if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
         return named.head + _TENSORS, [], [_plain_handle(a) for a in args]
-    data, rrefs, tensors = _dumps((tuple(args or ()), dict(kwargs or {})))
+    args = tuple(args or ())
+    if named.func is _proxy_func and not kwargs and _proxied(args):
+        # A proxy's call (name, rref, scalars...): its method's name written
+        # out, its RRef the message's only one, no pickler (docs/PROTOCOL.md).
+        rest = args[2:]
+        return (named.head + _PROXY + args[0].encode() + b"\0" +
+                (pickle.dumps(rest, pickle.HIGHEST_PROTOCOL) if rest else b""), [args[1]._r], [])
+    if not kwargs and _scalars(args):  # as _dumps' scalars: C's pickler alone
+        data, rrefs, tensors = _inline(pickle.dumps((args, {}), pickle.HIGHEST_PROTOCOL), [], [])
+    else:
+        data, rrefs, tensors = _dumps((args, dict(kwargs or {})))
     return named.head + data, rrefs, tensors
 
 
@@ -560,8 +586,33 @@ def _unpack_call(payload, rrefs, tensors):
         return func, (), {}
     if payload[end:] == _TENSORS:
         return func, tuple(_from_pool("torch", t) for t in tensors), {}
+    if payload[end:end + 1] == _PROXY:
+        name_end = payload.index(b"\0", end)
+        rest = payload[name_end + 1:]
+        return func, (payload[end + 1:name_end].decode(), _rref_of(rrefs[0])) + (
+            pickle.loads(rest) if rest else ()), {}
     args, kwargs = _loads((payload[end:], rrefs, tensors), "call")
     return func, args, kwargs
+
+
+# A proxy's call (rref.rpc_sync().method(args)) is _proxy_func(name, rref,
+# *args), set by the RRef's module (set_proxy_func). When args are scalars
+# (_scalars) and there are no keywords, the by-name reference is followed
+# by this mark, the method's name and a NUL, then the pickle of args, or
+# nothing; the RRef is the message's one RRef.
+_PROXY = b"\x04"
+_proxy_func = None
+
+
+def set_proxy_func(func):
+    global _proxy_func
+    _proxy_func = func
+
+
+def _proxied(args):
+    """Whether a proxy's call arguments take the _PROXY form."""
+    return (len(args) >= 2 and type(args[0]) is str and "\0" not in args[0]
+            and type(args[1]) is _rref_type and _scalars(args[2:]))
 
 
 def _func_name(func):

@@ -6,6 +6,7 @@ kept live, an RRef fetch answered. Above the calls; below api.
 import sys
 import threading
 import traceback
+import types
 
 from . import _contexts, _shmrpc, autograd, profiler, server_profiler
 from ._calls import RRef, _call_method, _owned
@@ -109,7 +110,12 @@ def _serve_fetch(rref, caller, context_id):
 
 
 def _is_async_execution(func):
-    """Decorated with shmrpc's or torch's functions.async_execution."""
+    """Decorated with shmrpc's or torch's functions.async_execution. A
+    bound method (a proxy's) is asked through its function: a method's
+    missing attribute is looked up on the method, then on the function,
+    each miss an AttributeError made and caught (1.6 us against 0.3)."""
+    if type(func) is types.MethodType:
+        func = func.__func__
     return (getattr(func, "_shmrpc_async_execution", False)
             or hasattr(func, "_wrapped_async_rpc_function"))
 
