@@ -87,7 +87,8 @@ static double ns_per_record(void)
 {
 	enum { RECS = 4096, N = 1000000 };
 	struct shm_trace_ctl *ctl = aligned_alloc(64, sizeof(*ctl) + RECS * sizeof(struct shm_trace_rec));
-	struct trace_self t = { ctl, (struct shm_trace_rec *)(ctl + 1), RECS - 1 };
+	struct trace_self t = { ctl, (struct shm_trace_rec *)(ctl + 1), RECS - 1,
+				worker_agent->seg.trace_clock == SHM_TRACE_CLOCK_TICKS };
 	uint64_t t0;
 
 	if (!ctl)

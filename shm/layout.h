@@ -33,9 +33,9 @@
  * 56-byte frame header (nesting depth, needed_by) and inline tensors; 6:
  * a request's help entries (help_n), the 208-byte CUDA descriptor (the
  * producer's allocation size, the device's UUID) and a ring's abandoned
- * mark, so that workers of
- * different builds meet a version error, not "corrupt". */
-#define SHM_FORMAT_VERSION 6u
+ * mark; 7: the flight recorder's clock (trace_clock, its anchor), so that
+ * workers of different builds meet a version error, not "corrupt". */
+#define SHM_FORMAT_VERSION 7u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -74,12 +74,20 @@ struct shm_header {
 	uint32_t trace_records; /* per worker, power of two */
 	uint32_t trace_rec_size;
 	uint64_t devmap_off;
-	uint8_t reserved[SHM_PAGE - 160];
+	/* What a flight-recorder record's time counts (SHM_TRACE_CLOCK_*), and
+	 * for ticks the anchor readers turn them into ns by, taken at creation
+	 * (common/ticks.h). */
+	uint32_t trace_clock;
+	uint32_t reserved0;
+	uint64_t trace_anchor_ticks;
+	uint64_t trace_anchor_ns; /* CLOCK_MONOTONIC */
+	uint8_t reserved[SHM_PAGE - 184];
 };
 _Static_assert(offsetof(struct shm_header, generation) == 80, "header layout");
 _Static_assert(offsetof(struct shm_header, job_name) == 88, "header layout");
 _Static_assert(offsetof(struct shm_header, trace_off) == 136, "header layout");
 _Static_assert(offsetof(struct shm_header, devmap_off) == 152, "header layout");
+_Static_assert(offsetof(struct shm_header, trace_anchor_ns) == 176, "header layout");
 _Static_assert(sizeof(struct shm_header) == SHM_PAGE, "header is one page");
 
 /* Worker states (shm_worker.state). */
@@ -254,6 +262,13 @@ _Static_assert(sizeof(struct shm_ring_ctl) == 256, "ring control is four lines")
  * reader wanting record i loads seq (acquire), the words (relaxed), an
  * acquire fence, seq again: the record is whole only if both seqs are
  * 2i+2; otherwise it is skipped. 0 is a slot never written.
+ *
+ * A record's time is the CPU's time-stamp counter where the segment's
+ * creator found it invariant (trace_clock SHM_TRACE_CLOCK_TICKS: a read
+ * costs a few ns against the 20-40 of CLOCK_MONOTONIC's vDSO call);
+ * readers turn it into CLOCK_MONOTONIC ns along the line through the
+ * header's anchor and one they take when they read. Elsewhere
+ * (SHM_TRACE_CLOCK_NS) it is CLOCK_MONOTONIC ns.
  */
 struct shm_trace_ctl {
 	_Atomic uint64_t head;    /* records claimed (relaxed RMW, any thread of the owner) */
@@ -265,10 +280,16 @@ _Static_assert(sizeof(struct shm_trace_ctl) == SHMRPC_CACHELINE, "trace control 
 struct shm_trace_rec {
 	_Atomic uint64_t seq;
 	_Atomic uint64_t msg_id;
-	_Atomic uint64_t time_ns; /* CLOCK_MONOTONIC */
+	_Atomic uint64_t time;    /* the header's trace_clock */
 	_Atomic uint64_t info;    /* SHM_TRACE_INFO() */
 };
 _Static_assert(sizeof(struct shm_trace_rec) == 32, "trace record is 32 bytes");
+
+/* What a record's time counts (shm_header.trace_clock). */
+enum shm_trace_clock {
+	SHM_TRACE_CLOCK_NS = 0,    /* CLOCK_MONOTONIC ns */
+	SHM_TRACE_CLOCK_TICKS = 1, /* the invariant time-stamp counter */
+};
 
 /* What a record says happened (shm_trace_rec.info's kind). */
 enum shm_trace_kind {

@@ -161,6 +161,12 @@ int shm_seg_create(struct shm_seg *seg, const struct shm_seg_params *p)
 	h->trace_records = trace_records;
 	h->trace_rec_size = sizeof(struct shm_trace_rec);
 	h->devmap_off = s.devmap_off;
+	if (shmrpc_ticks_usable()) {
+		seg->trace_anchor = shmrpc_anchor_now();
+		h->trace_clock = seg->trace_clock = SHM_TRACE_CLOCK_TICKS;
+		h->trace_anchor_ticks = seg->trace_anchor.ticks;
+		h->trace_anchor_ns = seg->trace_anchor.ns;
+	}
 
 	for (uint32_t src = 0; src < p->world_size; src++) {
 		for (uint32_t dst = 0; dst < p->world_size; dst++) {
@@ -198,7 +204,7 @@ int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 	    !shm_shape(h.world_size, h.ring_size, h.trace_records, &s) || s.total != h.total_size ||
 	    s.worker_off != h.worker_off || s.ring_ctl_off != h.ring_ctl_off ||
 	    s.ring_data_off != h.ring_data_off || s.trace_off != h.trace_off ||
-	    s.devmap_off != h.devmap_off)
+	    s.devmap_off != h.devmap_off || h.trace_clock > SHM_TRACE_CLOCK_TICKS)
 		return shm_attach_inconsistent(&seg_kind, "world %u, ring size %u, total %llu",
 					       h.world_size, h.ring_size,
 					       (unsigned long long)h.total_size);
@@ -208,6 +214,8 @@ int shm_seg_attach_fd(struct shm_seg *seg, int fd, bool readonly)
 	seg->readonly = readonly;
 	seg->size = h.total_size;
 	seg_fill(seg, &s, h.world_size, h.ring_size, h.trace_records);
+	seg->trace_clock = h.trace_clock;
+	seg->trace_anchor = (struct shmrpc_anchor){ h.trace_anchor_ticks, h.trace_anchor_ns };
 	return 0;
 }
 

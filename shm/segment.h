@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common/compiler.h"
+#include "common/ticks.h"
 #include "shm/layout.h"
 
 #define SHMRPC_ENV_JOB_FD "SHMRPC_JOB_FD"
@@ -36,6 +37,9 @@ struct shm_seg {
 	uint64_t trace_off;
 	uint32_t trace_records;
 	uint64_t devmap_off;
+	/* The header's trace_clock, checked, and its anchor. */
+	uint32_t trace_clock;
+	struct shmrpc_anchor trace_anchor;
 };
 
 struct shm_seg_params {

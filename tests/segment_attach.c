@@ -69,6 +69,12 @@ static void test_refusals(const struct shm_seg *good)
 	h.world_size++;
 	refused("inconsistent layout", memfd_with(&h, sizeof(h), good->size), -SHMRPC_EBADSEG,
 		"header layout is inconsistent (world 3");
+
+	/* The recorder's clock picks how readers turn times into ns. */
+	h = *good->hdr;
+	h.trace_clock = SHM_TRACE_CLOCK_TICKS + 1;
+	refused("unknown trace clock", memfd_with(&h, sizeof(h), good->size), -SHMRPC_EBADSEG,
+		"header layout is inconsistent");
 }
 
 /* The permissions /proc/self/maps shows for the mapping that starts at p. */
@@ -98,7 +104,9 @@ static void test_readonly(struct shm_seg *rw)
 	CHECK_OK(shm_seg_attach_path(&ro, path, true));
 	CHECK(ro.readonly && !rw->readonly, "readonly flags %d %d", ro.readonly, rw->readonly);
 	CHECK(ro.world == rw->world && ro.ring_size == rw->ring_size && ro.size == rw->size &&
-		      ro.ring_data_off == rw->ring_data_off,
+		      ro.ring_data_off == rw->ring_data_off && ro.trace_clock == rw->trace_clock &&
+		      ro.trace_anchor.ticks == rw->trace_anchor.ticks &&
+		      ro.trace_anchor.ns == rw->trace_anchor.ns,
 	      "read-only attach sees another layout");
 	map_perms(ro.base, perms);
 	CHECK(!strcmp(perms, "r--s"), "read-only mapping is %s", perms);

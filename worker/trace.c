@@ -9,6 +9,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/ticks.h"
 #include "ipc/port.h"
 #include "worker/msg.h"
 #include "worker/trace.h"
@@ -22,7 +23,8 @@ void trace_open(const struct shm_seg *seg, uint32_t rank)
 	if (v && !strcmp(v, "0"))
 		return;
 	trace_self = (struct trace_self){ shm_trace(seg, rank), shm_trace_recs(seg, rank),
-					  seg->trace_records - 1 };
+					  seg->trace_records - 1,
+					  seg->trace_clock == SHM_TRACE_CLOCK_TICKS };
 }
 
 void trace_close(void)
@@ -32,7 +34,7 @@ void trace_close(void)
 
 void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info)
 {
-	uint64_t now = shmrpc_now_ns();
+	uint64_t now = t->ticks ? shmrpc_ticks() : shmrpc_now_ns();
 	/* Relaxed: the index only has to be unique; the record's seq publishes it. */
 	uint64_t i = atomic_fetch_add_explicit(&t->ctl->head, 1, memory_order_relaxed);
 	struct shm_trace_rec *r = &t->recs[i & t->mask];
@@ -51,7 +53,7 @@ void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info)
 	 * newer) on its second load. */
 	atomic_thread_fence(memory_order_release);
 	atomic_store_explicit(&r->msg_id, msg_id, memory_order_relaxed);
-	atomic_store_explicit(&r->time_ns, now, memory_order_relaxed);
+	atomic_store_explicit(&r->time, now, memory_order_relaxed);
 	atomic_store_explicit(&r->info, info, memory_order_relaxed);
 	/* Release: the words are visible to whoever sees the even seq. */
 	atomic_store_explicit(&r->seq, 2 * i + 2, memory_order_release);
@@ -123,6 +125,11 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 	/* Relaxed: each record's seq says whether it is there. */
 	uint64_t h = atomic_load_explicit(&c->head, memory_order_relaxed), n = h;
 	size_t got = 0;
+	/* Ticks become ns along the creator's anchor and ours, taken after the
+	 * head (so after every record read here but those written meanwhile,
+	 * which the line extends to). */
+	bool ticks = seg->trace_clock == SHM_TRACE_CLOCK_TICKS;
+	struct shmrpc_anchor now = ticks ? shmrpc_anchor_now() : (struct shmrpc_anchor){ 0, 0 };
 
 	if (n > seg->trace_records)
 		n = seg->trace_records;
@@ -137,7 +144,7 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 		if (atomic_load_explicit(&r->seq, memory_order_acquire) != want)
 			continue;
 		e->msg_id = atomic_load_explicit(&r->msg_id, memory_order_relaxed);
-		e->time_ns = atomic_load_explicit(&r->time_ns, memory_order_relaxed);
+		e->time_ns = atomic_load_explicit(&r->time, memory_order_relaxed);
 		info = atomic_load_explicit(&r->info, memory_order_relaxed);
 		/* Acquire fence: pairs with the release fence of a writer whose
 		 * words we may have read; then its odd seq shows below. */
@@ -145,6 +152,8 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 		if (atomic_load_explicit(&r->seq, memory_order_relaxed) != want)
 			continue;
 		e->index = i;
+		if (ticks)
+			e->time_ns = shmrpc_ticks_to_ns(e->time_ns, seg->trace_anchor, now);
 		e->kind = SHM_TRACE_KIND(info);
 		e->status = SHM_TRACE_STATUS(info);
 		if (trace_is_pin(e->kind)) {

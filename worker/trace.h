@@ -4,8 +4,10 @@
  * protocol), read by shmrpc-inspect --trace and by shmrun
  * --dump-on-failure after a death.
  *
- * Writing costs a clock read (vDSO), a fetch_add on the ring's head, a
- * CAS, and four stores to one record: no lock, no syscall. It is on by
+ * Writing costs a read of the time-stamp counter (CLOCK_MONOTONIC's vDSO
+ * call where the counter is not invariant: shm/layout.h), a fetch_add on
+ * the ring's head, a CAS, and four stores to one record: no lock, no
+ * syscall. It is on by
  * default; SHMRPC_TRACE=0 in a worker's environment turns it off.
  *
  * What is recorded, and where:
@@ -39,6 +41,7 @@ struct trace_self {
 	struct shm_trace_ctl *ctl;
 	struct shm_trace_rec *recs;
 	uint64_t mask;
+	bool ticks; /* times are time-stamp counter ticks (SHM_TRACE_CLOCK_TICKS) */
 };
 SHMRPC_HIDDEN extern struct trace_self trace_self;
 
@@ -90,7 +93,7 @@ SHMRPC_HIDDEN uint32_t trace_reply_status(uint32_t type);
 struct trace_entry {
 	uint64_t index; /* the record's number in the worker's life, from 0 */
 	uint64_t msg_id;
-	uint64_t time_ns;
+	uint64_t time_ns; /* CLOCK_MONOTONIC, whatever the ring's clock */
 	/* Payload bytes; PINNED, UNPINNED: the tensors' bytes (to the KiB
 	 * from 2 GiB). */
 	uint64_t size;
