@@ -24,6 +24,19 @@ _timeout_override = False
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
 _shut_down = False  # shutdown ran once in this process
+# A data loader's job that this process is leaving in a thread of its own
+# after its epoch (shmrpc._data_job): until that thread is done, this
+# process is still in that job, so init_rpc and the next loader's start
+# wait for it (_wait_left).
+_leaving = None
+
+
+def _wait_left():
+    """Returns once no loader's job is being left in the background."""
+    global _leaving
+    leaving, _leaving = _leaving, None
+    if leaving is not None:
+        leaving.join()
 
 
 class WorkerInfo:
