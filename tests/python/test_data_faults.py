@@ -117,6 +117,18 @@ def test_workers_leave_after_the_epoch():
     pids = [set(int(p) for b in loader for p in b[:, 1]) for _ in range(2)]
     assert len(pids[0]) == 2 and not pids[0] & pids[1], \
         f"workers that do not persist served two epochs: {pids}"
+    for _ in loader:
+        pass
+    # A child forked while the trainer leaves in the background does not
+    # wait for its parent's leave (as its exit and init_rpc would).
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)  # stuck: killed
+        shmrpc._core._wait_left()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+        f"a child forked during the leave waited for it (status {status:#x})"
     shmrpc._core._wait_left()
     assert not shmrpc._core._initialized, "the last epoch's job was not left"
 
