@@ -59,6 +59,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     tcp://HOST:PORT; file://PATH), on this machine (shmrpc._rendezvous)."""
     global _init_pid, _shmrun_slot
     api._check_init_args(backend, rpc_backend_options)
+    _core._wait_left()
     _core._rpc_timeout, _core._timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
     joined = None
     if _core._initialized and _init_pid != os.getpid():

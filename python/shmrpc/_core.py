@@ -3,6 +3,8 @@ worker names and ranks, timeouts, the errors it raises. The lowest Python
 layer (docs/ARCHITECTURE.md, "The Python package"): it imports no other
 module of the package but the C half and the constants.
 """
+import atexit
+import os
 import sys
 
 from . import _shmrpc, constants
@@ -24,6 +26,29 @@ _timeout_override = False
 _initialized = False
 _joined = None  # shmrpc._rendezvous.Joined: this process joined without shmrun
 _shut_down = False  # shutdown ran once in this process
+# A data loader's job that this process is leaving in a thread of its own
+# after its epoch (shmrpc._data_job): a lock that thread holds until it is
+# done. Until then this process is still in that job, so init_rpc, the next
+# loader's start and the interpreter's exit wait for it (_wait_left).
+_leaving = None
+
+
+def _wait_left():
+    """Returns once no loader's job is being left in the background."""
+    global _leaving
+    leaving, _leaving = _leaving, None
+    if leaving is not None:
+        leaving.acquire()
+
+
+def _forget_leaving():
+    """In a child forked meanwhile: the thread leaving is the parent's."""
+    global _leaving
+    _leaving = None
+
+
+atexit.register(_wait_left)
+os.register_at_fork(after_in_child=_forget_leaving)
 
 
 class WorkerInfo:

@@ -148,7 +148,10 @@ class _Iter(_BaseIter):
         self.tasks.clear()
         self.abandoned.clear()
         if workers is not self.loader._workers:
-            workers.close()
+            # After a whole epoch, the workers leave as the program goes on
+            # (the next loader's start waits for them); after an abort, the
+            # caller gets the error once they are gone.
+            workers.close(wait=abort)
 
     def __del__(self):
         try:

@@ -1,6 +1,7 @@
 """shmrpc.data's trainer side of a loader's workers: the job it forks them
 into (or the ranks of its own job it loads with), its requests to them, and
 its end. Above _data_worker."""
+import _thread
 import itertools
 import os
 import pickle
@@ -30,6 +31,7 @@ class _LoaderJob:
 
     def __init__(self, loader, base_seed):
         import shmrpc
+        _core._wait_left()  # the last epoch's job, if it is still being left
         self.key = (os.getpid(), next(self._next_key))
         self.job = None
         self.pinned = None  # the pool's address, once registered with CUDA
@@ -114,7 +116,11 @@ class _LoaderJob:
                 return None
             time.sleep(0.002)
 
-    def close(self):
+    def close(self, wait=True):
+        """Ends the workers' part in this loader. wait False (the end of an
+        epoch of workers that do not persist): a job this process forked
+        is left by a thread of its own (_core._leaving), so that the epoch
+        ends with its last batch, as the program goes on."""
         import shmrpc
         if self.job is None:
             if _core._initialized:
@@ -133,30 +139,51 @@ class _LoaderJob:
             for d in range(torch.cuda.device_count()):
                 torch.cuda.synchronize(d)
             torch.cuda.cudart().cudaHostUnregister(self.pinned)
-        # The job has nothing to gather at its end (no RRefs; every call
-        # was waited for): once each worker has answered its leave, every
-        # process leaves on its own, and a graceful shutdown's gathers and
-        # barrier (8 ms, a short epoch's seventh) buy nothing.
-        leaves = []
-        for r in self.ranks:
-            try:
-                leaves.append(shmrpc.rpc_async(r, _w_leave))
-            except RuntimeError:
-                pass  # it died: the job's watcher has its cause
-        for fut in leaves:
-            try:
-                fut.wait()
-            except Exception:
-                pass  # it died meanwhile: as above
+        if wait:
+            _leave_job(job, self.ranks)
+            return
+        # A bare thread: threading.Thread's start waits for the new thread
+        # to run (1-2 ms of the epoch's end on the loaded 2-core VM).
+        leaving = _thread.allocate_lock()
+        leaving.acquire()
+        _thread.start_new_thread(_leave_in_background, (job, self.ranks, leaving))
+        _core._leaving = leaving
+
+
+def _leave_in_background(job, ranks, leaving):
+    try:
+        _leave_job(job, ranks)
+    finally:
+        leaving.release()
+
+
+def _leave_job(job, ranks):
+    """This process and the workers ranks leave the loader's job. It has
+    nothing to gather at its end (no RRefs; every call was waited for):
+    once each worker has answered its leave, every process leaves on its
+    own, and a graceful shutdown's gathers and barrier (8 ms, a short
+    epoch's seventh) buy nothing."""
+    import shmrpc
+    leaves = []
+    for r in ranks:
         try:
-            shmrpc.shutdown(graceful=False)
-        finally:
-            # The workers' exits (a few ms each: a forked trainer's address
-            # space to tear down) are not waited for here: a thread of the
-            # job reaps them and frees the job, kept in _closing until it
-            # is done (the interpreter's exit waits for it).
-            job.close(5000, False)
-            _closing[:] = [j for j in _closing if not j.closed()] + [job]
+            leaves.append(shmrpc.rpc_async(r, _w_leave))
+        except RuntimeError:
+            pass  # it died: the job's watcher has its cause
+    for fut in leaves:
+        try:
+            fut.wait()
+        except Exception:
+            pass  # it died meanwhile: as above
+    try:
+        shmrpc.shutdown(graceful=False)
+    finally:
+        # The workers' exits (a few ms each: a forked trainer's address
+        # space to tear down) are not waited for here: a thread of the
+        # job reaps them and frees the job, kept in _closing until it
+        # is done (the interpreter's exit waits for it).
+        job.close(5000, False)
+        _closing[:] = [j for j in _closing if not j.closed()] + [job]
 
 
 # A loader's job makes no RRefs, and its pool holds batches: shmrun's
