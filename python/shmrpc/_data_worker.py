@@ -182,15 +182,13 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
         os.environ.update(_job_env(rank, num_workers + 1, names[rank], fds))
         # The setup (seeds, worker_init_fn) takes milliseconds, and the
         # join waits for every rank. A worker forked before the last sets
-        # itself up first (and warms its first fetch), while the trainer
-        # forks the next ones; the last
+        # itself up first, while the trainer forks the next ones; the last
         # joins first (the trainer waits for it) and sets up while the
         # trainer's start goes on: a fetch that comes meanwhile waits for
         # the setup (_w_fetch).
         import shmrpc
         if worker_id < num_workers - 1:
             _w_setup(key, spec, worker_id, num_workers, base_seed)
-            _warm_fetch()
             shmrpc.init_rpc(names[rank], rpc_backend_options=_OneThread())
         else:
             _set_up.clear()
@@ -214,24 +212,6 @@ def _child_main(key, spec, worker_id, num_workers, base_seed, names, fds, parent
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-def _warm_fetch():
-    """Runs, on throwaway tensors, the parts of a batch's path that are
-    the loader's own (a sample row's view, from_dlpack of a block, a stack
-    into it): a fresh child's first run of them faults in pages (code, and
-    the trainer's copy-on-write pages they touch), which a worker forked
-    before the last pays here, while the trainer forks the next one, rather
-    than in its first batch (4 KiB samples: ~200 faults in the first batch
-    before, ~85 after, 33 of them the pool block's; the warm-up itself
-    takes ~160, so it costs CPU overall: it pays off where that worker
-    would otherwise wait for the join). Nothing of the user's runs, and no random
-    generator is drawn from, so what the dataset and the seeds see is
-    torch's."""
-    torch = _torch()
-    rows = torch.empty(2, 8)  # its values are never read back
-    out = torch.from_dlpack(torch.empty(2, 8).__dlpack__())
-    torch.stack([rows[0], rows[1]], 0, out=out)
 
 
 class _OneThread:
