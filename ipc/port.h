@@ -63,7 +63,8 @@ struct ipc_port {
 	/* Work besides frames that ipc_port_wait must not sleep through (the
 	 * agent's RRef collect list): checked after the doorbell is read, as
 	 * the rings are, so a waker that publishes then rings is never missed.
-	 * NULL: none. Set before the loop thread starts. */
+	 * NULL: none. Set before any thread may poll or look
+	 * (ipc_port_has_work): the owner publishes the port after it. */
 	bool (*news)(void *arg);
 	void *news_arg;
 	struct ipc_waiter waiter;
