@@ -427,14 +427,14 @@ static bool has_input(struct ipc_port *p)
 }
 
 /* Frames, or the owner's other news (ipc_port.news). */
-static bool has_work(struct ipc_port *p)
+bool ipc_port_has_work(struct ipc_port *p)
 {
 	return has_input(p) || (p->news && p->news(p->news_arg));
 }
 
 static bool has_work_cb(void *p)
 {
-	return has_work(p);
+	return ipc_port_has_work(p);
 }
 
 int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
@@ -445,7 +445,7 @@ int ipc_port_wait(struct ipc_port *p, uint64_t timeout_ns)
 	/* An older seq only makes the wait return sooner, never later. */
 	seq = p->space_seq_set ? p->space_seq : ipc_doorbell_seq(p->self);
 	p->space_seq_set = false;
-	if (has_work(p) || ipc_waiter_has_news(&p->waiter))
+	if (ipc_port_has_work(p) || ipc_waiter_has_news(&p->waiter))
 		return 0;
 	return ipc_waiter_sleep(&p->waiter, seq, timeout_ns, has_work_cb, p);
 }

@@ -63,7 +63,8 @@ struct ipc_port {
 	/* Work besides frames that ipc_port_wait must not sleep through (the
 	 * agent's RRef collect list): checked after the doorbell is read, as
 	 * the rings are, so a waker that publishes then rings is never missed.
-	 * NULL: none. Set before the loop thread starts. */
+	 * NULL: none. Set before any thread may poll or look
+	 * (ipc_port_has_work): the owner publishes the port after it. */
 	bool (*news)(void *arg);
 	void *news_arg;
 	struct ipc_waiter waiter;
@@ -105,6 +106,10 @@ SHMRPC_HIDDEN uint64_t ipc_port_flush_quiet(struct ipc_port *p, uint64_t now);
 /* One thread at a time: hands up to max frames to fn (their payload valid during the
  * call only); returns how many records were taken, corrupt ones included. */
 SHMRPC_HIDDEN int ipc_port_poll(struct ipc_port *p, ipc_frame_fn fn, void *arg, int max);
+/* Any thread: whether ipc_port_poll would find a frame, or the owner has
+ * news (ipc_port.news). Reads only: a spinner that looks here first
+ * leaves the poll lock's and its own lines alone while nothing came. */
+SHMRPC_HIDDEN bool ipc_port_has_work(struct ipc_port *p);
 /* Loop thread: asks to be woken when a frame of len payload bytes fits
  * towards dst; true if it fits already. */
 SHMRPC_HIDDEN bool ipc_port_want_space(struct ipc_port *p, uint32_t dst, uint32_t len);

@@ -150,8 +150,10 @@ struct shm_worker {
 	 * (seq_cst bump, FUTEX_WAKE of one), which polls the rings itself,
 	 * instead of the loop thread, which would only queue it for them.
 	 * `replies_bell` / `replies_asleep` are the same for the owner's
-	 * threads waiting for a reply while they take their replies: a reply
-	 * (or a local completion) wakes them all there, and they poll. */
+	 * threads waiting for a reply while they take their replies (and for
+	 * one thread per process waiting for its own reply, worker/link.h
+	 * agent_wait_alone): a reply (or a local completion) wakes them all
+	 * there, and they poll. */
 	_Atomic uint32_t doorbell;
 	_Atomic uint32_t sleepers;
 	_Atomic uint32_t servers_busy;

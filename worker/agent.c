@@ -591,11 +591,13 @@ int shmrpc_init(const struct shmrpc_options *opts)
 		goto fail_exec;
 	ag->job = ++agents_started;
 	worker_agent = ag;
-	executor_poll_rings(ag);
+	/* Before the executors may poll: their spin reads it (agent_poll_any),
+	 * published by executor_poll_rings' release. */
 	if (ag->has_rrefs) {
 		ag->port.news = collect_due;
 		ag->port.news_arg = ag;
 	}
+	executor_poll_rings(ag);
 	rc = pthread_create(&ag->loop, NULL, loop_main, ag);
 	if (rc) {
 		worker_agent = NULL;

@@ -278,7 +278,7 @@ static bool spin_work(void *arg)
 	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
 
 	if (ag)
-		agent_poll(ag, false);
+		agent_poll_any(ag);
 	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 

@@ -208,7 +208,8 @@ int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);
-	if (agent_wait_reply(done_of, f, deadline_ns)) /* we take our replies (link.h) */
+	/* We take our replies (link.h): all of them, or, alone, our own. */
+	if (agent_wait_reply(done_of, f, deadline_ns) || agent_wait_alone(done_of, f, deadline_ns))
 		return is_done(f) ? 0 : -ETIMEDOUT;
 	pthread_mutex_lock(&f->lock);
 	while (!atomic_load_explicit(&f->done, memory_order_relaxed) && rc == 0)

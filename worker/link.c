@@ -219,6 +219,11 @@ int agent_poll(struct agent *ag, bool wait)
 	return n;
 }
 
+int agent_poll_any(struct agent *ag)
+{
+	return ipc_port_has_work(&ag->port) ? agent_poll(ag, false) : 0;
+}
+
 /* ---- replies taken by the threads that wait for them ---- */
 
 /* Process-wide, outside the agent: a waiter that returns after shutdown
@@ -237,6 +242,9 @@ static struct {
 static _Atomic(struct agent *) own_live;
 
 static _Thread_local bool taking_replies;
+
+/* Whether a thread of this process is in agent_wait_alone. */
+static _Atomic bool alone_taken;
 
 /* own.lock held: replies_taken = on and nobody waits. True when it went
  * to 0: replies may wait in the rings unannounced, the caller polls. */
@@ -327,6 +335,7 @@ void link_forget_in_child(void)
 	own.waiters = 0;
 	/* Relaxed: the child has one thread. */
 	atomic_store_explicit(&own_live, NULL, memory_order_relaxed);
+	atomic_store_explicit(&alone_taken, false, memory_order_relaxed);
 }
 
 /* Says this thread sleeps on the replies' bell, then polls: a reply
@@ -392,16 +401,27 @@ bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t deadline_ns)
 	return done(arg) || (deadline_ns && now >= deadline_ns);
 }
 
+/* The agent user threads poll while they spin, and how many are between
+ * agent_spin_begin and _end or in agent_wait_alone (link.h). */
+static _Atomic(struct agent *) spin_agent;
+static _Atomic int spin_pollers;
+
 void agent_future_done(void)
 {
 	struct agent *ag;
 
 	/* seq_cst fence after the completer's release of done, before the
 	 * load of replies_asleep: pairs with announce_wait's fence (a waiter
-	 * counted after this load sees done; one counted before is woken). */
+	 * counted after this load sees done; one counted before is woken),
+	 * and alone_announce's. */
 	atomic_thread_fence(memory_order_seq_cst);
-	/* Acquire pairs with agent_take_replies' release. */
+	/* Acquire pairs with agent_take_replies' release. Else the running
+	 * agent, for a lone waiter (agent_wait_alone); seq_cst as every access
+	 * of spin_agent. Every completer is a thread that shutdown stops or
+	 * waits for before it frees the agent. */
 	ag = atomic_load_explicit(&own_live, memory_order_acquire);
+	if (!ag)
+		ag = atomic_load_explicit(&spin_agent, memory_order_seq_cst);
 	if (ag && atomic_load_explicit(&ag->self->replies_asleep, memory_order_relaxed))
 		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
 }
@@ -410,11 +430,6 @@ bool agent_acks_quietly(const struct agent *ag)
 {
 	return taking_replies || pthread_equal(pthread_self(), ag->loop);
 }
-
-/* The agent user threads poll while they spin, and how many are between
- * agent_spin_begin and _end (link.h). */
-static _Atomic(struct agent *) spin_agent;
-static _Atomic int spin_pollers;
 
 struct agent *agent_spin_begin(void)
 {
@@ -439,7 +454,7 @@ bool agent_spin_poll(struct agent *ag)
 	 * wait for us. */
 	if (!atomic_load_explicit(&spin_agent, memory_order_seq_cst))
 		return false;
-	agent_poll(ag, false);
+	agent_poll_any(ag);
 	return true;
 }
 
@@ -452,9 +467,14 @@ void agent_spin_end(void)
 void link_spin_agent(struct agent *ag)
 {
 	/* seq_cst store, then load: see agent_spin_begin. */
-	atomic_store_explicit(&spin_agent, ag, memory_order_seq_cst);
+	struct agent *was = atomic_exchange_explicit(&spin_agent, ag, memory_order_seq_cst);
+
 	if (ag)
 		return;
+	/* A lone waiter asleep on the replies' bell sees NULL once woken
+	 * (agent_wait_alone reads spin_agent after the bell's word). */
+	if (was)
+		ipc_bell_wake(&was->self->replies_bell, NULL, INT_MAX);
 	/* No user thread polls the rings after this (shutdown). */
 	while (atomic_load_explicit(&spin_pollers, memory_order_seq_cst))
 		sched_yield(); /* a spinner stops at its next look */
@@ -561,4 +581,72 @@ int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
 			return 0;
 	}
 	return shmrpc__fail(-ENOENT, "no worker named \"%s\" in this job", name);
+}
+
+/* ---- a lone waiter takes its reply itself ---- */
+
+/* Counts this thread on the replies' bell, then polls (announce_wait's
+ * argument: a reply published before the count is taken by the poll, one
+ * after it sees the count and rings the bell). Not inlined: -Wtsan. */
+static __attribute__((noinline)) void alone_announce(struct agent *ag)
+{
+	/* seq_cst RMW and fence: pair with the replier's fence before its
+	 * load of replies_asleep (ipc_doorbell_notify), and agent_future_done's. */
+	atomic_fetch_add_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	agent_poll(ag, true);
+}
+
+/* Uncounts this thread from the bell. Leaving, it polls once more after
+ * this: a reply that saw it counted rang only the bell, not the loop
+ * thread, and must not wait in the ring. Either the replier's fence comes
+ * first in the seq_cst order (that poll sees its frame) or ours (it sees
+ * us uncounted and rings as if we were not there). Not inlined: -Wtsan. */
+static __attribute__((noinline)) void alone_uncount(struct agent *ag)
+{
+	/* seq_cst: as alone_announce's. */
+	atomic_fetch_sub_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+}
+
+bool agent_wait_alone(bool (*done)(void *arg), void *arg, uint64_t deadline_ns)
+{
+	struct agent *ag;
+	uint64_t now;
+	bool expect = false, going = false, counted = false;
+
+	/* One waiter at a time: a reply wakes every thread on the bell,
+	 * whoever's it is. Acquire and (below) release: nothing to pass on
+	 * but the flag itself (the polls order themselves by poll_lock). */
+	if (!atomic_compare_exchange_strong_explicit(&alone_taken, &expect, true,
+						     memory_order_acquire, memory_order_relaxed))
+		return false;
+	/* seq_cst, the count then the load: as agent_spin_begin's. Counted,
+	 * the agent stays until we leave (link_spin_agent). */
+	atomic_fetch_add_explicit(&spin_pollers, 1, memory_order_seq_cst);
+	ag = atomic_load_explicit(&spin_agent, memory_order_seq_cst);
+	now = shmrpc_now_ns();
+	while (ag && !done(arg) && (!deadline_ns || now < deadline_ns)) {
+		/* Acquire pairs with the waker's seq_cst bump. */
+		uint32_t seq = atomic_load_explicit(&ag->self->replies_bell, memory_order_acquire);
+
+		/* After seq: shutdown stores NULL before its bump of the bell. */
+		if (!atomic_load_explicit(&spin_agent, memory_order_seq_cst)) {
+			going = true;
+			break;
+		}
+		alone_announce(ag);
+		if (!done(arg))
+			ipc_futex_wait(&ag->self->replies_bell, seq,
+				       deadline_ns ? (deadline_ns > now ? deadline_ns - now : 1) : 0);
+		alone_uncount(ag);
+		counted = true;
+		now = shmrpc_now_ns();
+	}
+	if (counted && !going) /* alone_uncount says why */
+		agent_poll(ag, true);
+	/* Release: our polls come before shutdown's acquire of the count. */
+	atomic_fetch_sub_explicit(&spin_pollers, 1, memory_order_release);
+	atomic_store_explicit(&alone_taken, false, memory_order_release);
+	return ag && !going && (done(arg) || (deadline_ns && now >= deadline_ns));
 }

@@ -126,6 +126,13 @@ SHMRPC_HIDDEN int agent_running(struct agent **ag);
  * user code. */
 SHMRPC_HIDDEN int agent_poll(struct agent *ag, bool wait);
 
+/* A spinner's poll: agent_poll(ag, false) if the rings hold a frame or
+ * the agent has news (ipc_port_has_work), else 0 at the cost of reads:
+ * the poll lock's line, which a trylock writes, stays unshared between
+ * the threads that spin (the waiting caller, idle executors, the loop
+ * thread in spin mode) until there is something to take. */
+SHMRPC_HIDDEN int agent_poll_any(struct agent *ag);
+
 /*
  * Replies taken by their waiters (on: a data loader's trainer, which waits
  * for each batch in turn). While on and no user thread waits for a future,
@@ -146,6 +153,16 @@ SHMRPC_HIDDEN bool agent_check_replies_word(struct agent *ag);
  * deadline (ns, 0: none) that way: false when the mode is off (or goes off
  * meanwhile): the caller waits its usual way. */
 SHMRPC_HIDDEN bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t deadline_ns);
+/* A user thread waits until done(arg) or the deadline (ns, 0: none) on the
+ * slot's replies' bell, as agent_wait_reply, while its process takes its
+ * replies the usual way: a reply that would wake the sleeping loop thread
+ * wakes this thread instead (ipc_doorbell_notify), which takes it itself;
+ * one the loop thread takes wakes it by the completion. One wake-up per
+ * reply instead of two (the loop thread's, then the future's condition
+ * variable). One such thread per process at a time (a reply wakes all of
+ * the bell's); false for the others, and when no agent runs or it is
+ * going: the caller waits its usual way. */
+SHMRPC_HIDDEN bool agent_wait_alone(bool (*done)(void *arg), void *arg, uint64_t deadline_ns);
 /* A future was completed: wakes the threads on the replies' bell. */
 SHMRPC_HIDDEN void agent_future_done(void);
 /* The calling thread (the loop thread, or one taking its replies) may
