@@ -173,7 +173,7 @@ static bool job_busy(void)
 }
 
 /* The blocks each rank holds: its tensors, and an RRef's owner the block
- * its value is stored in (worker/rref.c, 64 bytes): rank 0 rank 3's RRef,
+ * its value (text()) is stored in (worker/rref_owner.c, 64 bytes): rank 0 rank 3's RRef,
  * rank 1 its 1 MiB tensor, the one rank 3 handed over, and rank 0's RRef;
  * rank 3 its 4 KiB tensor and the one it handed over. */
 static uint32_t blocks_of(int r)
