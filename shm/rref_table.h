@@ -106,6 +106,12 @@ enum rref_state {
 	RREF_OWNER_DEAD = 5,   /* the owner died; removed when total reaches 0 */
 };
 
+/* In value_len: the encoded value (at most 8 bytes: nil, a small number)
+ * is value_off's own bytes, in memory order, rather than in a pool block;
+ * a small value's store and collection then touch no pool (issue 23). */
+#define RREF_VALUE_INLINE (1ull << 63)
+#define RREF_VALUE_INLINE_MAX sizeof(uint64_t)
+
 struct rref_table_header {
 	uint64_t magic;
 	uint32_t format_version;
@@ -136,8 +142,9 @@ struct rref_entry {
 	_Atomic uint32_t waiters;   /* threads asleep on state */
 	_Atomic uint32_t total;     /* sum of counts (see above) */
 	uint32_t owner;             /* written by the creator before state leaves FREE */
-	_Atomic uint64_t value_off; /* pool offset; written before state READY/ERROR (release) */
-	_Atomic uint64_t value_len;
+	_Atomic uint64_t value_off; /* pool offset, or the bytes themselves (RREF_VALUE_INLINE);
+				     * written before state READY/ERROR (release) */
+	_Atomic uint64_t value_len; /* bytes, | RREF_VALUE_INLINE when in value_off */
 	uint64_t created_ns;        /* CLOCK_MONOTONIC, for inspectors */
 	uint32_t creator;
 	uint32_t flags;             /* RREF_F_* */

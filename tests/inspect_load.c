@@ -101,6 +101,15 @@ static int fn_keep(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
+/* An RRef's value: more than the 8 bytes its table entry holds itself
+ * (docs/RREF.md), so that it is stored in a pool block of its owner. */
+static int fn_text(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)a, (void)n, (void)u;
+	*r = shmrpc_str("a value stored in a block");
+	return 0;
+}
+
 /* Waits (futex, across processes) until rank 0 opens the gate. */
 static int fn_hold(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -164,7 +173,7 @@ static bool job_busy(void)
 }
 
 /* The blocks each rank holds: its tensors, and an RRef's owner the block
- * its value is stored in (worker/rref.c, 64 bytes): rank 0 rank 3's RRef,
+ * its value (text()) is stored in (worker/rref_owner.c, 64 bytes): rank 0 rank 3's RRef,
  * rank 1 its 1 MiB tensor, the one rank 3 handed over, and rank 0's RRef;
  * rank 3 its 4 KiB tensor and the one it handed over. */
 static uint32_t blocks_of(int r)
@@ -407,7 +416,6 @@ static void hold(shmrpc_future **f)
 static int worker(void)
 {
 	struct shmrpc_options opts = SHMRPC_OPTIONS();
-	shmrpc_value two[2] = { shmrpc_int(2), shmrpc_int(3) };
 	const char *gate_fd = getenv(GATE_ENV);
 	shmrpc_tensor *big = NULL, *small = NULL, *handed = NULL;
 	shmrpc_rref *rr = NULL;
@@ -418,6 +426,7 @@ static int worker(void)
 	gate = mmap(NULL, sizeof(*gate), PROT_READ | PROT_WRITE, MAP_SHARED, atoi(gate_fd), 0);
 	CHECK(gate != MAP_FAILED, "cannot map the gate");
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
+	CHECK_OK(shmrpc_register("text", "", fn_text, NULL));
 	CHECK_OK(shmrpc_register("fail", NULL, fn_fail, NULL));
 	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("hold", NULL, fn_hold, NULL));
@@ -428,7 +437,7 @@ static int worker(void)
 
 	add_calls();
 	if (me == 0)
-		CHECK_OK(shmrpc_remote(1, "add", two, 2, SHMRPC_TIMEOUT_DEFAULT, &rr));
+		CHECK_OK(shmrpc_remote(1, "text", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &rr));
 	if (me == 1) {
 		int64_t shape = BIG_BYTES;
 
@@ -447,7 +456,7 @@ static int worker(void)
 		shmrpc_value t = shmrpc_tensor_value(handed);
 		CHECK_OK(shmrpc_rpc_sync(1, "keep", &t, 1, SHMRPC_TIMEOUT_DEFAULT, &g));
 		shmrpc_future_free(g);
-		CHECK_OK(shmrpc_remote(0, "add", two, 2, SHMRPC_TIMEOUT_DEFAULT, &rr));
+		CHECK_OK(shmrpc_remote(0, "text", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &rr));
 		hold(&f);
 	}
 	if (me == 0) {

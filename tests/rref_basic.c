@@ -26,6 +26,21 @@ static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_valu
 	return 0;
 }
 
+/* text(k): the first k letters of the alphabet (nil for -1); k <= 7
+ * encode in at most 8 bytes, stored in the RRef's entry itself. */
+static int fn_text(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	static const char abc[] = "abcdefghijklmnopqrstuvwxyz";
+
+	(void)c, (void)n, (void)u;
+	if (a[0].u.i < 0 || a[0].u.i >= (int64_t)sizeof(abc)) {
+		*r = shmrpc_nil();
+		return 0;
+	}
+	*r = shmrpc_strn(abc, (uint32_t)a[0].u.i);
+	return 0;
+}
+
 static int fn_fail(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)a, (void)n, (void)r, (void)u;
@@ -99,6 +114,38 @@ static int64_t to_here_int(shmrpc_rref *r)
 static bool starts_with(const char *s, const char *prefix)
 {
 	return !strncmp(s, prefix, strlen(prefix));
+}
+
+/* Values on either side of the 8 encoded bytes an entry holds, read
+ * twice, and on the owner itself. */
+static void small_values(void)
+{
+	for (int dst = 0; dst < NWORKERS; dst++) {
+		for (int64_t k = -1; k <= 12; k++) {
+			shmrpc_value arg = shmrpc_int(k);
+			const shmrpc_value *v;
+			shmrpc_future *f;
+			shmrpc_rref *r;
+
+			CHECK_OK(shmrpc_remote(dst, "text", &arg, 1, SHMRPC_TIMEOUT_DEFAULT, &r));
+			for (int i = 0; i < 2; i++) {
+				CHECK_OK(shmrpc_rref_to_here(r, SHMRPC_TIMEOUT_DEFAULT, &f));
+				v = shmrpc_future_value(f);
+				CHECK(k < 0 ? v->type == SHMRPC_NIL :
+				      v->type == SHMRPC_STR && v->len == (uint32_t)k &&
+				      !strncmp(v->u.s, "abcdefghijkl", (size_t)k),
+				      "text(%lld) on %d came back as a %s", (long long)k, dst,
+				      shmrpc_type_name(v->type));
+				shmrpc_future_free(f);
+			}
+			if (shmrpc_rref_is_owner(r)) {
+				CHECK_OK(shmrpc_rref_local_value(r, &v));
+				CHECK(v->type == (k < 0 ? SHMRPC_NIL : SHMRPC_STR), "text(%lld)'s local "
+				      "value is a %s", (long long)k, shmrpc_type_name(v->type));
+			}
+			shmrpc_rref_free(r);
+		}
+	}
 }
 
 static void check_identity(shmrpc_rref *r, int me, int dst)
@@ -266,6 +313,7 @@ static int worker(void)
 
 	CHECK_OK(shmrpc_register("add", NULL, fn_add, NULL));
 	CHECK_OK(shmrpc_register("fail", "", fn_fail, NULL));
+	CHECK_OK(shmrpc_register("text", "i", fn_text, NULL));
 	CHECK_OK(shmrpc_register("sleep", "i", fn_sleep, NULL));
 	CHECK_OK(shmrpc_register("deref", "r", fn_deref, NULL));
 	CHECK_OK(shmrpc_register("make_remote", "ii", fn_make_remote, NULL));
@@ -273,6 +321,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_init(&o));
 	me = shmrpc_rank();
 	all_pairs(me);
+	small_values();
 	errors(me);
 	passing(me);
 	tensors(me);

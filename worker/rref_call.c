@@ -31,11 +31,10 @@
 static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, shmrpc_future *f)
 {
 	struct rref_entry *e = rref_entry_at(&ag->rrefs, r->slot);
-	/* Relaxed: ordered by the acquire of the state that said READY/ERROR. */
-	uint64_t len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
-	const void *at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed),
-				 len);
-	void *copy = at ? malloc(len ? len : 1) : NULL;
+	uint64_t small, len;
+	const void *at = rref_value_at(ag, r->slot, &small, &len);
+	/* An inline value is copied already (small): no block to copy. */
+	void *copy = at == &small ? &small : at ? malloc(len ? len : 1) : NULL;
 	size_t used;
 	int rc;
 
@@ -43,21 +42,24 @@ static int decode_entry(struct agent *ag, const shmrpc_rref *r, uint32_t state, 
 		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read the value of RRef %#"
 				    PRIx64, r->id);
 	/* Copied, then checked, then decoded: a seqlock reader's order. */
-	pool_read(copy, at, len);
+	if (copy != &small)
+		pool_read(copy, at, len);
 	/* The re-read is an acq_rel RMW that changes nothing: its release
 	 * orders the copy above before it, and an owner sweep that marks the
 	 * entry later reads it, so the pool frees the block only after our
 	 * copy. A block of an owner that died meanwhile may hold garbage. */
 	if (RREF_STATE(atomic_fetch_or_explicit(&e->state, 0, memory_order_acq_rel)) != state ||
 	    atomic_load_explicit(&e->key, memory_order_relaxed) != r->id) {
-		free(copy);
+		if (copy != &small)
+			free(copy);
 		return -SHMRPC_EPEERDEAD;
 	}
 	f->tensors.take = true;
 	/* The owner's value, as its reply to a fetch would bring it. */
 	f->tensors.land = devmap_landing(ag, r->owner, true);
 	rc = value_unpack(copy, len, &f->arena, &f->value, &used, &f->tensors);
-	free(copy);
+	if (copy != &small)
+		free(copy);
 	if (rc) {
 		char why[512];
 

@@ -141,4 +141,11 @@ SHMRPC_HIDDEN bool rref_peer_running(struct agent *ag, uint32_t r);
 SHMRPC_HIDDEN int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id,
 				  uint64_t deadline_ns);
 
+/* Where the encoded value or error of our READY/ERROR entry at slot is
+ * (read after the acquire that said so): in the pool, or *small, a copy of
+ * an inline one (RREF_VALUE_INLINE); *len its bytes. NULL if the entry's
+ * words are no value: a peer wrote them outside shmrpc. */
+SHMRPC_HIDDEN const void *rref_value_at(struct agent *ag, uint32_t slot, uint64_t *small,
+					uint64_t *len);
+
 #endif

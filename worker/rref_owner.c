@@ -20,6 +20,7 @@ struct record {
 	uint64_t id;
 	uint32_t slot;
 	uint64_t value_off;     /* our pool block with the encoded value or error */
+	bool block;             /* value_off is one (not an inline value) */
 	struct tensor_list held; /* our references to what the value holds */
 	bool live;              /* the value is an object the binding keeps (python.h) */
 };
@@ -63,7 +64,7 @@ static void record_free(struct agent *ag, struct record *rec)
 	if (rec->live)
 		release_live(rec->id);
 	tensor_list_free(&rec->held);
-	if (pool_unref(&ag->pool, ag->rank, rec->value_off))
+	if (rec->block && pool_unref(&ag->pool, ag->rank, rec->value_off))
 		fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
 	free(rec);
 }
@@ -80,9 +81,11 @@ int rref_owner_check(struct agent *ag, uint64_t id, uint32_t slot)
 	return 0;
 }
 
-/* Encodes v into a new pool block; the tensors (by reference: an inline
- * one's bytes are in the block) and RRefs it holds get references of ours
- * in held, and are listed in sent. */
+/* Encodes v into a new pool block, or into *off itself when it fits there
+ * (*len then says so: RREF_VALUE_INLINE; it holds nothing, and *off is no
+ * block); the tensors (by reference: an inline one's bytes are in the
+ * block) and RRefs it holds get references of ours in held, and are
+ * listed in sent. */
 static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, uint64_t *len,
 		       struct tensor_list *held, struct tensor_list *sent)
 {
@@ -92,7 +95,17 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-	rc = value_pack(&pk, v, sent) ?: tensor_list_hold(sent, held);
+	rc = value_pack(&pk, v, sent);
+	if (rc == 0 && sb.size <= RREF_VALUE_INLINE_MAX && !sent->n && !sent->nr) {
+		/* Nothing to hold, no block to take or free: the store and
+		 * the collection of an empty result touch no pool lock. */
+		*off = 0;
+		memcpy(off, sb.data, sb.size);
+		*len = sb.size | RREF_VALUE_INLINE;
+		msgpack_sbuffer_destroy(&sb);
+		return 0;
+	}
+	rc = rc ?: tensor_list_hold(sent, held);
 	for (uint32_t i = 0; i < sent->nr && rc == 0; i++) {
 		shmrpc_rref *r;
 
@@ -111,39 +124,61 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_value *result,
 		     const shmrpc_value *error, bool live, struct tensor_list *sent)
 {
-	struct record *rec = calloc(1, sizeof(*rec));
-	uint64_t len = 0;
-	int rc = rec ? 0 : shmrpc__fail(-ENOMEM, "out of memory storing an RRef's value");
+	struct tensor_list held = { 0 };
+	struct record *rec = NULL;
+	uint64_t off = 0, len = 0;
+	bool block;
+	int rc = store_block(ag, error ? error : result, &off, &len, &held, sent);
 
-	if (rc == 0) {
-		rec->id = id;
-		rec->slot = slot;
-		rec->live = live && !error;
-		rc = store_block(ag, error ? error : result, &rec->value_off, &len, &rec->held, sent);
-	}
+	block = rc == 0 && !(len & RREF_VALUE_INLINE);
+	/* A record is what the collection frees (a block, references, a live
+	 * value): an inline value that is not live needs none. */
+	if (rc == 0 && (block || (live && !error)) && !(rec = calloc(1, sizeof(*rec))))
+		rc = shmrpc__fail(-ENOMEM, "out of memory storing an RRef's value");
 	if (rc) {
 		char msg[1024];
 
 		/* Our run's reference goes all the same; the creator's request
 		 * fails with this error, and to_here() with it. */
 		snprintf(msg, sizeof(msg), "%s", shmrpc_errmsg());
-		if (rec)
-			tensor_list_free(&rec->held);
-		free(rec);
+		tensor_list_free(&held);
+		if (block && pool_unref(&ag->pool, ag->rank, off))
+			fprintf(stderr, "shmrpc: worker %u: %s\n", ag->rank, shmrpc_errmsg());
 		if (live)
 			release_live(id);
 		if (rref_release(&ag->rrefs, slot, id, ag->rank, 1) == 1)
 			rref_unreferenced(ag, id, slot, ag->rank);
 		return shmrpc__fail(rc, "cannot store the RRef's value: %s", msg);
 	}
-	pthread_mutex_lock(&records.lock);
-	*record_at(id) = rec;
-	pthread_mutex_unlock(&records.lock);
-	/* From here readers may decode the block; our run's reference goes. */
-	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, rec->value_off, len);
+	if (rec) {
+		*rec = (struct record){ .id = id, .slot = slot, .value_off = off, .block = block,
+					.held = held, .live = live && !error };
+		pthread_mutex_lock(&records.lock);
+		*record_at(id) = rec;
+		pthread_mutex_unlock(&records.lock);
+	}
+	/* From here readers may decode the value; our run's reference goes. */
+	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
 	if (rc == 1)
 		rref_unreferenced(ag, id, slot, ag->rank);
 	return rc < 0 ? rc : 0;
+}
+
+const void *rref_value_at(struct agent *ag, uint32_t slot, uint64_t *small, uint64_t *len)
+{
+	struct rref_entry *e = rref_entry_at(&ag->rrefs, slot);
+	/* Relaxed: ordered by the acquire of the state that said READY/ERROR. */
+	uint64_t l = atomic_load_explicit(&e->value_len, memory_order_relaxed);
+	uint64_t off = atomic_load_explicit(&e->value_off, memory_order_relaxed);
+
+	if (!(l & RREF_VALUE_INLINE)) {
+		*len = l;
+		return pool_at(&ag->pool, off, l);
+	}
+	/* Shared memory: a length past the word is refused, not read. */
+	*len = l & ~RREF_VALUE_INLINE;
+	*small = off;
+	return *len <= RREF_VALUE_INLINE_MAX ? small : NULL;
 }
 
 struct look {
@@ -189,8 +224,8 @@ int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadl
 int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
 		     size_t *len, uint32_t *state)
 {
-	struct rref_entry *e;
 	int st = rref_wait_ready(ag, slot, id, deadline_ns);
+	uint64_t small, l;
 	const void *at;
 
 	if (st < 0)
@@ -198,14 +233,13 @@ int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t dead
 					: st;
 	if (st != RREF_READY && st != RREF_ERROR)
 		return shmrpc__fail(-EINVAL, "RRef %#" PRIx64 " is %s", id, rref_state_name((uint32_t)st));
-	e = rref_entry_at(&ag->rrefs, slot);
-	/* Relaxed: ordered by the acquire of the state in rref_wait. */
-	*len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
-	at = pool_at(&ag->pool, atomic_load_explicit(&e->value_off, memory_order_relaxed), *len);
-	if (!at || !(*buf = malloc(*len ? *len : 1)))
+	/* Ordered by the acquire of the state in rref_wait. */
+	at = rref_value_at(ag, slot, &small, &l);
+	if (!at || !(*buf = malloc(l ? l : 1)))
 		return shmrpc__fail(at ? -ENOMEM : -EBADMSG, "cannot read RRef %#" PRIx64 "'s value",
 				    id);
-	pool_read(*buf, at, *len);
+	pool_read(*buf, at, l);
+	*len = l;
 	*state = (uint32_t)st;
 	return 0;
 }
@@ -234,7 +268,8 @@ static void owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
 		;
 	if (of)
 		*fat = of->next;
-	/* Without a record it never got a value (its store failed). */
+	/* Without a record it never got a value (its store failed), or
+	 * the value was inline and not live: nothing to free but the entry. */
 	rref_remove(&ag->rrefs, slot, id);
 	pthread_mutex_unlock(&rref_forks.lock);
 	if (of)

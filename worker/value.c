@@ -173,7 +173,9 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 
 		if (!s)
 			return shmrpc__fail(-ENOMEM, "out of memory decoding a string");
-		memcpy(s, o->via.str.ptr, o->via.str.size);
+		/* An empty one's pointer may be NULL, which memcpy may not get. */
+		if (o->via.str.size)
+			memcpy(s, o->via.str.ptr, o->via.str.size);
 		*v = shmrpc_strn(s, o->via.str.size);
 		return 0;
 	}
@@ -182,7 +184,8 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 
 		if (!b && o->via.bin.size)
 			return shmrpc__fail(-ENOMEM, "out of memory decoding %u bytes", o->via.bin.size);
-		memcpy(b, o->via.bin.ptr, o->via.bin.size);
+		if (o->via.bin.size) /* as a string's */
+			memcpy(b, o->via.bin.ptr, o->via.bin.size);
 		*v = shmrpc_bytes(b, o->via.bin.size);
 		return 0;
 	}
