@@ -145,14 +145,18 @@ void pins_ack(struct agent *ag, uint32_t peer, uint64_t msg_id)
 	/* The poller never blocks in a send (port.h): it sends the ack itself
 	 * when the ring is free and has room, which spares a thread's wake-up
 	 * per reply that carried tensors, and else leaves it to an executor
-	 * thread. The loop thread (or a thread taking its replies, link.h)
-	 * sends it quietly: it rides with our next frame to the peer (a data
-	 * loader's next request), which spares the peer a wake-up too, and
-	 * its pins wait ACK_DELAY_NS, or until the next flush after that. A
-	 * peer that died has had its pins released by its sweep. */
+	 * thread. It goes quietly, from any thread that polls: it rides with
+	 * our next frame to the peer (the next request of a caller that calls
+	 * in a loop, a data loader's next request), which wakes the peer for
+	 * both, so an echo in a loop costs the peer no wake-up of its loop
+	 * thread per call (issue 23). Its pins wait ACK_DELAY_NS at least:
+	 * then our loop thread flushes the debt at its next turn (at once if
+	 * it is the loop thread, else when it next wakes: at most
+	 * LOOP_MAX_SLEEP_NS, worker/agent.c), and the peer takes the ack
+	 * sooner whenever it polls its rings for another frame. A peer that
+	 * died has had its pins released by its sweep. */
 	m = (struct ipc_msg){ .type = MSG_TENSOR_ACK, .msg_id = msg_id };
-	rc = agent_acks_quietly(ag) ? ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS)
-				    : ipc_port_try_send_now(&ag->port, peer, &m);
+	rc = ipc_port_try_send_quiet(&ag->port, peer, &m, ACK_DELAY_NS);
 	if (rc == 0 || rc == -SHMRPC_EPEERDEAD)
 		return;
 	if (!(a = malloc(sizeof(*a)))) {
