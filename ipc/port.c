@@ -236,11 +236,6 @@ int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
 	return try_send(p, dst, m, true, 0);
 }
 
-int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m)
-{
-	return try_send(p, dst, m, false, 0);
-}
-
 int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 			    uint64_t delay_ns)
 {

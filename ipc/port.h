@@ -84,18 +84,14 @@ SHMRPC_HIDDEN uint32_t ipc_port_max_payload(const struct ipc_port *p);
 /* Sends a frame: 0, -EAGAIN (try_send: ring full), -EMSGSIZE, -EINVAL (bad
  * rank or self), -SHMRPC_EPEERDEAD, -ETIMEDOUT (timeout_ns, 0 = none). */
 SHMRPC_HIDDEN int ipc_port_try_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
-/* try_send that never blocks, for the thread that polls: -EAGAIN also
- * while another thread holds dst's ring (ipc_port_send holds it as it
- * waits for space). */
-SHMRPC_HIDDEN int ipc_port_try_send_now(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m);
 SHMRPC_HIDDEN int ipc_port_send(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 				uint64_t timeout_ns);
-/* try_send_now that leaves dst's doorbell alone, for a frame that can wait:
- * the next frame towards dst wakes it for both (it lies before that one in
- * the ring), or, if none goes within delay_ns, ipc_port_flush_quiet does.
- * For a thread that flushes in time: the loop thread, or a thread taking
- * its own replies (worker/link.h), which flushes before and while it
- * waits. Saves a sleeping peer a wake-up per such frame when others
+/* try_send that never blocks (-EAGAIN also while another thread holds
+ * dst's ring: ipc_port_send holds it as it waits for space) and leaves
+ * dst's doorbell alone, for a frame that can wait: the next frame towards
+ * dst wakes it for both (it lies before that one in the ring), or, if none
+ * goes within delay_ns, ipc_port_flush_quiet does (the loop thread, at its
+ * next turn). Saves a sleeping peer a wake-up per such frame when others
  * follow. */
 SHMRPC_HIDDEN int ipc_port_try_send_quiet(struct ipc_port *p, uint32_t dst, const struct ipc_msg *m,
 					  uint64_t delay_ns);

@@ -241,8 +241,6 @@ static struct {
 /* own.ag while on, for completions, which do not take own.lock. */
 static _Atomic(struct agent *) own_live;
 
-static _Thread_local bool taking_replies;
-
 /* Whether a thread of this process is in agent_wait_alone. */
 static _Atomic bool alone_taken;
 
@@ -285,16 +283,6 @@ bool agent_check_replies_word(struct agent *ag)
 	return true;
 }
 
-/* Takes what the rings hold; its TENSOR_ACKs go quietly (agent_acks_quietly). */
-static int own_poll(struct agent *ag)
-{
-	int n;
-
-	taking_replies = true;
-	n = agent_poll(ag, true);
-	taking_replies = false;
-	return n;
-}
 
 void agent_take_replies(struct agent *ag, bool on)
 {
@@ -308,7 +296,7 @@ void agent_take_replies(struct agent *ag, bool on)
 		/* Release: the agent is set up before a completion uses it. */
 		atomic_store_explicit(&own_live, on ? ag : NULL, memory_order_release);
 		if (own_publish()) {
-			own_poll(ag);
+			agent_poll(ag, true);
 			ipc_port_flush_quiet(&ag->port, UINT64_MAX); /* every quiet ack rings now */
 		}
 	}
@@ -348,7 +336,7 @@ static __attribute__((noinline)) int announce_wait(struct agent *ag)
 	 * load of replies_asleep, and with agent_future_done's. */
 	atomic_fetch_add_explicit(&ag->self->replies_asleep, 1, memory_order_seq_cst);
 	atomic_thread_fence(memory_order_seq_cst);
-	return own_poll(ag);
+	return agent_poll(ag, true);
 }
 
 bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t deadline_ns)
@@ -364,7 +352,7 @@ bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t deadline_ns)
 	ag = own.ag;
 	own.waiters++;
 	if (own_publish()) {
-		own_poll(ag);
+		agent_poll(ag, true);
 		ipc_port_flush_quiet(&ag->port, now);
 	}
 	pthread_mutex_unlock(&own.lock);
@@ -424,11 +412,6 @@ void agent_future_done(void)
 		ag = atomic_load_explicit(&spin_agent, memory_order_seq_cst);
 	if (ag && atomic_load_explicit(&ag->self->replies_asleep, memory_order_relaxed))
 		ipc_bell_wake(&ag->self->replies_bell, NULL, INT_MAX);
-}
-
-bool agent_acks_quietly(const struct agent *ag)
-{
-	return taking_replies || pthread_equal(pthread_self(), ag->loop);
 }
 
 struct agent *agent_spin_begin(void)

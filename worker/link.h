@@ -165,9 +165,6 @@ SHMRPC_HIDDEN bool agent_wait_reply(bool (*done)(void *arg), void *arg, uint64_t
 SHMRPC_HIDDEN bool agent_wait_alone(bool (*done)(void *arg), void *arg, uint64_t deadline_ns);
 /* A future was completed: wakes the threads on the replies' bell. */
 SHMRPC_HIDDEN void agent_future_done(void);
-/* The calling thread (the loop thread, or one taking its replies) may
- * send a TENSOR_ACK quietly: someone flushes its debt (ipc_port_flush_quiet). */
-SHMRPC_HIDDEN bool agent_acks_quietly(const struct agent *ag);
 /* True on the loop thread, and on any thread while it handles a frame
  * (user threads poll too): nothing there may wait on the GPU or a peer. */
 SHMRPC_HIDDEN bool agent_must_not_block(const struct agent *ag);
