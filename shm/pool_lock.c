@@ -431,6 +431,21 @@ int pool_block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 	return err;
 }
 
+/* Hands b every run of entries that used[0..n) marks unused. */
+static void free_unused(const struct buddy *b, const uint8_t *used, uint32_t n)
+{
+	for (uint32_t at = 0; at < n;) {
+		uint32_t end = at;
+
+		while (end < n && !used[end])
+			end++;
+		pool_buddy_free_range(b, at, end);
+		while (end < n && used[end])
+			end++;
+		at = end;
+	}
+}
+
 /*
  * After a death under the lock: every list rebuilt from the blocks (see the
  * comment at the top of this section). Records first: a chunk entry counts
@@ -526,26 +541,8 @@ static int rebuild(struct shm_pool *p)
 	for (uint32_t c = 0; c < p->nchunks; c++)
 		if (!cused[c] && atomic_load_explicit(&p->chunks[c].committed, memory_order_relaxed))
 			add_retained(p, 1);
-	for (uint32_t c = 0; c < p->nchunks;) {
-		uint32_t end = c;
-
-		while (end < p->nchunks && !cused[end])
-			end++;
-		pool_buddy_free_range(&cb, c, end);
-		while (end < p->nchunks && cused[end])
-			end++;
-		c = end;
-	}
-	for (uint32_t r = 0; r < p->max_blocks;) {
-		uint32_t end = r;
-
-		while (end < p->max_blocks && !rused[end])
-			end++;
-		pool_buddy_free_range(&rb, r, end);
-		while (end < p->max_blocks && rused[end])
-			end++;
-		r = end;
-	}
+	free_unused(&cb, cused, p->nchunks);
+	free_unused(&rb, rused, p->max_blocks);
 	free(cused);
 	free(rused);
 	return 0;
