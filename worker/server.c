@@ -135,9 +135,6 @@ static void dispatch(struct request_job *rq, shmrpc_call *call)
 	}
 }
 
-/* How long a quiet TENSOR_ACK may wait for a frame to ride with: longer
- * than a data loader's trainer takes between a worker's reply and its next
- * request to it (a few batches' time), short next to a training step. */
 void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_id,
 		   uint64_t needed_by, uint32_t depth, const void *help, uint32_t help_n,
 		   const void *payload, size_t len)
