@@ -111,6 +111,9 @@ void pins_release_all(void)
 
 /* ---- TENSOR_ACK ---- */
 
+/* How long a quiet TENSOR_ACK may wait for a frame to ride with: longer
+ * than a data loader's trainer takes between a worker's reply and its next
+ * request to it (a few batches' time), short next to a training step. */
 #define ACK_DELAY_NS (1000u * 1000u)
 
 struct ack_job {
