@@ -262,15 +262,17 @@ def shmrpc_worker(quick, out, calls_only):
 
     try:
         import torch
-        like = "torch"
-        plain = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
     except ImportError:
-        like, plain = "numpy", None
+        torch = None
+    like = "numpy" if torch is None else "torch"
+
+    def plain(nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
     rank = int(os.environ["SHMRPC_RANK"])
     rpc.init_rpc(f"w{rank}")
     if rank == 0:
         write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick,
-                                   calls_only, call_floor(), plain))
+                                   calls_only, call_floor(), plain if torch else None))
     rpc.shutdown()
 
 
