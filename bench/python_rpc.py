@@ -8,6 +8,7 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_rpc_async calls_per_s= vs_torch_rpc=
   BENCH py_remote_to_here median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_py_rpc_sync= vs_torch_rpc=
+  BENCH py_tensor_echo tensor=plain size=1MiB|64MiB median_ns= copy_ns= memcpy_ns= vs_memcpy=
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
@@ -23,7 +24,11 @@ torch/shmrpc for the throughput, so lower is better on every line. The
 tensors echoed by shmrpc are made in its pool (shmrpc.empty): sending one
 hands over the same bytes, so the echo should take as long for 1 GiB as for
 1 KiB (ratio_1GiB_vs_1KiB near 1), and at most twice an empty call
-(vs_py_rpc_sync, issue 23). The RRef lines: a proxy's rpc_sync on
+(vs_py_rpc_sync, issue 23; the empty calls measured beside each size, in
+turns: echo_rounds). tensor=plain: a torch tensor of torch's memory,
+copied into the pool when sent; copy_ns is its echo less a pool tensor's
+of the same size, in turns, and vs_memcpy that over a copy of its bytes
+(issue 23: one copy, at most 1.5x a memcpy). The RRef lines: a proxy's rpc_sync on
 a live object (rref.rpc_sync().get()), and remote()+to_here() of a value
 made once on the owner: 1 KiB of bytes (a value that cannot change, read
 without asking the owner), 1 KiB bytearray (a live value, fetched with
@@ -37,6 +42,7 @@ Run by bench/run.sh with Debian's /usr/bin/python3; the shmrpc build is
 $SHMRPC_BUILD (default build), its package in $SHMRPC_BUILD/python.
 -q: fewer repetitions.
 """
+import ctypes
 import json
 import os
 import subprocess
@@ -120,10 +126,78 @@ def timed(op, n, budget_ns=0):
     return samples
 
 
-def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None):
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def echo_rounds(rpc, alloc, sizes, quick):
+    """({size: the echo's median ns}, {size: its ratio to an empty call})
+    of tensors made by alloc, echoed whole. The sizes are measured in
+    turns, each beside a batch of empty calls, over several rounds; a
+    figure is the median of the rounds' medians, a ratio the median of
+    the rounds' ratios. Measured one size after the other instead, the
+    first size took the load of its moment (this VM's neighbours) and the
+    tail of the RRef figures before it (their values' frees still running
+    on the owner): 1 KiB came out up to 3x slower than 1 GiB."""
+    tensors = []
+    for size, label in sizes:
+        t = alloc(size)
+        t[:] = 1  # real pages, not the zero page
+        tensors.append((label, t))
+    rounds = 3 if quick else 5
+    calls = (60 if quick else 300) // rounds
+    budget = (500 if quick else 1500) * 1000000 // rounds
+    meds = {label: [] for label, _ in tensors}
+    ratios = {label: [] for label, _ in tensors}
+    for _ in range(rounds):
+        for label, t in tensors:
+            s = timed(lambda: rpc.rpc_sync("w1", echo, args=(t,)), calls, budget)
+            e = timed(lambda: rpc.rpc_sync("w1", nothing), max(calls, 60))
+            meds[label].append(s[len(s) // 2])
+            ratios[label].append(s[len(s) // 2] / e[len(e) // 2])
+    return ({label: median(v) for label, v in meds.items()},
+            {label: median(v) for label, v in ratios.items()})
+
+
+# The plain torch tensors' sizes: copied into the pool once each way
+# they go (a pool block is handed over), so their echo costs one copy
+# more than the pool tensor's (the callee sends back what it received).
+PLAIN_SIZES = [(1 << 20, "1MiB"), (64 << 20, "64MiB")]
+
+
+def plain_rounds(rpc, alloc, plain, quick):
+    """{size: [plain echo ns, pool echo ns, memcpy ns]}: the echo of a
+    plain torch tensor (plain(nbytes)), of a pool tensor of that size, and
+    a memcpy of its bytes into a tensor made before (libc's, as the
+    pool's copy is: torch's copy_ took twice as long at 1 MiB, its
+    dispatch and threads), in turns over rounds, medians of medians. The
+    first minus the second is what the plain tensor's one copy costs in a
+    call (issue 23: at most 1.5x the memcpy)."""
+    rounds = 3 if quick else 5
+    calls = (60 if quick else 200) // rounds
+    out = {}
+    for size, label in PLAIN_SIZES:
+        src, pooled, dst = plain(size), alloc(size), plain(size)
+        src[:] = 1
+        pooled[:] = 1
+        dst[:] = 0
+        runs = [[], [], []]
+        for _ in range(rounds):
+            for i, op in enumerate((lambda: rpc.rpc_sync("w1", echo, args=(src,)),
+                                    lambda: rpc.rpc_sync("w1", echo, args=(pooled,)),
+                                    lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(),
+                                                           size))):
+                s = timed(op, calls)
+                runs[i].append(s[len(s) // 2])
+        out[label] = [median(r) for r in runs]
+    return out
+
+
+def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
     """The figures of rank 0 calling rank 1 ("w1"), as a dict for JSON.
     alloc(nbytes) makes the tensor to echo. calls_only: empty rpc_sync and
-    remote + to_here alone. floor: py_call_floor's op, if measured."""
+    remote + to_here alone. floor: py_call_floor's op, if measured.
+    plain(nbytes): a plain torch tensor, for plain_rounds, if measured."""
     fig = {}
     if floor is not None:
         s = timed(floor, 2000 if quick else 20000)
@@ -161,14 +235,9 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None):
         s = timed(lambda: rpc.remote("w1", fn).to_here(), 100 if quick else 500)
         fig["rref_values"][label] = s[len(s) // 2]
 
-    fig["echo"] = {}
-    for size, label in sizes:
-        t = alloc(size)
-        t[:] = 1  # real pages, not the zero page
-        s = timed(lambda: rpc.rpc_sync("w1", echo, args=(t,)), 60 if quick else 300,
-                  (500 if quick else 1500) * 1000000)
-        fig["echo"][label] = s[len(s) // 2]
-        del t
+    fig["echo"], fig["echo_vs_sync"] = echo_rounds(rpc, alloc, sizes, quick)
+    if plain is not None:
+        fig["plain"] = plain_rounds(rpc, alloc, plain, quick)
     return fig
 
 
@@ -192,15 +261,18 @@ def shmrpc_worker(quick, out, calls_only):
     import shmrpc as rpc
 
     try:
-        import torch  # noqa: F401 (only whether it is there)
-        like = "torch"
+        import torch
     except ImportError:
-        like = "numpy"
+        torch = None
+    like = "numpy" if torch is None else "torch"
+
+    def plain(nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
     rank = int(os.environ["SHMRPC_RANK"])
     rpc.init_rpc(f"w{rank}")
     if rank == 0:
         write_figures(out, measure(rpc, lambda n: rpc.empty(n, "uint8", like=like), SIZES, quick,
-                                   calls_only, call_floor()))
+                                   calls_only, call_floor(), plain if torch else None))
     rpc.shutdown()
 
 
@@ -298,8 +370,12 @@ def main():
     for _, label in SIZES:
         med = ours["echo"][label]
         line("py_tensor_echo", [("size", label), ("median_ns", med),
-                                ("vs_py_rpc_sync", f"{med / ours['sync'][0]:.3g}")],
+                                ("vs_py_rpc_sync", f"{ours['echo_vs_sync'][label]:.3g}")],
              med, t["echo"].get(label))
+    for label, (plain, pooled, memcpy) in ours.get("plain", {}).items():
+        print(f"BENCH py_tensor_echo tensor=plain size={label} median_ns={plain} "
+              f"copy_ns={plain - pooled} memcpy_ns={memcpy} "
+              f"vs_memcpy={(plain - pooled) / memcpy:.3g}", flush=True)
     med, p99 = spin["sync"]
     line("py_rpc_sync mode=spin", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
     line("py_remote_to_here mode=spin", [("median_ns", spin["remote"]),

@@ -60,6 +60,11 @@ def _know_torch(torch):
     # a capsule nothing.
     _from_dlpack = torch._C._from_dlpack
     _torch_tensor_type = torch.Tensor
+    # Known before the first tensor: _plain_tensor asks this map alone, so
+    # the first tensor of a dtype would otherwise be pickled (_tensor_kind
+    # fills the map) and only the later ones go by the fast path.
+    for name in _POOL_TORCH_DTYPES:
+        _TORCH_DTYPE_OK[getattr(torch, name[len("torch."):])] = True
 
 
 def _type_kind(t):
@@ -223,6 +228,14 @@ def _plain_tensor(obj):
 
 def _plain_handle(obj):
     return _shmrpc.from_dlpack(_to_dlpack(obj))
+
+
+def _from_handles(tensors):
+    """The torch tensors of _TENSORS' handles (_from_pool's "torch")."""
+    if _from_dlpack is None:
+        import torch
+        _know_torch(torch)
+    return [_from_dlpack(t.__dlpack__()) for t in tensors]
 
 
 # A value, or a call's arguments, that is only such tensors travels as
@@ -389,7 +402,7 @@ def _loads(msg, grad_mode="result"):
     if not rrefs and not tensors:  # nothing beside the pickle: C's unpickler alone
         return pickle.loads(data)
     if data == _TENSORS:
-        return _from_pool("torch", tensors[0])
+        return _from_handles(tensors)[0]
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     u = _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode)
@@ -495,11 +508,12 @@ class _Named:
     bytes (the payload's head), and the module dict and name that must
     still find the function itself for the reference to hold (where the
     name has no dot; a dotted one is looked up again every time)."""
-    __slots__ = ("func", "head", "module", "mod", "scope", "name")
+    __slots__ = ("func", "head", "tensors_head", "module", "mod", "scope", "name")
 
     def __init__(self, func, module, name):
         self.func = func
         self.head = b"".join((_BY_NAME, module.encode(), b"\0", name.encode(), b"\0"))
+        self.tensors_head = self.head + _TENSORS  # the head of a call of tensors alone
         self.module = module
         self.mod = sys.modules.get(module)
         self.scope = None if "." in name or self.mod is None else vars(self.mod)
@@ -553,7 +567,7 @@ def _pack_call(func, args, kwargs, dst=None):
     if not args and not kwargs:
         return named.head, [], []
     if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
-        return named.head + _TENSORS, [], [_plain_handle(a) for a in args]
+        return named.tensors_head, [], list(map(_plain_handle, args))
     args = tuple(args or ())
     if named.func is _proxy_func and not kwargs and _proxied(args):
         # A proxy's call (name, rref, scalars...): its method's name written
@@ -585,7 +599,7 @@ def _unpack_call(payload, rrefs, tensors):
     if end == len(payload):
         return func, (), {}
     if payload[end:] == _TENSORS:
-        return func, tuple(_from_pool("torch", t) for t in tensors), {}
+        return func, tuple(_from_handles(tensors)), {}
     if payload[end:end + 1] == _PROXY:
         name_end = payload.index(b"\0", end)
         rest = payload[name_end + 1:]

@@ -189,6 +189,21 @@ def test_tensor_only_calls():
     assert torch.equal(got, g.detach()), "a tensor that requires grad"
 
 
+def test_tensor_only_calls_from_the_first():
+    # Every pool dtype takes the pickle-free form from its first tensor on
+    # (the dtypes are known with torch, not learnt from a pickled first).
+    torch = pytest.importorskip("torch")
+    from shmrpc import _marshal
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                  torch.float16, torch.float32, torch.float64):
+        t = torch.ones(3, dtype=dtype)
+        payload, rrefs, tensors = _marshal._pack_call(echo, (t,), None)
+        assert payload.endswith(_marshal._TENSORS) and len(tensors) == 1, dtype
+        got = rpc.rpc_sync(PEER, echo, args=(t,))
+        assert got.dtype == dtype and torch.equal(got, t), dtype
+    assert not _marshal._TORCH_DTYPE_OK.get(torch.bool), "bool is pickled (no DLPack bool)"
+
+
 def grad_of(x):
     return type(x).__name__, x.requires_grad
 
