@@ -153,6 +153,8 @@ class _LoaderJob:
 def _leave_in_background(job, ranks, leaving):
     try:
         _leave_job(job, ranks)
+    except BaseException as e:
+        _core._leave_error = e  # raised by whoever waits for the lock next
     finally:
         leaving.release()
 
