@@ -149,11 +149,13 @@ def test_a_failing_background_leave_is_raised(monkeypatch):
     loader = sd.DataLoader(Items(8), batch_size=2, num_workers=2)
     monkeypatch.setattr(_data_job, "_leave_job", failing_leave)
     assert len(list(loader)) == 4, "the epoch before the failing leave"
-    monkeypatch.undo()
+    # Kept until the leave was waited for: its thread looks _leave_job up
+    # when it runs, which may be after the epoch's end.
     with pytest.raises(RuntimeError, match=r"leaving the last epoch's loader job \(workers not "
                        r"persistent\), done in the background after its last batch, failed: "
                        r"OSError: the leave failed on purpose") as e:
         iter(loader)
+    monkeypatch.undo()
     assert isinstance(e.value.__cause__, OSError), f"the cause is lost: {e.value.__cause__!r}"
     assert len(list(loader)) == 4, "the epoch after the failing leave"
     shmrpc._core._wait_left()
