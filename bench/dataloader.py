@@ -17,7 +17,7 @@ vs_torch is shmrpc's throughput over torch's (higher is better), vs_memset
 shmrpc's GB/s over the one-write limit's (1 is the limit). Then what a
 short epoch feels (issue 23): workers not persistent, 4 KiB samples, the
 median of SHORT_RUNS fresh epochs of SHORT_BATCHES batches each (shmrpc's
-and torch's taken in turn)
+and torch's strictly in turn)
 
   BENCH dataloader_first_batch ms= torch_ms= vs_torch=
   BENCH dataloader_short_epoch batches=16 ms= torch_ms= vs_torch=
@@ -83,7 +83,7 @@ def run(module, nbytes, batches, **extra):
 
 
 SHORT_BATCHES = 16
-SHORT_RUNS = 9
+SHORT_RUNS = 15
 
 
 def short_epoch(module, ds):
@@ -101,13 +101,18 @@ def short_epoch(module, ds):
 
 def short_epochs(modules):
     """Per module, (first batch, whole epoch): medians over SHORT_RUNS
-    rounds of 4 KiB samples. Each round runs one epoch of every module, in
-    turn (the first module first in every other round): a load that other
-    programs put on the machine for a while weighs on both alike."""
+    rounds of 4 KiB samples. The modules' epochs strictly alternate
+    (A B A B ...), so that no epoch follows one of its own module: an
+    shmrpc epoch's workers leave after its last batch, in the background
+    (docs/ARCHITECTURE.md, "A DataLoader's short epoch"), and the next
+    loader's start waits for that; two shmrpc epochs in a row would charge
+    one's end to the other, which a program that trains between its
+    epochs does not see. Taken in turn, a load that other programs put
+    on the machine for a while weighs on both alike."""
     ds = Samples(4 << 10, SHORT_BATCHES * BATCH)
     times = {m: [] for m in modules}
-    for r in range(SHORT_RUNS):
-        for m in (modules if r % 2 == 0 else modules[::-1]):
+    for _ in range(SHORT_RUNS):
+        for m in modules:
             times[m].append(short_epoch(m, ds))
     mid = SHORT_RUNS // 2
     return [(sorted(f for f, _ in times[m])[mid], sorted(w for _, w in times[m])[mid])

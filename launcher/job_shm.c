@@ -23,7 +23,7 @@ int job_shm_create(struct job_shm *js, const struct job_shm_params *p)
 				     .job_name = p->job_name };
 	struct pool_params pp = { .bytes = p->pool_size ? p->pool_size : pool_default_bytes(),
 				  .world = p->world, .holder_cap = p->holder_records,
-				  .max_blocks = p->pool_records };
+				  .max_blocks = p->pool_records, .retain = p->pool_retain };
 	struct rref_table_params rp = { .max_rrefs = p->max_rrefs, .world = p->world };
 	int rc;
 

@@ -33,6 +33,7 @@ struct job_shm_params {
 	uint32_t max_rrefs;     /* 0: the table's default */
 	uint32_t holder_records; /* references each rank may hold; 0: the pool's default */
 	uint32_t pool_records;  /* pool block records; 0: the pool's default */
+	uint64_t pool_retain;   /* free pool bytes kept committed; 0: the pool's default */
 };
 
 /* Creates the three memfds (close-on-exec); what failed in shmrpc_errmsg(). */

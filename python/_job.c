@@ -107,21 +107,22 @@ out:
 	return NULL;
 }
 
-/* Job(names, pool_bytes, max_rrefs=0, pool_records=0, holder_records=0):
- * names[r] is rank r's; rank 0 is this process. The counts size the RRef
- * table and the pool's records (0: the defaults, which are shmrun's). */
+/* Job(names, pool_bytes, max_rrefs=0, pool_records=0, holder_records=0,
+ * pool_retain=0): names[r] is rank r's; rank 0 is this process. The counts
+ * size the RRef table and the pool's records, pool_retain the free pool
+ * bytes kept committed (0: the defaults, which are shmrun's). */
 static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
 	PyObject *names;
-	unsigned long long pool_bytes;
+	unsigned long long pool_bytes, pool_retain = 0;
 	unsigned int max_rrefs = 0, pool_records = 0, holder_records = 0;
 	JobObject *j;
 	Py_ssize_t n;
 	int rc;
 
 	(void)kw;
-	if (!PyArg_ParseTuple(args, "OK|III", &names, &pool_bytes, &max_rrefs, &pool_records,
-			      &holder_records))
+	if (!PyArg_ParseTuple(args, "OK|IIIK", &names, &pool_bytes, &max_rrefs, &pool_records,
+			      &holder_records, &pool_retain))
 		return NULL;
 	n = PyList_Size(names);
 	if (n < 2 || n > (Py_ssize_t)SHM_MAX_WORLD) {
@@ -149,7 +150,8 @@ static PyObject *job_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 							  .pool_size = pool_bytes,
 							  .max_rrefs = max_rrefs,
 							  .pool_records = pool_records,
-							  .holder_records = holder_records });
+							  .holder_records = holder_records,
+							  .pool_retain = pool_retain });
 	Py_END_ALLOW_THREADS
 	if (rc) {
 		PyErr_SetString(PyExc_RuntimeError, shmrpc_errmsg());

@@ -112,6 +112,8 @@ static bool pool_resolve(const struct pool_params *in, struct pool_params *out, 
 	}
 	out->bytes = chunks << POOL_CHUNK_SHIFT;
 	out->max_blocks = (uint32_t)blocks;
+	out->retain = !in->retain ? POOL_RETAIN_DEFAULT(out->bytes) :
+		      in->retain < out->bytes ? in->retain : out->bytes;
 	out->holder_cap = in->holder_cap ? in->holder_cap : POOL_HOLDER_CAP_DEFAULT;
 	/* The tables are committed at creation: beyond 512 workers the
 	 * default halves, keeping them to 1 GiB (131072 per worker at 1024). */
@@ -250,7 +252,7 @@ const char *pool_fmt_size_flag(char buf[32], uint64_t v)
 }
 
 static void pool_fill(struct shm_pool *p, const struct pool_shape *s, uint32_t world, uint32_t cap,
-		      uint32_t max_blocks, uint32_t nchunks)
+		      uint32_t max_blocks, uint32_t nchunks, uint64_t retain)
 {
 	p->hdr = (struct pool_header *)p->base;
 	p->size = s->total;
@@ -262,6 +264,7 @@ static void pool_fill(struct shm_pool *p, const struct pool_shape *s, uint32_t w
 	p->nchunks = nchunks;
 	p->max_order = log2_floor(nchunks);
 	p->max_rec_order = log2_floor(max_blocks);
+	p->retain = retain;
 	p->holders = (struct pool_holder *)(p->base + s->holder_off);
 	p->tables = (_Atomic uint64_t *)(p->base + s->table_off);
 	p->chunks = (struct pool_chunk *)(p->base + s->chunk_off);
@@ -307,7 +310,7 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 		return err;
 	p->base = mem;
 	p->fd = fd;
-	pool_fill(p, &s, r.world, r.holder_cap, r.max_blocks, nchunks);
+	pool_fill(p, &s, r.world, r.holder_cap, r.max_blocks, nchunks, r.retain);
 
 	/* The memfd reads as zeros: every record and table starts empty. */
 	h = p->hdr;
@@ -334,6 +337,7 @@ int pool_create(struct shm_pool *p, const struct pool_params *params)
 	h->holder_size = sizeof(struct pool_holder);
 	h->meta_size = sizeof(struct pool_meta);
 	h->chunk_size = sizeof(struct pool_chunk);
+	h->retain = r.retain;
 	return 0;
 }
 
@@ -356,13 +360,14 @@ int pool_attach_fd(struct shm_pool *p, int fd, bool readonly)
 	    !pool_shape(h.world, h.holder_cap, h.max_blocks, h.nchunks, &s) ||
 	    s.total != h.total_size || s.holder_off != h.holder_off || s.table_off != h.table_off ||
 	    s.chunk_off != h.chunk_off || s.meta_off != h.meta_off || s.data_off != h.data_off ||
-	    h.data_size != (uint64_t)h.nchunks << POOL_CHUNK_SHIFT)
-		return shm_attach_inconsistent(&pool_kind, "world %u, %u chunks, total %" PRIu64,
-					       h.world, h.nchunks, h.total_size);
+	    h.data_size != (uint64_t)h.nchunks << POOL_CHUNK_SHIFT || h.retain > h.data_size)
+		return shm_attach_inconsistent(&pool_kind,
+					       "world %u, %u chunks, total %" PRIu64 ", retain %" PRIu64,
+					       h.world, h.nchunks, h.total_size, h.retain);
 	if ((err = shm_attach_map(fd, &pool_kind, h.total_size, file_size, readonly, &p->base)))
 		return err;
 	p->fd = fd;
-	pool_fill(p, &s, h.world, h.holder_cap, h.max_blocks, h.nchunks);
+	pool_fill(p, &s, h.world, h.holder_cap, h.max_blocks, h.nchunks, h.retain);
 	return 0;
 }
 

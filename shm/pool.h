@@ -42,9 +42,10 @@
  *   handed out (fallocate of the chunks asked: a full machine fails the
  *   allocation with -ENOMEM and a sentence, never SIGBUS later), and a
  *   freed block of 2 MiB or more gives its pages back (hole punching)
- *   unless the pool keeps fewer than POOL_RETAIN_MAX bytes (or an eighth
- *   of its size) of free committed memory: those serve the next blocks
- *   without a commit nor page faults. Smaller blocks keep their pages.
+ *   unless the pool keeps less free committed memory than its retain
+ *   budget (pool_params.retain; by default an eighth of its size, 256 MiB
+ *   at most): those serve the next blocks without a commit nor page
+ *   faults. Smaller blocks keep their pages.
  * - Running out of space or of block records is -ENOMEM with the sizes in
  *   words and the shmrun flag that raises the limit.
  *
@@ -139,7 +140,10 @@ struct pool_header {
 	uint32_t holder_size;
 	uint32_t meta_size;
 	uint32_t chunk_size;
-	uint8_t pad0[16];
+	/* Free committed bytes the pool keeps for its next blocks (freed large
+	 * blocks are punched beyond that): data_size at most. */
+	uint64_t retain;
+	uint8_t pad0[8];
 	/* line 2: the lock (robust, process-shared), alone on its line. */
 	union {
 		pthread_mutex_t m;
@@ -167,6 +171,7 @@ struct pool_header {
 	uint8_t reserved[POOL_PAGE - 512 - 48];
 };
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "the pool's lock fits its line");
+_Static_assert(offsetof(struct pool_header, retain) == 112, "pool header layout");
 _Static_assert(offsetof(struct pool_header, lock) == 128, "pool header layout");
 _Static_assert(offsetof(struct pool_header, chunk_free) == 192, "pool header layout");
 _Static_assert(offsetof(struct pool_header, free_chunks) == 512, "pool header layout");
@@ -221,6 +226,9 @@ struct pool_params {
 	uint32_t world;      /* ranks that may hold blocks, 1..POOL_MAX_WORLD */
 	uint32_t holder_cap; /* references records per rank (power of two); 0: 262144 */
 	uint32_t max_blocks; /* block records; 0: one per 8 KiB of data, at least 65536 */
+	/* Bytes of freed large blocks kept committed for the next ones (the
+	 * data bytes at most); 0: POOL_RETAIN_DEFAULT. */
+	uint64_t retain;
 };
 
 /* What one process knows of the pool: checked once at attach; the
@@ -238,6 +246,7 @@ struct shm_pool {
 	uint32_t nchunks;
 	uint32_t max_order;     /* the largest buddy order of chunks */
 	uint32_t max_rec_order; /* and of records */
+	uint64_t retain;        /* the header's, checked */
 	struct pool_holder *holders;
 	_Atomic uint64_t *tables;
 	struct pool_chunk *chunks;
@@ -291,7 +300,11 @@ SHMRPC_HIDDEN void pool_detach(struct shm_pool *p);
  */
 SHMRPC_HIDDEN uint64_t pool_default_bytes(void);
 #define POOL_DEFAULT_FALLBACK (1ull << 30) /* when the memory cannot be read */
-#define POOL_RETAIN_MAX (256ull << 20)     /* free memory kept committed, at most */
+/* The default retain budget: an eighth of the data, 256 MiB at most. A job
+ * whose pool holds only what it has in flight (a data loader's batches)
+ * keeps more: its blocks then cycle without commits and hole punches. */
+#define POOL_RETAIN_DEFAULT(data_bytes) \
+	((data_bytes) / 8 < (256ull << 20) ? (data_bytes) / 8 : (256ull << 20))
 /* Bytes a pool of this shape occupies (data and records); 0 if invalid. */
 SHMRPC_HIDDEN uint64_t pool_total_bytes(const struct pool_params *params);
 

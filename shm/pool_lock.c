@@ -119,15 +119,6 @@ void pool_set_committed(struct shm_pool *p, uint32_t c, uint32_t n, uint32_t v)
 		atomic_store_explicit(&p->chunks[i].committed, v, memory_order_relaxed);
 }
 
-/* The free committed memory the pool keeps for its next blocks: an eighth
- * of its size, POOL_RETAIN_MAX at most. */
-static uint64_t retain_budget(const struct shm_pool *p)
-{
-	uint64_t b = p->data_size / 8;
-
-	return b < POOL_RETAIN_MAX ? b : POOL_RETAIN_MAX;
-}
-
 /*
  * Chunk c is a slab of class k: its entry says so and names records that
  * exist, its free count and first free block are possible (none free
@@ -420,7 +411,7 @@ int pool_block_drop(struct shm_pool *p, uint32_t idx, uint32_t n, bool punch)
 	 * committed memory (a racy read: a bound, not an account). */
 	punched = punch && k < POOL_NCLASS && class_size(k) >= POOL_PUNCH_MIN &&
 		  (atomic_load_explicit(&p->hdr->retained_chunks, memory_order_relaxed)
-		   << POOL_CHUNK_SHIFT) + class_size(k) > retain_budget(p) &&
+		   << POOL_CHUNK_SHIFT) + class_size(k) > p->retain &&
 		  fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
 			    (off_t)atomic_load_explicit(&p->meta[idx].off, memory_order_relaxed),
 			    (off_t)class_size(k)) == 0;

@@ -1,11 +1,13 @@
 /* The tensor pool in one process: blocks of many sizes, aligned and apart;
  * freed blocks are reused; references count; bad offsets, ranks and sizes
  * are refused with words and leave the pool as it was; exhaustion and a
- * full holder table are clear errors; a non-pool fd is refused at attach;
- * the pool is empty again at the end. */
+ * full holder table are clear errors; a freed large block's pages are
+ * punched out beyond the retain budget and kept within it; a non-pool fd
+ * is refused at attach; the pool is empty again at the end. */
 #include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "shmrpc.h"
@@ -246,6 +248,65 @@ static void test_table(void)
 	pool_detach(&p);
 }
 
+/* Bytes of the pool's memfd that hold pages. */
+static uint64_t committed(struct shm_pool *p)
+{
+	struct stat st;
+
+	CHECK(fstat(p->fd, &st) == 0, "fstat of the pool");
+	return (uint64_t)st.st_blocks * 512;
+}
+
+/* A 16 MiB block, written and freed, in a 64 MiB pool that keeps retain
+ * bytes committed (0: the default, an eighth): punched out beyond the
+ * budget; kept within it, and the next such block reuses its pages. */
+static void retain_case(uint64_t retain, uint64_t expect_retain, bool kept)
+{
+	struct pool_params pp = { .bytes = 64 * MiB, .world = 1, .holder_cap = 64,
+				  .retain = retain };
+	struct shm_pool p;
+	struct blk b;
+	uint64_t base, during, after;
+
+	CHECK_OK(pool_create(&p, &pp));
+	CHECK(p.retain == expect_retain && p.hdr->retain == expect_retain,
+	      "retain %llu asked: budget %llu (header %llu), expected %llu",
+	      (unsigned long long)retain, (unsigned long long)p.retain,
+	      (unsigned long long)p.hdr->retain, (unsigned long long)expect_retain);
+	CHECK_OK(pool_join(&p, 0, 1));
+	base = committed(&p);
+	b = alloc(&p, 0, 16 * MiB);
+	fill(&p, &b, 0x3c);
+	during = committed(&p);
+	CHECK(during >= base + 16 * MiB, "a 16 MiB block in use: %llu bytes committed, %llu before",
+	      (unsigned long long)during, (unsigned long long)base);
+	CHECK_OK(pool_unref(&p, 0, b.off));
+	after = committed(&p);
+	if (!kept) {
+		CHECK(after < base + 16 * MiB, "retain %llu: the freed 16 MiB block stayed "
+		      "committed (%llu bytes, %llu before it)", (unsigned long long)retain,
+		      (unsigned long long)after, (unsigned long long)base);
+	} else {
+		CHECK(after == during, "retain %llu: the freed 16 MiB block was given back "
+		      "(%llu bytes committed, %llu with it)", (unsigned long long)retain,
+		      (unsigned long long)after, (unsigned long long)during);
+		b = alloc(&p, 0, 16 * MiB);
+		CHECK(intact(&p, &b, 0x3c) && committed(&p) == during,
+		      "the next 16 MiB block did not reuse the kept pages (%llu bytes committed)",
+		      (unsigned long long)committed(&p));
+		CHECK_OK(pool_unref(&p, 0, b.off));
+	}
+	CHECK(stats(&p).used == 0, "pool not empty");
+	pool_detach(&p);
+}
+
+static void test_retain(void)
+{
+	retain_case(0, 8 * MiB, false);
+	retain_case(64 * MiB, 64 * MiB, true);
+	retain_case(1ull << 40, 64 * MiB, true); /* the data bytes at most */
+}
+
 static int memfd_with(const void *bytes, size_t len, size_t size)
 {
 	int fd = memfd_create("not-a-pool", MFD_CLOEXEC);
@@ -294,6 +355,10 @@ static void test_attach(struct shm_pool *good)
 	h.meta_off += 64;
 	attach_refused(memfd_with(&h, sizeof(h), good->size), -SHMRPC_EBADSEG, "inconsistent",
 		       "moved records");
+	h = *good->hdr;
+	h.retain = h.data_size + 1;
+	attach_refused(memfd_with(&h, sizeof(h), good->size), -SHMRPC_EBADSEG, "inconsistent",
+		       "retain beyond the data");
 
 	/* A second mapping of the same pool sees the same blocks. */
 	fd = dup(good->fd);
@@ -329,6 +394,7 @@ int main(void)
 	test_attach(&p);
 	test_exhaustion();
 	test_table();
+	test_retain();
 	st = stats(&p);
 	CHECK(st.used == 0 && st.refs_live == 0 && st.refs_held == 0 && st.lost == 0 &&
 	      st.free_listed == st.carved && st.free == st.size,

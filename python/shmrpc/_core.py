@@ -31,23 +31,46 @@ _shut_down = False  # shutdown ran once in this process
 # done. Until then this process is still in that job, so init_rpc, the next
 # loader's start and the interpreter's exit wait for it (_wait_left).
 _leaving = None
+# What that thread raised, set before it releases the lock: a bare thread's
+# exception would only be printed as unraisable, so _wait_left raises it.
+_leave_error = None
 
 
 def _wait_left():
-    """Returns once no loader's job is being left in the background."""
-    global _leaving
+    """Returns once no loader's job is being left in the background; raises
+    what went wrong in that leave."""
+    global _leaving, _leave_error
     leaving, _leaving = _leaving, None
     if leaving is not None:
         leaving.acquire()
+    err, _leave_error = _leave_error, None
+    if err is not None:
+        raise RuntimeError(
+            "shmrpc.data: leaving the last epoch's loader job (workers not persistent), "
+            f"done in the background after its last batch, failed: {type(err).__name__}: "
+            f"{err}. That epoch's batches were all delivered; the error is raised here, at "
+            "the next point that waits for that leave (a loader's start, init_rpc or the "
+            "interpreter's exit)") from err
+
+
+def _wait_left_at_exit():
+    """The interpreter's exit: as _wait_left, its error printed with the
+    leave's traceback (atexit would print it as "Exception ignored")."""
+    try:
+        _wait_left()
+    except RuntimeError:
+        import traceback
+        print("shmrpc: at the interpreter's exit:", file=sys.stderr)
+        traceback.print_exc()
 
 
 def _forget_leaving():
     """In a child forked meanwhile: the thread leaving is the parent's."""
-    global _leaving
-    _leaving = None
+    global _leaving, _leave_error
+    _leaving = _leave_error = None
 
 
-atexit.register(_wait_left)
+atexit.register(_wait_left_at_exit)
 os.register_at_fork(after_in_child=_forget_leaving)
 
 

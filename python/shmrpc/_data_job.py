@@ -153,6 +153,8 @@ class _LoaderJob:
 def _leave_in_background(job, ranks, leaving):
     try:
         _leave_job(job, ranks)
+    except BaseException as e:
+        _core._leave_error = e  # raised by whoever waits for the lock next
     finally:
         leaving.release()
 
@@ -194,16 +196,24 @@ def _leave_job(job, ranks):
 # twice that, so no rank's table fills before the records run out: a
 # worker whose block does not fit then stacks its batch outside the pool
 # (_pool_stack), never an error. 256 MiB: 1.5 MiB committed, not 25.
+# The pool holds nothing but the batches in flight (prefetch_factor per
+# worker, and those the program holds), so it keeps every freed block's
+# pages committed (its retain budget: the whole pool) for the next batches:
+# with shmrun's budget (an eighth of the pool, 256 MiB at most) a batch
+# larger than that was committed (fallocate, zeroed pages, a page fault
+# each) and punched out again (a TLB shootdown in every process) per batch.
+# What stays committed is the most that was in flight, until the job ends
+# (each epoch's end for workers that do not persist).
 _JOB_RREFS = 64
 _POOL_BYTES_PER_RECORD = 8 << 10
 _MIN_POOL_RECORDS = 4096
 
 
 def _job_sizes(pool_bytes):
-    """(max_rrefs, pool_records, holder_records) of a loader's job."""
+    """(max_rrefs, pool_records, holder_records, pool_retain) of a loader's job."""
     records = max(_MIN_POOL_RECORDS, pool_bytes // _POOL_BYTES_PER_RECORD)
     records = min(records, 1 << 22)  # the pool's default cap
-    return _JOB_RREFS, records, 1 << (2 * records - 1).bit_length()
+    return _JOB_RREFS, records, 1 << (2 * records - 1).bit_length(), pool_bytes
 
 
 _closing = []  # jobs whose close(wait=False) may still run

@@ -11,6 +11,8 @@ import io
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +22,7 @@ import torch.utils.data as tud
 
 import shmrpc
 import shmrpc.data as sd
+from shmrpc import _data_job
 
 
 class Items(tud.Dataset):
@@ -131,6 +134,47 @@ def test_workers_leave_after_the_epoch():
         f"a child forked during the leave waited for it (status {status:#x})"
     shmrpc._core._wait_left()
     assert not shmrpc._core._initialized, "the last epoch's job was not left"
+
+
+def failing_leave(job, ranks, real=_data_job._leave_job):
+    """The leave after an epoch, then an error as if it had failed."""
+    real(job, ranks)
+    raise OSError("the leave failed on purpose")
+
+
+def test_a_failing_background_leave_is_raised(monkeypatch):
+    """An error in the leave after an epoch, which a bare thread of its own
+    does, is raised (with its cause) where the leave is next waited for:
+    the next loader's start; once, then loaders go on."""
+    loader = sd.DataLoader(Items(8), batch_size=2, num_workers=2)
+    monkeypatch.setattr(_data_job, "_leave_job", failing_leave)
+    assert len(list(loader)) == 4, "the epoch before the failing leave"
+    # Kept until the leave was waited for: its thread looks _leave_job up
+    # when it runs, which may be after the epoch's end.
+    with pytest.raises(RuntimeError, match=r"leaving the last epoch's loader job \(workers not "
+                       r"persistent\), done in the background after its last batch, failed: "
+                       r"OSError: the leave failed on purpose") as e:
+        iter(loader)
+    monkeypatch.undo()
+    assert isinstance(e.value.__cause__, OSError), f"the cause is lost: {e.value.__cause__!r}"
+    assert len(list(loader)) == 4, "the epoch after the failing leave"
+    shmrpc._core._wait_left()
+    assert not shmrpc._core._initialized, "the last epoch's job was not left"
+
+
+def test_a_failing_background_leave_at_exit():
+    """An epoch's failing leave that nothing waited for is said, with its
+    traceback, at the interpreter's exit."""
+    code = ("import torch, test_data_faults as t, shmrpc.data as sd\n"
+            "t._data_job._leave_job = t.failing_leave\n"
+            "print(len(list(sd.DataLoader(t.Items(8), batch_size=2, num_workers=2))))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == "4\n", (run.returncode, run.stdout, run.stderr)
+    assert re.search(r"(?s)shmrpc: at the interpreter's exit:.*in failing_leave.*OSError: the "
+                     r"leave failed on purpose.*RuntimeError: shmrpc.data: leaving the last "
+                     r"epoch's loader job", run.stderr), f"at exit, stderr: {run.stderr}"
 
 
 def test_persistent_workers():
