@@ -128,6 +128,9 @@ SHMRPC_HIDDEN void rref_child_drop(struct agent *ag, struct pending_child *c);
  * owner: its removal of the entry waits for us. */
 SHMRPC_HIDDEN int rref_owner_hold(struct agent *ag, uint64_t id, uint32_t slot,
 				  uint32_t rank);
+/* Where rref_forks.owned has (or would put) the fork ids recorded for id;
+ * rref_forks.lock held. */
+SHMRPC_HIDDEN struct owner_forks **rref_owner_forks_at(uint64_t id);
 /* Rank r has not ended (nor left the job). */
 SHMRPC_HIDDEN bool rref_peer_running(struct agent *ag, uint32_t r);
 

@@ -156,9 +156,19 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 		pthread_mutex_lock(&records.lock);
 		*record_at(id) = rec;
 		pthread_mutex_unlock(&records.lock);
+		/* From here readers may decode the value; our run's reference goes. */
+		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
+	} else {
+		/* Nothing kept: the last drop removes the entry itself, unless
+		 * a fork id was recorded for it (a fork by message that came
+		 * before its value). Under the lock of rref_owner_add_fork,
+		 * which records one after the store only with rref_value_kept. */
+		pthread_mutex_lock(&rref_forks.lock);
+		if (!*rref_owner_forks_at(id))
+			len |= RREF_VALUE_ALONE;
+		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
+		pthread_mutex_unlock(&rref_forks.lock);
 	}
-	/* From here readers may decode the value; our run's reference goes. */
-	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
 	if (rc == 1)
 		rref_unreferenced(ag, id, slot, ag->rank);
 	return rc < 0 ? rc : 0;
@@ -176,7 +186,7 @@ const void *rref_value_at(struct agent *ag, uint32_t slot, uint64_t *small, uint
 		return pool_at(&ag->pool, off, l);
 	}
 	/* Shared memory: a length past the word is refused, not read. */
-	*len = l & ~RREF_VALUE_INLINE;
+	*len = l & ~(RREF_VALUE_INLINE | RREF_VALUE_ALONE);
 	*small = off;
 	return *len <= RREF_VALUE_INLINE_MAX ? small : NULL;
 }
@@ -264,9 +274,8 @@ static void owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
 	pthread_mutex_unlock(&records.lock);
 	/* The fork ids go with the entry, under the lock of owner_hold. */
 	pthread_mutex_lock(&rref_forks.lock);
-	for (fat = &rref_forks.owned[rref_fork_bucket(id)]; (of = *fat) && of->id != id; fat = &of->next)
-		;
-	if (of)
+	fat = rref_owner_forks_at(id);
+	if ((of = *fat))
 		*fat = of->next;
 	/* Without a record it never got a value (its store failed), or
 	 * the value was inline and not live: nothing to free but the entry. */
