@@ -36,7 +36,9 @@
  * A pusher finding the list empty tells the owner (its doorbell);
  * the others know it has been told and has not taken the list yet. So no
  * message is needed for an RRef's last drop (RREF_USER_DELETE becomes a
- * push; docs/RREF.md), and no walk of the table after a death.
+ * push; docs/RREF.md), and no walk of the table after a death. A value
+ * its owner keeps nothing of (RREF_VALUE_ALONE) is not pushed by a live
+ * worker's last drop: that drop removes the entry itself.
  *
  * Crash safety, as in the tensor pool: a holder raises total before its
  * count and lowers its count before total, so sum(counts) <= total always;
