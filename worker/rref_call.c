@@ -12,7 +12,6 @@
 #include "common/error.h"
 #include "worker/client.h"
 #include "worker/devmap.h"
-#include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/link.h"
 #include "worker/msg.h"
@@ -123,19 +122,10 @@ static int creation_failed(shmrpc_rref *r, uint64_t now)
 
 /* Waits for r's entry to leave PENDING, watching remote()'s request too: a
  * request that failed (timeout, lost) leaves the entry pending for ever.
- * On remote()'s creator, a user thread first waits for that request's reply
- * as rpc_sync waits for its own (future_wait_until: its spin polls the
- * rings, then it sleeps alone on the replies' bell): the owner answers only
- * after its store, so the reply says the value is there, and this thread
- * takes it itself. Waiting on the entry instead, the reply would wake our
- * loop thread besides (issue 23: two wake-ups per remote()+to_here() where
- * rpc_sync has one). An executor thread waits on the entry (rref_wait_ready
- * counts it out of the pool): its future wait would run jobs meanwhile. */
+ * On remote()'s creator the wait sleeps on that request's reply rather than
+ * the entry (rref_wait_ready). */
 static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 {
-	if (r->created && !executor_on_worker_thread() &&
-	    future_wait_until(r->created, deadline_ns) == -ETIMEDOUT)
-		return -ETIMEDOUT;
 	for (;;) {
 		uint64_t now = shmrpc_now_ns(), slice = now + 50000000u; /* 50 ms */
 		int st = creation_failed(r, now);
@@ -144,8 +134,8 @@ static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 			return st;
 		if (r->created && r->created->deadline_ns > now && r->created->deadline_ns < slice)
 			slice = r->created->deadline_ns;
-		st = rref_wait_ready(ag, r->slot, r->id, deadline_ns && deadline_ns < slice ? deadline_ns
-											: slice);
+		st = rref_wait_ready(ag, r->slot, r->id, r->created,
+				     deadline_ns && deadline_ns < slice ? deadline_ns : slice);
 		if (st != -ETIMEDOUT)
 			return st;
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)

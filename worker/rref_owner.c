@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/spin.h"
 #include "worker/executor.h"
+#include "worker/future.h"
 #include "worker/link.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
@@ -207,13 +208,9 @@ static bool looked_settled(void *arg)
 	return l->st != -ETIMEDOUT;
 }
 
-/* Waits for id to leave PENDING. An executor thread is counted out of its
- * pool meanwhile (executor_block_begin), which runs the owner's job for
- * the value, if queued, on another thread: run here, it could wait for
- * what a frame below produces. Elsewhere the wait spins first as long as a
- * hand-off does (worker_handoff_spin), since the owner's store wakes a
- * futex sleeper only with a syscall. */
-int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
+/* Waits for id to leave PENDING; see rref_impl.h. */
+int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, shmrpc_future *reply,
+		    uint64_t deadline_ns)
 {
 	struct look l = { &ag->rrefs, slot, id, 0 };
 	bool came;
@@ -228,13 +225,18 @@ int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadl
 	}
 	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
 	worker_handoff_spun(came);
-	return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	if (came)
+		return l.st;
+	if (reply && !shmrpc_future_done(reply))
+		return future_sleep_until(reply, deadline_ns) == 0 && looked_settled(&l) ? l.st
+											: -ETIMEDOUT;
+	return rref_wait(&ag->rrefs, slot, id, deadline_ns);
 }
 
 int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
 		     size_t *len, uint32_t *state)
 {
-	int st = rref_wait_ready(ag, slot, id, deadline_ns);
+	int st = rref_wait_ready(ag, slot, id, NULL, deadline_ns);
 	uint64_t small, l;
 	const void *at;
 
