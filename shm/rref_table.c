@@ -335,8 +335,10 @@ static bool remove_entry(struct rref_table *t, struct rref_entry *e, uint64_t id
 	return true;
 }
 
-/* total fell to 0 at e: hand it to its owner, or remove it if the owner is dead. */
-static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id)
+/* total fell to 0 at e: hand it to its owner, or remove it if the owner is
+ * dead, or if a live worker's drop (live) finds nothing of its value kept
+ * by the owner (RREF_VALUE_ALONE). */
+static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id, bool live)
 {
 	/* Acquire: the owner's value fields, for the owner that frees them. */
 	uint32_t w = atomic_load_explicit(&e->state, memory_order_acquire);
@@ -354,12 +356,23 @@ static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id)
 							  memory_order_seq_cst,
 							  memory_order_acquire)) {
 			wake_all(e);
-			return 1;
+			break;
 		}
 	}
+	/* Relaxed: the owner's store wrote it before READY/ERROR (our
+	 * acquire of the state), its rref_value_kept before a reference that
+	 * our drop's RMW of total came after. Only the bit and the inline
+	 * mark together: a block value is always the owner's to free. */
+	if (live && (atomic_load_explicit(&e->value_len, memory_order_relaxed) &
+		     (RREF_VALUE_ALONE | RREF_VALUE_INLINE)) ==
+			    (RREF_VALUE_ALONE | RREF_VALUE_INLINE))
+		return remove_entry(t, e, id) ? 2 : 0;
+	return 1;
 }
 
-static int drop(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_t n)
+/* live: a live worker drops its own references (rref_release), not a
+ * sweep those of a dead one. */
+static int drop(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_t n, bool live)
 {
 	/* acq_rel: every holder's use of the value happens before the last
 	 * drop, which the owner's free follows. A CAS, not a subtraction:
@@ -377,7 +390,7 @@ static int drop(struct rref_table *t, struct rref_entry *e, uint64_t id, uint32_
 					 before);
 	} while (!atomic_compare_exchange_weak_explicit(&e->total, &before, before - n,
 							memory_order_acq_rel, memory_order_relaxed));
-	return before == n ? unreferenced(t, e, id) : 0;
+	return before == n ? unreferenced(t, e, id, live) : 0;
 }
 
 int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank, uint32_t n)
@@ -396,7 +409,7 @@ int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank
 					    PRIx64 " and holds %u", rank, n, id, c);
 	} while (!atomic_compare_exchange_weak_explicit(&e->counts[rank], &c, c - n,
 							memory_order_seq_cst, memory_order_relaxed));
-	return drop(t, e, id, n);
+	return drop(t, e, id, n, true);
 }
 
 int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
@@ -464,6 +477,15 @@ int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadlin
 		}
 		atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_relaxed);
 	}
+}
+
+void rref_value_kept(struct rref_table *t, uint32_t slot, uint64_t id)
+{
+	struct rref_entry *e;
+
+	/* Relaxed: the caller's next RMW of total publishes it (the header). */
+	if (entry_of(t, slot, id, &e) == 0)
+		atomic_fetch_and_explicit(&e->value_len, ~RREF_VALUE_ALONE, memory_order_relaxed);
 }
 
 int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)
@@ -562,7 +584,7 @@ int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t 
 		return rc == -ENOENT ? 0 : rc;
 	/* seq_cst: see rref_hold. Exchange: each reference is taken once. */
 	n = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
-	return n ? drop(t, e, id, n) : 0;
+	return n ? drop(t, e, id, n, false) : 0;
 }
 
 /* e (which held id, owned by a dead rank, state word w read while its key
@@ -649,7 +671,7 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 		c = atomic_exchange_explicit(&e->counts[rank], 0, memory_order_seq_cst);
 		if (c) {
 			/* Unreferenced now: its (live) owner frees it. */
-			if ((rc = drop(t, e, id, c)) == 1)
+			if ((rc = drop(t, e, id, c, false)) == 1)
 				rref_collect_push(t, s);
 			else if (rc < 0)
 				err = rc;

@@ -36,7 +36,9 @@
  * A pusher finding the list empty tells the owner (its doorbell);
  * the others know it has been told and has not taken the list yet. So no
  * message is needed for an RRef's last drop (RREF_USER_DELETE becomes a
- * push; docs/RREF.md), and no walk of the table after a death.
+ * push; docs/RREF.md), and no walk of the table after a death. A value
+ * its owner keeps nothing of (RREF_VALUE_ALONE) is not pushed by a live
+ * worker's last drop: that drop removes the entry itself.
  *
  * Crash safety, as in the tensor pool: a holder raises total before its
  * count and lowers its count before total, so sum(counts) <= total always;
@@ -111,6 +113,16 @@ enum rref_state {
  * a small value's store and collection then touch no pool (issue 23). */
 #define RREF_VALUE_INLINE (1ull << 63)
 #define RREF_VALUE_INLINE_MAX sizeof(uint64_t)
+/* In value_len, beside RREF_VALUE_INLINE: the entry is all there is of the
+ * value, its owner keeps nothing for it (no block, no references, no live
+ * object, no fork ids). A live worker's drop that leaves such an entry
+ * unreferenced removes it itself (rref_release returns 2), and its owner
+ * hears nothing: no push, no wake-up (issue 23: that notice woke the owner
+ * once per remote()+to_here() of nil). A sweep's drop hands it to its owner
+ * as any other, so that the owner alone removes what a dead worker leaves
+ * (rref_value_kept's argument). Set by the owner's store, cleared by it
+ * when it comes to keep something after all (rref_value_kept). */
+#define RREF_VALUE_ALONE (1ull << 62)
 
 struct rref_table_header {
 	uint64_t magic;
@@ -226,7 +238,8 @@ SHMRPC_HIDDEN int rref_hold(struct rref_table *t, uint32_t slot, uint64_t id, ui
 /*
  * Drops n of rank's references. 1 when this made the RRef unreferenced
  * (state UNREFERENCED: the caller tells the owner, unless it is the owner),
- * 2 when this removed it (its owner is dead), 0 otherwise, or -errno.
+ * 2 when this removed it (its owner is dead, or its value is
+ * RREF_VALUE_ALONE), 0 otherwise, or -errno.
  */
 SHMRPC_HIDDEN int rref_release(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank,
 			       uint32_t n);
@@ -245,6 +258,16 @@ SHMRPC_HIDDEN int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, u
 SHMRPC_HIDDEN int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns);
 /* The owner, done with an UNREFERENCED entry's value: the slot is freed. */
 SHMRPC_HIDDEN int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id);
+/*
+ * The owner of id comes to keep something for its value (a fork id): the
+ * entry loses RREF_VALUE_ALONE, so that its last drop hands it over. Call
+ * it where nobody but the owner can remove the entry (a reference is held,
+ * or the entry is unreferenced and the owner's to remove), and before the
+ * reference that the kept thing goes with is made: the drop that ends the
+ * last reference then sees it (the RMWs of total carry it). Nothing when
+ * slot does not hold id.
+ */
+SHMRPC_HIDDEN void rref_value_kept(struct rref_table *t, uint32_t slot, uint64_t id);
 
 /*
  * Pushes the UNREFERENCED entry at slot (made so by the caller's drop:

@@ -14,7 +14,9 @@
  *    readable until the last one goes, then the entry goes;
  *  - local_value() on a user fails naming the owner, on the owner works;
  *  - to_here() with a timeout on a value not ready: -ETIMEDOUT, "was not
- *    ready within"; without one it then gets the value.
+ *    ready within"; without one it then gets the value;
+ *  - a nil value (its owner keeps nothing of it) leaves the table with its
+ *    last handle's free, before anything runs on the owner.
  * At the end the table and the pool are empty while both workers run.
  */
 #include <stdatomic.h>
@@ -258,9 +260,33 @@ static void to_here_timeout(void)
 	shmrpc_rref_free(r);
 }
 
+/* A value its owner keeps nothing of (nil: inline in the entry) leaves the
+ * table with the last handle's free, at once: the owner does nothing. */
+static void alone_at_free(void)
+{
+	shmrpc_value open = shmrpc_bool(true);
+	shmrpc_future *f;
+	shmrpc_rref *r, *copy;
+	uint64_t id;
+
+	CHECK_OK(shmrpc_remote(1, "gate", &open, 1, SHMRPC_TIMEOUT_DEFAULT, &r));
+	CHECK_OK(shmrpc_rref_to_here(r, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK(shmrpc_future_value(f)->type == SHMRPC_NIL, "gate() gave a %s",
+	      shmrpc_type_name(shmrpc_future_value(f)->type));
+	shmrpc_future_free(f);
+	id = r->id;
+	CHECK_OK(shmrpc_rref_retain(r, &copy));
+	shmrpc_rref_free(r);
+	expect_ours(id, 1, 1);
+	shmrpc_rref_free(copy);
+	CHECK(rref_find(&worker_agent->rrefs, id, &(uint32_t){ 0 }) == -ENOENT,
+	      "a nil RRef stays in the table after its last free");
+}
+
 static void drive(void)
 {
 	table_full();
+	alone_at_free();
 	for (int owner = 0; owner < 2; owner++) {
 		fork_in_flight(owner, 0, 1);   /* a ready value */
 		fork_in_flight(owner, 100, 1); /* a value still being made */

@@ -5,7 +5,9 @@
  * its owner, who removes it; refused calls change nothing; a full table is
  * a clear error naming --max-rrefs and frees up again; tombstones are
  * reused under churn; waiters wake on a store and on the owner's death;
- * unreferenced RRefs go on their owner's collect list, taken once; the
+ * unreferenced RRefs go on their owner's collect list, taken once, but
+ * for a value the owner keeps nothing of, whose last live release removes
+ * it; the
  * sweep of a dead rank marks its RRefs and drops exactly its references,
  * once. The table is
  * empty at the end. */
@@ -453,6 +455,39 @@ static void test_collect(struct rref_table *t)
 	remove_unreferenced(t, ss, swept);
 }
 
+/* Values their owner keeps nothing of (RREF_VALUE_ALONE, with the inline
+ * mark): the last live release removes the entry itself (2) and lists
+ * nothing; a block value (no inline mark) or one the owner came to keep
+ * something of (rref_value_kept) is handed over (1); so is one a sweep of a
+ * dead holder leaves unreferenced, for its owner to remove. */
+static void test_alone(struct rref_table *t)
+{
+	const uint64_t alone = RREF_VALUE_ALONE | RREF_VALUE_INLINE | 1;
+	uint64_t id[4] = { RREF_ID(0, 800), RREF_ID(0, 801), RREF_ID(0, 802), RREF_ID(3, 803) };
+	uint64_t len[4] = { alone, RREF_VALUE_ALONE | 1, alone, alone };
+	uint32_t slot[4];
+
+	for (int i = 0; i < 4; i++) {
+		slot[i] = insert(t, id[i], 1, i == 3 ? 3 : 0);
+		CHECK(rref_store(t, slot[i], id[i], RREF_READY, 0xc0, len[i]) == 0, "store %d", i);
+	}
+	rref_value_kept(t, slot[2], id[2]);
+	rref_value_kept(t, slot[2], RREF_ID(0, 804)); /* another id: changes nothing */
+	CHECK(info(t, slot[2]).value_len == (alone & ~RREF_VALUE_ALONE), "kept: value_len %llx",
+	      (unsigned long long)info(t, slot[2]).value_len);
+	CHECK(rref_release(t, slot[0], id[0], 0, 1) == 2, "last release of a value alone");
+	CHECK(rref_find(t, id[0], &(uint32_t){ 0 }) == -ENOENT, "the value alone stays");
+	CHECK(rref_release(t, slot[1], id[1], 0, 1) == 1, "last release of a block value");
+	CHECK(rref_release(t, slot[2], id[2], 0, 1) == 1, "last release of a kept value");
+	CHECK(rref_sweep_rank(t, 3) == 1, "the sweep drops the dead creator's reference");
+	CHECK(info(t, slot[3]).state == RREF_UNREFERENCED, "swept: %s",
+	      rref_state_name(info(t, slot[3]).state));
+	CHECK(rref_collect_take(t, 1) == slot[3] + 1 && rref_collect_next(t, slot[3]) == 0,
+	      "the swept value alone is not listed for its owner alone");
+	for (int i = 1; i < 4; i++)
+		remove_unreferenced(t, slot[i], id[i]);
+}
+
 int main(void)
 {
 	struct rref_table_params tp = { .max_rrefs = MAX_RREFS, .world = WORLD };
@@ -476,6 +511,7 @@ int main(void)
 	test_churn();
 	test_wait(&t);
 	test_collect(&t);
+	test_alone(&t);
 	test_owner_death(&t);
 	for (uint32_t s = 0; s < t.capacity; s++)
 		used += rref_info_at(&t, s, &in);

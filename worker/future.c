@@ -197,14 +197,21 @@ static bool spin_wait(shmrpc_future *f, uint64_t deadline_ns)
 
 int future_wait_until(shmrpc_future *f, uint64_t deadline_ns)
 {
-	struct timespec ts;
-	int rc = 0;
-
 	/* An executor thread runs what the call needs rather than spin: the
 	 * reply it waits for may depend on it (executor.h). */
 	if (executor_on_worker_thread())
 		return executor_help_until(f->msg_id, &f->done, deadline_ns);
 	if (is_done(f) || spin_wait(f, deadline_ns)) /* done before: nothing to learn */
+		return 0;
+	return future_sleep_until(f, deadline_ns);
+}
+
+int future_sleep_until(shmrpc_future *f, uint64_t deadline_ns)
+{
+	struct timespec ts;
+	int rc = 0;
+
+	if (is_done(f))
 		return 0;
 	ts.tv_sec = (time_t)(deadline_ns / 1000000000u);
 	ts.tv_nsec = (long)(deadline_ns % 1000000000u);

@@ -62,5 +62,9 @@ SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, cons
 /* Waits until done or deadline_ns (0: none); an executor thread runs what
  * the call needs meanwhile (executor.h). 0, or -ETIMEDOUT. */
 SHMRPC_HIDDEN int future_wait_until(shmrpc_future *f, uint64_t deadline_ns);
+/* The same wait on a user thread, without the spin first (the caller has
+ * spun already): taking its replies or alone on the replies' bell, where
+ * a reply wakes it directly, else on the future. 0, or -ETIMEDOUT. */
+SHMRPC_HIDDEN int future_sleep_until(shmrpc_future *f, uint64_t deadline_ns);
 
 #endif

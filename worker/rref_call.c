@@ -121,7 +121,9 @@ static int creation_failed(shmrpc_rref *r, uint64_t now)
 }
 
 /* Waits for r's entry to leave PENDING, watching remote()'s request too: a
- * request that failed (timeout, lost) leaves the entry pending for ever. */
+ * request that failed (timeout, lost) leaves the entry pending for ever.
+ * On remote()'s creator the wait sleeps on that request's reply rather than
+ * the entry (rref_wait_ready). */
 static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 {
 	for (;;) {
@@ -132,8 +134,8 @@ static int wait_value(struct agent *ag, shmrpc_rref *r, uint64_t deadline_ns)
 			return st;
 		if (r->created && r->created->deadline_ns > now && r->created->deadline_ns < slice)
 			slice = r->created->deadline_ns;
-		st = rref_wait_ready(ag, r->slot, r->id, deadline_ns && deadline_ns < slice ? deadline_ns
-											: slice);
+		st = rref_wait_ready(ag, r->slot, r->id, r->created,
+				     deadline_ns && deadline_ns < slice ? deadline_ns : slice);
 		if (st != -ETIMEDOUT)
 			return st;
 		if (deadline_ns && shmrpc_now_ns() >= deadline_ns)

@@ -266,6 +266,15 @@ bool rref_peer_running(struct agent *ag, uint32_t r)
 	return st != SHM_WORKER_DEAD && st != SHM_WORKER_EXITED;
 }
 
+struct owner_forks **rref_owner_forks_at(uint64_t id)
+{
+	struct owner_forks **at = &rref_forks.owned[rref_fork_bucket(id)];
+
+	while (*at && (*at)->id != id)
+		at = &(*at)->next;
+	return at;
+}
+
 int rref_owner_add_fork(struct agent *ag, uint64_t id, uint32_t slot, uint64_t fork_id,
 			uint32_t child)
 {
@@ -273,8 +282,7 @@ int rref_owner_add_fork(struct agent *ag, uint64_t id, uint32_t slot, uint64_t f
 	int rc = 0;
 
 	pthread_mutex_lock(&rref_forks.lock);
-	for (at = &rref_forks.owned[rref_fork_bucket(id)]; *at && (*at)->id != id; at = &(*at)->next)
-		;
+	at = rref_owner_forks_at(id);
 	if (!(of = *at) && (of = calloc(1, sizeof(*of)))) {
 		of->id = id;
 		*at = of;
@@ -291,10 +299,17 @@ int rref_owner_add_fork(struct agent *ag, uint64_t id, uint32_t slot, uint64_t f
 			of->cap = cap;
 		}
 	}
-	if (!of || of->n == of->cap)
+	/* The fork id is ours to free with the entry now: its last drop must
+	 * hand it to us. Before the child's reference, under our lock: the
+	 * parent's pending-child reference keeps the entry, or a sweep of the
+	 * parent left it to us (sweeps hand every entry to its owner). */
+	if (!of || of->n == of->cap) {
 		rc = shmrpc__fail(-ENOMEM, "out of memory recording an RRef fork");
-	else if (!(rc = rref_owner_hold(ag, id, slot, child)))
-		of->fork[of->n++] = fork_id;
+	} else {
+		rref_value_kept(&ag->rrefs, slot, id);
+		if (!(rc = rref_owner_hold(ag, id, slot, child)))
+			of->fork[of->n++] = fork_id;
+	}
 	if (rc && of && !of->n) { /* nothing to remember */
 		*at = of->next;
 		free(of->fork);

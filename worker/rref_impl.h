@@ -128,6 +128,9 @@ SHMRPC_HIDDEN void rref_child_drop(struct agent *ag, struct pending_child *c);
  * owner: its removal of the entry waits for us. */
 SHMRPC_HIDDEN int rref_owner_hold(struct agent *ag, uint64_t id, uint32_t slot,
 				  uint32_t rank);
+/* Where rref_forks.owned has (or would put) the fork ids recorded for id;
+ * rref_forks.lock held. */
+SHMRPC_HIDDEN struct owner_forks **rref_owner_forks_at(uint64_t id);
 /* Rank r has not ended (nor left the job). */
 SHMRPC_HIDDEN bool rref_peer_running(struct agent *ag, uint32_t r);
 
@@ -137,9 +140,16 @@ SHMRPC_HIDDEN bool rref_peer_running(struct agent *ag, uint32_t r);
  * the value, if queued, on another thread: run here, it could wait for
  * what a frame below produces. Elsewhere the wait spins first as long as a
  * hand-off does (worker_handoff_spin), since the owner's store wakes a
- * futex sleeper only with a syscall. */
+ * futex sleeper only with a syscall. reply (NULL: none), remote()'s
+ * request on its creator, which the owner answers after its store: a
+ * thread that must sleep then sleeps on that reply as rpc_sync's caller
+ * does (future_sleep_until), so that the reply wakes it alone, not the
+ * entry's futex this thread and the reply our loop thread (issue 23); the
+ * spin stays on the entry, which says READY before the reply comes.
+ * -ETIMEDOUT also when the reply came and the entry is still pending: the
+ * request failed, and the caller says why. */
 SHMRPC_HIDDEN int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id,
-				  uint64_t deadline_ns);
+				  shmrpc_future *reply, uint64_t deadline_ns);
 
 /* Where the encoded value or error of our READY/ERROR entry at slot is
  * (read after the acquire that said so): in the pool, or *small, a copy of

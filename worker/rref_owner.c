@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/spin.h"
 #include "worker/executor.h"
+#include "worker/future.h"
 #include "worker/link.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
@@ -156,9 +157,19 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 		pthread_mutex_lock(&records.lock);
 		*record_at(id) = rec;
 		pthread_mutex_unlock(&records.lock);
+		/* From here readers may decode the value; our run's reference goes. */
+		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
+	} else {
+		/* Nothing kept: the last drop removes the entry itself, unless
+		 * a fork id was recorded for it (a fork by message that came
+		 * before its value). Under the lock of rref_owner_add_fork,
+		 * which records one after the store only with rref_value_kept. */
+		pthread_mutex_lock(&rref_forks.lock);
+		if (!*rref_owner_forks_at(id))
+			len |= RREF_VALUE_ALONE;
+		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
+		pthread_mutex_unlock(&rref_forks.lock);
 	}
-	/* From here readers may decode the value; our run's reference goes. */
-	rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
 	if (rc == 1)
 		rref_unreferenced(ag, id, slot, ag->rank);
 	return rc < 0 ? rc : 0;
@@ -176,7 +187,7 @@ const void *rref_value_at(struct agent *ag, uint32_t slot, uint64_t *small, uint
 		return pool_at(&ag->pool, off, l);
 	}
 	/* Shared memory: a length past the word is refused, not read. */
-	*len = l & ~RREF_VALUE_INLINE;
+	*len = l & ~(RREF_VALUE_INLINE | RREF_VALUE_ALONE);
 	*small = off;
 	return *len <= RREF_VALUE_INLINE_MAX ? small : NULL;
 }
@@ -197,13 +208,9 @@ static bool looked_settled(void *arg)
 	return l->st != -ETIMEDOUT;
 }
 
-/* Waits for id to leave PENDING. An executor thread is counted out of its
- * pool meanwhile (executor_block_begin), which runs the owner's job for
- * the value, if queued, on another thread: run here, it could wait for
- * what a frame below produces. Elsewhere the wait spins first as long as a
- * hand-off does (worker_handoff_spin), since the owner's store wakes a
- * futex sleeper only with a syscall. */
-int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadline_ns)
+/* Waits for id to leave PENDING; see rref_impl.h. */
+int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, shmrpc_future *reply,
+		    uint64_t deadline_ns)
 {
 	struct look l = { &ag->rrefs, slot, id, 0 };
 	bool came;
@@ -218,13 +225,18 @@ int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, uint64_t deadl
 	}
 	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
 	worker_handoff_spun(came);
-	return came ? l.st : rref_wait(&ag->rrefs, slot, id, deadline_ns);
+	if (came)
+		return l.st;
+	if (reply && !shmrpc_future_done(reply))
+		return future_sleep_until(reply, deadline_ns) == 0 && looked_settled(&l) ? l.st
+											: -ETIMEDOUT;
+	return rref_wait(&ag->rrefs, slot, id, deadline_ns);
 }
 
 int rref_owner_fetch(struct agent *ag, uint64_t id, uint32_t slot, uint64_t deadline_ns, void **buf,
 		     size_t *len, uint32_t *state)
 {
-	int st = rref_wait_ready(ag, slot, id, deadline_ns);
+	int st = rref_wait_ready(ag, slot, id, NULL, deadline_ns);
 	uint64_t small, l;
 	const void *at;
 
@@ -264,9 +276,8 @@ static void owner_collect(struct agent *ag, uint64_t id, uint32_t slot)
 	pthread_mutex_unlock(&records.lock);
 	/* The fork ids go with the entry, under the lock of owner_hold. */
 	pthread_mutex_lock(&rref_forks.lock);
-	for (fat = &rref_forks.owned[rref_fork_bucket(id)]; (of = *fat) && of->id != id; fat = &of->next)
-		;
-	if (of)
+	fat = rref_owner_forks_at(id);
+	if ((of = *fat))
 		*fat = of->next;
 	/* Without a record it never got a value (its store failed), or
 	 * the value was inline and not live: nothing to free but the entry. */
