@@ -360,8 +360,7 @@ static int unreferenced(struct rref_table *t, struct rref_entry *e, uint64_t id,
 		}
 	}
 	/* Relaxed: the owner's store wrote it before READY/ERROR (our
-	 * acquire of the state), its rref_value_kept before a reference that
-	 * our drop's RMW of total came after. Only the bit and the inline
+	 * acquire of the state), and nobody changes it after. Only the bit and the inline
 	 * mark together: a block value is always the owner's to free. */
 	if (live && (atomic_load_explicit(&e->value_len, memory_order_relaxed) &
 		     (RREF_VALUE_ALONE | RREF_VALUE_INLINE)) ==
@@ -477,15 +476,6 @@ int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadlin
 		}
 		atomic_fetch_sub_explicit(&e->waiters, 1, memory_order_relaxed);
 	}
-}
-
-void rref_value_kept(struct rref_table *t, uint32_t slot, uint64_t id)
-{
-	struct rref_entry *e;
-
-	/* Relaxed: the caller's next RMW of total publishes it (the header). */
-	if (entry_of(t, slot, id, &e) == 0)
-		atomic_fetch_and_explicit(&e->value_len, ~RREF_VALUE_ALONE, memory_order_relaxed);
 }
 
 int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id)

@@ -119,9 +119,10 @@ enum rref_state {
  * unreferenced removes it itself (rref_release returns 2), and its owner
  * hears nothing: no push, no wake-up (issue 23: that notice woke the owner
  * once per remote()+to_here() of nil). A sweep's drop hands it to its owner
- * as any other, so that the owner alone removes what a dead worker leaves
- * (rref_value_kept's argument). Set by the owner's store, cleared by it
- * when it comes to keep something after all (rref_value_kept). */
+ * as any other, so that the owner alone removes what a dead worker leaves.
+ * Set by the owner's store where forks go through the table (the default),
+ * never where they go by message (worker/rref_owner.c says why); nothing
+ * changes it after. */
 #define RREF_VALUE_ALONE (1ull << 62)
 
 struct rref_table_header {
@@ -258,16 +259,6 @@ SHMRPC_HIDDEN int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, u
 SHMRPC_HIDDEN int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns);
 /* The owner, done with an UNREFERENCED entry's value: the slot is freed. */
 SHMRPC_HIDDEN int rref_remove(struct rref_table *t, uint32_t slot, uint64_t id);
-/*
- * The owner of id comes to keep something for its value (a fork id): the
- * entry loses RREF_VALUE_ALONE, so that its last drop hands it over. Call
- * it where nobody but the owner can remove the entry (a reference is held,
- * or the entry is unreferenced and the owner's to remove), and before the
- * reference that the kept thing goes with is made: the drop that ends the
- * last reference then sees it (the RMWs of total carry it). Nothing when
- * slot does not hold id.
- */
-SHMRPC_HIDDEN void rref_value_kept(struct rref_table *t, uint32_t slot, uint64_t id);
 
 /*
  * Pushes the UNREFERENCED entry at slot (made so by the caller's drop:

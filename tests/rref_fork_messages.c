@@ -17,8 +17,8 @@
  *    pending-child reference and not the child's, the parent deletes its
  *    handle and the child still reads the value; once the owner runs, the
  *    counts move to the child, and the parent's goes to 0; the value,
- *    inline, was marked alone until the owner recorded the fork id (then
- *    the last drop hands it to the owner, which frees the fork id too);
+ *    inline, is never marked alone where forks go by message (its last
+ *    drop hands it to the owner, which frees the fork id too);
  *  - the child repeats its RREF_FORK_REQUEST and its RREF_CHILD_ACCEPT by
  *    hand (rref_send_fork_request / rref_send_child_accept, the protocol's
  *    own senders): both are acknowledged and no count moves;
@@ -296,8 +296,8 @@ static uint32_t total_of(uint32_t slot, uint64_t id)
 	return rref_info_at(&worker_agent->rrefs, slot, &info) && info.id == id ? info.total : 0;
 }
 
-/* The owner keeps nothing of id's value (RREF_VALUE_ALONE): its last drop
- * would remove it without a word to the owner. */
+/* id's value is marked RREF_VALUE_ALONE: its last live drop would remove
+ * it without a word to the owner. */
 static bool alone(uint32_t slot, uint64_t id)
 {
 	struct rref_info info;
@@ -346,7 +346,7 @@ static void in_flight(void)
 	slot = r->slot;
 	id = r->id;
 	wait_counts(slot, id, 1, 0, 1);
-	CHECK(alone(slot, id), "a 7-byte value is not marked alone before any fork");
+	CHECK(!alone(slot, id), "a value is marked alone where forks go by message");
 	/* The owner's thread parks; the child's request queues behind it. */
 	CHECK_OK(shmrpc_rpc_async(OWNER, "park", NULL, 0, SHMRPC_TIMEOUT_NONE, &park));
 	gate_wait(&gate.owner_parked);
@@ -370,7 +370,7 @@ static void in_flight(void)
 	shmrpc_future_free(park);
 	/* The owner made the child's reference; the child's accept took ours. */
 	wait_counts(slot, id, 0, 1, 1);
-	CHECK(!alone(slot, id), "the owner recorded a fork id and still marks the value alone");
+	CHECK(!alone(slot, id), "a value forked by message is marked alone");
 	CHECK(call_bool(CHILD, "read_kept", NULL, 0), "not confirmed after the owner ran");
 	/* Repeated requests and accepts change nothing. */
 	CHECK_OK(shmrpc_rpc_sync(CHILD, "repeat", NULL, 0, SHMRPC_TIMEOUT_DEFAULT, &park));

@@ -457,28 +457,24 @@ static void test_collect(struct rref_table *t)
 
 /* Values their owner keeps nothing of (RREF_VALUE_ALONE, with the inline
  * mark): the last live release removes the entry itself (2) and lists
- * nothing; a block value (no inline mark) or one the owner came to keep
- * something of (rref_value_kept) is handed over (1); so is one a sweep of a
- * dead holder leaves unreferenced, for its owner to remove. */
+ * nothing; a block value (no inline mark) or an inline one not marked
+ * alone is handed over (1); so is one a sweep of a dead holder leaves
+ * unreferenced, for its owner to remove. */
 static void test_alone(struct rref_table *t)
 {
 	const uint64_t alone = RREF_VALUE_ALONE | RREF_VALUE_INLINE | 1;
 	uint64_t id[4] = { RREF_ID(0, 800), RREF_ID(0, 801), RREF_ID(0, 802), RREF_ID(3, 803) };
-	uint64_t len[4] = { alone, RREF_VALUE_ALONE | 1, alone, alone };
+	uint64_t len[4] = { alone, RREF_VALUE_ALONE | 1, RREF_VALUE_INLINE | 1, alone };
 	uint32_t slot[4];
 
 	for (int i = 0; i < 4; i++) {
 		slot[i] = insert(t, id[i], 1, i == 3 ? 3 : 0);
 		CHECK(rref_store(t, slot[i], id[i], RREF_READY, 0xc0, len[i]) == 0, "store %d", i);
 	}
-	rref_value_kept(t, slot[2], id[2]);
-	rref_value_kept(t, slot[2], RREF_ID(0, 804)); /* another id: changes nothing */
-	CHECK(info(t, slot[2]).value_len == (alone & ~RREF_VALUE_ALONE), "kept: value_len %llx",
-	      (unsigned long long)info(t, slot[2]).value_len);
 	CHECK(rref_release(t, slot[0], id[0], 0, 1) == 2, "last release of a value alone");
 	CHECK(rref_find(t, id[0], &(uint32_t){ 0 }) == -ENOENT, "the value alone stays");
 	CHECK(rref_release(t, slot[1], id[1], 0, 1) == 1, "last release of a block value");
-	CHECK(rref_release(t, slot[2], id[2], 0, 1) == 1, "last release of a kept value");
+	CHECK(rref_release(t, slot[2], id[2], 0, 1) == 1, "last release of an inline value not alone");
 	CHECK(rref_sweep_rank(t, 3) == 1, "the sweep drops the dead creator's reference");
 	CHECK(info(t, slot[3]).state == RREF_UNREFERENCED, "swept: %s",
 	      rref_state_name(info(t, slot[3]).state));

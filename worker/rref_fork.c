@@ -299,14 +299,12 @@ int rref_owner_add_fork(struct agent *ag, uint64_t id, uint32_t slot, uint64_t f
 			of->cap = cap;
 		}
 	}
-	/* The fork id is ours to free with the entry now: its last drop must
-	 * hand it to us. Before the child's reference, under our lock: the
-	 * parent's pending-child reference keeps the entry, or a sweep of the
-	 * parent left it to us (sweeps hand every entry to its owner). */
+	/* Under our lock: the parent's pending-child reference keeps the
+	 * entry, or its last drop left it to us (by message, no value is
+	 * RREF_VALUE_ALONE: rref_owner_store). */
 	if (!of || of->n == of->cap) {
 		rc = shmrpc__fail(-ENOMEM, "out of memory recording an RRef fork");
 	} else {
-		rref_value_kept(&ag->rrefs, slot, id);
 		if (!(rc = rref_owner_hold(ag, id, slot, child)))
 			of->fork[of->n++] = fork_id;
 	}

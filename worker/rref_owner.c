@@ -160,15 +160,17 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 		/* From here readers may decode the value; our run's reference goes. */
 		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
 	} else {
-		/* Nothing kept: the last drop removes the entry itself, unless
-		 * a fork id was recorded for it (a fork by message that came
-		 * before its value). Under the lock of rref_owner_add_fork,
-		 * which records one after the store only with rref_value_kept. */
-		pthread_mutex_lock(&rref_forks.lock);
-		if (!*rref_owner_forks_at(id))
+		/* Nothing kept: the last live drop removes the entry itself.
+		 * Not where forks go by message: there the owner checks the
+		 * entry and then charges a child (rref_owner_hold) while a
+		 * pending child's reference may still be dropped (a sweep of
+		 * the parent, the parent's collection of a dead child), and a
+		 * removal between the two would let it charge whatever RRef
+		 * took the slot next; only the owner removes its entries
+		 * there, under rref_forks.lock. */
+		if (!rref_fork_mode_message())
 			len |= RREF_VALUE_ALONE;
 		rc = rref_store(&ag->rrefs, slot, id, error ? RREF_ERROR : RREF_READY, off, len);
-		pthread_mutex_unlock(&rref_forks.lock);
 	}
 	if (rc == 1)
 		rref_unreferenced(ag, id, slot, ag->rank);
