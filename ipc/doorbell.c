@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "ipc/doorbell.h"
+#include "ipc/lifo.h"
 
 /* Shared futexes (no FUTEX_PRIVATE_FLAG): sleeper and waker are different processes. */
 int ipc_futex_wait(_Atomic uint32_t *word, uint32_t seq, uint64_t timeout_ns)
@@ -75,10 +76,11 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
 		return;
 	/* Else, rather than waking the loop thread, wake whom the frame is
-	 * for directly, if they sleep on their bell: they poll themselves. */
+	 * for directly, if they sleep on their bell: they poll themselves
+	 * (a request, the server that slept last: ipc/lifo.h). */
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
-		ipc_bell_wake(&target->servers_bell, me, 1);
+		ipc_lifo_wake(&target->servers_bell, &target->servers_newest, me);
 		return;
 	}
 	if (kind == IPC_FRAME_REPLY &&

@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "common/spin.h"
 #include "ipc/doorbell.h"
+#include "ipc/lifo.h"
 #include "worker/executor.h"
 #include "worker/link.h"
 
@@ -48,6 +49,7 @@ static struct {
 	pthread_cond_t retire_cond;
 	int idle;
 	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
+	struct ipc_lifo asleep; /* those, newest first: whom the bell wakes (ipc/lifo.h) */
 	int tagged; /* jobs in the queue with a needed_by */
 	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
 	bool spawn_failed; /* said so on stderr once */
@@ -61,6 +63,8 @@ static struct {
 } ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
+/* This executor thread in ex.asleep while it sleeps on the servers' bell. */
+static _Thread_local struct ipc_lifo_sleeper asleep_entry;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
 static _Thread_local int help_levels;
 /* This executor thread is counted busy: from the job it takes until it
@@ -176,10 +180,11 @@ static void busy_take(void)
 	}
 }
 
-/* Wakes up to n idle threads (sleep_idle); ex.lock held. */
-static void wake_idle(int n)
+/* Wakes one idle thread (sleep_idle), the newest asleep, as a peer's
+ * request does; ex.lock held. */
+static void wake_idle(void)
 {
-	ipc_bell_wake(&ex.gauges->servers_bell, NULL, n);
+	ipc_lifo_wake(&ex.gauges->servers_bell, ex.asleep.newest, NULL);
 }
 
 /* Says this idle thread sleeps on the servers' bell, then polls the rings
@@ -200,7 +205,9 @@ static __attribute__((noinline)) int announce_sleep(struct agent *ag)
 
 /* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
  * request wakes it directly rather than through the loop thread; woken, it
- * takes what the rings hold itself. Before the rings can be polled
+ * takes what the rings hold itself. The newest sleeper is woken first
+ * (ex.asleep, ipc/lifo.h): in a stream of calls one at a time, the thread
+ * that served the last one, warm, serves the next. Before the rings can be polled
  * (executor_poll_rings) it is not counted there, and only pushes wake it.
  * ex.lock held on entry and on return. */
 static void sleep_idle(void)
@@ -211,13 +218,15 @@ static void sleep_idle(void)
 	uint32_t seq = atomic_load_explicit(&ex.gauges->servers_bell, memory_order_acquire);
 
 	ex.sleeping++;
+	ipc_lifo_push(&ex.asleep, &asleep_entry);
 	pthread_mutex_unlock(&ex.lock);
 	if (!ag || announce_sleep(ag) <= 0)
-		ipc_futex_wait(&ex.gauges->servers_bell, seq, 0);
+		ipc_lifo_wait(&ex.gauges->servers_bell, seq, &asleep_entry);
 	if (ag) /* seq_cst: as the increment */
 		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
 	pthread_mutex_lock(&ex.lock);
 	ex.sleeping--;
+	ipc_lifo_remove(&ex.asleep, &asleep_entry);
 	/* Again: executor_stop clears it before it wakes us. Acquire as above. */
 	if (ag && (ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire))) {
 		pthread_mutex_unlock(&ex.lock);
@@ -240,7 +249,7 @@ static struct job *pop(void)
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
 		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-			wake_idle(1);
+			wake_idle();
 	}
 	return j;
 }
@@ -303,9 +312,10 @@ static void retire(void)
 	ex.retired--;
 }
 
+/* arg: the thread's index, which picks its bit on the bell. */
 static void *thread_main(void *arg)
 {
-	(void)arg;
+	asleep_entry.bit = ipc_lifo_bit((unsigned)(uintptr_t)arg);
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
@@ -362,7 +372,8 @@ static int spawn(void)
 		ex.threads = t;
 		ex.room = room;
 	}
-	rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main, NULL);
+	rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main,
+			    (void *)(uintptr_t)ex.nthreads);
 	if (rc)
 		return -rc;
 	ex.nthreads++;
@@ -404,6 +415,9 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	int rc = 0;
 
 	ex.gauges = gauges;
+	ex.asleep.top = NULL;
+	ex.asleep.newest = &gauges->servers_newest;
+	atomic_store_explicit(ex.asleep.newest, 0, memory_order_relaxed); /* a hint (ipc/lifo.h) */
 	ex.stop = false;
 	ex.idle = 0;
 	ex.busy = 0;
@@ -436,7 +450,7 @@ void executor_stop(void)
 	 * of an agent that is going (sleep_idle reads it again). Release:
 	 * pairs with the acquire loads of the spinners and sleepers. */
 	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_release);
-	wake_idle(INT_MAX);
+	ipc_bell_wake(&ex.gauges->servers_bell, NULL, INT_MAX);
 	pthread_cond_broadcast(&ex.retire_cond);
 	/* No thread starts after stop (maybe_spawn), so n is all of them. */
 	n = ex.nthreads;
@@ -516,7 +530,7 @@ static void push(struct job *head, struct job *tail, int n)
 		}
 	}
 	if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-		wake_idle(1);
+		wake_idle();
 	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
 }
@@ -699,7 +713,7 @@ int executor_help_until(uint64_t call, const _Atomic int *done, uint64_t deadlin
 		if (!ex.tail)
 			ex.tail = w.mail_tail;
 		atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
-		wake_idle(1);
+		wake_idle();
 	}
 	if (blocked)
 		ex.blocked--;
