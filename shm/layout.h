@@ -35,7 +35,8 @@
  * producer's allocation size, the device's UUID) and a ring's abandoned
  * mark; 7: the flight recorder's clock (trace_clock, its anchor), so that
  * workers of different builds meet a version error, not "corrupt"; 8: the
- * worker slot's servers_newest (its idle executors woken newest first). */
+ * worker slot's servers_newest (its idle executors woken newest first)
+ * and replies_watched (a spinner's promise to take the replies). */
 #define SHM_FORMAT_VERSION 8u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
@@ -152,7 +153,11 @@ struct shm_worker {
 	 * instead of the loop thread, which would only queue it for them;
 	 * `servers_newest`, the bit of the one that went to sleep last, is
 	 * whom it wakes first (ipc/lifo.h: a hint, stored relaxed by the
-	 * owner, any value safe).
+	 * owner, any value safe). `replies_watched`, 1 while a thread of
+	 * the owner spins for its reply polling the rings (worker/link.h
+	 * agent_watch_begin): a reply then rings nothing, the spinner takes
+	 * it; it stores 0, fences and looks at the rings once more when it
+	 * stops.
 	 * `replies_bell` / `replies_asleep` are the same for the owner's
 	 * threads waiting for a reply while they take their replies (and for
 	 * one thread per process waiting for its own reply, worker/link.h
@@ -167,7 +172,8 @@ struct shm_worker {
 	_Atomic uint32_t replies_bell;
 	_Atomic uint32_t replies_asleep;
 	_Atomic uint32_t servers_newest;
-	uint8_t pad1[SHMRPC_CACHELINE - 36];
+	_Atomic uint32_t replies_watched;
+	uint8_t pad1[SHMRPC_CACHELINE - 40];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

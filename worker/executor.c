@@ -65,6 +65,11 @@ static struct {
 static _Thread_local bool on_executor;
 /* This executor thread in ex.asleep while it sleeps on the servers' bell. */
 static _Thread_local struct ipc_lifo_sleeper asleep_entry;
+/* In announce_sleep's poll: what this thread queues there, it runs next
+ * (it does not sleep after taking a frame), so push wakes no one for it:
+ * counted asleep already, it would wake itself, which is not in the kernel
+ * yet, and so another thread, the one asleep longest (ipc/lifo.h). */
+static _Thread_local bool announcing;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
 static _Thread_local int help_levels;
 /* This executor thread is counted busy: from the job it takes until it
@@ -200,7 +205,11 @@ static __attribute__((noinline)) int announce_sleep(struct agent *ag)
 	 * load of servers_asleep. */
 	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
 	atomic_thread_fence(memory_order_seq_cst);
-	return agent_poll(ag, false);
+	announcing = true;
+	int n = agent_poll(ag, false);
+
+	announcing = false;
+	return n;
 }
 
 /* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
@@ -529,7 +538,7 @@ static void push(struct job *head, struct job *tail, int n)
 				enqueue(j);
 		}
 	}
-	if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
+	if (ex.head && ex.sleeping && ex.idle == ex.sleeping && !announcing)
 		wake_idle();
 	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
