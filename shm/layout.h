@@ -36,7 +36,8 @@
  * mark; 7: the flight recorder's clock (trace_clock, its anchor), so that
  * workers of different builds meet a version error, not "corrupt"; 8: the
  * worker slot's servers_newest (its idle executors woken newest first)
- * and replies_watched (a spinner's promise to take the replies). */
+ * and replies_watched, servers_watched (a spinner's promise to take the
+ * replies, the requests). */
 #define SHM_FORMAT_VERSION 8u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
@@ -157,7 +158,9 @@ struct shm_worker {
 	 * the owner spins for its reply polling the rings (worker/link.h
 	 * agent_watch_begin): a reply then rings nothing, the spinner takes
 	 * it; it stores 0, fences and looks at the rings once more when it
-	 * stops.
+	 * stops. `servers_watched`, the same for requests while an idle
+	 * executor thread of the owner spins polling the rings
+	 * (worker/executor.c watch_requests).
 	 * `replies_bell` / `replies_asleep` are the same for the owner's
 	 * threads waiting for a reply while they take their replies (and for
 	 * one thread per process waiting for its own reply, worker/link.h
@@ -173,7 +176,8 @@ struct shm_worker {
 	_Atomic uint32_t replies_asleep;
 	_Atomic uint32_t servers_newest;
 	_Atomic uint32_t replies_watched;
-	uint8_t pad1[SHMRPC_CACHELINE - 40];
+	_Atomic uint32_t servers_watched;
+	uint8_t pad1[SHMRPC_CACHELINE - 44];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

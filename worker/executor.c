@@ -244,6 +244,50 @@ static void sleep_idle(void)
 	}
 }
 
+/* The idle spinner (one at a time: ex.spinning) promises peers to take
+ * their requests while it polls (the slot's servers_watched, ipc/doorbell.h),
+ * where each would wake a sleeping thread, which found the request taken
+ * and slept again, the newest asleep, so that the next request woke it
+ * rather than the spinner's thread (ipc/lifo.h): the pool's threads served
+ * in turn again, and each woke for nothing every other call. Off, it stores
+ * 0, fences and looks once more: a request that saw 1 rang no one.
+ * Not inlined, as poll_unannounced. */
+static __attribute__((noinline)) void watch_requests(bool on)
+{
+	/* seq_cst stores and fence: in one order with the senders' fences
+	 * (ipc/doorbell.h). Acquire pairs with executor_poll_rings' release:
+	 * NULL once the agent goes (executor_stop), when nobody must poll. */
+	atomic_store_explicit(&ex.gauges->servers_watched, on, memory_order_seq_cst);
+	if (on)
+		return;
+	atomic_thread_fence(memory_order_seq_cst);
+	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
+
+	if (ag && agent_poll_any(ag) == -EBUSY) /* as poll_unannounced */
+		ipc_doorbell_ring(ex.gauges, NULL);
+}
+
+bool executor_check_watch_word(void)
+{
+	bool stray;
+
+	/* Relaxed: a look; under ex.lock, ex.spinning false means no spinner
+	 * is between its store of 1 and that of 0 (it sets the flag before
+	 * the one and clears it after the other, both under the lock). */
+	if (!ex.gauges ||
+	    atomic_load_explicit(&ex.gauges->servers_watched, memory_order_relaxed) != 1)
+		return false;
+	pthread_mutex_lock(&ex.lock);
+	stray = !ex.spinning &&
+		atomic_load_explicit(&ex.gauges->servers_watched, memory_order_relaxed) == 1;
+	if (stray) /* seq_cst, and the fence: as watch_requests' */
+		atomic_store_explicit(&ex.gauges->servers_watched, 0, memory_order_seq_cst);
+	pthread_mutex_unlock(&ex.lock);
+	if (stray)
+		atomic_thread_fence(memory_order_seq_cst);
+	return stray;
+}
+
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -346,10 +390,16 @@ static void *thread_main(void *arg)
 		pthread_mutex_unlock(&ex.lock);
 		if (spin) {
 			uint64_t budget = worker_handoff_spin(0);
+			/* Acquire: as spin_work's. */
+			bool watch = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
 
+			if (watch)
+				watch_requests(true);
 			work = shmrpc_spin_until(spin_work, NULL, budget < EXECUTOR_MAX_SPIN_NS
 								  ? budget
 								  : EXECUTOR_MAX_SPIN_NS);
+			if (watch)
+				watch_requests(false);
 			worker_handoff_spun(work);
 		} else {
 			work = spin_work(NULL);
