@@ -9,67 +9,13 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/spin.h"
 #include "ipc/doorbell.h"
-#include "ipc/lifo.h"
-#include "worker/executor.h"
+#include "worker/executor_impl.h"
 #include "worker/link.h"
 
-/* Idle executor threads spin at most this long, whatever the mode: several
- * per process spinning for ever would starve everything else of CPU. */
-#define EXECUTOR_MAX_SPIN_NS 100000u
-
-/* A thread waiting for a call of its own (executor_help_until): the jobs
- * that call needs (struct job's needed_by) are handed to it. Found by the
- * call's id in WAITER_BUCKETS lists, newest first: in a chain of nested
- * calls the waiter looked for is the newest, and one list of them all
- * made a chain of n calls cost n^2. */
-#define WAITER_BUCKETS 256
-
-struct waiter {
-	struct waiter *next;
-	uint64_t call;            /* the call's id (struct job's needed_by) */
-	const _Atomic int *done; /* the call's completion */
-	bool helps; /* takes the call's jobs now: below EXECUTOR_HELP_LEVELS, not running one */
-	struct job *mail, *mail_tail; /* handed to it, not run yet */
-	pthread_cond_t cond; /* signalled with ex.lock held: mail, or f done */
-};
-
-static struct {
-	pthread_mutex_t lock;
-	struct job *head, *tail;
-	pthread_t *threads;
-	int nthreads; /* started; at most EXECUTOR_MAX_THREADS */
-	int room; /* threads[] has room for this many */
-	int size; /* threads asked for: the pool keeps this many that are not blocked */
-	int busy; /* threads running a job, less those waiting (help_until, block_begin) */
-	int blocked; /* threads counted out of the pool while they wait (maybe_spawn) */
-	int retired; /* threads beyond the pool's size, asleep on retire_cond (retire) */
-	int unretire; /* of those, how many were told to come back */
-	pthread_cond_t retire_cond;
-	int idle;
-	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
-	struct ipc_lifo asleep; /* those, newest first: whom the bell wakes (ipc/lifo.h) */
-	int tagged; /* jobs in the queue with a needed_by */
-	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
-	bool spawn_failed; /* said so on stderr once */
-	struct waiter *waiters[WAITER_BUCKETS];
-	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
-	_Atomic int helpers; /* waiters in the lists, for executor_kick's look without the lock */
-	_Atomic bool stop; /* written under the lock; read without it by spinners */
-	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
-	_Atomic bool said_busy; /* what busy_add stored in the slot's servers_busy */
-	struct shm_worker *gauges;
-} ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
+struct executor_state ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
-/* This executor thread in ex.asleep while it sleeps on the servers' bell. */
-static _Thread_local struct ipc_lifo_sleeper asleep_entry;
-/* In announce_sleep's poll: what this thread queues there, it runs next
- * (it does not sleep after taking a frame), so push wakes no one for it:
- * counted asleep already, it would wake itself, which is not in the kernel
- * yet, and so another thread, the one asleep longest (ipc/lifo.h). */
-static _Thread_local bool announcing;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
 static _Thread_local int help_levels;
 /* This executor thread is counted busy: from the job it takes until it
@@ -185,109 +131,6 @@ static void busy_take(void)
 	}
 }
 
-/* Wakes one idle thread (sleep_idle), the newest asleep, as a peer's
- * request does; ex.lock held. */
-static void wake_idle(void)
-{
-	ipc_lifo_wake(&ex.gauges->servers_bell, ex.asleep.newest, NULL);
-}
-
-/* Says this idle thread sleeps on the servers' bell, then polls the rings
- * once: a request published before the count was seen by the poll, one
- * after it finds the count and rings the bell (ipc/doorbell.h). If another
- * thread polls meanwhile, it queues what it takes and wakes us for it, and
- * a request it missed rings the bell (its loop thread asleep) or is taken
- * by the loop thread (awake): no need to wait for it. How many frames the
- * poll took (-EBUSY: none). Not inlined, as poll_unannounced. */
-static __attribute__((noinline)) int announce_sleep(struct agent *ag)
-{
-	/* seq_cst RMW and fence: pairs with the requester's fence before its
-	 * load of servers_asleep. */
-	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
-	atomic_thread_fence(memory_order_seq_cst);
-	announcing = true;
-	int n = agent_poll(ag, false);
-
-	announcing = false;
-	return n;
-}
-
-/* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
- * request wakes it directly rather than through the loop thread; woken, it
- * takes what the rings hold itself. The newest sleeper is woken first
- * (ex.asleep, ipc/lifo.h): in a stream of calls one at a time, the thread
- * that served the last one, warm, serves the next. Before the rings can be polled
- * (executor_poll_rings) it is not counted there, and only pushes wake it.
- * ex.lock held on entry and on return. */
-static void sleep_idle(void)
-{
-	/* Acquire pairs with executor_poll_rings' release; the bell's, with
-	 * the waker's seq_cst bump (pushers bump it under ex.lock). */
-	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-	uint32_t seq = atomic_load_explicit(&ex.gauges->servers_bell, memory_order_acquire);
-
-	ex.sleeping++;
-	ipc_lifo_push(&ex.asleep, &asleep_entry);
-	pthread_mutex_unlock(&ex.lock);
-	if (!ag || announce_sleep(ag) <= 0)
-		ipc_lifo_wait(&ex.gauges->servers_bell, seq, &asleep_entry);
-	if (ag) /* seq_cst: as the increment */
-		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
-	pthread_mutex_lock(&ex.lock);
-	ex.sleeping--;
-	ipc_lifo_remove(&ex.asleep, &asleep_entry);
-	/* Again: executor_stop clears it before it wakes us. Acquire as above. */
-	if (ag && (ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire))) {
-		pthread_mutex_unlock(&ex.lock);
-		agent_poll(ag, true);
-		pthread_mutex_lock(&ex.lock);
-	}
-}
-
-/* The idle spinner (one at a time: ex.spinning) promises peers to take
- * their requests while it polls (the slot's servers_watched, ipc/doorbell.h),
- * where each would wake a sleeping thread, which found the request taken
- * and slept again, the newest asleep, so that the next request woke it
- * rather than the spinner's thread (ipc/lifo.h): the pool's threads served
- * in turn again, and each woke for nothing every other call. Off, it stores
- * 0, fences and looks once more: a request that saw 1 rang no one.
- * Not inlined, as poll_unannounced. */
-static __attribute__((noinline)) void watch_requests(bool on)
-{
-	/* seq_cst stores and fence: in one order with the senders' fences
-	 * (ipc/doorbell.h). Acquire pairs with executor_poll_rings' release:
-	 * NULL once the agent goes (executor_stop), when nobody must poll. */
-	atomic_store_explicit(&ex.gauges->servers_watched, on, memory_order_seq_cst);
-	if (on)
-		return;
-	atomic_thread_fence(memory_order_seq_cst);
-	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-
-	if (ag && agent_poll_any(ag) == -EBUSY) /* as poll_unannounced */
-		ipc_doorbell_ring(ex.gauges, NULL);
-}
-
-bool executor_check_watch_word(void)
-{
-	bool stray;
-
-	/* Relaxed: a look; under ex.lock, ex.spinning false means no spinner
-	 * is between its store of 1 and that of 0 (it sets the flag before
-	 * the one and clears it after the other, both under the lock). */
-	if (!ex.gauges ||
-	    atomic_load_explicit(&ex.gauges->servers_watched, memory_order_relaxed) != 1)
-		return false;
-	pthread_mutex_lock(&ex.lock);
-	stray = !ex.spinning &&
-		atomic_load_explicit(&ex.gauges->servers_watched, memory_order_relaxed) == 1;
-	if (stray) /* seq_cst, and the fence: as watch_requests' */
-		atomic_store_explicit(&ex.gauges->servers_watched, 0, memory_order_seq_cst);
-	pthread_mutex_unlock(&ex.lock);
-	if (stray)
-		atomic_thread_fence(memory_order_seq_cst);
-	return stray;
-}
-
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -302,7 +145,7 @@ static struct job *pop(void)
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
 		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-			wake_idle();
+			executor_wake_idle();
 	}
 	return j;
 }
@@ -325,23 +168,6 @@ static bool run_next(void)
 	if (!ex.head)
 		busy_release();
 	return true;
-}
-
-/* An idle spinning thread takes requests off the rings itself (link.h):
- * what it queues, it runs next (push wakes no one while it is awake). */
-static bool spin_work(void *arg)
-{
-	(void)arg;
-	/* Relaxed: only hints to stop spinning; the lock orders the queue. */
-	if (atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
-	    atomic_load_explicit(&ex.stop, memory_order_relaxed))
-		return true;
-	/* Acquire pairs with the release in executor_poll_rings. */
-	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-
-	if (ag)
-		agent_poll_any(ag);
-	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
 }
 
 /* Threads that take jobs: not retired, or told to come back. */
@@ -368,7 +194,7 @@ static void retire(void)
 /* arg: the thread's index, which picks its bit on the bell. */
 static void *thread_main(void *arg)
 {
-	asleep_entry.bit = ipc_lifo_bit((unsigned)(uintptr_t)arg);
+	executor_idle_init((unsigned)(uintptr_t)arg);
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
@@ -381,34 +207,7 @@ static void *thread_main(void *arg)
 		if (ex.stop)
 			break;
 		set_idle(1);
-		/* One idle thread spins at a time; the others look once and sleep:
-		 * a second spinner finds nothing the first would not, and on a
-		 * busy machine takes the CPU the first, or the work, needs. */
-		bool spin = !ex.spinning, work;
-
-		ex.spinning |= spin;
-		pthread_mutex_unlock(&ex.lock);
-		if (spin) {
-			uint64_t budget = worker_handoff_spin(0);
-			/* Acquire: as spin_work's. */
-			bool watch = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-
-			if (watch)
-				watch_requests(true);
-			work = shmrpc_spin_until(spin_work, NULL, budget < EXECUTOR_MAX_SPIN_NS
-								  ? budget
-								  : EXECUTOR_MAX_SPIN_NS);
-			if (watch)
-				watch_requests(false);
-			worker_handoff_spun(work);
-		} else {
-			work = spin_work(NULL);
-		}
-		pthread_mutex_lock(&ex.lock);
-		if (spin)
-			ex.spinning = false;
-		if (!work && !ex.head && !ex.stop)
-			sleep_idle();
+		executor_idle();
 		set_idle(-1);
 	}
 	pthread_mutex_unlock(&ex.lock);
@@ -588,8 +387,8 @@ static void push(struct job *head, struct job *tail, int n)
 				enqueue(j);
 		}
 	}
-	if (ex.head && ex.sleeping && ex.idle == ex.sleeping && !announcing)
-		wake_idle();
+	if (ex.head && ex.sleeping && ex.idle == ex.sleeping && !executor_announcing)
+		executor_wake_idle();
 	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
 }
@@ -772,7 +571,7 @@ int executor_help_until(uint64_t call, const _Atomic int *done, uint64_t deadlin
 		if (!ex.tail)
 			ex.tail = w.mail_tail;
 		atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
-		wake_idle();
+		executor_wake_idle();
 	}
 	if (blocked)
 		ex.blocked--;
