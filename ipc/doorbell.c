@@ -60,8 +60,8 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	 * the loads below: pairs with the sleeper's fence after its increment
 	 * (doorbell.h), and with the fence after the target's store of 0 to
 	 * servers_busy, servers_watched, replies_taken or replies_watched
-	 * before it polls (the frame either
-	 * sees 0 and rings, or that poll sees the frame). */
+	 * before it polls (the frame either sees 0 and rings, or that poll
+	 * sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
 	/* Only a 1 is a promise: any other value was written by no thread of
 	 * the target's, and the frame rings as usual. */

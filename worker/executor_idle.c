@@ -57,8 +57,7 @@ static __attribute__((noinline)) int announce_sleep(struct agent *ag)
  * (ex.asleep, ipc/lifo.h): in a stream of calls one at a time, the thread
  * that served the last one, warm, serves the next. Before the rings can be
  * polled (executor_poll_rings) it is not counted there, and only pushes
- * wake it.
- * ex.lock held on entry and on return. */
+ * wake it. ex.lock held on entry and on return. */
 static void sleep_idle(void)
 {
 	/* Acquire pairs with executor_poll_rings' release; the bell's, with
@@ -91,14 +90,14 @@ static void sleep_idle(void)
  * rather than the spinner's thread (ipc/lifo.h): the pool's threads served
  * in turn again, and each woke for nothing every other call. Off, it stores
  * 0, fences and looks once more: a request that saw 1 rang no one.
- * Not inlined, as poll_unannounced. */
+ * Not inlined, as executor.c's poll_unannounced. */
 static __attribute__((noinline)) void watch_requests(bool on)
 {
 	/* seq_cst stores and fence: in one order with the senders' fences
 	 * (ipc/doorbell.h). Acquire pairs with executor_poll_rings' release:
 	 * NULL once the agent goes (executor_stop), when we must not poll:
 	 * the loop thread looks instead, as when another thread polls now and
-	 * may have passed the ring (poll_unannounced). */
+	 * may have passed the ring (executor.c's poll_unannounced). */
 	atomic_store_explicit(&ex.gauges->servers_watched, on, memory_order_seq_cst);
 	if (on)
 		return;
