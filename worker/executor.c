@@ -13,8 +13,6 @@
 #include "worker/executor_impl.h"
 #include "worker/link.h"
 
-struct executor_state ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
-
 static _Thread_local bool on_executor;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
 static _Thread_local int help_levels;

@@ -13,6 +13,9 @@
  * per process spinning for ever would starve everything else of CPU. */
 #define EXECUTOR_MAX_SPIN_NS 100000u
 
+/* Defined here, the lower level of the two files (tests/layers). */
+struct executor_state ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
 /* This executor thread in ex.asleep while it sleeps on the servers' bell. */
 static _Thread_local struct ipc_lifo_sleeper asleep_entry;
 /* In announce_sleep's poll: what this thread queues there, it runs next
