@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "ipc/doorbell.h"
+#include "ipc/lifo.h"
 
 /* Shared futexes (no FUTEX_PRIVATE_FLAG): sleeper and waker are different processes. */
 int ipc_futex_wait(_Atomic uint32_t *word, uint32_t seq, uint64_t timeout_ns)
@@ -58,16 +59,19 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	/* seq_cst fence between the tail store that published the frame and
 	 * the loads below: pairs with the sleeper's fence after its increment
 	 * (doorbell.h), and with the fence after the target's store of 0 to
-	 * servers_busy or replies_taken before it polls (the frame either
-	 * sees 0 and rings, or that poll sees the frame). */
+	 * servers_busy, servers_watched, replies_taken or replies_watched
+	 * before it polls (the frame either sees 0 and rings, or that poll
+	 * sees the frame). */
 	atomic_thread_fence(memory_order_seq_cst);
 	/* Only a 1 is a promise: any other value was written by no thread of
 	 * the target's, and the frame rings as usual. */
 	if (kind == IPC_FRAME_REQUEST && !after_quiet &&
-	    atomic_load_explicit(&target->servers_busy, memory_order_relaxed) == 1)
+	    (atomic_load_explicit(&target->servers_busy, memory_order_relaxed) == 1 ||
+	     atomic_load_explicit(&target->servers_watched, memory_order_relaxed) == 1))
 		return;
 	if (kind == IPC_FRAME_REPLY && !after_quiet &&
-	    atomic_load_explicit(&target->replies_taken, memory_order_relaxed) == 1)
+	    (atomic_load_explicit(&target->replies_taken, memory_order_relaxed) == 1 ||
+	     atomic_load_explicit(&target->replies_watched, memory_order_relaxed) == 1))
 		return;
 	/* Nobody asleep on the doorbell: the target's loop thread polls before
 	 * it sleeps, and wakes whom the frame concerns (a burst of requests
@@ -75,10 +79,11 @@ void ipc_doorbell_notify(struct shm_worker *target, struct shm_worker *me,
 	if (atomic_load_explicit(&target->sleepers, memory_order_relaxed) == 0)
 		return;
 	/* Else, rather than waking the loop thread, wake whom the frame is
-	 * for directly, if they sleep on their bell: they poll themselves. */
+	 * for directly, if they sleep on their bell: they poll themselves
+	 * (a request, the server that slept last: ipc/lifo.h). */
 	if (kind == IPC_FRAME_REQUEST &&
 	    atomic_load_explicit(&target->servers_asleep, memory_order_relaxed)) {
-		ipc_bell_wake(&target->servers_bell, me, 1);
+		ipc_lifo_wake(&target->servers_bell, &target->servers_newest, me);
 		return;
 	}
 	if (kind == IPC_FRAME_REPLY &&

@@ -31,7 +31,10 @@
  * reads 0 and rings as usual) or after it (the poll finds the frame). A
  * reply frame skips it while `replies_taken` is 1, by the same pattern: a
  * thread of the target about to wait for a reply stores 0, fences, and
- * polls first. And a request rings the servers' bell instead while some
+ * polls first; and while `replies_watched` is 1: a thread of the target
+ * spins for its reply polling the rings, and when it stops it stores 0,
+ * fences, and looks once more (`servers_watched`: the same for requests,
+ * an idle executor thread spinning). And a request rings the servers' bell instead while some
  * of the target's executor threads sleep there: an idle server counts
  * itself in `servers_asleep` (seq_cst RMW) after reading the bell and
  * before it polls the rings, so the request either is seen by that poll

@@ -34,8 +34,11 @@
  * a request's help entries (help_n), the 208-byte CUDA descriptor (the
  * producer's allocation size, the device's UUID) and a ring's abandoned
  * mark; 7: the flight recorder's clock (trace_clock, its anchor), so that
- * workers of different builds meet a version error, not "corrupt". */
-#define SHM_FORMAT_VERSION 7u
+ * workers of different builds meet a version error, not "corrupt"; 8: the
+ * worker slot's servers_newest (its idle executors woken newest first)
+ * and replies_watched, servers_watched (a spinner's promise to take the
+ * replies, the requests). */
+#define SHM_FORMAT_VERSION 8u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -148,7 +151,16 @@ struct shm_worker {
 	 * the owner's idle executor threads sleep on (`servers_asleep` of
 	 * them, counted as `sleepers` is): a request wakes one of them there
 	 * (seq_cst bump, FUTEX_WAKE of one), which polls the rings itself,
-	 * instead of the loop thread, which would only queue it for them.
+	 * instead of the loop thread, which would only queue it for them;
+	 * `servers_newest`, the bit of the one that went to sleep last, is
+	 * whom it wakes first (ipc/lifo.h: a hint, stored relaxed by the
+	 * owner, any value safe). `replies_watched`, 1 while a thread of
+	 * the owner spins for its reply polling the rings (worker/link.h
+	 * agent_watch_begin): a reply then rings nothing, the spinner takes
+	 * it; it stores 0, fences and looks at the rings once more when it
+	 * stops. `servers_watched`, the same for requests while an idle
+	 * executor thread of the owner spins polling the rings
+	 * (worker/executor.c watch_requests).
 	 * `replies_bell` / `replies_asleep` are the same for the owner's
 	 * threads waiting for a reply while they take their replies (and for
 	 * one thread per process waiting for its own reply, worker/link.h
@@ -162,7 +174,10 @@ struct shm_worker {
 	_Atomic uint32_t servers_asleep;
 	_Atomic uint32_t replies_bell;
 	_Atomic uint32_t replies_asleep;
-	uint8_t pad1[SHMRPC_CACHELINE - 32];
+	_Atomic uint32_t servers_newest;
+	_Atomic uint32_t replies_watched;
+	_Atomic uint32_t servers_watched;
+	uint8_t pad1[SHMRPC_CACHELINE - 44];
 
 	/* line 2: transport counters, written only by the owner (relaxed
 	 * fetch_add); read by inspectors, which accept slightly stale values. */

@@ -11,10 +11,12 @@
  *   links     an owner's collect list made a loop through a live entry
  *   slots     worker 1's slot: state, pid, generation, exit record, name
  *             (no NUL), doorbell, sleepers, heartbeat and counters
- *   promises  worker 1's slot says all its servers are busy and its
- *             threads take their replies: peers' frames would ring
- *             nothing (ipc/doorbell.h); worker 1 restores both words
- *             and names the slots
+ *   promises  worker 1's slot says all its servers are busy, its
+ *             threads take their replies, and a thread of its spins
+ *             for replies and one for requests: peers' frames would
+ *             ring nothing (ipc/doorbell.h); worker 1 restores those
+ *             words and names the slots (and its servers_newest, a
+ *             hint, names a thread it does not have)
  *   header    the segment header's world size, ring size and job name
  * Worker 1 runs a load of its own all along (large tensors to worker 0),
  * and worker 0 runs its load again after the scribbling. Each time: no
@@ -307,6 +309,9 @@ static void scribble_segment(const char *kind)
 	} else if (!strcmp(kind, "promises")) {
 		atomic_store(&w->servers_busy, 1);
 		atomic_store(&w->replies_taken, 1);
+		atomic_store(&w->servers_watched, 1);
+		atomic_store(&w->replies_watched, 1);
+		atomic_store(&w->servers_newest, 0x80000000u); /* a hint: no thread of its has this bit */
 	} else {
 		seg.hdr->world_size = 77;
 		seg.hdr->ring_size = 3;
@@ -369,9 +374,11 @@ static void scribble(const char *kind, uint64_t small_off, uint64_t large_off)
 
 /* Worker 1's slot, seen from worker 0: what it found corrupt. */
 /* Worker rank's corrupt_found (what it found) or, !found, its
- * replies_taken (0 where its threads do not take their replies, as a C
- * worker's never do, once it restored a stray 1). Relaxed: a flag
- * (shm/corrupt.h), and a look at a word the worker restores. */
+ * replies_taken, replies_watched and servers_watched together (each 0
+ * once it restored a stray 1: where its threads do not take their
+ * replies, as a C worker's never do, and none spins for a reply or a
+ * request). Relaxed: a flag (shm/corrupt.h), and a look at words the
+ * worker restores. */
 static uint64_t slot_word(uint32_t rank, bool found)
 {
 	struct shm_seg seg;
@@ -381,7 +388,9 @@ static uint64_t slot_word(uint32_t rank, bool found)
 	CHECK_OK(shm_seg_attach_fd(&seg, dup_env_fd(SHMRPC_ENV_JOB_FD), true));
 	w = shm_worker(&seg, rank);
 	v = found ? atomic_load_explicit(&w->corrupt_found, memory_order_relaxed)
-		  : atomic_load_explicit(&w->replies_taken, memory_order_relaxed);
+		  : atomic_load_explicit(&w->replies_taken, memory_order_relaxed) |
+			    atomic_load_explicit(&w->replies_watched, memory_order_relaxed) |
+			    atomic_load_explicit(&w->servers_watched, memory_order_relaxed);
 	shm_seg_detach(&seg);
 	return v;
 }
@@ -457,7 +466,8 @@ static int worker(void)
 		if (!strcmp(k->name, "promises")) {
 			for (int i = 0; i < 1000 && slot_word(1, false); i++)
 				usleep(10000);
-			CHECK(!slot_word(1, false), "promises: worker 1 left a stray replies_taken");
+			CHECK(!slot_word(1, false), "promises: worker 1 left a stray replies_taken, "
+			      "replies_watched or servers_watched");
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
 			k->structure);

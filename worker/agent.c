@@ -271,7 +271,9 @@ static bool slot_promises_restored(struct agent *ag)
 {
 	static bool said;
 	const char *word = executor_check_busy_word()   ? "servers_busy"
+			   : executor_check_watch_word()  ? "servers_watched"
 			   : agent_check_replies_word(ag) ? "replies_taken"
+			   : agent_check_watch_word(ag)   ? "replies_watched"
 							   : NULL;
 
 	if (!word)

@@ -9,56 +9,9 @@
 
 #include "common/clock.h"
 #include "common/error.h"
-#include "common/spin.h"
 #include "ipc/doorbell.h"
-#include "worker/executor.h"
+#include "worker/executor_impl.h"
 #include "worker/link.h"
-
-/* Idle executor threads spin at most this long, whatever the mode: several
- * per process spinning for ever would starve everything else of CPU. */
-#define EXECUTOR_MAX_SPIN_NS 100000u
-
-/* A thread waiting for a call of its own (executor_help_until): the jobs
- * that call needs (struct job's needed_by) are handed to it. Found by the
- * call's id in WAITER_BUCKETS lists, newest first: in a chain of nested
- * calls the waiter looked for is the newest, and one list of them all
- * made a chain of n calls cost n^2. */
-#define WAITER_BUCKETS 256
-
-struct waiter {
-	struct waiter *next;
-	uint64_t call;            /* the call's id (struct job's needed_by) */
-	const _Atomic int *done; /* the call's completion */
-	bool helps; /* takes the call's jobs now: below EXECUTOR_HELP_LEVELS, not running one */
-	struct job *mail, *mail_tail; /* handed to it, not run yet */
-	pthread_cond_t cond; /* signalled with ex.lock held: mail, or f done */
-};
-
-static struct {
-	pthread_mutex_t lock;
-	struct job *head, *tail;
-	pthread_t *threads;
-	int nthreads; /* started; at most EXECUTOR_MAX_THREADS */
-	int room; /* threads[] has room for this many */
-	int size; /* threads asked for: the pool keeps this many that are not blocked */
-	int busy; /* threads running a job, less those waiting (help_until, block_begin) */
-	int blocked; /* threads counted out of the pool while they wait (maybe_spawn) */
-	int retired; /* threads beyond the pool's size, asleep on retire_cond (retire) */
-	int unretire; /* of those, how many were told to come back */
-	pthread_cond_t retire_cond;
-	int idle;
-	int sleeping; /* idle threads asleep on the servers' bell (sleep_idle) */
-	int tagged; /* jobs in the queue with a needed_by */
-	bool spinning; /* an idle thread spins (one at most: more only take CPU from the rest) */
-	bool spawn_failed; /* said so on stderr once */
-	struct waiter *waiters[WAITER_BUCKETS];
-	_Atomic int queued; /* jobs in the queue, for spinners that do not hold the lock */
-	_Atomic int helpers; /* waiters in the lists, for executor_kick's look without the lock */
-	_Atomic bool stop; /* written under the lock; read without it by spinners */
-	_Atomic(struct agent *) poll_agent; /* whose rings idle spinners poll; NULL: none */
-	_Atomic bool said_busy; /* what busy_add stored in the slot's servers_busy */
-	struct shm_worker *gauges;
-} ex = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
 static _Thread_local bool on_executor;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
@@ -176,56 +129,6 @@ static void busy_take(void)
 	}
 }
 
-/* Wakes up to n idle threads (sleep_idle); ex.lock held. */
-static void wake_idle(int n)
-{
-	ipc_bell_wake(&ex.gauges->servers_bell, NULL, n);
-}
-
-/* Says this idle thread sleeps on the servers' bell, then polls the rings
- * once: a request published before the count was seen by the poll, one
- * after it finds the count and rings the bell (ipc/doorbell.h). If another
- * thread polls meanwhile, it queues what it takes and wakes us for it, and
- * a request it missed rings the bell (its loop thread asleep) or is taken
- * by the loop thread (awake): no need to wait for it. How many frames the
- * poll took (-EBUSY: none). Not inlined, as poll_unannounced. */
-static __attribute__((noinline)) int announce_sleep(struct agent *ag)
-{
-	/* seq_cst RMW and fence: pairs with the requester's fence before its
-	 * load of servers_asleep. */
-	atomic_fetch_add_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
-	atomic_thread_fence(memory_order_seq_cst);
-	return agent_poll(ag, false);
-}
-
-/* An idle thread sleeps on the servers' bell (shm/layout.h), where a peer's
- * request wakes it directly rather than through the loop thread; woken, it
- * takes what the rings hold itself. Before the rings can be polled
- * (executor_poll_rings) it is not counted there, and only pushes wake it.
- * ex.lock held on entry and on return. */
-static void sleep_idle(void)
-{
-	/* Acquire pairs with executor_poll_rings' release; the bell's, with
-	 * the waker's seq_cst bump (pushers bump it under ex.lock). */
-	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-	uint32_t seq = atomic_load_explicit(&ex.gauges->servers_bell, memory_order_acquire);
-
-	ex.sleeping++;
-	pthread_mutex_unlock(&ex.lock);
-	if (!ag || announce_sleep(ag) <= 0)
-		ipc_futex_wait(&ex.gauges->servers_bell, seq, 0);
-	if (ag) /* seq_cst: as the increment */
-		atomic_fetch_sub_explicit(&ex.gauges->servers_asleep, 1, memory_order_seq_cst);
-	pthread_mutex_lock(&ex.lock);
-	ex.sleeping--;
-	/* Again: executor_stop clears it before it wakes us. Acquire as above. */
-	if (ag && (ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire))) {
-		pthread_mutex_unlock(&ex.lock);
-		agent_poll(ag, true);
-		pthread_mutex_lock(&ex.lock);
-	}
-}
-
 /* Takes the next job; ex.lock held. */
 static struct job *pop(void)
 {
@@ -240,7 +143,7 @@ static struct job *pop(void)
 		atomic_fetch_sub_explicit(&ex.queued, 1, memory_order_relaxed);
 		/* More work than this thread: wake one more (push wakes only one). */
 		if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-			wake_idle(1);
+			executor_wake_idle();
 	}
 	return j;
 }
@@ -265,23 +168,6 @@ static bool run_next(void)
 	return true;
 }
 
-/* An idle spinning thread takes requests off the rings itself (link.h):
- * what it queues, it runs next (push wakes no one while it is awake). */
-static bool spin_work(void *arg)
-{
-	(void)arg;
-	/* Relaxed: only hints to stop spinning; the lock orders the queue. */
-	if (atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0 ||
-	    atomic_load_explicit(&ex.stop, memory_order_relaxed))
-		return true;
-	/* Acquire pairs with the release in executor_poll_rings. */
-	struct agent *ag = atomic_load_explicit(&ex.poll_agent, memory_order_acquire);
-
-	if (ag)
-		agent_poll_any(ag);
-	return atomic_load_explicit(&ex.queued, memory_order_relaxed) > 0;
-}
-
 /* Threads that take jobs: not retired, or told to come back. */
 static int active(void)
 {
@@ -303,9 +189,10 @@ static void retire(void)
 	ex.retired--;
 }
 
+/* arg: the thread's index, which picks its bit on the bell. */
 static void *thread_main(void *arg)
 {
-	(void)arg;
+	executor_idle_init((unsigned)(uintptr_t)arg);
 	on_executor = true;
 	pthread_mutex_lock(&ex.lock);
 	for (;;) {
@@ -318,28 +205,7 @@ static void *thread_main(void *arg)
 		if (ex.stop)
 			break;
 		set_idle(1);
-		/* One idle thread spins at a time; the others look once and sleep:
-		 * a second spinner finds nothing the first would not, and on a
-		 * busy machine takes the CPU the first, or the work, needs. */
-		bool spin = !ex.spinning, work;
-
-		ex.spinning |= spin;
-		pthread_mutex_unlock(&ex.lock);
-		if (spin) {
-			uint64_t budget = worker_handoff_spin(0);
-
-			work = shmrpc_spin_until(spin_work, NULL, budget < EXECUTOR_MAX_SPIN_NS
-								  ? budget
-								  : EXECUTOR_MAX_SPIN_NS);
-			worker_handoff_spun(work);
-		} else {
-			work = spin_work(NULL);
-		}
-		pthread_mutex_lock(&ex.lock);
-		if (spin)
-			ex.spinning = false;
-		if (!work && !ex.head && !ex.stop)
-			sleep_idle();
+		executor_idle();
 		set_idle(-1);
 	}
 	pthread_mutex_unlock(&ex.lock);
@@ -362,7 +228,8 @@ static int spawn(void)
 		ex.threads = t;
 		ex.room = room;
 	}
-	rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main, NULL);
+	rc = pthread_create(&ex.threads[ex.nthreads], NULL, thread_main,
+			    (void *)(uintptr_t)ex.nthreads);
 	if (rc)
 		return -rc;
 	ex.nthreads++;
@@ -404,6 +271,9 @@ int executor_start(int nthreads, struct shm_worker *gauges)
 	int rc = 0;
 
 	ex.gauges = gauges;
+	ex.asleep.top = NULL;
+	ex.asleep.newest = &gauges->servers_newest;
+	atomic_store_explicit(ex.asleep.newest, 0, memory_order_relaxed); /* a hint (ipc/lifo.h) */
 	ex.stop = false;
 	ex.idle = 0;
 	ex.busy = 0;
@@ -436,7 +306,7 @@ void executor_stop(void)
 	 * of an agent that is going (sleep_idle reads it again). Release:
 	 * pairs with the acquire loads of the spinners and sleepers. */
 	atomic_store_explicit(&ex.poll_agent, NULL, memory_order_release);
-	wake_idle(INT_MAX);
+	ipc_bell_wake(&ex.gauges->servers_bell, NULL, INT_MAX);
 	pthread_cond_broadcast(&ex.retire_cond);
 	/* No thread starts after stop (maybe_spawn), so n is all of them. */
 	n = ex.nthreads;
@@ -515,8 +385,8 @@ static void push(struct job *head, struct job *tail, int n)
 				enqueue(j);
 		}
 	}
-	if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
-		wake_idle(1);
+	if (ex.head && ex.sleeping && ex.idle == ex.sleeping && !executor_announcing)
+		executor_wake_idle();
 	maybe_spawn();
 	pthread_mutex_unlock(&ex.lock);
 }
@@ -699,7 +569,7 @@ int executor_help_until(uint64_t call, const _Atomic int *done, uint64_t deadlin
 		if (!ex.tail)
 			ex.tail = w.mail_tail;
 		atomic_fetch_add_explicit(&ex.queued, n, memory_order_relaxed);
-		wake_idle(1);
+		executor_wake_idle();
 	}
 	if (blocked)
 		ex.blocked--;

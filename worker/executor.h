@@ -76,6 +76,9 @@ SHMRPC_HIDDEN bool executor_on_worker_thread(void);
  * process wrote it (a stray 1 would let peers' requests ring nothing while
  * threads idle); true when it did: the caller polls the rings next. */
 SHMRPC_HIDDEN bool executor_check_busy_word(void);
+/* The same for the slot's servers_watched (a stray 1 would let peers'
+ * requests ring nothing while the threads sleep). */
+SHMRPC_HIDDEN bool executor_check_watch_word(void);
 /* On an executor thread: waits until call, one of ours (its id: struct
  * job's needed_by), is done (*done, acquire: pairs with the completer's
  * release) or the deadline (0: none) passes, running the jobs the call

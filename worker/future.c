@@ -187,8 +187,12 @@ static bool spin_wait(shmrpc_future *f, uint64_t deadline_ns)
 	bool came = false;
 
 	if (w.ag) {
+		bool watch = agent_watch_begin(w.ag); /* its replies ring no one meanwhile */
+
 		came = shmrpc_spin_until(spin_done, &w, worker_handoff_spin(deadline_ns)) &&
 		       is_done(f);
+		if (watch)
+			agent_watch_end(w.ag);
 		worker_handoff_spun(came);
 	}
 	agent_spin_end();

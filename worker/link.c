@@ -447,6 +447,63 @@ void agent_spin_end(void)
 	atomic_fetch_sub_explicit(&spin_pollers, 1, memory_order_release);
 }
 
+/* Even: no thread promised (agent_watch_begin); odd: one did. Bumped by
+ * the watcher as it begins and after it ends, so that a checker that reads
+ * it even and unchanged around its look at the slot knows that the 1 it
+ * saw was no watcher's (agent_check_watch_word). */
+static _Atomic uint32_t watch_turn;
+
+bool agent_watch_begin(struct agent *ag)
+{
+	/* Relaxed look, then the RMW: seq_cst, before the store of 1, against
+	 * the checker's loads (agent_check_watch_word). */
+	uint32_t turn = atomic_load_explicit(&watch_turn, memory_order_relaxed);
+
+	if ((turn & 1) || !atomic_compare_exchange_strong_explicit(&watch_turn, &turn, turn + 1,
+								     memory_order_seq_cst,
+								     memory_order_relaxed))
+		return false;
+	/* seq_cst: in one order with the repliers' fences (ipc/doorbell.h);
+	 * a reply that does not see it rings as usual. */
+	atomic_store_explicit(&ag->self->replies_watched, 1, memory_order_seq_cst);
+	return true;
+}
+
+void agent_watch_end(struct agent *ag)
+{
+	/* seq_cst store and fence: pair with the repliers' fence. A reply
+	 * whose fence came first saw 1 and rang nothing: the rings' look
+	 * after ours sees it; one after sees 0 and rings. */
+	atomic_store_explicit(&ag->self->replies_watched, 0, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	if (ipc_port_has_work(&ag->port)) {
+		/* seq_cst: as agent_spin_poll's; shutdown has begun to wait for
+		 * us: its loop thread takes what came. */
+		if (atomic_load_explicit(&spin_agent, memory_order_seq_cst))
+			agent_poll(ag, true);
+		else
+			ipc_doorbell_ring(ag->self, NULL);
+	}
+	/* seq_cst: after the store of 0, before the checker's loads. */
+	atomic_fetch_add_explicit(&watch_turn, 1, memory_order_seq_cst);
+}
+
+bool agent_check_watch_word(struct agent *ag)
+{
+	/* seq_cst loads, the turn around the word: a watcher's store of 1
+	 * comes after its bump to odd, its 0 before its bump to even; seeing
+	 * the same even turn on both sides of a 1, no watcher wrote it. */
+	uint32_t turn = atomic_load_explicit(&watch_turn, memory_order_seq_cst);
+
+	if ((turn & 1) || atomic_load_explicit(&ag->self->replies_watched, memory_order_seq_cst) != 1 ||
+	    atomic_load_explicit(&watch_turn, memory_order_seq_cst) != turn)
+		return false;
+	/* A watcher that began since loses its promise: its replies ring. */
+	atomic_store_explicit(&ag->self->replies_watched, 0, memory_order_seq_cst);
+	atomic_thread_fence(memory_order_seq_cst);
+	return true;
+}
+
 void link_spin_agent(struct agent *ag)
 {
 	/* seq_cst store, then load: see agent_spin_begin. */

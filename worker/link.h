@@ -111,6 +111,20 @@ SHMRPC_HIDDEN void worker_handoff_counts(uint64_t *met, uint64_t *missed);
 SHMRPC_HIDDEN struct agent *agent_spin_begin(void);
 SHMRPC_HIDDEN bool agent_spin_poll(struct agent *ag);
 SHMRPC_HIDDEN void agent_spin_end(void);
+/* One such spinner per process at a time, waiting for its reply, may
+ * promise peers to take the replies itself (the slot's replies_watched,
+ * ipc/doorbell.h): their replies then ring nothing while it spins, where
+ * each would wake the sleeping loop thread only for it to find the rings
+ * empty (the spinner took the frame) and sleep again: a context switch
+ * and a FUTEX_WAKE per call. Between agent_spin_begin and _end: true if
+ * this thread promised (then agent_watch_end, which takes what came
+ * meanwhile, or has the loop thread take it). */
+SHMRPC_HIDDEN bool agent_watch_begin(struct agent *ag);
+SHMRPC_HIDDEN void agent_watch_end(struct agent *ag);
+/* Stores 0 in the slot's replies_watched if it holds a 1 that no thread of
+ * ours stored (another process wrote it); true when it did: the caller
+ * polls next. */
+SHMRPC_HIDDEN bool agent_check_watch_word(struct agent *ag);
 
 /* The agent, or NULL before shmrpc_init / after shmrpc_shutdown. */
 SHMRPC_HIDDEN extern struct agent *worker_agent;
