@@ -181,6 +181,10 @@ static int active(void)
 static void retire(void)
 {
 	busy_release();
+	/* A job our own poll queued on the way to sleep woke no one (push,
+	 * executor_announcing) and was ours to run: hand it on before we go. */
+	if (ex.head && ex.sleeping && ex.idle == ex.sleeping)
+		executor_wake_idle();
 	ex.retired++;
 	while (!ex.unretire && !ex.stop)
 		pthread_cond_wait(&ex.retire_cond, &ex.lock);

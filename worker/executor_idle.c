@@ -98,9 +98,10 @@ static __attribute__((noinline)) void watch_requests(bool on)
 {
 	/* seq_cst stores and fence: in one order with the senders' fences
 	 * (ipc/doorbell.h). Acquire pairs with executor_poll_rings' release:
-	 * NULL once the agent goes (executor_stop), when we must not poll:
-	 * the loop thread looks instead, as when another thread polls now and
-	 * may have passed the ring (executor.c's poll_unannounced). */
+	 * NULL once the agent goes (executor_stop), when we must not poll and
+	 * the ring is for the record (shutdown has failed the calls), or
+	 * another thread polls now and may have passed the ring: the loop
+	 * thread looks then (executor.c's poll_unannounced). */
 	atomic_store_explicit(&ex.gauges->servers_watched, on, memory_order_seq_cst);
 	if (on)
 		return;

@@ -313,6 +313,12 @@ void agent_take_replies(struct agent *ag, bool on)
 }
 
 /* A child forked from this process waits for nothing of ours. */
+/* Even: no thread promised (agent_watch_begin); odd: one did. Bumped by
+ * the watcher as it begins and after it ends, so that a checker that reads
+ * it even and unchanged around its look at the slot knows that the 1 it
+ * saw was no watcher's (agent_check_watch_word). */
+static _Atomic uint32_t watch_turn;
+
 void link_forget_in_child(void)
 {
 	/* Another thread may have held them at the fork: the child's are new. */
@@ -324,6 +330,8 @@ void link_forget_in_child(void)
 	/* Relaxed: the child has one thread. */
 	atomic_store_explicit(&own_live, NULL, memory_order_relaxed);
 	atomic_store_explicit(&alone_taken, false, memory_order_relaxed);
+	/* A thread that spun with the promise at the fork is not here. */
+	atomic_store_explicit(&watch_turn, 0, memory_order_relaxed);
 }
 
 /* Says this thread sleeps on the replies' bell, then polls: a reply
@@ -447,12 +455,6 @@ void agent_spin_end(void)
 	atomic_fetch_sub_explicit(&spin_pollers, 1, memory_order_release);
 }
 
-/* Even: no thread promised (agent_watch_begin); odd: one did. Bumped by
- * the watcher as it begins and after it ends, so that a checker that reads
- * it even and unchanged around its look at the slot knows that the 1 it
- * saw was no watcher's (agent_check_watch_word). */
-static _Atomic uint32_t watch_turn;
-
 bool agent_watch_begin(struct agent *ag)
 {
 	/* Relaxed look, then the RMW: seq_cst, before the store of 1, against
@@ -477,11 +479,12 @@ void agent_watch_end(struct agent *ag)
 	atomic_store_explicit(&ag->self->replies_watched, 0, memory_order_seq_cst);
 	atomic_thread_fence(memory_order_seq_cst);
 	if (ipc_port_has_work(&ag->port)) {
-		/* seq_cst: as agent_spin_poll's; shutdown has begun to wait for
-		 * us: its loop thread takes what came. */
+		/* seq_cst: as agent_spin_poll's; NULL once shutdown has begun,
+		 * which has failed our calls: the ring is for the record. */
 		if (atomic_load_explicit(&spin_agent, memory_order_seq_cst))
 			agent_poll(ag, true);
-		else
+		/* A poll takes a bounded batch: what it left rang no one. */
+		if (ipc_port_has_work(&ag->port))
 			ipc_doorbell_ring(ag->self, NULL);
 	}
 	/* seq_cst: after the store of 0, before the checker's loads. */
