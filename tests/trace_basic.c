@@ -9,8 +9,10 @@
  * back; then shmrpc-inspect --trace in text and JSON, and its errors;
  * then 100 more calls wrap its ring, which must hold the last 64, whole
  * and in order. Then tensors: a call with two (1000 and 40 bytes) whose
- * reply returns the first, recorded pinned and unpinned on both sides
- * with their counts and bytes; and with rank 1 stopped (SIGSTOP), three
+ * reply returns a copy of the first, recorded pinned and unpinned on both
+ * sides with their counts and bytes; the same call whose reply returns the
+ * first itself, which only the request's pin covers (rank 1 pins nothing);
+ * and with rank 1 stopped (SIGSTOP), three
  * calls of 30000 bytes: the second or third finds the 64 KiB ring full
  * and is recorded blocked, then unblocked once rank 1 goes on. The
  * inspector shows both, text and JSON. A second job kills rank 1 inside a call under
@@ -43,7 +45,7 @@
 #define WAIT_NS 10000000000ull /* only stops a hang */
 #define PART_ENV "TRACE_BASIC_PART"
 #define OUT_MAX 65536
-#define BIG_BYTES 1000 /* the tensors of the handoff: the first comes back */
+#define BIG_BYTES 1000 /* the tensors of the handoff: the first comes back (a copy, then itself) */
 #define SMALL_BYTES 40
 #define FILL_CALLS 3   /* of FILL_BYTES: more than a 64 KiB ring holds */
 #define FILL_BYTES 30000
@@ -96,11 +98,30 @@ static int fn_sink(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
-/* Returns its first tensor: the reply hands it back. */
+/* Returns its first tensor: the reply hands it back, covered by the
+ * request's pin (no pin of the reply's, no ack). */
 static int fn_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)c, (void)n, (void)u;
 	*r = a[0];
+	return 0;
+}
+
+/* Returns a copy of its first tensor: a block of its own, which the reply
+ * pins until the caller's TENSOR_ACK. */
+static int fn_copy_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
+{
+	static const DLDataType u8 = { kDLUInt, 8, 1 };
+	int64_t bytes = (int64_t)shmrpc_tensor_nbytes(a[0].u.t);
+	shmrpc_tensor *t;
+	int rc = shmrpc_tensor_alloc(u8, 1, &bytes, &t);
+
+	(void)c, (void)n, (void)u;
+	if (rc)
+		return rc;
+	memcpy(shmrpc_tensor_data(t), shmrpc_tensor_data(a[0].u.t), (size_t)bytes);
+	*r = shmrpc_tensor_value(t);
 	return 0;
 }
 
@@ -428,8 +449,9 @@ static size_t wait_records(uint32_t rank, uint64_t from, size_t want, struct tra
 	return n;
 }
 
-/* A handoff each way: rank 0's request pins both tensors until the
- * reply, rank 1's reply pins the first until rank 0's TENSOR_ACK. */
+/* A handoff each way: rank 0's request pins both tensors until the reply
+ * is unpacked (after the call completes), rank 1's reply pins a copy of
+ * the first until rank 0's TENSOR_ACK. */
 static void check_handoff(const char *job)
 {
 	shmrpc_tensor *big = tensor(BIG_BYTES), *small = tensor(SMALL_BYTES);
@@ -442,20 +464,18 @@ static void check_handoff(const char *job)
 
 	read_ring(0, e0, &head0);
 	read_ring(1, e1, &head1);
-	CHECK_OK(shmrpc_rpc_sync(1, "first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK_OK(shmrpc_rpc_sync(1, "copy_first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
 	shmrpc_future_free(f);
-	shmrpc_tensor_free(big);
-	shmrpc_tensor_free(small);
 	id = last_sent_id();
 
 	n0 = read_from(0, head0, e0);
 	CHECK(n0 == 4, "rank 0 recorded %zu records for a call with tensors, want 4", n0);
 	expect_at(e0, n0, 0, &(struct want){ SHM_TRACE_PINNED, 1, 0, SHM_TRACE_OK, id });
 	expect_at(e0, n0, 1, &(struct want){ SHM_TRACE_SENT, 1, MSG_SCRIPT_CALL, SHM_TRACE_OK, id });
-	expect_at(e0, n0, 2, &(struct want){ SHM_TRACE_UNPINNED, 1, 0, SHM_TRACE_OK, id });
-	expect_at(e0, n0, 3, &(struct want){ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 2, &(struct want){ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 3, &(struct want){ SHM_TRACE_UNPINNED, 1, 0, SHM_TRACE_OK, id });
 	expect_pin(&e0[0], false, 2, BIG_BYTES + SMALL_BYTES);
-	expect_pin(&e0[2], false, 2, BIG_BYTES + SMALL_BYTES);
+	expect_pin(&e0[3], false, 2, BIG_BYTES + SMALL_BYTES);
 
 	/* Rank 1's reply pin goes when rank 0's ack comes, after the call. */
 	n1 = wait_records(1, head1, 5, e1);
@@ -468,7 +488,7 @@ static void check_handoff(const char *job)
 	expect_pin(&e1[2], true, 1, BIG_BYTES);
 	expect_pin(&e1[4], true, 1, BIG_BYTES);
 	CHECK(e0[0].time_ns <= e1[0].time_ns && e1[3].time_ns <= e0[2].time_ns &&
-	      e0[3].time_ns <= e1[4].time_ns, "the handoff's times go back");
+	      e0[2].time_ns <= e1[4].time_ns, "the handoff's times go back");
 
 	CHECK(inspect("--trace", "0", job, NULL) == 0, "--trace 0 exited");
 	snprintf(want, sizeof(want), " %8u ok", BIG_BYTES + SMALL_BYTES);
@@ -481,6 +501,27 @@ static void check_handoff(const char *job)
 		 "\"msg_id\":%llu,\"size\":%u,\"tensors\":1,\"with\":\"reply\",\"status\":\"ok\","
 		 "\"step\":\"held\",", (unsigned long long)id, BIG_BYTES);
 	CHECK(strstr(out, want), "no %s in %s", want, out);
+
+	/* The echo: the reply hands back the request's own block, which rank
+	 * 0's request pin keeps until the reply is unpacked; rank 1 pins
+	 * nothing, so no ack is owed. What rank 0 got is the block it sent. */
+	read_ring(0, e0, &head0);
+	read_ring(1, e1, &head1);
+	CHECK_OK(shmrpc_rpc_sync(1, "first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK(shmrpc_future_value(f)->type == SHMRPC_TENSOR &&
+	      shmrpc_tensor_data(shmrpc_future_value(f)->u.t) == shmrpc_tensor_data(big),
+	      "the echo did not bring back the block sent");
+	shmrpc_future_free(f);
+	shmrpc_tensor_free(big);
+	shmrpc_tensor_free(small);
+	id = last_sent_id();
+	n0 = read_from(0, head0, e0);
+	CHECK(n0 == 4, "rank 0 recorded %zu records for an echo, want 4", n0);
+	expect_at(e0, n0, 2, &(struct want){ SHM_TRACE_COMPLETED, 1, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
+	expect_at(e0, n0, 3, &(struct want){ SHM_TRACE_UNPINNED, 1, 0, SHM_TRACE_OK, id });
+	n1 = wait_records(1, head1, 3, e1);
+	expect_at(e1, n1, 1, &(struct want){ SHM_TRACE_STARTED, 0, MSG_SCRIPT_CALL, SHM_TRACE_OK, id });
+	expect_at(e1, n1, 2, &(struct want){ SHM_TRACE_FINISHED, 0, MSG_SCRIPT_RET, SHM_TRACE_OK, id });
 }
 
 /* Rank 1 stopped: the calls fill its ring, and one waits for space
@@ -596,6 +637,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
 	CHECK_OK(shmrpc_register("first", "tt", fn_first, NULL));
+	CHECK_OK(shmrpc_register("copy_first", "tt", fn_copy_first, NULL));
 	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0) {

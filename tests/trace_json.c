@@ -15,7 +15,7 @@
  * A second job kills rank 1 inside a call under --on-failure=continue: the
  * file is still written and shows the death. A third hands tensors over,
  * with 4 KiB rings: rank 0 calls rank 1 3 times with two tensors (1000
- * and 40 bytes), which returns the first; then stops rank 1 (SIGSTOP)
+ * and 40 bytes), which returns a copy of the first; then stops rank 1 (SIGSTOP)
  * and sends it 6 calls of 1500 bytes, which fill the ring, until a thread
  * lets rank 1 go on 100 ms later. Its file must show each handoff as a
  * slice with its tensors, bytes and release, joined to the receiver by a
@@ -179,11 +179,22 @@ static void fan(int via, int dst, int calls)
 	shmrpc_future_free(f);
 }
 
-/* Returns its first tensor: the reply hands it back. */
-static int fn_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+/* Returns a copy of its first tensor: a block of rank 1's own, which the
+ * reply pins until the caller's ack (the first itself would go covered by
+ * the request's pin, with no ack: docs/PROTOCOL.md). */
+static int fn_copy_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
 {
+	static const DLDataType u8 = { kDLUInt, 8, 1 };
+	int64_t bytes = (int64_t)shmrpc_tensor_nbytes(a[0].u.t);
+	shmrpc_tensor *t;
+	int rc = shmrpc_tensor_alloc(u8, 1, &bytes, &t);
+
 	(void)c, (void)n, (void)u;
-	*r = a[0];
+	if (rc)
+		return rc;
+	memcpy(shmrpc_tensor_data(t), shmrpc_tensor_data(a[0].u.t), (size_t)bytes);
+	*r = shmrpc_tensor_value(t);
 	return 0;
 }
 
@@ -210,7 +221,7 @@ static void tensor_calls(void)
 		shmrpc_value args[2] = { shmrpc_tensor_value(big), shmrpc_tensor_value(small) };
 		shmrpc_future *f;
 
-		CHECK_OK(shmrpc_rpc_sync(1, "first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+		CHECK_OK(shmrpc_rpc_sync(1, "copy_first", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
 		CHECK(shmrpc_future_value(f)->type == SHMRPC_TENSOR &&
 		      shmrpc_tensor_nbytes(shmrpc_future_value(f)->u.t) == BIG_BYTES,
 		      "the tensor did not come back");
@@ -286,7 +297,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
 	CHECK_OK(shmrpc_register("fan", "ii", fn_fan, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
-	CHECK_OK(shmrpc_register("first", "tt", fn_first, NULL));
+	CHECK_OK(shmrpc_register("copy_first", "tt", fn_copy_first, NULL));
 	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0 && !strcmp(part, "calls")) {

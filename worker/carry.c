@@ -7,6 +7,7 @@
  */
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/error.h"
 #include "worker/carry.h"
@@ -107,6 +108,8 @@ int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
 
 		if (s->heap)
 			continue; /* went inline: its bytes are in the message */
+		if (i < sent->n && sent->covers && tensor_list_covers(sent->covers, s))
+			continue; /* the caller's request pin keeps it */
 		rc = shmrpc_tensor_retain(s, &t);
 		if (rc == 0 && (rc = tensor_list_add(held, t)))
 			shmrpc_tensor_free(t);
@@ -120,7 +123,23 @@ uint32_t tensor_list_by_ref(const struct tensor_list *l)
 
 	for (uint32_t i = 0; i < l->n; i++)
 		n += !l->t[i]->heap;
-	return n;
+	return n - l->ncovered;
+}
+
+bool tensor_list_covers(const struct tensor_list *request, const shmrpc_tensor *t)
+{
+	if (t->heap || t->dev)
+		return false;
+	for (uint32_t i = 0; i < request->n; i++) {
+		const shmrpc_tensor *r = request->t[i];
+
+		if (!r->heap && !r->dev && r->off == t->off && r->nbytes == t->nbytes &&
+		    r->dl.dtype.code == t->dl.dtype.code && r->dl.dtype.bits == t->dl.dtype.bits &&
+		    r->dl.dtype.lanes == t->dl.dtype.lanes && r->dl.ndim == t->dl.ndim &&
+		    !memcmp(r->shape, t->shape, (size_t)t->dl.ndim * sizeof(t->shape[0])))
+			return true;
+	}
+	return false;
 }
 
 bool tensor_list_has_before(const struct tensor_list *l, uint32_t n, const shmrpc_tensor *t)

@@ -114,11 +114,11 @@ void client_complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 	 * tick late may still pass. */
 	bool late = !f || (f->deadline_ns && shmrpc_coarse_now_ns() >= f->deadline_ns);
 
-	/* The callee has its own references to our arguments' tensors now. */
-	pins_release(src, msg_id, PIN_REQUEST);
 	trace_rec(SHM_TRACE_COMPLETED, src, type, msg_id, len,
 		  late ? SHM_TRACE_LATE : trace_reply_status(type));
 	if (late) {
+		/* Dropped unread: nothing of it is ours to keep. */
+		pins_release(src, msg_id, PIN_REQUEST);
 		count(&ag->self->late_replies, 1);
 		if (f) {
 			f->hnext = NULL; /* a chain of one */
@@ -149,6 +149,11 @@ void client_complete(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg
 		shmrpc_value v;
 		size_t used;
 		const shmrpc_value *it;
+
+		/* The callee has its own references to our arguments' tensors
+		 * now; an exception carries none. A value's unpack releases
+		 * the pin after taking ours to what it carries back. */
+		pins_release(src, msg_id, PIN_REQUEST);
 
 		if (value_unpack(payload, len, &a, &v, &used, NULL) == 0 && v.type == SHMRPC_LIST &&
 		    v.len == 3 && (it = v.u.items)[0].type == SHMRPC_STR &&

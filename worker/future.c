@@ -10,6 +10,7 @@
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/link.h"
+#include "worker/pins.h"
 #include "worker/profile.h"
 #include "worker/value.h"
 
@@ -122,9 +123,16 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 	pthread_mutex_lock(&f->lock);
 	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
 		pthread_mutex_unlock(&f->lock);
+		pins_release(f->dst, f->msg_id, PIN_REQUEST);
 		return 0;
 	}
 	rc = value_unpack(buf, len, &f->arena, &f->value, &used, &f->tensors);
+	/* The request's pin kept the blocks of the reply's covered tensors
+	 * (VALUE_EXT_TENSOR_COVERED) until now: we hold our own references to
+	 * them, as the callee does to the request's. Released before
+	 * finish(), as it was before the unpack: a caller woken by its reply
+	 * finds the pool as the call left it. */
+	pins_release(f->dst, f->msg_id, PIN_REQUEST);
 	if (rc == 0 && used != len)
 		rc = shmrpc__fail(-EBADMSG, "a reply of %zu bytes holds %zu bytes after its value",
 				  len, len - used);

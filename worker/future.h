@@ -52,9 +52,11 @@ struct shmrpc_future {
 SHMRPC_HIDDEN shmrpc_future *future_new(void);
 SHMRPC_HIDDEN void future_ref(shmrpc_future *f);
 SHMRPC_HIDDEN void future_unref(shmrpc_future *f);
-/* Completes with a MessagePack value: decoded into the future's arena.
- * Returns how many tensors it received by reference (the sender pinned
- * them and waits for an ack; inline ones need none). */
+/* Completes with a MessagePack value: decoded into the future's arena,
+ * then the request's pin released (it covers the reply's tensors that the
+ * request carried). Returns how many tensors it received by reference
+ * that the sender pinned and for which it waits for an ack (inline and
+ * covered ones need none). */
 SHMRPC_HIDDEN uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len);
 /* Completes with an error; type and backtrace may be NULL. */
 SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, const char *msg,

@@ -110,12 +110,14 @@ void server_free_result_handles(shmrpc_call *call, struct tensor_list *sent)
 }
 
 /* Sends result as the reply of type ret: its tensors pinned until the
- * caller's ack, its RRefs charged to the caller. */
+ * caller's ack, but for those the request carried (the caller's pin of its
+ * request keeps them until it has unpacked this reply,
+ * future_complete_packed); its RRefs charged to the caller. */
 void server_reply_value(struct request_job *rq, shmrpc_call *call, const char *fn,
 			const shmrpc_value *result, uint16_t ret)
 {
 	struct agent *ag = rq->ag;
-	struct tensor_list sent = { 0 };
+	struct tensor_list sent = { .covers = &call->tensors };
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 	char msg[256];

@@ -141,6 +141,14 @@ struct tensor_list {
 	 * that holds them goes (cuda_export_done). */
 	struct cuda_ipc_desc *ev;
 	uint32_t nev, evcap;
+	/* When encoding a reply: the request's tensors. A tensor of the reply
+	 * that is one of them by reference (the same bytes of the same pool
+	 * block, tensor_list_covers) goes as VALUE_EXT_TENSOR_COVERED and is
+	 * not pinned: the caller's pin of its request keeps the block until
+	 * it has unpacked the reply (docs/PROTOCOL.md, "By reference"). */
+	const struct tensor_list *covers;
+	/* When decoding: how many of the handles came covered (no ack owed). */
+	uint32_t ncovered;
 };
 
 /* The agent's view of its pool: made when it attaches (one reference, the
@@ -167,8 +175,14 @@ SHMRPC_HIDDEN int tensor_list_add_event(struct tensor_list *l, const struct cuda
  * reference (not inline; the pool copies the encoding made included), and
  * moves sent's CUDA events there. */
 SHMRPC_HIDDEN int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held);
+/* True when t, a tensor being sent, is one of request's received handles
+ * by reference: a CPU pool tensor with the same block, bytes, dtype and
+ * shape (a slice, a view of another shape or dtype, an inline or CUDA
+ * tensor is not). */
+SHMRPC_HIDDEN bool tensor_list_covers(const struct tensor_list *request, const shmrpc_tensor *t);
 /* Handles of l whose bytes went by reference (pool or CUDA), so that the
- * sender pinned them and, for a reply, waits for a TENSOR_ACK. */
+ * sender pinned them and, for a reply, waits for a TENSOR_ACK; covered
+ * ones (tensor_list_covers) are not counted. */
 SHMRPC_HIDDEN uint32_t tensor_list_by_ref(const struct tensor_list *l);
 
 /* The default of shmrpc_init's inline_max (SHMRPC_INLINE_MAX): CPU

@@ -135,7 +135,9 @@ int tensor_pack(msgpack_packer *pk, shmrpc_tensor *t, struct tensor_list *sent)
 				  d->dl.device.device_id };
 	if (d->dev && (rc = dev_describe(d, &wc, &w.off, sent)))
 		return rc;
-	return pack_ext(pk, d, VALUE_EXT_TENSOR, &w, d->dev ? &wc : NULL) ?:
+	return pack_ext(pk, d, d == t && sent->covers && tensor_list_covers(sent->covers, t)
+				       ? VALUE_EXT_TENSOR_COVERED : VALUE_EXT_TENSOR,
+			&w, d->dev ? &wc : NULL) ?:
 	       tensor_list_add(sent, t);
 }
 

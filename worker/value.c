@@ -145,6 +145,12 @@ static int check(const uint8_t *p, size_t len, size_t *off, int depth)
 	return 0;
 }
 
+static bool is_tensor_ext(int8_t type)
+{
+	return type == VALUE_EXT_TENSOR || type == VALUE_EXT_TENSOR_INLINE ||
+	       type == VALUE_EXT_TENSOR_COVERED;
+}
+
 static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 		   struct tensor_list *got)
 {
@@ -210,17 +216,25 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 		return 0;
 	}
 	case MSGPACK_OBJECT_EXT:
-		if ((o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_TENSOR_INLINE) &&
-		    got) {
+		if (is_tensor_ext(o->via.ext.type) && got) {
 			shmrpc_tensor *t;
-			int rc = o->via.ext.type == VALUE_EXT_TENSOR
-					 ? tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t)
-					 : tensor_unpack_inline(o->via.ext.ptr, o->via.ext.size, &t);
+			int rc = o->via.ext.type == VALUE_EXT_TENSOR_INLINE
+					 ? tensor_unpack_inline(o->via.ext.ptr, o->via.ext.size, &t)
+					 : tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t);
 
+			/* A covered one must be a CPU tensor (as the sender
+			 * chose it): a CUDA one's event wants its pin. */
+			if (rc == 0 && o->via.ext.type == VALUE_EXT_TENSOR_COVERED && t->dev) {
+				shmrpc_tensor_free(t);
+				rc = shmrpc__fail(-EBADMSG, "a reply marked a CUDA tensor as its "
+						  "request's (only CPU pool tensors can be)");
+			}
 			if (rc == 0 && (rc = tensor_list_add(got, t)))
 				shmrpc_tensor_free(t);
-			if (rc == 0)
+			if (rc == 0) {
+				got->ncovered += o->via.ext.type == VALUE_EXT_TENSOR_COVERED;
 				*v = shmrpc_tensor_value(t);
+			}
 			return rc;
 		}
 		if (o->via.ext.type == VALUE_EXT_RREF && got) {
@@ -237,8 +251,7 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 				*v = shmrpc_rref_value(r);
 			return rc;
 		}
-		if (o->via.ext.type == VALUE_EXT_TENSOR || o->via.ext.type == VALUE_EXT_TENSOR_INLINE ||
-		    o->via.ext.type == VALUE_EXT_RREF)
+		if (is_tensor_ext(o->via.ext.type) || o->via.ext.type == VALUE_EXT_RREF)
 			return shmrpc__fail(-EBADMSG, "a %s where none can travel",
 					    o->via.ext.type == VALUE_EXT_RREF ? "RRef" : "tensor");
 		return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d",

@@ -21,6 +21,10 @@
 #define VALUE_EXT_TENSOR 1
 #define VALUE_EXT_RREF 2
 #define VALUE_EXT_TENSOR_INLINE 3 /* a small CPU tensor's descriptor and bytes */
+/* A reply's CPU tensor that its request carried (ext 1's body): the
+ * caller's request pin keeps its block, so the callee pins nothing and the
+ * caller owes no TENSOR_ACK for it. */
+#define VALUE_EXT_TENSOR_COVERED 4
 
 struct tensor_list;
 

@@ -219,3 +219,48 @@ def test_parameter_arrives_a_parameter():
     assert rpc.rpc_sync(PEER, grad_of, args=(frozen,)) == ("Parameter", False)
     back = rpc.rpc_sync(PEER, echo, args=(p,))
     assert type(back) is torch.nn.Parameter and torch.equal(back.detach(), p.detach())
+
+
+_kept = []
+
+
+def keep_and_echo(x):
+    _kept.append(x)
+    return x
+
+
+def kept_sum():
+    total = float(_kept[-1].sum())
+    _kept.clear()
+    return total
+
+
+def as_view(x):
+    return x.view(2, -1)
+
+
+def as_slice(x):
+    return x[1:]
+
+
+def test_pool_tensor_echoed_back():
+    # A pool tensor returned whole goes back covered by the caller's pin of
+    # its request (no pin of the callee's, no TENSOR_ACK: docs/PROTOCOL.md);
+    # a callee that keeps it still holds it after the caller let go; a view
+    # of it or a slice go the normal way. Each arrives as it was.
+    torch = pytest.importorskip("torch")
+    t = rpc.empty(4096, "float32", like="torch")
+    t.copy_(torch.arange(4096, dtype=torch.float32))
+    for _ in range(200):
+        back = rpc.rpc_sync(PEER, echo, args=(t,))
+        assert back.data_ptr() == t.data_ptr(), "an echo is the same memory"
+    kept = rpc.empty(4096, "float32", like="torch")
+    kept.fill_(2.0)
+    back = rpc.rpc_sync(PEER, keep_and_echo, args=(kept,))
+    del kept, back
+    gc.collect()
+    assert rpc.rpc_sync(PEER, kept_sum) == 8192.0, "the callee's kept tensor, the caller's gone"
+    view = rpc.rpc_sync(PEER, as_view, args=(t,))
+    assert view.shape == (2, 2048) and torch.equal(view.reshape(-1), t), "a view of it"
+    part = rpc.rpc_sync(PEER, as_slice, args=(t,))
+    assert torch.equal(part, t[1:]), "a slice of it"
