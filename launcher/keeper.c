@@ -34,7 +34,8 @@
 #include "launcher/seg_watch.h"
 #include "shm/exit_info.h"
 
-/* Nobody joined (the starter died first), or a refused job's ranks stopped coming. */
+/* Nobody joined (and the starter's end went unseen: no pidfd of it), or a
+ * refused job's ranks stopped coming. */
 #define KEEPER_IDLE_NS (60ull * 1000000000ull)
 #define REQ_WAIT_MS 2000  /* a connected worker sends its request at once */
 #define DYING_WAIT_MS 100 /* a closed connection, the pidfd not fired yet */
@@ -51,6 +52,13 @@ struct keeper {
 	uint32_t world;
 	struct member *m;
 	int lfd;          /* -1 once the door is closed */
+	/* The worker that started the keeper (a pidfd, -1: none). It knocks
+	 * right after, but may be killed first, or its init_rpc time out:
+	 * then nobody is coming whom the job could be for (the other ranks
+	 * may be knocking, and wait for it), and the keeper ends at once, its
+	 * door with it, rather than after KEEPER_IDLE_NS (a later knock starts
+	 * a new keeper). Only watched until the first join. */
+	int starter;
 	uint32_t present; /* joined and not gone */
 	uint32_t joined;  /* ever */
 	uint32_t knocked; /* ranks that came, joined or refused */
@@ -341,7 +349,7 @@ static void keeper_check(struct keeper *k)
 
 static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, uint64_t start)
 {
-	nfds_t n = 0;
+	nfds_t n = 0, members;
 	int timeout = -1;
 
 	if (k->lfd >= 0)
@@ -356,6 +364,9 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 			pfd[n++] = (struct pollfd){ .fd = k->m[r].conn, .events = POLLIN };
 		}
 	}
+	members = n;
+	if (!k->joined && k->starter >= 0)
+		pfd[n++] = (struct pollfd){ .fd = k->starter, .events = POLLIN };
 	/* Only waiting for ranks to come: the first, or those a refusal is for. */
 	if (!k->joined || (k->refusal[0] && !k->present)) {
 		uint64_t since = k->joined ? k->refused_at : start, now = shmrpc_now_ns();
@@ -374,11 +385,13 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 	}
 	if (poll(pfd, n, timeout) < 0)
 		return errno == EINTR;
+	if (n > members && pfd[members].revents)
+		return false; /* the starter ended before anyone joined */
 	/* Leaves and deaths before knocks: a worker that left and joins again
 	 * (init_rpc after shutdown) has its leave pending when its knock
 	 * comes; seen first, the leave closes the door, and the knock finds
 	 * a new keeper. */
-	for (nfds_t i = k->lfd >= 0 ? 1 : 0; i < n; i++) {
+	for (nfds_t i = k->lfd >= 0 ? 1 : 0; i < members; i++) {
 		uint32_t r = who[i] & 0x7fffffffu;
 
 		if (!pfd[i].revents)
@@ -399,13 +412,14 @@ static bool keeper_round(struct keeper *k, struct pollfd *pfd, uint32_t *who, ui
 	return true;
 }
 
-int keeper_run(int lfd, uint32_t world, uint64_t pool_size)
+int keeper_run(int lfd, int starter, uint32_t world, uint64_t pool_size)
 {
-	struct keeper k = { .world = world, .lfd = lfd };
+	struct keeper k = { .world = world, .lfd = lfd, .starter = starter };
 	struct job_shm_params jp = { .world = world, .job_name = "shmrpc-join",
 				     .pool_size = pool_size };
-	struct pollfd *pfd = calloc(1 + 2 * (size_t)world, sizeof(*pfd));
-	uint32_t *who = calloc(1 + 2 * (size_t)world, sizeof(*who));
+	/* The door, each member's pidfd and connection, the starter. */
+	struct pollfd *pfd = calloc(2 + 2 * (size_t)world, sizeof(*pfd));
+	uint32_t *who = calloc(2 + 2 * (size_t)world, sizeof(*who));
 	uint64_t start = shmrpc_now_ns();
 	int rc = 1;
 
@@ -439,6 +453,8 @@ int keeper_run(int lfd, uint32_t world, uint64_t pool_size)
 out:
 	if (k.lfd >= 0)
 		close(k.lfd);
+	if (k.starter >= 0)
+		close(k.starter);
 	free(k.m);
 	free(pfd);
 	free(who);

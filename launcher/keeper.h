@@ -50,7 +50,10 @@ SHMRPC_HIDDEN size_t join_sockaddr(const char *key, void *sockaddr_un);
 
 /* Runs the keeper on lfd, a bound, listening SOCK_SEQPACKET socket, for
  * a job of world workers with pool_size bytes of tensor pool; returns the
- * process's exit code once every worker has gone. */
-SHMRPC_HIDDEN int keeper_run(int lfd, uint32_t world, uint64_t pool_size);
+ * process's exit code once every worker has gone. starter: a pidfd of the
+ * worker that started the keeper (-1: none); should it end before anyone
+ * joined, the keeper ends too (nobody is in its job, and a worker knocking
+ * later starts a new one). */
+SHMRPC_HIDDEN int keeper_run(int lfd, int starter, uint32_t world, uint64_t pool_size);
 
 #endif

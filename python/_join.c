@@ -16,7 +16,11 @@
  * would share the worker's pages copy-on-write for the whole job, and keep
  * whatever the worker had mapped, a GPU's included, after the worker
  * ended). The exec needs no shmrun on PATH (a pip-installed package has
- * none). Should it fail, the forked child runs the keeper itself.
+ * none). Should it fail, the forked child runs the keeper itself. The
+ * keeper also gets a pidfd of the worker that started it: should that
+ * worker end before anyone joined (killed, or its init_rpc timed out
+ * before it knocked), the keeper ends at once instead of waiting 60 s
+ * for a job nobody is coming to.
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
@@ -44,7 +48,8 @@
 
 #define RETRY_US 2000
 
-/* How the keeper is exec'd: `PYTHON -I -S -c KEEP_CODE EXTENSION WORLD POOL`. */
+/* How the keeper is exec'd: `PYTHON -I -S -c KEEP_CODE EXTENSION WORLD POOL
+ * STARTER` (STARTER: 4, the starter's pidfd, or -1: none), the socket at fd 3. */
 static const char KEEP_CODE[] =
 	"import sys\n"
 	"from importlib.machinery import ExtensionFileLoader\n"
@@ -52,16 +57,17 @@ static const char KEEP_CODE[] =
 	"loader = ExtensionFileLoader('shmrpc._shmrpc', sys.argv[1])\n"
 	"m = module_from_spec(spec_from_loader('shmrpc._shmrpc', loader))\n"
 	"loader.exec_module(m)\n"
-	"sys.exit(m._keep(3, int(sys.argv[2]), int(sys.argv[3])))\n";
+	"sys.exit(m._keep(3, int(sys.argv[4]), int(sys.argv[2]), int(sys.argv[3])))\n";
 
 struct keeper_exec {
 	const char *python;    /* NULL: no exec, the forked child keeps */
 	char extension[4096];  /* this extension's file */
-	char world[16], pool[24];
+	char world[16], pool[24], starter[12];
 };
 
 /* In the keeper (the grandchild); never returns. */
-static void keeper_child(int lfd, uint32_t world, uint64_t pool_size, const struct keeper_exec *x)
+static void keeper_child(int lfd, int starter, uint32_t world, uint64_t pool_size,
+			 struct keeper_exec *x)
 {
 	sigset_t none;
 	int null;
@@ -85,21 +91,28 @@ static void keeper_child(int lfd, uint32_t world, uint64_t pool_size, const stru
 	 * process that called listen, and that is the keeper. */
 	if (listen(lfd, SHM_MAX_WORLD) < 0)
 		_exit(1);
-	if (lfd != 3) {
-		if (dup2(lfd, 3) < 0)
-			_exit(1);
-		lfd = 3;
-	}
-	syscall(SYS_close_range, 4u, ~0u, 0u);
+	/* The socket at 3 and the starter's pidfd at 4, where the exec'd
+	 * keeper finds them: first both above 4 (either may sit at 3 or 4
+	 * now), then down; dup2 clears FD_CLOEXEC on the copies. */
+	lfd = fcntl(lfd, F_DUPFD, 5);
+	if (starter >= 0)
+		starter = fcntl(starter, F_DUPFD, 5);
+	if (lfd < 0 || dup2(lfd, 3) < 0)
+		_exit(1);
+	lfd = 3;
+	if (starter >= 0)
+		starter = dup2(starter, 4);
+	syscall(SYS_close_range, starter < 0 ? 4u : 5u, ~0u, 0u);
+	snprintf(x->starter, sizeof(x->starter), "%d", starter);
 	if (x->python) {
 		char *argv[] = { (char *)x->python, "-I", "-S", "-c", (char *)KEEP_CODE,
-				 (char *)x->extension, (char *)x->world, (char *)x->pool, NULL };
+				 (char *)x->extension, (char *)x->world, (char *)x->pool,
+				 (char *)x->starter, NULL };
 
-		fcntl(lfd, F_SETFD, 0); /* dup2 cleared it already; say so */
 		execv(x->python, argv);
 	}
 	prctl(PR_SET_NAME, "shmrpc-keeper");
-	_exit(keeper_run(lfd, world, pool_size));
+	_exit(keeper_run(lfd, starter, world, pool_size));
 }
 
 /* Binds the rendezvous's socket and forks its keeper; 0 also when
@@ -107,7 +120,7 @@ static void keeper_child(int lfd, uint32_t world, uint64_t pool_size, const stru
 static int start_keeper(const struct sockaddr_un *a, socklen_t alen, uint32_t world,
 			uint64_t pool_size, const char *python)
 {
-	int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0), status;
+	int lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0), status, self;
 	struct keeper_exec x = { .python = python && *python ? python : NULL };
 	Dl_info dl;
 	pid_t pid;
@@ -131,16 +144,22 @@ static int start_keeper(const struct sockaddr_un *a, socklen_t alen, uint32_t wo
 		x.python = NULL;
 	snprintf(x.world, sizeof(x.world), "%u", world);
 	snprintf(x.pool, sizeof(x.pool), "%llu", (unsigned long long)pool_size);
+	/* -1 (a kernel without pidfd_open): the keeper waits KEEPER_IDLE_NS. */
+	self = (int)syscall(SYS_pidfd_open, getpid(), 0);
 	if ((pid = fork()) < 0) {
 		int err = errno;
 
 		close(lfd);
+		if (self >= 0)
+			close(self);
 		return shmrpc__fail(-err, "init_rpc: cannot start the job's keeper: %s",
 				    strerror(err));
 	}
 	if (pid == 0)
-		keeper_child(lfd, world, pool_size, &x);
+		keeper_child(lfd, self, world, pool_size, &x);
 	close(lfd);
+	if (self >= 0)
+		close(self);
 	while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
 		;
 	return 0;
@@ -314,20 +333,21 @@ static PyObject *mod_leave(PyObject *m, PyObject *arg)
 	Py_RETURN_NONE;
 }
 
-/* _keep(fd, world, pool_bytes): in the exec'd keeper, runs it on the
- * listening socket fd; returns its exit code. */
+/* _keep(fd, starter, world, pool_bytes): in the exec'd keeper, runs it on
+ * the listening socket fd (starter: the starter's pidfd, or -1); returns
+ * its exit code. */
 static PyObject *mod_keep(PyObject *m, PyObject *args)
 {
-	int fd, rc;
+	int fd, starter, rc;
 	unsigned int world;
 	unsigned long long pool_bytes;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "iIK", &fd, &world, &pool_bytes))
+	if (!PyArg_ParseTuple(args, "iiIK", &fd, &starter, &world, &pool_bytes))
 		return NULL;
 	prctl(PR_SET_NAME, "shmrpc-keeper");
 	Py_BEGIN_ALLOW_THREADS
-	rc = keeper_run(fd, world, pool_bytes);
+	rc = keeper_run(fd, starter, world, pool_bytes);
 	Py_END_ALLOW_THREADS
 	return PyLong_FromLong(rc);
 }
@@ -336,7 +356,8 @@ static PyMethodDef join_functions[] = {
 	{ "join", mod_join, METH_VARARGS,
 	  "join(key, rank, world, name, pool_bytes, timeout_ms, python) -> (conn, seg, pool, "
 	  "rrefs, keeper_pid)" },
-	{ "_keep", mod_keep, METH_VARARGS, "_keep(fd, world, pool_bytes): runs a job's keeper" },
+	{ "_keep", mod_keep, METH_VARARGS,
+	  "_keep(fd, starter, world, pool_bytes): runs a job's keeper" },
 	{ "leave", mod_leave, METH_O, "leave(conn): this worker leaves its keeper's job" },
 	{ NULL, NULL, 0, NULL },
 };

@@ -7,7 +7,8 @@ file:// and tcp:// init methods; a SIGKILLed rank under each route fails
 the calls pending on it, naming it; world_size=1; duplicate names refused
 with torch's text, duplicate ranks refused; a rendezvous on another host
 refused with a sentence saying shmrpc is single-node; rank and world_size
-missing; a world_size that is not the job's; init_rpc again after
+missing; a world_size that is not the job's; a keeper whose starter
+ended before anyone joined ends with it; init_rpc again after
 shutdown; a segment header overwritten while the job runs stops it, as
 shmrun's watch would (the keeper's). After each case no process is left (children joined, the job's
 keeper gone) and nothing is left in /dev/shm or as a socket.
@@ -451,6 +452,38 @@ def test_world_size_mismatch(monkeypatch):
             rpc.init_rpc("w1", rank=1, world_size=3)
         assert "SHMRPC_RANK" not in os.environ
     finally:
-        first.kill()  # it waits for a rank 1 that never comes
+        # It waits for a rank 1 that never comes, or has not had its own
+        # knock taken yet (the keeper then ends with it: test_starter_gone_before_join).
+        first.kill()
         first.join()
     nothing_left(set(), [f"tcp:{port}"])
+
+
+def start_keeper_only(key, q):
+    """A first worker whose join times out right after it started the
+    keeper, before it knocked (as one killed there would): it says whether
+    the keeper's socket was up, and exits."""
+    from shmrpc import _rendezvous, _shmrpc
+    try:
+        _shmrpc.join(key, 0, 2, "w0", _rendezvous._pool_bytes(), 0, _rendezvous._python())
+        q.put("joined")
+    except TimeoutError:
+        with open("/proc/net/unix") as f:
+            q.put(any(line.split()[-1] == sock_name(key) for line in f))
+
+
+def test_starter_gone_before_join():
+    # The keeper ends with the worker that started it when nobody joined:
+    # the race test_world_size_mismatch loses under load (its rank 1 heard
+    # the refusal, and its first process was killed, before the keeper
+    # took the first's knock) left the keeper waiting 60 s for anyone.
+    key = f"tcp:{free_port()}"
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    first = ctx.Process(target=start_keeper_only, args=(key, q))
+    first.start()
+    try:
+        assert q.get(timeout=WAIT) is True  # its keeper is up, nobody in the job
+    finally:
+        first.join()
+    nothing_left(set(), [key])
