@@ -35,6 +35,7 @@
 #include "common/clock.h"
 #include "shm/segment.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
 #include "worker/msg.h"
@@ -104,24 +105,6 @@ static int fn_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 {
 	(void)c, (void)n, (void)u;
 	*r = a[0];
-	return 0;
-}
-
-/* Returns a copy of its first tensor: a block of its own, which the reply
- * pins until the caller's TENSOR_ACK. */
-static int fn_copy_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
-			 void *u)
-{
-	static const DLDataType u8 = { kDLUInt, 8, 1 };
-	int64_t bytes = (int64_t)shmrpc_tensor_nbytes(a[0].u.t);
-	shmrpc_tensor *t;
-	int rc = shmrpc_tensor_alloc(u8, 1, &bytes, &t);
-
-	(void)c, (void)n, (void)u;
-	if (rc)
-		return rc;
-	memcpy(shmrpc_tensor_data(t), shmrpc_tensor_data(a[0].u.t), (size_t)bytes);
-	*r = shmrpc_tensor_value(t);
 	return 0;
 }
 
@@ -637,7 +620,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("release", "", fn_release, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
 	CHECK_OK(shmrpc_register("first", "tt", fn_first, NULL));
-	CHECK_OK(shmrpc_register("copy_first", "tt", fn_copy_first, NULL));
+	tl_copy_register();
 	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0) {

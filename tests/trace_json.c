@@ -36,6 +36,7 @@
 #include "common/clock.h"
 #include "shm/segment.h"
 #include "tests/lib/job.h"
+#include "tests/lib/keep.h"
 #include "tests/lib/run.h"
 #include "tests/lib/testlib.h"
 #include "worker/trace.h"
@@ -179,25 +180,6 @@ static void fan(int via, int dst, int calls)
 	shmrpc_future_free(f);
 }
 
-/* Returns a copy of its first tensor: a block of rank 1's own, which the
- * reply pins until the caller's ack (the first itself would go covered by
- * the request's pin, with no ack: docs/PROTOCOL.md). */
-static int fn_copy_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
-			 void *u)
-{
-	static const DLDataType u8 = { kDLUInt, 8, 1 };
-	int64_t bytes = (int64_t)shmrpc_tensor_nbytes(a[0].u.t);
-	shmrpc_tensor *t;
-	int rc = shmrpc_tensor_alloc(u8, 1, &bytes, &t);
-
-	(void)c, (void)n, (void)u;
-	if (rc)
-		return rc;
-	memcpy(shmrpc_tensor_data(t), shmrpc_tensor_data(a[0].u.t), (size_t)bytes);
-	*r = shmrpc_tensor_value(t);
-	return 0;
-}
-
 static int fn_sink(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
 	(void)c, (void)a, (void)n, (void)u;
@@ -297,7 +279,7 @@ static int worker(void)
 	CHECK_OK(shmrpc_register("add", "ii", fn_add, NULL));
 	CHECK_OK(shmrpc_register("fan", "ii", fn_fan, NULL));
 	CHECK_OK(shmrpc_register("die", "", fn_die, NULL));
-	CHECK_OK(shmrpc_register("copy_first", "tt", fn_copy_first, NULL));
+	tl_copy_register();
 	CHECK_OK(shmrpc_register("sink", "s", fn_sink, NULL));
 	CHECK_OK(shmrpc_init(NULL));
 	if (shmrpc_rank() == 0 && !strcmp(part, "calls")) {

@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "shmrpc.h"
 #include "tests/lib/keep.h"
@@ -38,6 +39,27 @@ void tl_keep_register(void)
 {
 	CHECK_OK(shmrpc_register("keep", "t", fn_keep, NULL));
 	CHECK_OK(shmrpc_register("drop", "", fn_drop, NULL));
+}
+
+static int fn_copy_first(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r,
+			 void *u)
+{
+	static const DLDataType u8 = { kDLUInt, 8, 1 };
+	int64_t bytes = (int64_t)shmrpc_tensor_nbytes(a[0].u.t);
+	shmrpc_tensor *t;
+	int rc = shmrpc_tensor_alloc(u8, 1, &bytes, &t);
+
+	(void)c, (void)n, (void)u;
+	if (rc)
+		return rc;
+	memcpy(shmrpc_tensor_data(t), shmrpc_tensor_data(a[0].u.t), (size_t)bytes);
+	*r = shmrpc_tensor_value(t);
+	return 0;
+}
+
+void tl_copy_register(void)
+{
+	CHECK_OK(shmrpc_register("copy_first", "tt", fn_copy_first, NULL));
 }
 
 /* Many at once, kept by whichever executor threads run the calls, which

@@ -12,6 +12,12 @@
 /* Registers "keep" and "drop" (before shmrpc_init). */
 void tl_keep_register(void);
 
+/* Registers "copy_first"(t, u) (before shmrpc_init): answers a copy of t,
+ * bytes as uint8, in a block of its own, which the reply pins until the
+ * caller's TENSOR_ACK (t itself would go covered by the request's pin,
+ * with no ack: docs/PROTOCOL.md, "By reference"). */
+void tl_copy_register(void);
+
 /*
  * Many received tensors held at once: "keep_all"([t...]) holds a handle of
  * its own on each (answers how many are held now); "release"() runs check
