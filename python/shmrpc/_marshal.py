@@ -563,6 +563,8 @@ def _pack_call(func, args, kwargs, dst=None):
         _check_pickler()
     named = _named(func) if type(func) is types.FunctionType else None
     if named is None:
+        if _is_script_function(func):
+            func = _ScriptFunction(func.qualified_name)
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
     if not args and not kwargs:
         return named.head, [], []
@@ -580,6 +582,52 @@ def _pack_call(func, args, kwargs, dst=None):
     else:
         data, rrefs, tensors = _dumps((args, dict(kwargs or {})))
     return named.head + data, rrefs, tensors
+
+
+def _is_script_function(func):
+    """Whether func is a TorchScript function (torch.jit.script of a
+    function), known without importing torch."""
+    t = type(func)
+    return t.__name__ == "ScriptFunction" and t.__module__ == "torch.jit"
+
+
+class _ScriptFunction:
+    """A TorchScript function called by RPC, which pickle refuses: sent by
+    its qualified name, as torch sends one (nowhere else, as in torch: an
+    argument that is one fails to pickle), found on the callee by that
+    name (_script_function)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __reduce__(self):
+        return _script_function, (self.name,)
+
+
+def _script_function(name):
+    """The TorchScript function named name (its qualified_name) in this
+    process, where torch's RPC finds one: the compilation unit that
+    torch.jit.script puts every scripted function in. As with torch, the
+    callee must have scripted it too (imported the module that does).
+    What it raises reaches the caller as a RuntimeError with the
+    interpreter's message, as torch's script calls fail (torch.jit.Error
+    is no RuntimeError)."""
+    import torch
+    func = torch.jit._state._python_cu.find_function(name)
+    if func is None:
+        raise RuntimeError(f'no TorchScript function named "{name}" in this process: '
+                           "script it here too (import the module that calls "
+                           "torch.jit.script on it) before it is called by RPC")
+    jit_error = torch.jit.Error
+
+    def run(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except jit_error as e:
+            raise RuntimeError(str(e)) from None
+    run.__qualname__ = run.__name__ = name
+    return run
 
 
 def _unpack_call(payload, rrefs, tensors):
@@ -630,7 +678,10 @@ def _proxied(args):
 
 
 def _func_name(func):
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    """func's name in profiling keys, as torch's: a TorchScript function's
+    is its qualified_name (it has no __qualname__)."""
+    return (getattr(func, "__qualname__", None) or getattr(func, "qualified_name", None)
+            or getattr(func, "__name__", None) or repr(func))
 
 
 def _torch_internal_pickler():
