@@ -272,6 +272,23 @@ static PyObject *mod_from_bytes(PyObject *m, PyObject *obj)
 	return tensor_wrap(t);
 }
 
+/* The sizes of dims (a tuple, or a subclass: torch.Size) into shape: how
+ * many, or -1 with an exception set. */
+static Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS])
+{
+	Py_ssize_t n;
+
+	if (!PyTuple_Check(dims) || (n = PyTuple_Size(dims)) > SHMRPC_TENSOR_MAX_DIMS) {
+		PyErr_Format(PyExc_ValueError, "a shape is a tuple of at most %d sizes",
+			     SHMRPC_TENSOR_MAX_DIMS);
+		return -1;
+	}
+	for (Py_ssize_t i = 0; i < n; i++)
+		if ((shape[i] = PyLong_AsLongLong(PyTuple_GetItem(dims, i))) == -1 && PyErr_Occurred())
+			return -1;
+	return n;
+}
+
 /* empty(shape, code, bits) -> Tensor: a new block of the pool. */
 static PyObject *mod_empty(PyObject *m, PyObject *args)
 {
@@ -283,18 +300,42 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	int rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "OII", &dims, &code, &bits))
+	if (!PyArg_ParseTuple(args, "OII", &dims, &code, &bits) || (n = shape_of(dims, shape)) < 0)
 		return NULL;
-	if (!PyTuple_Check(dims) || (n = PyTuple_Size(dims)) > SHMRPC_TENSOR_MAX_DIMS) {
-		PyErr_Format(PyExc_ValueError, "a shape is a tuple of at most %d sizes",
-			     SHMRPC_TENSOR_MAX_DIMS);
-		return NULL;
-	}
-	for (Py_ssize_t i = 0; i < n; i++)
-		if ((shape[i] = PyLong_AsLongLong(PyTuple_GetItem(dims, i))) == -1 && PyErr_Occurred())
-			return NULL;
 	rc = shmrpc_tensor_alloc((DLDataType){ (uint8_t)code, (uint8_t)bits, 1 }, (int32_t)n, shape,
 				 &t);
+	return rc ? fail(rc) : tensor_wrap(t);
+}
+
+/* from_host(address, code, bits, shape) -> Tensor: from_dlpack of the
+ * contiguous host array of that dtype and shape at address (a CPU torch
+ * tensor's data_ptr(), which the caller keeps alive during the call):
+ * taken without a copy when it is a whole pool block, else copied once.
+ * torch's DLPack export makes a view of the tensor (as_strided) and a
+ * capsule, and its deleter frees them: most of what sending a tensor cost
+ * (docs/ARCHITECTURE.md, "A tensor echo"). */
+static PyObject *mod_from_host(PyObject *m, PyObject *args)
+{
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	unsigned long long addr;
+	unsigned code, bits;
+	PyObject *dims;
+	shmrpc_tensor *t;
+	Py_ssize_t n;
+	int rc;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "KIIO", &addr, &code, &bits, &dims) ||
+	    (n = shape_of(dims, shape)) < 0)
+		return NULL;
+	/* No deleter: the array stays its owner's. No strides: compact. */
+	rc = shmrpc_tensor_from_dlpack(
+		&(DLManagedTensor){ .dl_tensor = { .data = (void *)(uintptr_t)addr,
+						    .device = { kDLCPU, 0 },
+						    .ndim = (int32_t)n,
+						    .dtype = { (uint8_t)code, (uint8_t)bits, 1 },
+						    .shape = shape } },
+		&t);
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
@@ -376,6 +417,8 @@ static PyMethodDef tensor_functions[] = {
 	{ "from_dlpack", mod_from_dlpack, METH_O,
 	  "from_dlpack(obj or capsule) -> Tensor in the pool or on a CUDA device" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
+	{ "from_host", mod_from_host, METH_VARARGS,
+	  "from_host(address, code, bits, shape) -> Tensor: a contiguous host array's bytes" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
 	{ "stack_rows", mod_stack_rows, METH_VARARGS,
 	  "stack_rows(tensor, [address...], row_bytes): the rows, streamed into tensor's block" },
