@@ -38,6 +38,18 @@ static void capsule_free(PyObject *cap)
 		m->deleter(m);
 }
 
+/* The handle of a Tensor object, or NULL with an exception set when its
+ * reference went into a DLPack capsule (take_dlpack). */
+static shmrpc_tensor *held(PyObject *self)
+{
+	shmrpc_tensor *t = HANDLE(self);
+
+	if (!t)
+		PyErr_SetString(PyExc_ValueError, "this shmrpc Tensor gave its reference to a DLPack "
+				"capsule (take_dlpack): use the tensor made from that capsule");
+	return t;
+}
+
 /* A CUDA tensor's consumer, which will queue its work on stream (the
  * DLPack protocol's stream argument: None or 1, the legacy default stream;
  * 2, the per-thread default stream; -1, no ordering wanted; else a
@@ -74,14 +86,14 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "stream", NULL };
 	PyObject *stream = NULL, *cap;
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 	DLManagedTensor *m;
 	shmrpc_tensor *t;
 	int rc;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream) || !held(self))
 		return NULL;
-	if (!dl)
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET);
 	if (dl->device.device_type == kDLCUDA && consumer_waits(HANDLE(self), stream))
 		return NULL;
@@ -95,12 +107,47 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 	return cap;
 }
 
+/* take_dlpack(t) -> a DLPack capsule that takes over t's own reference: t
+ * is empty afterwards (held() refuses it). For a received host tensor
+ * made into a torch tensor at once (_marshal._from_handles): __dlpack__
+ * would take a reference of its own (a handle, a count and a holder
+ * record) that t's release then drops. */
+static PyObject *mod_take_dlpack(PyObject *m, PyObject *obj)
+{
+	const DLTensor *dl;
+	DLManagedTensor *dm;
+	PyObject *cap;
+	int rc;
+
+	(void)m;
+	if (!PyObject_TypeCheck(obj, (PyTypeObject *)TensorType)) {
+		PyErr_SetString(PyExc_TypeError, "take_dlpack: an shmrpc Tensor is needed");
+		return NULL;
+	}
+	if (!held(obj))
+		return NULL;
+	dl = shmrpc_tensor_dl(HANDLE(obj));
+	if (!dl || dl->device.device_type != kDLCPU) {
+		PyErr_SetString(PyExc_TypeError, "take_dlpack: a host tensor is needed (a CUDA "
+				"tensor's consumer names its stream: __dlpack__(stream))");
+		return NULL;
+	}
+	if ((rc = shmrpc_tensor_to_dlpack(HANDLE(obj), &dm)))
+		return fail(rc);
+	HANDLE(obj) = NULL; /* dm owns t now */
+	if (!(cap = PyCapsule_New(dm, "dltensor", capsule_free)))
+		dm->deleter(dm);
+	return cap;
+}
+
 static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 
 	(void)unused;
-	if (!dl)
+	if (!held(self))
+		return NULL;
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET);
 	return Py_BuildValue("(ii)", (int)dl->device.device_type, (int)dl->device.device_id);
 }
@@ -109,9 +156,11 @@ static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
  * saying that what (a host-only method) cannot read device memory. */
 static const DLTensor *host_dl(PyObject *self, const char *what)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 
-	if (!dl)
+	if (!held(self))
+		return NULL;
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET), NULL;
 	if (dl->device.device_type != kDLCPU) {
 		PyErr_Format(PyExc_TypeError, "Tensor.%s reads host memory, and this tensor is in "
@@ -138,9 +187,12 @@ static PyObject *tensor_tobytes(PyObject *self, PyObject *unused)
  * pool, or a CUDA device pointer (torch.Tensor.data_ptr's meaning). */
 static PyObject *tensor_data_ptr(PyObject *self, PyObject *unused)
 {
-	void *p = shmrpc_tensor_data(HANDLE(self));
+	void *p;
 
 	(void)unused;
+	if (!held(self))
+		return NULL;
+	p = shmrpc_tensor_data(HANDLE(self));
 	return p ? PyLong_FromVoidPtr(p) : fail(-ECONNRESET);
 }
 
@@ -152,7 +204,7 @@ static PyObject *tensor_set_cuda_stream(PyObject *self, PyObject *stream)
 	unsigned long long s = PyLong_AsUnsignedLongLong(stream);
 	int rc;
 
-	if (s == (unsigned long long)-1 && PyErr_Occurred())
+	if ((s == (unsigned long long)-1 && PyErr_Occurred()) || !held(self))
 		return NULL;
 	rc = shmrpc_tensor_set_cuda_stream(HANDLE(self), (uintptr_t)s);
 	return rc ? fail(rc) : new_ref(Py_None);
@@ -161,7 +213,8 @@ static PyObject *tensor_set_cuda_stream(PyObject *self, PyObject *stream)
 static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(HANDLE(self)));
+	return held(self) ? PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(HANDLE(self)))
+			  : NULL;
 }
 
 /* numpy's array interface (version 3): np.asarray(t) views the bytes,
@@ -383,7 +436,8 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 	char *dst;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row))
+	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row) ||
+	    !held(obj))
 		return NULL;
 	if (!PyList_Check(addrs)) {
 		PyErr_SetString(PyExc_TypeError, "stack_rows: the rows' addresses come in a list");
@@ -417,6 +471,8 @@ static PyMethodDef tensor_functions[] = {
 	{ "from_dlpack", mod_from_dlpack, METH_O,
 	  "from_dlpack(obj or capsule) -> Tensor in the pool or on a CUDA device" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
+	{ "take_dlpack", mod_take_dlpack, METH_O,
+	  "take_dlpack(Tensor) -> a DLPack capsule holding the Tensor's reference (emptied)" },
 	{ "from_host", mod_from_host, METH_VARARGS,
 	  "from_host(address, code, bits, shape) -> Tensor: a contiguous host array's bytes" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },

@@ -235,11 +235,16 @@ def _plain_handle(obj):
 
 
 def _from_handles(tensors):
-    """The torch tensors of _TENSORS' handles (_from_pool's "torch")."""
+    """The torch tensors of _TENSORS' handles (_from_pool's "torch"), each
+    holding its handle's reference (take_dlpack: the handles are the
+    message's, used once)."""
     if _from_dlpack is None:
         import torch
         _know_torch(torch)
-    return [_from_dlpack(t.__dlpack__()) for t in tensors]
+    return [_from_dlpack(_take_dlpack(t)) for t in tensors]
+
+
+_take_dlpack = _shmrpc.take_dlpack
 
 
 # A value, or a call's arguments, that is only such tensors travels as
