@@ -91,6 +91,13 @@ static void **handles_of(PyObject *list, PyObject *type, uint32_t *n)
 			PyErr_SetString(PyExc_TypeError, "a message lists an object of the wrong type");
 			return NULL;
 		}
+		if (!HANDLE(o)) { /* a Tensor emptied by take_dlpack */
+			free(h);
+			PyErr_SetString(PyExc_ValueError, "a message lists a Tensor whose reference "
+					"went to a DLPack capsule (take_dlpack): send the tensor made "
+					"from it");
+			return NULL;
+		}
 		h[i] = HANDLE(o);
 	}
 	*n = (uint32_t)len;

@@ -38,6 +38,18 @@ static void capsule_free(PyObject *cap)
 		m->deleter(m);
 }
 
+/* The handle of a Tensor object, or NULL with an exception set when its
+ * reference went into a DLPack capsule (take_dlpack). */
+static shmrpc_tensor *held(PyObject *self)
+{
+	shmrpc_tensor *t = HANDLE(self);
+
+	if (!t)
+		PyErr_SetString(PyExc_ValueError, "this shmrpc Tensor gave its reference to a DLPack "
+				"capsule (take_dlpack): use the tensor made from that capsule");
+	return t;
+}
+
 /* A CUDA tensor's consumer, which will queue its work on stream (the
  * DLPack protocol's stream argument: None or 1, the legacy default stream;
  * 2, the per-thread default stream; -1, no ordering wanted; else a
@@ -74,14 +86,14 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "stream", NULL };
 	PyObject *stream = NULL, *cap;
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 	DLManagedTensor *m;
 	shmrpc_tensor *t;
 	int rc;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", names, &stream) || !held(self))
 		return NULL;
-	if (!dl)
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET);
 	if (dl->device.device_type == kDLCUDA && consumer_waits(HANDLE(self), stream))
 		return NULL;
@@ -95,12 +107,47 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 	return cap;
 }
 
+/* take_dlpack(t) -> a DLPack capsule that takes over t's own reference: t
+ * is empty afterwards (held() refuses it). For a received host tensor
+ * made into a torch tensor at once (_marshal._from_handles): __dlpack__
+ * would take a reference of its own (a handle, a count and a holder
+ * record) that t's release then drops. */
+static PyObject *mod_take_dlpack(PyObject *m, PyObject *obj)
+{
+	const DLTensor *dl;
+	DLManagedTensor *dm;
+	PyObject *cap;
+	int rc;
+
+	(void)m;
+	if (!PyObject_TypeCheck(obj, (PyTypeObject *)TensorType)) {
+		PyErr_SetString(PyExc_TypeError, "take_dlpack: an shmrpc Tensor is needed");
+		return NULL;
+	}
+	if (!held(obj))
+		return NULL;
+	dl = shmrpc_tensor_dl(HANDLE(obj));
+	if (!dl || dl->device.device_type != kDLCPU) {
+		PyErr_SetString(PyExc_TypeError, "take_dlpack: a host tensor is needed (a CUDA "
+				"tensor's consumer names its stream: __dlpack__(stream))");
+		return NULL;
+	}
+	if ((rc = shmrpc_tensor_to_dlpack(HANDLE(obj), &dm)))
+		return fail(rc);
+	HANDLE(obj) = NULL; /* dm owns t now */
+	if (!(cap = PyCapsule_New(dm, "dltensor", capsule_free)))
+		dm->deleter(dm);
+	return cap;
+}
+
 static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 
 	(void)unused;
-	if (!dl)
+	if (!held(self))
+		return NULL;
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET);
 	return Py_BuildValue("(ii)", (int)dl->device.device_type, (int)dl->device.device_id);
 }
@@ -109,9 +156,11 @@ static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
  * saying that what (a host-only method) cannot read device memory. */
 static const DLTensor *host_dl(PyObject *self, const char *what)
 {
-	const DLTensor *dl = shmrpc_tensor_dl(HANDLE(self));
+	const DLTensor *dl;
 
-	if (!dl)
+	if (!held(self))
+		return NULL;
+	if (!(dl = shmrpc_tensor_dl(HANDLE(self))))
 		return fail(-ECONNRESET), NULL;
 	if (dl->device.device_type != kDLCPU) {
 		PyErr_Format(PyExc_TypeError, "Tensor.%s reads host memory, and this tensor is in "
@@ -138,9 +187,12 @@ static PyObject *tensor_tobytes(PyObject *self, PyObject *unused)
  * pool, or a CUDA device pointer (torch.Tensor.data_ptr's meaning). */
 static PyObject *tensor_data_ptr(PyObject *self, PyObject *unused)
 {
-	void *p = shmrpc_tensor_data(HANDLE(self));
+	void *p;
 
 	(void)unused;
+	if (!held(self))
+		return NULL;
+	p = shmrpc_tensor_data(HANDLE(self));
 	return p ? PyLong_FromVoidPtr(p) : fail(-ECONNRESET);
 }
 
@@ -152,7 +204,7 @@ static PyObject *tensor_set_cuda_stream(PyObject *self, PyObject *stream)
 	unsigned long long s = PyLong_AsUnsignedLongLong(stream);
 	int rc;
 
-	if (s == (unsigned long long)-1 && PyErr_Occurred())
+	if ((s == (unsigned long long)-1 && PyErr_Occurred()) || !held(self))
 		return NULL;
 	rc = shmrpc_tensor_set_cuda_stream(HANDLE(self), (uintptr_t)s);
 	return rc ? fail(rc) : new_ref(Py_None);
@@ -161,7 +213,8 @@ static PyObject *tensor_set_cuda_stream(PyObject *self, PyObject *stream)
 static PyObject *tensor_pool_offset(PyObject *self, PyObject *unused)
 {
 	(void)unused;
-	return PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(HANDLE(self)));
+	return held(self) ? PyLong_FromUnsignedLongLong(shmrpc_tensor_pool_offset(HANDLE(self)))
+			  : NULL;
 }
 
 /* numpy's array interface (version 3): np.asarray(t) views the bytes,
@@ -272,6 +325,23 @@ static PyObject *mod_from_bytes(PyObject *m, PyObject *obj)
 	return tensor_wrap(t);
 }
 
+/* The sizes of dims (a tuple, or a subclass: torch.Size) into shape: how
+ * many, or -1 with an exception set. */
+static Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS])
+{
+	Py_ssize_t n;
+
+	if (!PyTuple_Check(dims) || (n = PyTuple_Size(dims)) > SHMRPC_TENSOR_MAX_DIMS) {
+		PyErr_Format(PyExc_ValueError, "a shape is a tuple of at most %d sizes",
+			     SHMRPC_TENSOR_MAX_DIMS);
+		return -1;
+	}
+	for (Py_ssize_t i = 0; i < n; i++)
+		if ((shape[i] = PyLong_AsLongLong(PyTuple_GetItem(dims, i))) == -1 && PyErr_Occurred())
+			return -1;
+	return n;
+}
+
 /* empty(shape, code, bits) -> Tensor: a new block of the pool. */
 static PyObject *mod_empty(PyObject *m, PyObject *args)
 {
@@ -283,18 +353,42 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	int rc;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "OII", &dims, &code, &bits))
+	if (!PyArg_ParseTuple(args, "OII", &dims, &code, &bits) || (n = shape_of(dims, shape)) < 0)
 		return NULL;
-	if (!PyTuple_Check(dims) || (n = PyTuple_Size(dims)) > SHMRPC_TENSOR_MAX_DIMS) {
-		PyErr_Format(PyExc_ValueError, "a shape is a tuple of at most %d sizes",
-			     SHMRPC_TENSOR_MAX_DIMS);
-		return NULL;
-	}
-	for (Py_ssize_t i = 0; i < n; i++)
-		if ((shape[i] = PyLong_AsLongLong(PyTuple_GetItem(dims, i))) == -1 && PyErr_Occurred())
-			return NULL;
 	rc = shmrpc_tensor_alloc((DLDataType){ (uint8_t)code, (uint8_t)bits, 1 }, (int32_t)n, shape,
 				 &t);
+	return rc ? fail(rc) : tensor_wrap(t);
+}
+
+/* from_host(address, code, bits, shape) -> Tensor: from_dlpack of the
+ * contiguous host array of that dtype and shape at address (a CPU torch
+ * tensor's data_ptr(), which the caller keeps alive during the call):
+ * taken without a copy when it is a whole pool block, else copied once.
+ * torch's DLPack export makes a view of the tensor (as_strided) and a
+ * capsule, and its deleter frees them: most of what sending a tensor cost
+ * (docs/ARCHITECTURE.md, "A tensor echo"). */
+static PyObject *mod_from_host(PyObject *m, PyObject *args)
+{
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	unsigned long long addr;
+	unsigned code, bits;
+	PyObject *dims;
+	shmrpc_tensor *t;
+	Py_ssize_t n;
+	int rc;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "KIIO", &addr, &code, &bits, &dims) ||
+	    (n = shape_of(dims, shape)) < 0)
+		return NULL;
+	/* No deleter: the array stays its owner's. No strides: compact. */
+	rc = shmrpc_tensor_from_dlpack(
+		&(DLManagedTensor){ .dl_tensor = { .data = (void *)(uintptr_t)addr,
+						    .device = { kDLCPU, 0 },
+						    .ndim = (int32_t)n,
+						    .dtype = { (uint8_t)code, (uint8_t)bits, 1 },
+						    .shape = shape } },
+		&t);
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
@@ -342,7 +436,8 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 	char *dst;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row))
+	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row) ||
+	    !held(obj))
 		return NULL;
 	if (!PyList_Check(addrs)) {
 		PyErr_SetString(PyExc_TypeError, "stack_rows: the rows' addresses come in a list");
@@ -376,6 +471,10 @@ static PyMethodDef tensor_functions[] = {
 	{ "from_dlpack", mod_from_dlpack, METH_O,
 	  "from_dlpack(obj or capsule) -> Tensor in the pool or on a CUDA device" },
 	{ "empty", mod_empty, METH_VARARGS, "empty(shape, code, bits) -> Tensor in the pool" },
+	{ "take_dlpack", mod_take_dlpack, METH_O,
+	  "take_dlpack(Tensor) -> a DLPack capsule holding the Tensor's reference (emptied)" },
+	{ "from_host", mod_from_host, METH_VARARGS,
+	  "from_host(address, code, bits, shape) -> Tensor: a contiguous host array's bytes" },
 	{ "from_bytes", mod_from_bytes, METH_O, "from_bytes(b) -> a copy of b in the pool" },
 	{ "stack_rows", mod_stack_rows, METH_VARARGS,
 	  "stack_rows(tensor, [address...], row_bytes): the rows, streamed into tensor's block" },

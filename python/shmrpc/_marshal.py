@@ -31,8 +31,11 @@ def _rref_of(handle):
     return _rref_type(_c=handle)
 
 
-_POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", "uint8",
-                                               "float16", "float32", "float64")}
+# The torch dtypes whose CPU tensors go through the pool, with their DLPack
+# (code, bits): kDLInt 0, kDLUInt 1, kDLFloat 2.
+_POOL_TORCH_DTYPES = {"torch.int8": (0, 8), "torch.int16": (0, 16), "torch.int32": (0, 32),
+                      "torch.int64": (0, 64), "torch.uint8": (1, 8), "torch.float16": (2, 16),
+                      "torch.float32": (2, 32), "torch.float64": (2, 64)}
 
 
 _KDLCUDA = 2  # DLPack's device type of CUDA memory
@@ -42,20 +45,19 @@ _NOT_ARRAY, _NUMPY, _TORCH, _DLPACK = range(4)
 
 
 _TYPE_KINDS = {}
-# Per torch dtype: whether a CPU tensor of it goes through the pool.
+# Per torch dtype: its DLPack (code, bits) when a CPU tensor of it goes
+# through the pool, else False.
 _TORCH_DTYPE_OK = {}
 
 
-# torch.Tensor and torch's DLPack export and import (C functions), once a
-# torch tensor was seen: the pickler's fast path (_Pickler.persistent_id).
+# torch.Tensor and torch's DLPack import (a C function), once a torch
+# tensor was seen: the pickler's fast path (_Pickler.persistent_id).
 _torch_tensor_type = None
-_to_dlpack = None
 _from_dlpack = None
 
 
 def _know_torch(torch):
-    global _torch_tensor_type, _to_dlpack, _from_dlpack
-    _to_dlpack = torch._C._to_dlpack
+    global _torch_tensor_type, _from_dlpack
     # torch.utils.dlpack.from_dlpack without its Python wrapper, which asks
     # a capsule nothing.
     _from_dlpack = torch._C._from_dlpack
@@ -63,8 +65,8 @@ def _know_torch(torch):
     # Known before the first tensor: _plain_tensor asks this map alone, so
     # the first tensor of a dtype would otherwise be pickled (_tensor_kind
     # fills the map) and only the later ones go by the fast path.
-    for name in _POOL_TORCH_DTYPES:
-        _TORCH_DTYPE_OK[getattr(torch, name[len("torch."):])] = True
+    for name, code_bits in _POOL_TORCH_DTYPES.items():
+        _TORCH_DTYPE_OK[getattr(torch, name[len("torch."):])] = code_bits
 
 
 def _type_kind(t):
@@ -104,7 +106,7 @@ def _tensor_kind(obj):
         if obj.is_cpu:
             ok = _TORCH_DTYPE_OK.get(obj.dtype)
             if ok is None:
-                ok = _TORCH_DTYPE_OK[obj.dtype] = str(obj.dtype) in _POOL_TORCH_DTYPES
+                ok = _TORCH_DTYPE_OK[obj.dtype] = _POOL_TORCH_DTYPES.get(str(obj.dtype), False)
             return "torch" if ok and obj.numel() else None
         if obj.is_cuda:
             # Any dtype torch's DLPack takes: never copied to the host.
@@ -125,9 +127,7 @@ def _to_pool(kind, obj):
     if kind == "torch":
         if obj.requires_grad or not obj.is_contiguous():
             obj = obj.detach().contiguous()
-        # The capsule straight from torch: Tensor.__dlpack__'s checks (a
-        # Python method) cost as much as the export itself.
-        return _shmrpc.from_dlpack(_to_dlpack(obj))
+        return _plain_handle(obj)
     if type(obj) is _shmrpc.Tensor:
         return obj  # received: passed on as it is (the producer's memory)
     if type(obj).__module__.startswith("torch"):
@@ -227,15 +227,24 @@ def _plain_tensor(obj):
 
 
 def _plain_handle(obj):
-    return _shmrpc.from_dlpack(_to_dlpack(obj))
+    # Its address, dtype and shape rather than torch's DLPack export, which
+    # makes a view of the tensor and a capsule for each (docs/ARCHITECTURE.md,
+    # "A tensor echo"); obj is alive and contiguous (_plain_tensor).
+    code, bits = _TORCH_DTYPE_OK[obj.dtype]
+    return _shmrpc.from_host(obj.data_ptr(), code, bits, obj.shape)
 
 
 def _from_handles(tensors):
-    """The torch tensors of _TENSORS' handles (_from_pool's "torch")."""
+    """The torch tensors of _TENSORS' handles (_from_pool's "torch"), each
+    holding its handle's reference (take_dlpack: the handles are the
+    message's, used once)."""
     if _from_dlpack is None:
         import torch
         _know_torch(torch)
-    return [_from_dlpack(t.__dlpack__()) for t in tensors]
+    return [_from_dlpack(_take_dlpack(t)) for t in tensors]
+
+
+_take_dlpack = _shmrpc.take_dlpack
 
 
 # A value, or a call's arguments, that is only such tensors travels as

@@ -264,3 +264,24 @@ def test_pool_tensor_echoed_back():
     assert view.shape == (2, 2048) and torch.equal(view.reshape(-1), t), "a view of it"
     part = rpc.rpc_sync(PEER, as_slice, args=(t,))
     assert torch.equal(part, t[1:]), "a slice of it"
+
+
+def test_taken_handle_is_empty():
+    # A received handle made into a torch tensor gives it its own reference
+    # (take_dlpack, _marshal._from_handles): the tensor keeps the block
+    # after the handle is gone, and the emptied handle refuses every use,
+    # a send included, with a sentence (never a crash).
+    torch = pytest.importorskip("torch")
+    h = rpc._shmrpc.empty((4,), 2, 32)  # float32
+    t = torch.utils.dlpack.from_dlpack(rpc._shmrpc.take_dlpack(h))
+    t.copy_(torch.arange(4, dtype=torch.float32))
+    for use in (h.data_ptr, h.pool_offset, h.tobytes, h.__dlpack__, h.__dlpack_device__,
+                lambda: h.__array_interface__, lambda: rpc._shmrpc.take_dlpack(h),
+                lambda: rpc.rpc_sync(PEER, echo, args=(h,))):
+        with pytest.raises(ValueError, match="DLPack capsule"):
+            use()
+    del h
+    gc.collect()
+    got = rpc.rpc_sync(PEER, echo, args=(t,))
+    assert torch.equal(got, torch.arange(4, dtype=torch.float32)), "the tensor kept its block"
+    assert got.data_ptr() == t.data_ptr(), "and is sent by reference: its block"
