@@ -230,8 +230,10 @@ static int by_call(const void *x, const void *y)
 	const struct trace_entry *a = *(const struct trace_entry *const *)x;
 	const struct trace_entry *b = *(const struct trace_entry *const *)y;
 
+	/* Then as trace_read put them, by time: a call's steps can be in
+	 * different lanes, whose indexes do not compare. */
 	return cmp_u64(a->peer, b->peer) ?: cmp_u64(a->msg_id, b->msg_id)
-					 ?: cmp_u64(a->index, b->index);
+					 ?: cmp_u64((uintptr_t)a, (uintptr_t)b);
 }
 
 static int by_track(const void *x, const void *y)
