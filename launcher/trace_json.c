@@ -389,9 +389,10 @@ static void put_other_data(struct trace_out *t)
 	json_put_str(t->f, basename(j->o->argv[0]));
 	fprintf(t->f, ",\"time\":\"microseconds since shmrun started (CLOCK_MONOTONIC)\","
 		"\"records_per_worker\":%u,\"note\":\"each worker's flight recorder is a ring of "
-		"its last %u records: what came before is not here, and a call whose other side "
+		"%u records in %u lanes, each holding its last records (a lane per thread, "
+		"lane 0 shared): what came before is not here, and a call whose other side "
 		"was overwritten has no flows\",\"workers\":[", j->shm.seg.trace_records,
-		j->shm.seg.trace_records);
+		j->shm.seg.trace_records, shm_trace_lanes(j->shm.seg.trace_records));
 	for (uint32_t rank = 0; rank < j->o->nproc; rank++) {
 		const struct rank_recs *r = &t->r[rank];
 		const struct proc *p = &j->procs[rank];

@@ -3,6 +3,7 @@
  * worker's (shm/layout.h gives the protocol both follow).
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,10 +40,24 @@ void trace_ring_init(struct trace_self *t, struct shm_trace_ctl *ctl, uint32_t r
 	atomic_store_explicit(&t->given, 0, memory_order_relaxed);
 }
 
+/* A child of a fork makes no calls (worker/agent.c), and its threads must
+ * not write the lanes of its parent's. */
+static void forget_in_child(void)
+{
+	trace_self.ctl = NULL;
+}
+
+static void process_once(void)
+{
+	pthread_atfork(NULL, NULL, forget_in_child);
+}
+
 void trace_open(const struct shm_seg *seg, uint32_t rank)
 {
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
 	const char *v = getenv("SHMRPC_TRACE");
 
+	pthread_once(&once, process_once);
 	if (v && !strcmp(v, "0"))
 		return;
 	trace_ring_init(&trace_self, shm_trace(seg, rank), seg->trace_records,
