@@ -6,17 +6,18 @@
  *   BENCH rpc_async mode=uring calls_per_s= vs_torch=
  *   BENCH rpc_echo size=S median_ns= p99_ns= vs_torch=
  *   BENCH flight_recorder mode=M records_per_call= ns_per_record= rpc_sync_ns= overhead_pct=
- *         measured_pct= on_ns= off_ns= pairs=
+ *         measured_pct= on_ns= off_ns= blocks=
  * The last one is the recorder's share of an empty rpc_sync (issue 23: at
  * most 5 %), two ways. overhead_pct estimates it: the records both workers
- * wrote per call (their rings' heads), times what one record costs, timed
+ * wrote per call (their lanes' heads), times what one record costs, timed
  * on a private ring in a lane of the thread's own as the calls' are, over
- * the first run's median. measured_pct measures it: `pairs` pairs of jobs
- * of the same calls, one with the recorder on and one with SHMRPC_TRACE=0,
- * alternated (on first in even pairs, off first in odd ones); the median
- * of the pairs' ratios of medians, less one; on_ns and off_ns are the
- * medians of the on and off jobs' medians. On a loaded machine the jobs'
- * noise can exceed the recorder's share: read it beside the estimate.
+ * the call's median. measured_pct measures it, in the same job: `blocks`
+ * blocks of calls with the recorder switched on and off in both workers
+ * (trace_switch, as SHMRPC_TRACE=0 leaves it), alternated in pairs (on
+ * first in even pairs, off first in odd ones); the median of the pairs'
+ * ratios of block medians, less one. on_ns and off_ns are the medians of
+ * the on and off blocks' medians. A difference of two jobs' medians would
+ * drown in the noise; on a loaded machine the blocks' can too.
  * rpc_sync's median_ns is the median of the runs' medians, each run a job
  * of its own (a wait mode's state can differ from job to job: issue 23
  * saw the default mode at 0.84 µs in one run and 6.5 µs in the next), and
@@ -29,7 +30,6 @@
  * are measured in the same `make bench` run (bench/run.sh passes their
  * BENCH lines in the file named by SHMRPC_BENCH_PEERS). -q: fewer calls.
  */
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -115,53 +115,75 @@ static double ns_per_record(void)
  * BENCH_RUNS_ENV, which the parent reads back after the mode's runs. */
 #define BENCH_RUNS_ENV "SHMRPC_BENCH_RPC_RUNS"
 #define RUN_FMT "%llu %llu %llu %llu\n" /* median, p99, spins met, spins missed */
-/* The recorder's figures, lines of the file named by BENCH_REC_ENV: the
- * first run's estimate, then each pair's jobs' medians. A job of a pair
- * has BENCH_PAIR_ENV set (to "on" or "off") and makes only the calls. */
-#define BENCH_REC_ENV "SHMRPC_BENCH_RPC_REC"
-#define BENCH_PAIR_ENV "SHMRPC_BENCH_RPC_PAIR"
-#define EST_FMT "E %lf %lf %llu\n" /* records per call, ns per record, median */
-#define PAIR_FMT "%3s %llu\n"      /* on or off, median */
 
-/* Appends one line to the file named by env. */
-static void put_line(const char *env, const char *fmt, ...)
-	__attribute__((format(printf, 2, 3)));
-static void put_line(const char *env, const char *fmt, ...)
+/* "recorder": switches rank 1's recorder as its argument says. */
+static int recorder(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
-	const char *path = getenv(env);
-	FILE *out;
-	va_list ap;
+	(void)c, (void)n, (void)r, (void)u;
+	trace_switch(a[0].u.i != 0);
+	return 0;
+}
 
-	if (!path || !(out = fopen(path, "a")))
-		die(env);
-	va_start(ap, fmt);
-	vfprintf(out, fmt, ap);
-	va_end(ap);
-	fclose(out);
+static void switch_both(bool on)
+{
+	shmrpc_value v = shmrpc_int(on);
+	shmrpc_future *f;
+
+	trace_switch(on);
+	if (shmrpc_rpc_sync(1, "recorder", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
+		die("recorder");
+	shmrpc_future_free(f);
+}
+
+/* mode's flight_recorder line: the estimate from per_call records a call
+ * and med, the calls' median; then the measure, blocks of n calls each. */
+static void recorder_figures(const char *mode, double per_call, uint64_t med, int n)
+{
+	enum { BLOCKS = 20 };
+	uint64_t on[BLOCKS / 2], off[BLOCKS / 2], ratio[BLOCKS / 2], m, p99;
+	double per_rec = ns_per_record();
+
+	for (int b = 0; b < BLOCKS; b++) {
+		/* on, off; off, on; ...: neither goes first more often. */
+		bool is_on = (b % 2 == 0) == (b / 2 % 2 == 0);
+
+		switch_both(is_on);
+		timed_sync("nothing", NULL, n, &m, &p99);
+		(is_on ? on : off)[b / 2] = m;
+	}
+	switch_both(true);
+	for (int k = 0; k < BLOCKS / 2; k++)
+		ratio[k] = on[k] * 1000000u / (off[k] ? off[k] : 1); /* parts per million */
+	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
+	       "rpc_sync_ns=%llu overhead_pct=%.2f measured_pct=%.2f on_ns=%llu off_ns=%llu "
+	       "blocks=%d\n", mode, per_call, per_rec, (unsigned long long)med,
+	       100.0 * per_call * per_rec / (double)med,
+	       ((double)bench_median(ratio, BLOCKS / 2) - 1e6) / 1e4,
+	       (unsigned long long)bench_median(on, BLOCKS / 2),
+	       (unsigned long long)bench_median(off, BLOCKS / 2), BLOCKS);
 }
 
 static void measure(const char *mode, bool quick)
 {
 	int n = quick ? 2000 : 50000;
 	uint64_t med, p99, t0, recs, met0, missed0, met, missed;
-	const char *pair = getenv(BENCH_PAIR_ENV);
+	const char *runs = getenv(BENCH_RUNS_ENV);
+	FILE *out;
 
 	timed_sync("nothing", NULL, n / 10, &med, &p99); /* warm-up */
-	if (pair) {
-		timed_sync("nothing", NULL, n, &med, &p99);
-		put_line(BENCH_REC_ENV, PAIR_FMT, pair, (unsigned long long)med);
-		return;
-	}
 	recs = records_written();
 	worker_handoff_counts(&met0, &missed0);
 	timed_sync("nothing", NULL, n, &med, &p99);
 	worker_handoff_counts(&met, &missed);
 	recs = records_written() - recs;
-	put_line(BENCH_RUNS_ENV, RUN_FMT, (unsigned long long)med, (unsigned long long)p99,
-		 (unsigned long long)(met - met0), (unsigned long long)(missed - missed0));
+	if (!runs || !(out = fopen(runs, "a")))
+		die("the runs' file (" BENCH_RUNS_ENV ")");
+	fprintf(out, RUN_FMT, (unsigned long long)med, (unsigned long long)p99,
+		(unsigned long long)(met - met0), (unsigned long long)(missed - missed0));
+	fclose(out);
 	if (strcmp(getenv("SHMRPC_BENCH_RUN"), "0"))
 		return; /* the other figures: the first run's */
-	put_line(BENCH_REC_ENV, EST_FMT, (double)recs / n, ns_per_record(), (unsigned long long)med);
+	recorder_figures(mode, (double)recs / n, med, quick ? n / 2 : n / 5);
 	if (strcmp(mode, "uring"))
 		return;
 
@@ -205,7 +227,8 @@ static int worker(bool quick)
 {
 	const char *mode = getenv("SHMRPC_WAIT");
 
-	if (shmrpc_register("nothing", "", nothing, NULL) || shmrpc_register("echo", "y", echo, NULL))
+	if (shmrpc_register("nothing", "", nothing, NULL) || shmrpc_register("echo", "y", echo, NULL) ||
+	    shmrpc_register("recorder", "i", recorder, NULL))
 		die("register");
 	if (shmrpc_init(NULL))
 		die("init");
@@ -260,88 +283,24 @@ static uint64_t report_runs(const char *mode, const char *path, uint64_t spin_ns
 	return mid;
 }
 
-/* Runs mode's pairs of jobs, the recorder on and off, and prints its line
- * from the estimate of the mode's first run and the pairs' medians in
- * path (which it empties). 0 or 1. */
-static int report_recorder(const char *mode, const char *path, bool quick)
-{
-	enum { PAIRS_MAX = 8 };
-	int pairs = quick ? 2 : 4, rc = 0, n_on = 0, n_off = 0;
-	unsigned long long on[PAIRS_MAX], off[PAIRS_MAX], med, first;
-	double per_call, per_rec, ratio[PAIRS_MAX];
-	uint64_t on_s[PAIRS_MAX], off_s[PAIRS_MAX], r_s[PAIRS_MAX];
-	char opts[128], kind[4];
-	FILE *f;
-
-	snprintf(opts, sizeof(opts), "-n 2 --quiet --wait=%s", mode);
-	for (int p = 0; p < 2 * pairs && !rc; p++) {
-		/* on, off; off, on; ...: neither goes first more often. */
-		bool trace_on = (p % 2 == 0) == (p / 2 % 2 == 0);
-
-		setenv(BENCH_PAIR_ENV, trace_on ? "on" : "off", 1);
-		if (trace_on)
-			unsetenv("SHMRPC_TRACE");
-		else
-			setenv("SHMRPC_TRACE", "0", 1);
-		rc = bench_run_self(opts, quick);
-	}
-	unsetenv(BENCH_PAIR_ENV);
-	unsetenv("SHMRPC_TRACE");
-	if (!(f = fopen(path, "r+")))
-		return 1;
-	if (fscanf(f, EST_FMT, &per_call, &per_rec, &first) != 3)
-		rc = 1;
-	while (!rc && n_on + n_off < 2 * PAIRS_MAX && fscanf(f, PAIR_FMT, kind, &med) == 2) {
-		if (!strcmp(kind, "on"))
-			on[n_on++] = med;
-		else
-			off[n_off++] = med;
-	}
-	if (ftruncate(fileno(f), 0))
-		rc = 1;
-	fclose(f);
-	if (rc)
-		return 1;
-	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
-	       "rpc_sync_ns=%llu overhead_pct=%.2f", mode, per_call, per_rec, first,
-	       100.0 * per_call * per_rec / (double)first);
-	/* Pair i is on[i] beside off[i], whichever ran first. */
-	for (int i = 0; i < n_on && i < n_off; i++) {
-		on_s[i] = on[i];
-		off_s[i] = off[i];
-		ratio[i] = (double)on[i] / (double)off[i];
-		r_s[i] = (uint64_t)(ratio[i] * 1e6);
-	}
-	if (n_on == n_off && n_on > 0)
-		printf(" measured_pct=%.2f on_ns=%llu off_ns=%llu pairs=%d",
-		       100.0 * ((double)bench_median(r_s, n_on) / 1e6 - 1.0),
-		       (unsigned long long)bench_median(on_s, n_on),
-		       (unsigned long long)bench_median(off_s, n_off), n_on);
-	printf("\n");
-	fflush(stdout);
-	return 0;
-}
-
 int main(int argc, char **argv)
 {
 	/* Spin mode first: the others' lines divide by it. */
 	static const char *const modes[] = { "spin", "uring", "futex" };
 	bool quick = argc > 1 && strcmp(argv[1], "-q") == 0;
 	int runs = quick ? 3 : 5;
-	char path[] = "/tmp/shmrpc-bench-rpc.XXXXXX", rec[] = "/tmp/shmrpc-bench-rec.XXXXXX";
+	char path[] = "/tmp/shmrpc-bench-rpc.XXXXXX";
 	uint64_t spin_ns = 0, mid;
 	int fd, rc = 0;
 
 	if (getenv("SHMRPC_RANK"))
 		return worker(quick);
-	if ((fd = mkstemp(path)) < 0 || close(fd) || (fd = mkstemp(rec)) < 0) {
+	if ((fd = mkstemp(path)) < 0) {
 		perror("bench/rpc: mkstemp");
-		unlink(path);
 		return 1;
 	}
 	close(fd);
 	setenv(BENCH_RUNS_ENV, path, 1);
-	setenv(BENCH_REC_ENV, rec, 1);
 	for (int m = 0; m < 3 && !rc; m++) {
 		for (int r = 0; r < runs && !rc; r++) {
 			char opts[128], run[16];
@@ -356,10 +315,7 @@ int main(int argc, char **argv)
 		mid = report_runs(modes[m], path, spin_ns);
 		if (m == 0)
 			spin_ns = mid;
-		if (!rc)
-			rc = report_recorder(modes[m], rec, quick);
 	}
 	unlink(path);
-	unlink(rec);
 	return rc;
 }

@@ -31,20 +31,21 @@ void trace_ring_init(struct trace_self *t, struct shm_trace_ctl *ctl, uint32_t r
 {
 	uint32_t lanes = shm_trace_lanes(records);
 
-	t->ctl = ctl;
+	t->ring = ctl;
 	t->recs = (struct shm_trace_rec *)(ctl + lanes);
 	t->mask = records / lanes - 1;
 	t->lanes = lanes;
 	t->ticks = ticks;
 	t->opening = atomic_fetch_add_explicit(&openings, 1, memory_order_relaxed) + 1;
 	atomic_store_explicit(&t->given, 0, memory_order_relaxed);
+	atomic_store_explicit(&t->ctl, ctl, memory_order_relaxed);
 }
 
 /* A child of a fork makes no calls (worker/agent.c), and its threads must
  * not write the lanes of its parent's. */
 static void forget_in_child(void)
 {
-	trace_self.ctl = NULL;
+	trace_close();
 }
 
 static void process_once(void)
@@ -66,7 +67,13 @@ void trace_open(const struct shm_seg *seg, uint32_t rank)
 
 void trace_close(void)
 {
-	trace_self.ctl = NULL;
+	atomic_store_explicit(&trace_self.ctl, NULL, memory_order_relaxed);
+	trace_self.ring = NULL;
+}
+
+void trace_switch(bool on)
+{
+	atomic_store_explicit(&trace_self.ctl, on ? trace_self.ring : NULL, memory_order_relaxed);
 }
 
 /* The calling thread's lane of t: its own while t has lanes to give. */
@@ -85,10 +92,15 @@ static uint32_t my_lane(struct trace_self *t)
 void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 {
 	uint64_t now = t->ticks ? shmrpc_ticks() : shmrpc_now_ns();
-	uint32_t lane = my_lane(t);
-	struct shm_trace_ctl *c = &t->ctl[lane];
+	struct shm_trace_ctl *ctl = atomic_load_explicit(&t->ctl, memory_order_relaxed), *c;
 	struct shm_trace_rec *r;
+	uint32_t lane;
 	uint64_t i;
+
+	if (!ctl)
+		return;
+	lane = my_lane(t);
+	c = &ctl[lane];
 
 	if (lane) {
 		/* Relaxed: only this thread writes this lane's head and slots. */
@@ -134,7 +146,7 @@ void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id, uint3
 {
 	uint32_t field = (uint32_t)bytes;
 
-	if (!trace_self.ctl)
+	if (!trace_on())
 		return;
 	/* From 2 GiB the KiB, rounded up (saturated): a handoff's size stays
 	 * right to the KiB up to 2 TiB. */

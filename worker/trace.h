@@ -38,9 +38,13 @@
 #include "shm/segment.h"
 
 /* This process's recorder; ctl is NULL while it is off. Set before the
- * agent's threads start, cleared after they end. */
+ * agent's threads start, cleared after they end; trace_switch turns it
+ * off and on meanwhile. */
 struct trace_self {
-	struct shm_trace_ctl *ctl; /* the lanes' control lines */
+	/* The lanes' control lines. Relaxed: it is only ever NULL or the
+	 * ring that trace_ring_init set up before the threads that read it. */
+	struct shm_trace_ctl *_Atomic ctl;
+	struct shm_trace_ctl *ring; /* what ctl is when on */
 	struct shm_trace_rec *recs;
 	uint64_t mask;      /* a lane's length - 1 */
 	uint32_t lanes;
@@ -60,8 +64,18 @@ SHMRPC_HIDDEN void trace_close(void);
 SHMRPC_HIDDEN void trace_ring_init(struct trace_self *t, struct shm_trace_ctl *ctl,
 				   uint32_t records, bool ticks);
 
-/* Claims and writes one record into t's ring: into this thread's lane,
- * taken at its first record into t. */
+/* Turns this process's recorder off (on: false) or back on, while its
+ * threads run: bench/rpc measures the calls both ways in one job. */
+SHMRPC_HIDDEN void trace_switch(bool on);
+
+/* Whether this process records. */
+static inline bool trace_on(void)
+{
+	return atomic_load_explicit(&trace_self.ctl, memory_order_relaxed) != NULL;
+}
+
+/* Claims and writes one record into t's ring (nothing while it is off):
+ * into this thread's lane, taken at its first record into t. */
 SHMRPC_HIDDEN void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info);
 
 /* Claims and writes one record (recording is on). */
@@ -74,7 +88,7 @@ static inline void trace_put(uint64_t msg_id, uint64_t info)
 static inline void trace_rec(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
 			     size_t size, uint32_t status)
 {
-	if (trace_self.ctl)
+	if (trace_on())
 		trace_put(msg_id, SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
 						 size > UINT32_MAX ? UINT32_MAX : size));
 }
