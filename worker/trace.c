@@ -95,13 +95,12 @@ void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 	struct shm_trace_ctl *ctl = atomic_load_explicit(&t->ctl, memory_order_relaxed), *c;
 	struct shm_trace_rec *r;
 	uint32_t lane;
-	uint64_t i;
+	uint64_t i, seq;
 
 	if (!ctl)
 		return;
 	lane = my_lane(t);
 	c = &ctl[lane];
-
 	if (lane) {
 		/* Relaxed: only this thread writes this lane's head and slots. */
 		i = atomic_load_explicit(&c->head, memory_order_relaxed);
@@ -112,8 +111,7 @@ void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 		 * publishes it. */
 		i = atomic_fetch_add_explicit(&c->head, 1, memory_order_relaxed);
 		r = &t->recs[i & t->mask];
-
-		uint64_t seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
+		seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
 
 		/* Odd: a writer a lap away is still in this slot; above 2i: one
 		 * a lap ahead has filled it. Either way this record is the one
