@@ -5,7 +5,7 @@
  * --dump-on-failure after a death.
  *
  * Writing costs a read of the time-stamp counter (CLOCK_MONOTONIC's vDSO
- * call where the counter is not invariant: shm/layout.h) and five stores
+ * call where the counter is not invariant: shm/layout.h) and six stores
  * to a lane of the thread's own (the first lanes-1 threads of the worker
  * to record take one each, for their life); the other threads share lane
  * 0, where a record costs a fetch_add on its head and a CAS more. No
