@@ -6,10 +6,18 @@
  *   BENCH rpc_async mode=uring calls_per_s= vs_torch=
  *   BENCH rpc_echo size=S median_ns= p99_ns= vs_torch=
  *   BENCH flight_recorder mode=M records_per_call= ns_per_record= rpc_sync_ns= overhead_pct=
- * The last one is the recorder's share of an empty rpc_sync (issue 9: at
- * most 3 %): the records both workers wrote per call (their rings' heads),
- * times what one record costs, timed on a private ring, over the call's
- * median. A difference of two jobs' medians would drown in the noise.
+ *         measured_pct= on_ns= off_ns= blocks=
+ * The last one is the recorder's share of an empty rpc_sync (issue 23: at
+ * most 5 %), two ways. overhead_pct estimates it: the records both workers
+ * wrote per call (their lanes' heads), times what one record costs, timed
+ * on a private ring in a lane of the thread's own as the calls' are, over
+ * the call's median. measured_pct measures it, in the same job: `blocks`
+ * blocks of calls with the recorder switched on and off in both workers
+ * (trace_switch, as SHMRPC_TRACE=0 leaves it), alternated in pairs (on
+ * first in even pairs, off first in odd ones); the median of the pairs'
+ * ratios of block medians, less one. on_ns and off_ns are the medians of
+ * the on and off blocks' medians. A difference of two jobs' medians would
+ * drown in the noise; on a loaded machine the blocks' can too.
  * rpc_sync's median_ns is the median of the runs' medians, each run a job
  * of its own (a wait mode's state can differ from job to job: issue 23
  * saw the default mode at 0.84 µs in one run and 6.5 µs in the next), and
@@ -72,28 +80,29 @@ static void timed_sync(const char *fn, const shmrpc_value *arg, int n, uint64_t 
 	free(t);
 }
 
-/* Records claimed so far by both workers. Relaxed: counted after the
- * calls returned, whose replies ordered the callee's records before. */
+/* Records claimed so far by both workers (counted after the calls
+ * returned, whose replies ordered the callee's records before). */
 static uint64_t records_written(void)
 {
 	const struct shm_seg *seg = &worker_agent->seg;
 
-	return atomic_load_explicit(&shm_trace(seg, 0)->head, memory_order_relaxed) +
-	       atomic_load_explicit(&shm_trace(seg, 1)->head, memory_order_relaxed);
+	return trace_claimed(seg, 0) + trace_claimed(seg, 1);
 }
 
 /* What one record costs, on a ring like a worker's but this bench's own. */
 static double ns_per_record(void)
 {
 	enum { RECS = 4096, N = 1000000 };
-	struct shm_trace_ctl *ctl = aligned_alloc(64, sizeof(*ctl) + RECS * sizeof(struct shm_trace_rec));
-	struct trace_self t = { ctl, (struct shm_trace_rec *)(ctl + 1), RECS - 1,
-				worker_agent->seg.trace_clock == SHM_TRACE_CLOCK_TICKS };
+	size_t bytes = shm_trace_lanes(RECS) * sizeof(struct shm_trace_ctl) +
+		       RECS * sizeof(struct shm_trace_rec);
+	struct shm_trace_ctl *ctl = aligned_alloc(64, bytes);
+	struct trace_self t;
 	uint64_t t0;
 
 	if (!ctl)
 		die("malloc");
-	memset(ctl, 0, sizeof(*ctl) + RECS * sizeof(struct shm_trace_rec));
+	memset(ctl, 0, bytes);
+	trace_ring_init(&t, ctl, RECS, worker_agent->seg.trace_clock == SHM_TRACE_CLOCK_TICKS);
 	t0 = shmrpc_now_ns();
 	for (uint64_t i = 0; i < N; i++)
 		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16));
@@ -107,11 +116,57 @@ static double ns_per_record(void)
 #define BENCH_RUNS_ENV "SHMRPC_BENCH_RPC_RUNS"
 #define RUN_FMT "%llu %llu %llu %llu\n" /* median, p99, spins met, spins missed */
 
+/* "recorder": switches rank 1's recorder as its argument says. */
+static int recorder(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	(void)c, (void)n, (void)r, (void)u;
+	trace_switch(a[0].u.i != 0);
+	return 0;
+}
+
+static void switch_both(bool on)
+{
+	shmrpc_value v = shmrpc_int(on);
+	shmrpc_future *f;
+
+	trace_switch(on);
+	if (shmrpc_rpc_sync(1, "recorder", &v, 1, SHMRPC_TIMEOUT_DEFAULT, &f))
+		die("recorder");
+	shmrpc_future_free(f);
+}
+
+/* mode's flight_recorder line: the estimate from per_call records a call
+ * and med, the calls' median; then the measure, blocks of n calls each. */
+static void recorder_figures(const char *mode, double per_call, uint64_t med, int n)
+{
+	enum { BLOCKS = 20 };
+	uint64_t on[BLOCKS / 2], off[BLOCKS / 2], ratio[BLOCKS / 2], m, p99;
+	double per_rec = ns_per_record();
+
+	for (int b = 0; b < BLOCKS; b++) {
+		/* on, off; off, on; ...: neither goes first more often. */
+		bool is_on = (b % 2 == 0) == (b / 2 % 2 == 0);
+
+		switch_both(is_on);
+		timed_sync("nothing", NULL, n, &m, &p99);
+		(is_on ? on : off)[b / 2] = m;
+	}
+	switch_both(true);
+	for (int k = 0; k < BLOCKS / 2; k++)
+		ratio[k] = on[k] * 1000000u / (off[k] ? off[k] : 1); /* parts per million */
+	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
+	       "rpc_sync_ns=%llu overhead_pct=%.2f measured_pct=%.2f on_ns=%llu off_ns=%llu "
+	       "blocks=%d\n", mode, per_call, per_rec, (unsigned long long)med,
+	       100.0 * per_call * per_rec / (double)med,
+	       ((double)bench_median(ratio, BLOCKS / 2) - 1e6) / 1e4,
+	       (unsigned long long)bench_median(on, BLOCKS / 2),
+	       (unsigned long long)bench_median(off, BLOCKS / 2), BLOCKS);
+}
+
 static void measure(const char *mode, bool quick)
 {
 	int n = quick ? 2000 : 50000;
 	uint64_t med, p99, t0, recs, met0, missed0, met, missed;
-	double per_call, per_rec;
 	const char *runs = getenv(BENCH_RUNS_ENV);
 	FILE *out;
 
@@ -128,11 +183,7 @@ static void measure(const char *mode, bool quick)
 	fclose(out);
 	if (strcmp(getenv("SHMRPC_BENCH_RUN"), "0"))
 		return; /* the other figures: the first run's */
-	per_call = (double)recs / n;
-	per_rec = ns_per_record();
-	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
-	       "rpc_sync_ns=%llu overhead_pct=%.2f\n", mode, per_call, per_rec,
-	       (unsigned long long)med, 100.0 * per_call * per_rec / (double)med);
+	recorder_figures(mode, (double)recs / n, med, quick ? n / 2 : n / 5);
 	if (strcmp(mode, "uring"))
 		return;
 
@@ -176,7 +227,8 @@ static int worker(bool quick)
 {
 	const char *mode = getenv("SHMRPC_WAIT");
 
-	if (shmrpc_register("nothing", "", nothing, NULL) || shmrpc_register("echo", "y", echo, NULL))
+	if (shmrpc_register("nothing", "", nothing, NULL) || shmrpc_register("echo", "y", echo, NULL) ||
+	    shmrpc_register("recorder", "i", recorder, NULL))
 		die("register");
 	if (shmrpc_init(NULL))
 		die("init");

@@ -230,8 +230,10 @@ static int by_call(const void *x, const void *y)
 	const struct trace_entry *a = *(const struct trace_entry *const *)x;
 	const struct trace_entry *b = *(const struct trace_entry *const *)y;
 
+	/* Then as trace_read put them, by time: a call's steps can be in
+	 * different lanes, whose indexes do not compare. */
 	return cmp_u64(a->peer, b->peer) ?: cmp_u64(a->msg_id, b->msg_id)
-					 ?: cmp_u64(a->index, b->index);
+					 ?: cmp_u64((uintptr_t)a, (uintptr_t)b);
 }
 
 static int by_track(const void *x, const void *y)
@@ -377,9 +379,32 @@ static void assign_lanes(struct trace_out *t, uint64_t *end)
 
 /* What the viewers do not show: what the file is, and each worker's end
  * and recorder. */
+/* From when each recorder lane of r holds every record it got: the oldest
+ * record of the lane whose oldest is newest among those that lost some
+ * (their first record read is not their number 0); 0 when none lost any.
+ * Before it, a call's other half may be gone from another lane (as it may
+ * be, after it, for a call that began before). */
+static uint64_t complete_since_ns(const struct rank_recs *r)
+{
+	bool seen[SHM_TRACE_LANES_MAX] = { false };
+	uint64_t since = 0;
+
+	for (size_t i = 0; i < r->n; i++) {
+		const struct trace_entry *e = &r->e[i];
+
+		if (e->lane >= SHM_TRACE_LANES_MAX || seen[e->lane])
+			continue;
+		seen[e->lane] = true; /* oldest first: its lane's oldest */
+		if (e->index > 0 && e->time_ns > since)
+			since = e->time_ns;
+	}
+	return since;
+}
+
 static void put_other_data(struct trace_out *t)
 {
 	const struct job *j = t->j;
+	uint64_t since;
 
 	fputs("\"otherData\":{\"tool\":\"shmrun --trace\",\"version\":", t->f);
 	json_put_str(t->f, shmrpc_version());
@@ -387,9 +412,13 @@ static void put_other_data(struct trace_out *t)
 	json_put_str(t->f, basename(j->o->argv[0]));
 	fprintf(t->f, ",\"time\":\"microseconds since shmrun started (CLOCK_MONOTONIC)\","
 		"\"records_per_worker\":%u,\"note\":\"each worker's flight recorder is a ring of "
-		"its last %u records: what came before is not here, and a call whose other side "
-		"was overwritten has no flows\",\"workers\":[", j->shm.seg.trace_records,
-		j->shm.seg.trace_records);
+		"%u records in %u lanes, each holding its last records (a lane per thread, "
+		"lane 0 shared): what came before is not here, and a call whose other side "
+		"was overwritten has no flows; a worker's complete_since_us says from when "
+		"all its lanes hold every record (null: since it started): before it, a "
+		"lane may lack the other half of a call\",\"workers\":[",
+		j->shm.seg.trace_records,
+		j->shm.seg.trace_records, shm_trace_lanes(j->shm.seg.trace_records));
 	for (uint32_t rank = 0; rank < j->o->nproc; rank++) {
 		const struct rank_recs *r = &t->r[rank];
 		const struct proc *p = &j->procs[rank];
@@ -408,8 +437,14 @@ static void put_other_data(struct trace_out *t)
 		json_put_str(t->f, name);
 		fputs(",\"end\":", t->f);
 		json_put_str(t->f, end);
-		fprintf(t->f, ",\"records\":%llu,\"records_in_file\":%zu,\"records_dropped\":%llu}",
+		fprintf(t->f, ",\"records\":%llu,\"records_in_file\":%zu,\"records_dropped\":%llu",
 			(unsigned long long)r->head, r->n, (unsigned long long)r->dropped);
+		since = complete_since_ns(r);
+		if (since)
+			put_us(t->f, "complete_since_us", since, j->start_ns);
+		else
+			fputs(",\"complete_since_us\":null", t->f);
+		fputc('}', t->f);
 	}
 	fputs("]}", t->f);
 }

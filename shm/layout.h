@@ -7,7 +7,8 @@
  *   worker_off          struct shm_worker[world]     (320 B each)
  *   ring_ctl_off        struct shm_ring_ctl[nrings]  (256 B each)
  *   ring_data_off       ring data, ring_size bytes each, page aligned
- *   trace_off           per worker: struct shm_trace_ctl, then
+ *   trace_off           per worker: struct shm_trace_ctl[lanes] (one per
+ *                       lane, shm_trace_lanes()), then
  *                       struct shm_trace_rec[trace_records], page aligned
  *   devmap_off          struct shm_devmap_head[world] (256 B each), then
  *                       struct shm_devmap_row[world * world] (16 B each),
@@ -46,6 +47,8 @@
 #define SHM_RING_MAX (64u * 1024u * 1024u)
 #define SHM_TRACE_MIN 16u       /* flight-recorder records per worker */
 #define SHM_TRACE_MAX (1u << 20)
+#define SHM_TRACE_LANES_MAX 8u  /* lanes of a worker's recorder (shm_trace_lanes) */
+#define SHM_TRACE_LANE_MIN 512u /* records of a lane, but in a ring of fewer than 1024 */
 
 /* Header flags. */
 #define SHM_F_NO_PAYLOAD_CSUM 0x1u /* frames carry no payload checksum */
@@ -266,33 +269,54 @@ _Static_assert(offsetof(struct shm_ring_ctl, data_off) == 128, "constants on the
 _Static_assert(sizeof(struct shm_ring_ctl) == 256, "ring control is four lines");
 
 /*
- * The flight recorder: each worker's last trace_records messages and call
- * steps, in a ring of fixed records that any thread of the worker appends
- * to without a lock (worker/trace.h), and that inspectors and the launcher
- * read while it moves.
+ * The flight recorder: each worker's last message and call steps, in a
+ * ring of fixed records split into lanes of equal length
+ * (shm_trace_lanes(): a ring of 1024 records or more has up to 8, of 512
+ * or more each; a smaller one, one). Lane 0 is shared: any thread of the
+ * worker appends to it without a lock. Each other lane is one thread's: the
+ * first lanes-1 threads of the worker to record take one each, for their
+ * life (worker/trace.h), and only that thread writes it. Inspectors and the
+ * launcher read the lanes while they move and merge them by time.
  *
- * A writer claims record i with a relaxed fetch_add on `head`, then takes
- * the slot i % trace_records with a CAS of its seq from an even value
- * below 2i+1 to 2i+1 (a slot still odd, or already past i, is being
- * written by a writer a lap away: the record is dropped and counted), a
- * release fence, the three words (relaxed), and seq = 2i+2 (release). A
- * reader wanting record i loads seq (acquire), the words (relaxed), an
- * acquire fence, seq again: the record is whole only if both seqs are
- * 2i+2; otherwise it is skipped. 0 is a slot never written.
+ * Record i of a lane is its slot i % (its length). A writer of the shared
+ * lane claims i with a relaxed fetch_add on the lane's `head`, then takes
+ * the slot with a CAS of its seq from an even value below 2i+1 to 2i+1 (a
+ * slot still odd, or already past i, is being written by a writer a lap
+ * away: the record is dropped and counted); a lane's own thread stores
+ * seq = 2i+1 (relaxed; no other thread writes the lane) and, once the
+ * record is whole, head = i+1 (relaxed). Then both: a release fence, the
+ * three words (relaxed), and seq = 2i+2 (release). A reader wanting
+ * record i loads seq (acquire), the words (relaxed), an acquire fence, seq
+ * again: the record is whole only if both seqs are 2i+2; otherwise it is
+ * skipped. 0 is a slot never written. A reader takes the records from
+ * head - length to head, and the ones past head while their seq says
+ * they are whole (an own lane's thread stores head after the record).
  *
  * A record's time is the CPU's time-stamp counter where the segment's
  * creator found it invariant (trace_clock SHM_TRACE_CLOCK_TICKS: a read
  * costs a few ns against the 20-40 of CLOCK_MONOTONIC's vDSO call);
  * readers turn it into CLOCK_MONOTONIC ns along the line through the
  * header's anchor and one they take when they read. Elsewhere
- * (SHM_TRACE_CLOCK_NS) it is CLOCK_MONOTONIC ns.
+ * (SHM_TRACE_CLOCK_NS) it is CLOCK_MONOTONIC ns. Both clocks are one for
+ * every CPU, so the lanes merge by it.
  */
 struct shm_trace_ctl {
-	_Atomic uint64_t head;    /* records claimed (relaxed RMW, any thread of the owner) */
-	_Atomic uint64_t dropped; /* records given up: their slot was busy (relaxed RMW) */
+	/* The lane's records claimed (shared lane: relaxed RMW, any thread
+	 * of the owner) or written (own lane: relaxed store, its thread). */
+	_Atomic uint64_t head;
+	_Atomic uint64_t dropped; /* shared lane: records given up, their slot busy (relaxed RMW) */
 	uint8_t pad[SHMRPC_CACHELINE - 16];
 };
 _Static_assert(sizeof(struct shm_trace_ctl) == SHMRPC_CACHELINE, "trace control is one line");
+
+/* How many lanes a ring of `records` records (a power of two) has: a power
+ * of two, each lane SHM_TRACE_LANE_MIN records or more. */
+static inline uint32_t shm_trace_lanes(uint32_t records)
+{
+	uint32_t lanes = records / SHM_TRACE_LANE_MIN;
+
+	return lanes < 2 ? 1 : lanes > SHM_TRACE_LANES_MAX ? SHM_TRACE_LANES_MAX : lanes;
+}
 
 struct shm_trace_rec {
 	_Atomic uint64_t seq;

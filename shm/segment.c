@@ -54,7 +54,8 @@ static bool shm_shape(uint32_t world, uint32_t ring_size, uint32_t trace_records
 				   SHMRPC_CACHELINE);
 	s->ring_data_off = align_up(s->ring_ctl_off + nrings * sizeof(struct shm_ring_ctl), SHM_PAGE);
 	s->trace_off = align_up(s->ring_data_off + nrings * ring_size, SHM_PAGE);
-	s->devmap_off = align_up(s->trace_off + world * (sizeof(struct shm_trace_ctl) +
+	s->devmap_off = align_up(s->trace_off + world * (shm_trace_lanes(trace_records) *
+								 sizeof(struct shm_trace_ctl) +
 							 (uint64_t)trace_records *
 								 sizeof(struct shm_trace_rec)),
 				 SHM_PAGE);

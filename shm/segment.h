@@ -102,17 +102,18 @@ static inline uint8_t *shm_ring_data(const struct shm_seg *seg, uint32_t src, ui
 	       (uint64_t)shm_ring_index(seg->world, src, dst) * seg->ring_size;
 }
 
-/* Rank's flight recorder: its control line, then its records. */
+/* Rank's flight recorder: its lanes' control lines, then its records. */
 static inline struct shm_trace_ctl *shm_trace(const struct shm_seg *seg, uint32_t rank)
 {
 	return (struct shm_trace_ctl *)(seg->base + seg->trace_off +
-					rank * (sizeof(struct shm_trace_ctl) +
+					rank * (shm_trace_lanes(seg->trace_records) *
+							sizeof(struct shm_trace_ctl) +
 						(uint64_t)seg->trace_records * sizeof(struct shm_trace_rec)));
 }
 
 static inline struct shm_trace_rec *shm_trace_recs(const struct shm_seg *seg, uint32_t rank)
 {
-	return (struct shm_trace_rec *)(shm_trace(seg, rank) + 1);
+	return (struct shm_trace_rec *)(shm_trace(seg, rank) + shm_trace_lanes(seg->trace_records));
 }
 
 /* A pointer to [off, off+len) inside the segment, or NULL if out of bounds. */

@@ -135,7 +135,11 @@ static const char summary_py[] =
 	"o = d['otherData']\n"
 	"print('records_per_worker', o['records_per_worker'])\n"
 	"for w in o['workers']:\n"
-	"    print('worker', w['rank'], w['name'], w['end'], w['records'], w['records_in_file'])\n";
+	"    print('worker', w['rank'], w['name'], w['end'], w['records'], w['records_in_file'])\n"
+	"    cs = w['complete_since_us']\n"
+	"    ts = [e['ts'] for e in d['traceEvents'] if e['pid'] == w['rank'] and e['ph'] in 'Xi']\n"
+	"    print('complete_since', w['rank'], 'null' if cs is None else\n"
+	"          'oldest' if ts and cs == min(ts) else cs)\n";
 
 static int fn_add(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
 {
@@ -411,6 +415,11 @@ static void check_calls(void)
 		3 * (CALLS_01 + 1) + 2 * CALLS_12);
 	expectf("worker 2 worker2 exited 0 %d %d", 3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20,
 		3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20);
+	/* Rank 0's ring (one lane) wrapped: it holds every record from its
+	 * oldest on; the others hold all they wrote. */
+	expect("complete_since 0 oldest");
+	expect("complete_since 1 null");
+	expect("complete_since 2 null");
 }
 
 /* Rank 1 died inside "die": rank 0's call to it ended peer-dead, and

@@ -67,10 +67,11 @@
  * {"RANK": n, only the nonzero}}]}.
  *
  * --trace RANK prints the records of the worker's flight recorder
- * (worker/trace.h) that could be read whole, oldest first. Its JSON
- * (stable): {rank, name, capacity (records the ring holds), claimed
- * (records written in the worker's life), dropped, records: [{index,
- * time_ns (CLOCK_MONOTONIC), age_ns (before the newest), kind ("sent",
+ * (worker/trace.h) that could be read whole, oldest first (its lanes
+ * merged by time). Its JSON (stable): {rank, name, capacity (records the
+ * ring holds, all lanes), claimed (records written in the worker's life),
+ * dropped, records: [{index (the record's number in its lane), lane (0:
+ * the shared one; else one thread's), time_ns (CLOCK_MONOTONIC), age_ns (before the newest), kind ("sent",
  * "received", "started", "finished", "completed", "pinned", "unpinned",
  * "blocked", "unblocked"), type (message type name, or null), type_id,
  * peer, msg_id, size (payload bytes; for pinned and unpinned the

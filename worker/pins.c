@@ -32,7 +32,7 @@ static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
 {
 	uint64_t bytes = 0;
 
-	if (!trace_self.ctl)
+	if (!trace_on())
 		return;
 	for (uint32_t i = 0; i < pin->held.n; i++)
 		bytes += pin->held.t[i]->nbytes;

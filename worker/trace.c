@@ -3,6 +3,7 @@
  * worker's (shm/layout.h gives the protocol both follow).
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,38 +17,113 @@
 
 struct trace_self trace_self;
 
+/* trace_ring_init's count, from 1: a thread's lane is of the ring of this
+ * number (relaxed: the number only has to differ). */
+static _Atomic uint64_t openings;
+/* This thread's lane: `lane` of the ring that `opening` made (0: none yet,
+ * or the shared lane). */
+static _Thread_local struct {
+	uint64_t opening;
+	uint32_t lane;
+} mine;
+
+void trace_ring_init(struct trace_self *t, struct shm_trace_ctl *ctl, uint32_t records, bool ticks)
+{
+	uint32_t lanes = shm_trace_lanes(records);
+
+	t->ring = ctl;
+	t->recs = (struct shm_trace_rec *)(ctl + lanes);
+	t->mask = records / lanes - 1;
+	t->lanes = lanes;
+	t->ticks = ticks;
+	t->opening = atomic_fetch_add_explicit(&openings, 1, memory_order_relaxed) + 1;
+	atomic_store_explicit(&t->given, 0, memory_order_relaxed);
+	atomic_store_explicit(&t->ctl, ctl, memory_order_relaxed);
+}
+
+/* A child of a fork makes no calls (worker/agent.c), and its threads must
+ * not write the lanes of its parent's. */
+static void forget_in_child(void)
+{
+	trace_close();
+}
+
+static void process_once(void)
+{
+	pthread_atfork(NULL, NULL, forget_in_child);
+}
+
 void trace_open(const struct shm_seg *seg, uint32_t rank)
 {
+	static pthread_once_t once = PTHREAD_ONCE_INIT;
 	const char *v = getenv("SHMRPC_TRACE");
 
+	pthread_once(&once, process_once);
 	if (v && !strcmp(v, "0"))
 		return;
-	trace_self = (struct trace_self){ shm_trace(seg, rank), shm_trace_recs(seg, rank),
-					  seg->trace_records - 1,
-					  seg->trace_clock == SHM_TRACE_CLOCK_TICKS };
+	trace_ring_init(&trace_self, shm_trace(seg, rank), seg->trace_records,
+			seg->trace_clock == SHM_TRACE_CLOCK_TICKS);
 }
 
 void trace_close(void)
 {
-	trace_self = (struct trace_self){ 0 };
+	atomic_store_explicit(&trace_self.ctl, NULL, memory_order_relaxed);
+	trace_self.ring = NULL;
 }
 
-void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info)
+void trace_switch(bool on)
+{
+	atomic_store_explicit(&trace_self.ctl, on ? trace_self.ring : NULL, memory_order_relaxed);
+}
+
+/* The calling thread's lane of t: its own while t has lanes to give. */
+static uint32_t my_lane(struct trace_self *t)
+{
+	if (mine.opening != t->opening) {
+		/* Relaxed: the count only has to hand each lane out once. */
+		uint32_t n = atomic_fetch_add_explicit(&t->given, 1, memory_order_relaxed) + 1;
+
+		mine.lane = n < t->lanes ? n : 0;
+		mine.opening = t->opening;
+	}
+	return mine.lane;
+}
+
+void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 {
 	uint64_t now = t->ticks ? shmrpc_ticks() : shmrpc_now_ns();
-	/* Relaxed: the index only has to be unique; the record's seq publishes it. */
-	uint64_t i = atomic_fetch_add_explicit(&t->ctl->head, 1, memory_order_relaxed);
-	struct shm_trace_rec *r = &t->recs[i & t->mask];
-	uint64_t seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
+	struct shm_trace_ctl *ctl = atomic_load_explicit(&t->ctl, memory_order_relaxed), *c;
+	struct shm_trace_rec *r;
+	uint32_t lane;
+	uint64_t i, seq;
 
-	/* Odd: a writer a lap away is still in this slot; above 2i: one a lap
-	 * ahead has filled it. Either way this record is the one to lose.
-	 * Acquire on success: our stores come after the last owner's. */
-	if ((seq & 1) || seq > 2 * i ||
-	    !atomic_compare_exchange_strong_explicit(&r->seq, &seq, 2 * i + 1, memory_order_acquire,
-						     memory_order_relaxed)) {
-		atomic_fetch_add_explicit(&t->ctl->dropped, 1, memory_order_relaxed);
+	if (!ctl)
 		return;
+	lane = my_lane(t);
+	c = &ctl[lane];
+	if (lane) {
+		/* Relaxed: only this thread writes this lane's head and slots. */
+		i = atomic_load_explicit(&c->head, memory_order_relaxed);
+		r = &t->recs[((uint64_t)lane * (t->mask + 1)) | (i & t->mask)];
+		atomic_store_explicit(&r->seq, 2 * i + 1, memory_order_relaxed);
+	} else {
+		/* Relaxed: the index only has to be unique; the record's seq
+		 * publishes it. */
+		i = atomic_fetch_add_explicit(&c->head, 1, memory_order_relaxed);
+		r = &t->recs[i & t->mask];
+		seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
+
+		/* Odd: a writer a lap away is still in this slot; above 2i: one
+		 * a lap ahead has filled it. Either way this record is the one
+		 * to lose. Acquire on success: our stores come after the last
+		 * owner's. */
+		if ((seq & 1) || seq > 2 * i ||
+		    !atomic_compare_exchange_strong_explicit(&r->seq, &seq, 2 * i + 1,
+							     memory_order_acquire,
+							     memory_order_relaxed)) {
+			atomic_fetch_add_explicit(&c->dropped, 1, memory_order_relaxed);
+			return;
+		}
 	}
 	/* Release fence: a reader that sees any word below sees seq odd (or
 	 * newer) on its second load. */
@@ -57,6 +133,10 @@ void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info)
 	atomic_store_explicit(&r->info, info, memory_order_relaxed);
 	/* Release: the words are visible to whoever sees the even seq. */
 	atomic_store_explicit(&r->seq, 2 * i + 2, memory_order_release);
+	/* Relaxed: readers take what the seqs say; the head only says where
+	 * to look (and a reader looks past it: shm/layout.h). */
+	if (lane)
+		atomic_store_explicit(&c->head, i + 1, memory_order_relaxed);
 }
 
 void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id, uint32_t tensors,
@@ -64,7 +144,7 @@ void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id, uint3
 {
 	uint32_t field = (uint32_t)bytes;
 
-	if (!trace_self.ctl)
+	if (!trace_on())
 		return;
 	/* From 2 GiB the KiB, rounded up (saturated): a handoff's size stays
 	 * right to the KiB up to 2 TiB. */
@@ -117,65 +197,136 @@ uint32_t trace_reply_status(uint32_t type)
 
 /* ---- reading ---- */
 
+/* Reads record i of a lane (its slots recs, mask its length - 1) into e;
+ * false when it is not whole. */
+static bool read_record(const struct shm_trace_rec *recs, uint64_t mask, uint64_t i,
+			struct trace_entry *e, uint64_t *info)
+{
+	const struct shm_trace_rec *r = &recs[i & mask];
+	uint64_t want = 2 * i + 2;
+
+	/* Acquire pairs with the writer's release of the even seq. */
+	if (atomic_load_explicit(&r->seq, memory_order_acquire) != want)
+		return false;
+	e->msg_id = atomic_load_explicit(&r->msg_id, memory_order_relaxed);
+	e->time_ns = atomic_load_explicit(&r->time, memory_order_relaxed);
+	*info = atomic_load_explicit(&r->info, memory_order_relaxed);
+	/* Acquire fence: pairs with the release fence of a writer whose
+	 * words we may have read; then its odd seq shows below. */
+	atomic_thread_fence(memory_order_acquire);
+	return atomic_load_explicit(&r->seq, memory_order_relaxed) == want;
+}
+
+/* Fills e's fields that info packs. */
+static void unpack(struct trace_entry *e, uint64_t info)
+{
+	e->kind = SHM_TRACE_KIND(info);
+	e->status = SHM_TRACE_STATUS(info);
+	if (trace_is_pin(e->kind)) {
+		uint32_t b = SHM_TRACE_SIZE(info);
+
+		e->size = b & SHM_TRACE_PIN_BYTES_KIB ? (uint64_t)(b & ~SHM_TRACE_PIN_BYTES_KIB) * 1024u
+						      : b;
+		e->peer = SHM_TRACE_PIN_PEER(info);
+		e->type = 0;
+		e->tensors = SHM_TRACE_PIN_TENSORS(info);
+		e->reply = SHM_TRACE_PIN_REPLY(info);
+	} else {
+		e->size = SHM_TRACE_SIZE(info);
+		e->peer = SHM_TRACE_PEER(info);
+		e->type = SHM_TRACE_TYPE(info);
+		e->tensors = 0;
+		e->reply = false;
+	}
+}
+
+/* Reads the last `max` whole records of lane `lane` (control c, slots
+ * recs) into out, oldest first; returns how many. */
+static size_t read_lane(const struct shm_trace_ctl *c, const struct shm_trace_rec *recs,
+			uint64_t mask, uint32_t lane, size_t max, struct trace_entry *out)
+{
+	/* Relaxed: each record's seq says whether it is there. */
+	uint64_t h = atomic_load_explicit(&c->head, memory_order_relaxed), n, info;
+	struct trace_entry probe;
+	size_t got = 0;
+
+	/* A lane's own thread stores its head after the record: a record
+	 * whole past the head is there (one, unless the head is corrupt). */
+	for (uint64_t k = 0; k <= mask && read_record(recs, mask, h, &probe, &info); k++)
+		h++;
+	n = h < mask + 1 ? h : mask + 1;
+	if (n > max)
+		n = max;
+	for (uint64_t i = h - n; i != h; i++) {
+		struct trace_entry *e = &out[got];
+
+		if (!read_record(recs, mask, i, e, &info))
+			continue;
+		e->index = i;
+		e->lane = lane;
+		unpack(e, info);
+		got++;
+	}
+	return got;
+}
+
+/* Oldest first: by time, then lane, then index. */
+static int by_time(const void *pa, const void *pb)
+{
+	const struct trace_entry *a = pa, *b = pb;
+
+	if (a->time_ns != b->time_ns)
+		return a->time_ns < b->time_ns ? -1 : 1;
+	if (a->lane != b->lane)
+		return a->lane < b->lane ? -1 : 1;
+	return a->index < b->index ? -1 : a->index > b->index;
+}
+
+uint64_t trace_claimed(const struct shm_seg *seg, uint32_t rank)
+{
+	const struct shm_trace_ctl *c = shm_trace(seg, rank);
+	uint64_t n = 0;
+
+	for (uint32_t l = 0; l < shm_trace_lanes(seg->trace_records); l++)
+		n += atomic_load_explicit(&c[l].head, memory_order_relaxed);
+	return n;
+}
+
 size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct trace_entry *out,
 		  uint64_t *head, uint64_t *dropped)
 {
 	const struct shm_trace_ctl *c = shm_trace(seg, rank);
 	const struct shm_trace_rec *recs = shm_trace_recs(seg, rank);
-	/* Relaxed: each record's seq says whether it is there. */
-	uint64_t h = atomic_load_explicit(&c->head, memory_order_relaxed), n = h;
-	size_t got = 0;
-	/* Ticks become ns along the creator's anchor and ours, taken after the
-	 * head (so after every record read here but those written meanwhile,
-	 * which the line extends to). */
+	uint32_t lanes = shm_trace_lanes(seg->trace_records);
+	uint64_t len = seg->trace_records / lanes;
+	size_t per = max < len ? max : len, got = 0;
+	/* Ticks become ns along the creator's anchor and ours, taken after
+	 * every record read here. */
 	bool ticks = seg->trace_clock == SHM_TRACE_CLOCK_TICKS;
-	struct shmrpc_anchor now = ticks ? shmrpc_anchor_now() : (struct shmrpc_anchor){ 0, 0 };
+	struct trace_entry *all = lanes > 1 ? malloc(lanes * per * sizeof(*all)) : out;
+	struct shmrpc_anchor now;
 
-	if (n > seg->trace_records)
-		n = seg->trace_records;
-	if (n > max)
-		n = max;
-	for (uint64_t i = h - n; i < h; i++) {
-		const struct shm_trace_rec *r = &recs[i & (seg->trace_records - 1)];
-		struct trace_entry *e = &out[got];
-		uint64_t want = 2 * i + 2, info;
-
-		/* Acquire pairs with the writer's release of the even seq. */
-		if (atomic_load_explicit(&r->seq, memory_order_acquire) != want)
-			continue;
-		e->msg_id = atomic_load_explicit(&r->msg_id, memory_order_relaxed);
-		e->time_ns = atomic_load_explicit(&r->time, memory_order_relaxed);
-		info = atomic_load_explicit(&r->info, memory_order_relaxed);
-		/* Acquire fence: pairs with the release fence of a writer whose
-		 * words we may have read; then its odd seq shows below. */
-		atomic_thread_fence(memory_order_acquire);
-		if (atomic_load_explicit(&r->seq, memory_order_relaxed) != want)
-			continue;
-		e->index = i;
-		if (ticks)
-			e->time_ns = shmrpc_ticks_to_ns(e->time_ns, seg->trace_anchor, now);
-		e->kind = SHM_TRACE_KIND(info);
-		e->status = SHM_TRACE_STATUS(info);
-		if (trace_is_pin(e->kind)) {
-			uint32_t b = SHM_TRACE_SIZE(info);
-
-			e->size = b & SHM_TRACE_PIN_BYTES_KIB
-					  ? (uint64_t)(b & ~SHM_TRACE_PIN_BYTES_KIB) * 1024u : b;
-			e->peer = SHM_TRACE_PIN_PEER(info);
-			e->type = 0;
-			e->tensors = SHM_TRACE_PIN_TENSORS(info);
-			e->reply = SHM_TRACE_PIN_REPLY(info);
-		} else {
-			e->size = SHM_TRACE_SIZE(info);
-			e->peer = SHM_TRACE_PEER(info);
-			e->type = SHM_TRACE_TYPE(info);
-			e->tensors = 0;
-			e->reply = false;
-		}
-		got++;
+	*head = *dropped = 0;
+	if (!all)
+		return 0;
+	for (uint32_t l = 0; l < lanes; l++) {
+		/* Relaxed: counted, not read through. */
+		*head += atomic_load_explicit(&c[l].head, memory_order_relaxed);
+		*dropped += atomic_load_explicit(&c[l].dropped, memory_order_relaxed);
+		got += read_lane(&c[l], recs + l * len, len - 1, l, per, all + got);
 	}
-	*head = h;
-	*dropped = atomic_load_explicit(&c->dropped, memory_order_relaxed);
+	now = ticks ? shmrpc_anchor_now() : (struct shmrpc_anchor){ 0, 0 };
+	for (size_t i = 0; ticks && i < got; i++)
+		all[i].time_ns = shmrpc_ticks_to_ns(all[i].time_ns, seg->trace_anchor, now);
+	if (all != out) {
+		qsort(all, got, sizeof(*all), by_time);
+		if (got > max) {
+			memmove(all, all + (got - max), max * sizeof(*all));
+			got = max;
+		}
+		memcpy(out, all, got * sizeof(*out));
+		free(all);
+	}
 	return got;
 }
 

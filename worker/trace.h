@@ -5,10 +5,12 @@
  * --dump-on-failure after a death.
  *
  * Writing costs a read of the time-stamp counter (CLOCK_MONOTONIC's vDSO
- * call where the counter is not invariant: shm/layout.h), a fetch_add on
- * the ring's head, a CAS, and four stores to one record: no lock, no
- * syscall. It is on by
- * default; SHMRPC_TRACE=0 in a worker's environment turns it off.
+ * call where the counter is not invariant: shm/layout.h) and six stores
+ * to a lane of the thread's own (the first lanes-1 threads of the worker
+ * to record take one each, for their life); the other threads share lane
+ * 0, where a record costs a fetch_add on its head and a CAS more. No
+ * lock, no syscall. It is on by default; SHMRPC_TRACE=0 in a worker's
+ * environment turns it off.
  *
  * What is recorded, and where:
  *   SENT       client_request, before the request goes (peer: the callee)
@@ -36,12 +38,19 @@
 #include "shm/segment.h"
 
 /* This process's recorder; ctl is NULL while it is off. Set before the
- * agent's threads start, cleared after they end. */
+ * agent's threads start, cleared after they end; trace_switch turns it
+ * off and on meanwhile. */
 struct trace_self {
-	struct shm_trace_ctl *ctl;
+	/* The lanes' control lines. Relaxed: it is only ever NULL or the
+	 * ring that trace_ring_init set up before the threads that read it. */
+	struct shm_trace_ctl *_Atomic ctl;
+	struct shm_trace_ctl *ring; /* what ctl is when on */
 	struct shm_trace_rec *recs;
-	uint64_t mask;
-	bool ticks; /* times are time-stamp counter ticks (SHM_TRACE_CLOCK_TICKS) */
+	uint64_t mask;      /* a lane's length - 1 */
+	uint32_t lanes;
+	bool ticks;         /* times are time-stamp counter ticks (SHM_TRACE_CLOCK_TICKS) */
+	uint64_t opening;   /* which trace_ring_init made it: a thread's lane is of one */
+	_Atomic uint32_t given; /* lanes handed to threads (lanes 1..given) */
 };
 SHMRPC_HIDDEN extern struct trace_self trace_self;
 
@@ -49,9 +58,25 @@ SHMRPC_HIDDEN extern struct trace_self trace_self;
 SHMRPC_HIDDEN void trace_open(const struct shm_seg *seg, uint32_t rank);
 SHMRPC_HIDDEN void trace_close(void);
 
-/* Claims and writes one record into t's ring (bench/rpc times it on a
- * ring of its own). */
-SHMRPC_HIDDEN void trace_put_to(const struct trace_self *t, uint64_t msg_id, uint64_t info);
+/* Makes t write to the ring of `records` records (a power of two, at
+ * least SHM_TRACE_MIN) at ctl, laid out as a worker's (bench/rpc times
+ * records on a ring of its own). */
+SHMRPC_HIDDEN void trace_ring_init(struct trace_self *t, struct shm_trace_ctl *ctl,
+				   uint32_t records, bool ticks);
+
+/* Turns this process's recorder off (on: false) or back on, while its
+ * threads run: bench/rpc measures the calls both ways in one job. */
+SHMRPC_HIDDEN void trace_switch(bool on);
+
+/* Whether this process records. */
+static inline bool trace_on(void)
+{
+	return atomic_load_explicit(&trace_self.ctl, memory_order_relaxed) != NULL;
+}
+
+/* Claims and writes one record into t's ring (nothing while it is off):
+ * into this thread's lane, taken at its first record into t. */
+SHMRPC_HIDDEN void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info);
 
 /* Claims and writes one record (recording is on). */
 static inline void trace_put(uint64_t msg_id, uint64_t info)
@@ -63,7 +88,7 @@ static inline void trace_put(uint64_t msg_id, uint64_t info)
 static inline void trace_rec(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
 			     size_t size, uint32_t status)
 {
-	if (trace_self.ctl)
+	if (trace_on())
 		trace_put(msg_id, SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
 						 size > UINT32_MAX ? UINT32_MAX : size));
 }
@@ -91,7 +116,8 @@ SHMRPC_HIDDEN uint32_t trace_reply_status(uint32_t type);
 
 /* One record as read whole. */
 struct trace_entry {
-	uint64_t index; /* the record's number in the worker's life, from 0 */
+	uint64_t index; /* the record's number in its lane's life, from 0 */
+	uint32_t lane;  /* 0: the shared lane; else one thread's */
 	uint64_t msg_id;
 	uint64_t time_ns; /* CLOCK_MONOTONIC, whatever the ring's clock */
 	/* Payload bytes; PINNED, UNPINNED: the tensors' bytes (to the KiB
@@ -104,12 +130,15 @@ struct trace_entry {
 
 /*
  * Reads the last `max` records of rank's ring (at most its length), oldest
- * first, into out; records being written or overwritten meanwhile are
- * skipped. Returns how many were read; *head gets the records the worker
- * has claimed in all, *dropped those it gave up.
+ * first, into out: each lane's last ones, merged by time (in a lane, by
+ * index); records being written or overwritten meanwhile are skipped.
+ * Returns how many were read (0 also when out of memory); *head gets the
+ * records the worker has claimed in all, *dropped those it gave up.
  */
 SHMRPC_HIDDEN size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max,
 				struct trace_entry *out, uint64_t *head, uint64_t *dropped);
+/* The records rank has claimed in all, its lanes' heads (relaxed). */
+SHMRPC_HIDDEN uint64_t trace_claimed(const struct shm_seg *seg, uint32_t rank);
 
 /* "sent", "received", ...; "?" for no kind. */
 SHMRPC_HIDDEN const char *trace_kind_name(uint32_t kind);

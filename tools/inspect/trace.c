@@ -43,8 +43,9 @@ static void print_trace_json(const struct shm_seg *seg, uint32_t rank, const str
 		const struct trace_entry *r = &e[i];
 		const char *type = worker_msg_name(r->type), *step = trace_step(e, i, &ns);
 
-		printf("%s{\"index\":%llu,\"time_ns\":%llu,\"age_ns\":%llu,\"kind\":\"%s\",\"type\":",
-		       i ? "," : "", (unsigned long long)r->index, (unsigned long long)r->time_ns,
+		printf("%s{\"index\":%llu,\"lane\":%u,\"time_ns\":%llu,\"age_ns\":%llu,"
+		       "\"kind\":\"%s\",\"type\":", i ? "," : "", (unsigned long long)r->index,
+		       r->lane, (unsigned long long)r->time_ns,
 		       (unsigned long long)(newest - r->time_ns), trace_kind_name(r->kind));
 		if (type)
 			printf("\"%s\"", type);
