@@ -150,10 +150,14 @@ def close(a, b):
 
 
 def newer(records, trace):
-    """The records newer than trace's newest (the recorder's lanes number
-    their records each, so their time says what came after)."""
-    newest = max((r["time_ns"] for r in trace["records"]), default=-1)
-    return [r for r in records if r["time_ns"] > newest]
+    """The records newer than trace's: past its last index in their lane
+    (the recorder's lanes number their records each). Not by time: each
+    read converts the counter's ticks to ns anew, and a record's time can
+    differ by a nanosecond between two reads."""
+    last = {}
+    for r in trace["records"]:
+        last[r["lane"]] = max(last.get(r["lane"], -1), r["index"])
+    return [r for r in records if r["index"] > last.get(r["lane"], -1)]
 
 
 def records_since(trace):
