@@ -36,12 +36,15 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
     FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
         if msg_type == _shmrpc.PYTHON_RREF_FETCH_CALL:
-            return _serve_fetch(RRef(_c=rrefs[0]), caller, context_id)
+            return _serve_fetch(rrefs[0], caller, context_id)
         if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
                             _shmrpc.FORWARD_AUTOGRAD_REQ):
             return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
                                           (payload, rrefs, tensors)))
-        func, args, kwargs = _unpacked(payload, rrefs, tensors)
+        try:
+            func, args, kwargs = _unpack_call(payload, rrefs, tensors)
+        except (AttributeError, ModuleNotFoundError, ImportError) as e:
+            raise _not_found(e) from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
@@ -60,10 +63,13 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
     unless this thread is in one or a server profiler records, and a result
     of None, most calls', sent as the empty pickle itself (_dumps' b"",
     without its lists: the C half reads a bare pickle as one with no RRefs
-    nor tensors). An empty call makes 6 Python calls here, 10 through
+    nor tensors). An empty call makes 5 Python calls here, 10 through
     _run_function (docs/ARCHITECTURE.md)."""
     try:
-        func, args, kwargs = _unpacked(payload, rrefs, tensors)
+        try:
+            func, args, kwargs = _unpack_call(payload, rrefs, tensors)
+        except (AttributeError, ModuleNotFoundError, ImportError) as e:
+            raise _not_found(e) from None
         if func is _call_method or _contexts._tls.ctx is not None or server_profiler._active:
             reply = _serve_call(func, args, kwargs, caller, None, None, rref_id)
         else:
@@ -78,13 +84,10 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
         return _failed(e)
 
 
-def _unpacked(payload, rrefs, tensors):
-    """(func, args, kwargs) of a call's payload; a function this worker
-    cannot find is said with torch's hint."""
-    try:
-        return _unpack_call(payload, rrefs, tensors)
-    except (AttributeError, ModuleNotFoundError, ImportError) as e:
-        raise RuntimeError(f"{e}. {_UDF_HINT}") from None
+def _not_found(e):
+    """The error for a call whose function this worker cannot find (e,
+    unpickling it), with torch's hint."""
+    return RuntimeError(f"{e}. {_UDF_HINT}")
 
 
 def _failed(e):
@@ -135,13 +138,18 @@ def _reply(result, rref_id):
     return _LIVE, [], []
 
 
-def _serve_fetch(rref, caller, context_id):
-    """PYTHON_RREF_FETCH_CALL: the pickle of our RRef's live value as it is
-    now, inside the caller's autograd context (-1: none), so that tensors
-    that require grad in it are recorded as sends, as torch's fetch does."""
-    if not rref.is_owner():
-        raise RuntimeError(f"a fetch came in for {rref}, which this worker does not own")
-    value = rref.local_value()
+def _serve_fetch(r, caller, context_id):
+    """PYTHON_RREF_FETCH_CALL of r (a C RRef): the pickle of our RRef's live
+    value as it is now, inside the caller's autograd context (-1: none), so
+    that tensors that require grad in it are recorded as sends, as torch's
+    fetch does. The value is read from _owned itself: a fetch comes once the
+    value is stored, and the RRef's local_value would cost four Python
+    calls more (the RRef made, its owner asked twice)."""
+    if not r.is_owner():
+        raise RuntimeError(f"a fetch came in for {RRef(_c=r)}, which this worker does not own")
+    value = _owned.get(r.id(), _owned)
+    if value is _owned:  # not stored (a C function's value) or gone: as local_value says
+        value = RRef(_c=r).local_value()
     if context_id < 0:
         return _dumps(value)
     with _contexts._running_in(context_id, caller):
