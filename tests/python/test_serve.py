@@ -33,17 +33,17 @@ def pair():
     return [1, 2]  # a list: kept live by its owner, fetched by to_here
 
 
-def counted(fn):
-    """A decorator that gives the function attributes, as functools.wraps
-    does: the plain way then asks whether it is async_execution's."""
+def wrapped(fn):
+    """A decorator whose function has attributes (functools.wraps sets
+    __wrapped__ and copies fn's): the plain way then asks whether it is
+    async_execution's."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
-    wrapper.calls = 0
     return wrapper
 
 
-@counted
+@wrapped
 def wrapped_add(a, b):
     return a + b
 
@@ -55,7 +55,8 @@ def async_add(a, b):
 
 def served_by(name):
     """On the callee: which handler serves the call this function runs in
-    (the innermost of _serve_plain and _run_function on this stack)."""
+    (the innermost of _serve_plain and _run_function on this stack), or
+    name if neither is there."""
     import sys
     frame = sys._getframe(1)
     while frame is not None:
