@@ -411,12 +411,14 @@ static PyObject *releaser; /* the Python live-value release, owned */
 static void release_live(uint64_t id)
 {
 	PyGILState_STATE g;
-	PyObject *res;
+	PyObject *key, *res = NULL;
 
 	if (!releaser)
 		return;
 	g = gil_take();
-	res = PyObject_CallFunction(releaser, "K", (unsigned long long)id);
+	if ((key = PyLong_FromUnsignedLongLong(id)))
+		res = PyObject_CallFunctionObjArgs(releaser, key, NULL);
+	Py_XDECREF(key);
 	if (!res)
 		PyErr_Print(); /* a failing __del__ is the program's; the RRef went */
 	Py_XDECREF(res);
