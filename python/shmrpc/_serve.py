@@ -20,15 +20,14 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
                   ops, rref_id, profile):
-    """Serves a request of this package on an executor thread (the C half
-    gives its type and autograd metadata, worker/python.h) that _serve_plain
-    does not. A pickled
-    (func, args, kwargs) runs inside the autograd context its
-    FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
-    stores a remote call's result in its RRef), its result pickled inside
-    it too, and for a call profiled for torch's profiler (ops, a list, not
-    None; profile, what its caller's profiler asks) under that profiler
-    (profiler.torch_ops); a remote call's result
+    """Serves a request of this package that _serve_plain does not, on an
+    executor thread (the C half gives its type and autograd metadata,
+    worker/python.h). A pickled (func, args, kwargs) runs inside the
+    autograd context its FORWARD_AUTOGRAD_REQ names (wrapping a call or a
+    remote call: the C half stores a remote call's result in its RRef), its
+    result pickled inside it too, and for a call profiled for torch's
+    profiler (ops, a list, not None; profile, what its caller's profiler
+    asks) under that profiler (profiler.torch_ops); a remote call's result
     (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
     PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
