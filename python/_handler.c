@@ -20,8 +20,6 @@
 #include "python/module.h"
 #include "worker/python_api.h"
 
-static PyObject *handler; /* the Python handler; owned */
-
 /* (pickle: bytes, [RRef, ...], [Tensor, ...]) from a Python message value
  * (or the FORWARD_AUTOGRAD_RESP that wraps one); each RRef and Tensor a
  * handle of its own. */
@@ -69,11 +67,12 @@ out:
 	return res;
 }
 
-/* The handles of a list of objects of type; malloc'd, NULL with an
- * exception set. */
-static void **handles_of(PyObject *list, PyObject *type, uint32_t *n)
+/* The handles of a list of objects of type, in a (NULL: malloc'd); NULL
+ * with an exception set. */
+static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32_t *n)
 {
 	Py_ssize_t len;
+	size_t size;
 	void **h;
 
 	if (!PyList_Check(list)) {
@@ -81,13 +80,15 @@ static void **handles_of(PyObject *list, PyObject *type, uint32_t *n)
 		return NULL;
 	}
 	len = PyList_Size(list);
-	if (!(h = malloc((size_t)(len ? len : 1) * sizeof(*h))))
+	size = (size_t)(len ? len : 1) * sizeof(*h);
+	if (!(h = a ? arena_alloc(a, size) : malloc(size)))
 		return (void **)PyErr_NoMemory();
 	for (Py_ssize_t i = 0; i < len; i++) {
 		PyObject *o = PyList_GetItem(list, i);
 
 		if (!PyObject_TypeCheck(o, (PyTypeObject *)type)) {
-			free(h);
+			if (!a)
+				free(h);
 			PyErr_SetString(PyExc_TypeError, "a message lists an object of the wrong type");
 			return NULL;
 		}
@@ -105,9 +106,10 @@ static void **handles_of(PyObject *list, PyObject *type, uint32_t *n)
 }
 
 /* A message from (pickle, [RRef...], [Tensor...]): borrows the pickle and
- * the handles, valid while the objects live; rrefs and tensors malloc'd
- * (msg_free). */
-int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m)
+ * the handles, valid while the objects live; rrefs and tensors in a, or
+ * malloc'd (msg_free) if a is NULL. 0, or -1 with an exception set. */
+static int msg_view(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct arena *a,
+		    struct python_msg *m)
 {
 	char *buf;
 	Py_ssize_t len;
@@ -117,15 +119,21 @@ int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct py
 		return -1;
 	m->data = buf;
 	m->len = (size_t)len;
-	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, &m->nrrefs);
+	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, a, &m->nrrefs);
 	if (!m->rrefs)
 		return -1;
-	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, &m->ntensors);
+	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, a, &m->ntensors);
 	if (!m->tensors) {
-		free(m->rrefs);
+		if (!a)
+			free(m->rrefs);
 		return -1;
 	}
 	return 0;
+}
+
+int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m)
+{
+	return msg_view(pickled, rrefs, tensors, NULL, m);
 }
 
 void msg_free(struct python_msg *m)
@@ -194,35 +202,38 @@ static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
 	return list;
 }
 
-/* out: copies the agent owns of view (the objects go with the GIL). */
-static int msg_copy(const struct python_msg *view, struct python_msg *out)
+/* m, a view (msg_view) in a, made the agent's: its pickle copied into a
+ * (the one copy before the reply's frame), each handle replaced by a new
+ * one that the agent frees once sent. -ENOMEM or -EIO with none taken. */
+static int msg_keep(struct python_msg *m, struct arena *a)
 {
-	int rc = 0;
+	void *data = arena_alloc(a, m->len ? m->len : 1);
+	uint32_t nr = 0, nt = 0;
+	int rc = data ? 0 : -ENOMEM;
 
-	memset(out, 0, sizeof(*out));
-	out->len = view->len;
-	out->data = malloc(view->len ? view->len : 1);
-	out->rrefs = malloc((view->nrrefs ? view->nrrefs : 1) * sizeof(*out->rrefs));
-	out->tensors = malloc((view->ntensors ? view->ntensors : 1) * sizeof(*out->tensors));
-	if (!out->data || !out->rrefs || !out->tensors)
-		rc = -ENOMEM;
-	else
-		memcpy((void *)out->data, view->data, view->len);
-	for (uint32_t i = 0; rc == 0 && i < view->nrrefs; i++)
-		if (!(rc = shmrpc_rref_retain(view->rrefs[i], &out->rrefs[out->nrrefs])))
-			out->nrrefs++;
-	for (uint32_t i = 0; rc == 0 && i < view->ntensors; i++)
-		if (!(rc = shmrpc_tensor_retain(view->tensors[i], &out->tensors[out->ntensors])))
-			out->ntensors++;
-	if (rc) {
-		for (uint32_t i = 0; i < out->nrrefs; i++)
-			shmrpc_rref_free(out->rrefs[i]);
-		for (uint32_t i = 0; i < out->ntensors; i++)
-			shmrpc_tensor_free(out->tensors[i]);
-		free((void *)out->data);
-		msg_free(out);
+	while (rc == 0 && nr < m->nrrefs) {
+		shmrpc_rref *r;
+
+		if (!(rc = shmrpc_rref_retain(m->rrefs[nr], &r)))
+			m->rrefs[nr++] = r;
 	}
-	return rc;
+	while (rc == 0 && nt < m->ntensors) {
+		shmrpc_tensor *t;
+
+		if (!(rc = shmrpc_tensor_retain(m->tensors[nt], &t)))
+			m->tensors[nt++] = t;
+	}
+	if (rc) {
+		for (uint32_t i = 0; i < nr; i++)
+			shmrpc_rref_free(m->rrefs[i]);
+		for (uint32_t i = 0; i < nt; i++)
+			shmrpc_tensor_free(m->tensors[i]);
+		m->nrrefs = m->ntensors = 0;
+		return rc;
+	}
+	memcpy(data, m->data, m->len);
+	m->data = data;
+	return 0;
 }
 
 /* The ops the handler appended to list, (name, start_ns, end_ns, thread,
@@ -246,31 +257,22 @@ static void ops_add(PyObject *list, struct profile_events *ops)
 	}
 }
 
-/* The Python handler's arguments: (caller, type, context_id, message_id,
+/*
+ * The general handler's arguments: (caller, type, context_id, message_id,
  * retain_graph, pickle, [RRef...], [Tensor...], ops, rref_id, profile),
  * ops being a list to append the ops torch's profiler recorded to, or None
  * (python_handler_fn), profile what the caller's profiler asks (PROFILE_
- * bits: with PROFILE_TORCH, SHAPES and MEMORY are its options), rref_id a remote call's RRef (0 for other requests);
- * it returns (pickle, [RRef...], [Tensor...]) or, answering a
- * FORWARD_AUTOGRAD_REQ, the same and the reply's autograd message id, and
- * for a remote call whose result it keeps live (worker/python.h) the same
- * with that id (0 if none) and True. */
-int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
-		       struct profile_events *ops)
+ * bits: with PROFILE_TORCH, SHAPES and MEMORY are its options), rref_id a
+ * remote call's RRef (0 for other requests).
+ */
+static PyObject *call_general(PyObject *fn, uint32_t caller, const struct python_request *in,
+			      PyObject *rrefs, PyObject *tensors, struct profile_events *ops)
 {
-	PyGILState_STATE g = gil_take();
-	PyObject *res = NULL, *rrefs, *tensors, *pickled, *op_list;
 	const struct python_msg *m = &in->msg;
-	struct python_msg view;
-	long long message_id = 0;
-	int live = 0, rc = -EIO;
+	PyObject *op_list = ops ? PyList_New(0) : new_ref(Py_None), *res = NULL;
 
-	/* The handler's input as Python sees it: (bytes, [RRef...], [Tensor...]). */
-	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
-	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
-	op_list = ops ? PyList_New(0) : new_ref(Py_None);
-	if (rrefs && tensors && op_list && handler)
-		res = PyObject_CallFunction(handler, "IHLLOy#OOOKI", caller, in->type,
+	if (op_list)
+		res = PyObject_CallFunction(fn, "IHLLOy#OOOKI", caller, in->type,
 					    (long long)in->context_id, (long long)in->message_id,
 					    in->retain_graph ? Py_True : Py_False,
 					    (const char *)m->data, (Py_ssize_t)m->len, rrefs, tensors,
@@ -278,34 +280,134 @@ int run_handler(uint32_t caller, const struct python_request *in, struct python_
 					    ops ? ops->what : 0u);
 	if (res && ops)
 		ops_add(op_list, ops);
+	Py_XDECREF(op_list);
+	return res;
+}
+
+/*
+ * The plain handler's: (caller, type, pickle, [RRef...], [Tensor...],
+ * rref_id), for a PYTHON_CALL or PYTHON_REMOTE_CALL not profiled for
+ * torch's profiler: most requests. Called without a format: the
+ * arguments go on the stack (vectorcall, which the stable ABI of 3.9
+ * reaches only this way), no tuple made.
+ */
+static PyObject *call_plain(PyObject *fn, uint32_t caller, const struct python_request *in,
+			    PyObject *rrefs, PyObject *tensors)
+{
+	PyObject *who = PyLong_FromUnsignedLong(caller), *type = PyLong_FromLong(in->type);
+	PyObject *pickle = PyBytes_FromStringAndSize(in->msg.data, (Py_ssize_t)in->msg.len);
+	PyObject *rref = PyLong_FromUnsignedLongLong(in->rref_id), *res = NULL;
+
+	if (who && type && pickle && rref)
+		res = PyObject_CallFunctionObjArgs(fn, who, type, pickle, rrefs, tensors, rref, NULL);
+	Py_XDECREF(who);
+	Py_XDECREF(type);
+	Py_XDECREF(pickle);
+	Py_XDECREF(rref);
+	return res;
+}
+
+/*
+ * A handler's reply, read into out (its message in a, msg_keep): the
+ * pickle alone (bytes: no RRefs nor tensors, what most calls return), or
+ * (pickle, [RRef...], [Tensor...]), or, answering a FORWARD_AUTOGRAD_REQ,
+ * the same and the reply's autograd message id, and for a remote call
+ * whose result it keeps live (worker/python.h) the same with that id (0
+ * if none) and True. -1 with an exception set if it is none of these.
+ */
+static int reply_read(PyObject *res, struct arena *a, struct python_request *out)
+{
+	static PyObject *no_list; /* an empty list standing for none */
+	PyObject *pickled = res, *rrefs, *tensors;
+	Py_ssize_t n = 0;
+	int rc;
+
+	if (!no_list && !(no_list = PyList_New(0)))
+		return -1;
+	rrefs = tensors = no_list;
+	if (!PyBytes_Check(res)) {
+		if (!PyTuple_Check(res) || ((n = PyTuple_Size(res)) != 3 && n != 5)) {
+			PyErr_SetString(PyExc_TypeError, "the handler returned neither a pickle nor "
+					"(pickle, RRefs, tensors[, message id, live])");
+			return -1;
+		}
+		pickled = PyTuple_GetItem(res, 0);
+		rrefs = PyTuple_GetItem(res, 1);
+		tensors = PyTuple_GetItem(res, 2);
+	}
+	if (n == 5) {
+		long long id = PyLong_AsLongLong(PyTuple_GetItem(res, 3));
+		int live = PyObject_IsTrue(PyTuple_GetItem(res, 4));
+
+		if ((id == -1 && PyErr_Occurred()) || live < 0)
+			return -1;
+		out->message_id = id;
+		out->live = live;
+	}
+	if (msg_view(pickled, rrefs, tensors, a, &out->msg)) {
+		memset(&out->msg, 0, sizeof(out->msg)); /* none of its handles are ours */
+		return -1;
+	}
+	if ((rc = msg_keep(&out->msg, a)) == 0)
+		return 0;
+	fail(rc);
+	return -1;
+}
+
+/* Whether the plain handler serves in (call_plain). */
+static bool plain_request(const struct python_request *in, const struct profile_events *ops)
+{
+	return !ops && (in->type == MSG_PYTHON_CALL || in->type == MSG_PYTHON_REMOTE_CALL);
+}
+
+static PyObject *handler, *plain; /* the general and plain handlers; owned */
+
+/* The handler (python_handler_fn) on an executor thread: the GIL, the
+ * request's RRefs and tensors as objects, the package's handler, the
+ * reply into the call's arena. */
+int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
+		struct profile_events *ops, struct arena *a)
+{
+	PyGILState_STATE g = gil_take();
+	const struct python_msg *m = &in->msg;
+	PyObject *res = NULL, *rrefs, *tensors;
+	int rc = -EIO;
+
+	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
+	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
+	if (rrefs && tensors && handler)
+		res = plain_request(in, ops) ? call_plain(plain, caller, in, rrefs, tensors)
+					     : call_general(handler, caller, in, rrefs, tensors, ops);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
-	Py_XDECREF(op_list);
-	if (res && PyArg_ParseTuple(res, "SOO|Lp", &pickled, &rrefs, &tensors, &message_id, &live) &&
-	    msg_from_py(pickled, rrefs, tensors, &view) == 0) {
-		out->message_id = (int64_t)message_id;
-		out->live = live;
-		rc = msg_copy(&view, &out->msg);
-		msg_free(&view);
-	} else {
+	if (res && reply_read(res, a, out) == 0)
+		rc = 0;
+	else
 		/* The handler catches what the function raises: this is a bug
 		 * in it, or no memory. Its text goes back as an EXCEPTION. */
 		PyErr_Print();
-	}
 	Py_XDECREF(res);
 	PyGILState_Release(g);
 	return rc;
 }
 
-static PyObject *mod_set_handler(PyObject *m, PyObject *fn)
+/* set_handler(general, plain): the functions that serve requests
+ * (call_general's arguments and call_plain's). */
+static PyObject *mod_set_handler(PyObject *m, PyObject *args)
 {
+	PyObject *fn, *fn_plain;
+
 	(void)m;
-	if (!PyCallable_Check(fn)) {
-		PyErr_SetString(PyExc_TypeError, "the handler must be callable");
+	if (!PyArg_ParseTuple(args, "OO", &fn, &fn_plain))
+		return NULL;
+	if (!PyCallable_Check(fn) || !PyCallable_Check(fn_plain)) {
+		PyErr_SetString(PyExc_TypeError, "the handlers must be callable");
 		return NULL;
 	}
 	Py_XDECREF(handler);
+	Py_XDECREF(plain);
 	handler = new_ref(fn);
+	plain = new_ref(fn_plain);
 	return new_ref(Py_None);
 }
 
@@ -316,12 +418,14 @@ static PyObject *releaser; /* the Python live-value release, owned */
 static void release_live(uint64_t id)
 {
 	PyGILState_STATE g;
-	PyObject *res;
+	PyObject *key, *res = NULL;
 
 	if (!releaser)
 		return;
 	g = gil_take();
-	res = PyObject_CallFunction(releaser, "K", (unsigned long long)id);
+	if ((key = PyLong_FromUnsignedLongLong(id)))
+		res = PyObject_CallFunctionObjArgs(releaser, key, NULL);
+	Py_XDECREF(key);
 	if (!res)
 		PyErr_Print(); /* a failing __del__ is the program's; the RRef went */
 	Py_XDECREF(res);
@@ -343,7 +447,8 @@ static PyObject *mod_set_live_release(PyObject *m, PyObject *fn)
 	return new_ref(Py_None);
 }
 static PyMethodDef handler_functions[] = {
-	{ "set_handler", mod_set_handler, METH_O, "the function that runs pickled calls" },
+	{ "set_handler", mod_set_handler, METH_VARARGS,
+	  "set_handler(general, plain): the functions that serve requests (plain: most calls)" },
 	{ "set_live_release", mod_set_live_release, METH_O,
 	  "set_live_release(fn): fn(rref_id) drops an owned RRef's live value once it went" },
 	{ NULL, NULL, 0, NULL },

@@ -45,7 +45,7 @@ void msg_free(struct python_msg *m);
 PyGILState_STATE gil_take(void);
 /* The handler python_set_handler installs (shmrpc_init's). */
 int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
-		struct profile_events *ops);
+		struct profile_events *ops, struct arena *a);
 /* How often executor threads took the GIL, and how long they waited. */
 void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
 

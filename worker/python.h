@@ -77,14 +77,16 @@ struct python_request {
 };
 
 /* Runs the request in from caller (a request type python_is_request
- * accepts); fills out->msg with the pickled result (data, rrefs and
- * tensors malloc'd; the handles are the agent's to free once sent) and,
- * for a FORWARD_AUTOGRAD_REQ, out->message_id with the reply's. ops, if
- * set (a request profiled for torch's profiler, worker/profile.h): the
- * function runs under torch's profiler and the ops it ran are added there.
- * 0, or -errno with the text in shmrpc_errmsg() (sent as an EXCEPTION). */
+ * accepts); fills out->msg with the pickled result (data and the arrays
+ * of handles in a, the call's arena; the handles new ones, the agent's to
+ * free once sent) and, for a FORWARD_AUTOGRAD_REQ, out->message_id with
+ * the reply's. ops, if set (a request profiled for torch's profiler,
+ * worker/profile.h): the function runs under torch's profiler and the ops
+ * it ran are added there. 0, or -errno with the text in shmrpc_errmsg()
+ * (sent as an EXCEPTION), out->msg then holding no handle. */
 typedef int (*python_handler_fn)(uint32_t caller, const struct python_request *in,
-				 struct python_request *out, struct profile_events *ops);
+				 struct python_request *out, struct profile_events *ops,
+				 struct arena *a);
 
 SHMRPC_HIDDEN python_handler_fn python_handler(void);
 /* Whether the binding's handler serves requests of this type. */

@@ -129,37 +129,27 @@ bool server_python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, 
 }
 
 /* A request of the Python package (a pickled call, or one of distributed
- * autograd's) run by the binding's handler, which fills out's message and
- * autograd message id; *result is out (of the type the caller set) as a
- * payload, in the call's arena. The RRef and tensor handles the handler
- * made for it are freed once sent, as a C function's (free_result_handles). */
+ * autograd's) run by the binding's handler, which fills out's message (in
+ * the call's arena) and autograd message id; *result is out (of the type
+ * the caller set) as a payload, in the call's arena too. The RRef and
+ * tensor handles the handler made for it are freed once sent, as a C
+ * function's (free_result_handles). */
 static void run_python(shmrpc_call *call, const struct python_request *in,
 		       struct python_request *out, shmrpc_value *result)
 {
-	void *copy;
-	int rc;
-
 	if (python_handler()(call->caller, in, out,
-			     call->profile_what & PROFILE_TORCH ? call->profile : NULL)) {
+			     call->profile_what & PROFILE_TORCH ? call->profile : NULL, &call->arena)) {
 		call_fail(call, "RuntimeError", shmrpc_errmsg());
 		return;
 	}
 	out->context_id = in->context_id; /* a FORWARD_AUTOGRAD_RESP's */
-	copy = shmrpc_call_alloc(call, out->msg.len ? out->msg.len : 1);
-	if (copy)
-		memcpy(copy, out->msg.data, out->msg.len);
-	free((void *)out->msg.data);
-	out->msg.data = copy;
-	rc = copy ? python_request_value(out, &call->arena, result)
-		  : shmrpc__fail(-ENOMEM, "out of memory keeping a Python result");
-	for (uint32_t i = 0; rc && i < out->msg.nrrefs; i++)
+	if (python_request_value(out, &call->arena, result) == 0)
+		return;
+	for (uint32_t i = 0; i < out->msg.nrrefs; i++)
 		shmrpc_rref_free(out->msg.rrefs[i]);
-	for (uint32_t i = 0; rc && i < out->msg.ntensors; i++)
+	for (uint32_t i = 0; i < out->msg.ntensors; i++)
 		shmrpc_tensor_free(out->msg.tensors[i]);
-	free(out->msg.rrefs);
-	free(out->msg.tensors);
-	if (rc)
-		call_fail(call, "RuntimeError", shmrpc_errmsg());
+	call_fail(call, "RuntimeError", shmrpc_errmsg());
 }
 
 /* Runs the call in buf: a SCRIPT_ call, or a Python package's request by

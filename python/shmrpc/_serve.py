@@ -20,14 +20,14 @@ _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that 
 
 def _run_function(caller, msg_type, context_id, message_id, retain_graph, payload, rrefs, tensors,
                   ops, rref_id, profile):
-    """Serves a request of this package on an executor thread (the C half
-    gives its type and autograd metadata, worker/python.h). A pickled
-    (func, args, kwargs) runs inside the autograd context its
-    FORWARD_AUTOGRAD_REQ names (wrapping a call or a remote call: the C half
-    stores a remote call's result in its RRef), its result pickled inside
-    it too, and for a call profiled for torch's profiler (ops, a list, not
-    None; profile, what its caller's profiler asks) under that profiler
-    (profiler.torch_ops); a remote call's result
+    """Serves a request of this package that _serve_plain does not, on an
+    executor thread (the C half gives its type and autograd metadata,
+    worker/python.h). A pickled (func, args, kwargs) runs inside the
+    autograd context its FORWARD_AUTOGRAD_REQ names (wrapping a call or a
+    remote call: the C half stores a remote call's result in its RRef), its
+    result pickled inside it too, and for a call profiled for torch's
+    profiler (ops, a list, not None; profile, what its caller's profiler
+    asks) under that profiler (profiler.torch_ops); a remote call's result
     (rref_id, not 0) is kept here, live, and its RRef stores _LIVE; a
     PYTHON_RREF_FETCH_CALL pickles such a value; distributed autograd's
     other requests go to shmrpc.autograd.
@@ -35,7 +35,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
     FORWARD_AUTOGRAD_REQ the reply's autograd message id."""
     try:
         if msg_type == _shmrpc.PYTHON_RREF_FETCH_CALL:
-            return _serve_fetch(RRef(_c=rrefs[0]), caller, context_id)
+            return _serve_fetch(rrefs[0], caller, context_id)
         if msg_type not in (_shmrpc.PYTHON_CALL, _shmrpc.PYTHON_REMOTE_CALL,
                             _shmrpc.FORWARD_AUTOGRAD_REQ):
             return _dumps(autograd._serve(msg_type, caller, context_id, retain_graph,
@@ -43,7 +43,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         try:
             func, args, kwargs = _unpack_call(payload, rrefs, tensors)
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
-            raise RuntimeError(f"{e}. {_UDF_HINT}") from None
+            raise _not_found(e) from None
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
@@ -51,15 +51,59 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
             return reply + (_contexts._message_id(), reply[0] == _LIVE)
         return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
-        # From the agent: a call can come before init_rpc has returned here.
-        me = WorkerInfo._of(*_shmrpc.worker_info(None))
-        text = (f"On {me!r}:\n{e!r}\n"
-                + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
-        print(text, file=sys.stderr, flush=True)  # the callee logs it too, as torch's
+        return _failed(e)
+
+
+def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
+    """A PYTHON_CALL or PYTHON_REMOTE_CALL that its caller does not profile
+    for torch's profiler: most requests, which the C half gives here with
+    only the arguments they use (python/_handler.c). What _run_function
+    does for them, in fewer steps: no autograd context to enter or leave
+    unless this thread is in one or a server profiler records, and a result
+    of None, most calls', sent as the empty pickle itself (_dumps' b"",
+    without its lists: the C half reads a bare pickle as one with no RRefs
+    nor tensors). An empty call makes 4 Python calls here, 10 through
+    _run_function (docs/ARCHITECTURE.md)."""
+    try:
         try:
-            return _dumps(RemoteException(text, type(e)))
-        except Exception:  # noqa: BLE001  a type pickle cannot name (a function's own class)
-            return _dumps(RemoteException(text, RuntimeError))  # its words still go
+            func, args, kwargs = _unpack_call(payload, rrefs, tensors)
+        except (AttributeError, ModuleNotFoundError, ImportError) as e:
+            raise _not_found(e) from None
+        if func is _call_method or _contexts._tls.ctx is not None or server_profiler._active:
+            reply = _serve_call(func, args, kwargs, caller, None, None, rref_id)
+        else:
+            result = func(*args, **(kwargs or {}))
+            # A plain function has no attributes, so async_execution's mark
+            # cannot be there: asked only of others (two lookups and a call).
+            if (type(func) is not types.FunctionType or func.__dict__) and \
+                    _is_async_execution(func):
+                result = _waited(result)
+            if result is None:
+                return b""
+            reply = _reply(result, rref_id)
+        return reply + (0, True) if reply[0] == _LIVE else reply
+    except BaseException as e:  # every error travels back
+        return _failed(e)
+
+
+def _not_found(e):
+    """The error for a call whose function this worker cannot find (e,
+    unpickling it), with torch's hint."""
+    return RuntimeError(f"{e}. {_UDF_HINT}")
+
+
+def _failed(e):
+    """The reply to a request that raised e: the pickled RemoteException
+    with its type, text and traceback; the callee logs it too, as torch's."""
+    # From the agent: a call can come before init_rpc has returned here.
+    me = WorkerInfo._of(*_shmrpc.worker_info(None))
+    text = (f"On {me!r}:\n{e!r}\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    print(text, file=sys.stderr, flush=True)
+    try:
+        return _dumps(RemoteException(text, type(e)))
+    except Exception:  # noqa: BLE001  a type pickle cannot name (a function's own class)
+        return _dumps(RemoteException(text, RuntimeError))  # its words still go
 
 
 # async_execution functions whose Future this worker is waiting for
@@ -96,13 +140,18 @@ def _reply(result, rref_id):
     return _LIVE, [], []
 
 
-def _serve_fetch(rref, caller, context_id):
-    """PYTHON_RREF_FETCH_CALL: the pickle of our RRef's live value as it is
-    now, inside the caller's autograd context (-1: none), so that tensors
-    that require grad in it are recorded as sends, as torch's fetch does."""
-    if not rref.is_owner():
-        raise RuntimeError(f"a fetch came in for {rref}, which this worker does not own")
-    value = rref.local_value()
+def _serve_fetch(r, caller, context_id):
+    """PYTHON_RREF_FETCH_CALL of r (a C RRef): the pickle of our RRef's live
+    value as it is now, inside the caller's autograd context (-1: none), so
+    that tensors that require grad in it are recorded as sends, as torch's
+    fetch does. The value is read from _owned itself: a fetch comes once the
+    value is stored, and the RRef's local_value would cost four Python
+    calls more (the RRef made, its owner asked twice)."""
+    if not r.is_owner():
+        raise RuntimeError(f"a fetch came in for {RRef(_c=r)}, which this worker does not own")
+    value = _owned.get(r.id(), _owned)
+    if value is _owned:  # not stored (a C function's value) or gone: as local_value says
+        value = RRef(_c=r).local_value()
     if context_id < 0:
         return _dumps(value)
     with _contexts._running_in(context_id, caller):
@@ -124,12 +173,16 @@ def _call(func, args, kwargs):
     """func's result; an async_execution function's Future waited for. A
     proxy's call runs the live value's method itself (torch's proxies honour
     an async_execution method too)."""
-    global _async_serving
     if func is _call_method:
         func, args = getattr(args[1].local_value(), args[0]), args[2:]
     result = func(*args, **(kwargs or {}))
-    if not _is_async_execution(func):
-        return result
+    return _waited(result) if _is_async_execution(func) else result
+
+
+def _waited(result):
+    """The value of the Future an async_execution function returned, waited
+    for (counted in _async_serving meanwhile)."""
+    global _async_serving
     torch_future = sys.modules.get("torch.futures")
     if not isinstance(result, Future) and not (torch_future is not None
                                                and isinstance(result, torch_future.Future)):
