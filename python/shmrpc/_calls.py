@@ -10,7 +10,7 @@ from . import _contexts, _core, _marshal, _shmrpc, autograd, profiler
 from ._core import (UNSET_RPC_TIMEOUT, WorkerInfo, _c_wait, _not_initialized, _not_supported,
                     _rank_of, _timeout_ms, get_worker_info)
 from ._futures import Future, _note_future
-from ._marshal import _LIVE, _dumps, _func_name, _immutable, _pack_call, _result
+from ._marshal import _LIVE, _dumps, _func_name, _immutable, _pack_call, _result, _rref_of
 
 def _send_call(dst, func, args, kwargs, timeout, kind):
     """The C call in flight: a PYTHON_CALL, or inside a distributed autograd
@@ -111,6 +111,11 @@ class RRef:
 
     def local_value(self):
         """The value, on the owner: the same object every time."""
+        # Only an owner keeps values in _owned: found there, no more to ask
+        # (a proxy's every call on the owner comes here).
+        value = _owned.get(self._r.id(), _owned)
+        if value is not _owned:
+            return value
         if not self._r.is_owner():
             # The RRef as torch's C++ prints it in this error.
             ref = re.sub(r"UserRRef\(RRefId = (.*), ForkId = (.*)\)$",
@@ -369,7 +374,7 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
                            torch_profile)
     if torch_profile:
         profiler.torch_called(r)
-    return RRef(_c=r)
+    return _rref_of(r)
 
 
 _marshal.set_rref_type(RRef)

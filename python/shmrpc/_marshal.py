@@ -27,8 +27,14 @@ def set_rref_type(cls):
 
 
 def _rref_of(handle):
-    """An RRef of a C handle (as the unpickler makes one)."""
-    return _rref_type(_c=handle)
+    """An RRef of a C handle (as the unpickler makes one): what
+    RRef(_c=handle) makes, without __init__'s call and keyword."""
+    rref = _new_object(_rref_type)
+    rref._r = handle
+    return rref
+
+
+_new_object = object.__new__
 
 
 _POOL_TORCH_DTYPES = {f"torch.{t}" for t in ("int8", "int16", "int32", "int64", "uint8",
