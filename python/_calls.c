@@ -57,9 +57,10 @@ static PyObject *mod_call(PyObject *m, PyObject *args, PyObject *kw)
 
 /* remote(dst, pickle, [RRef...], [Tensor...], timeout_ms, fn=None,
  * type=PYTHON_REMOTE_CALL, context_id=-1, message_id=0, torch_profile=0)
- * -> RRef (every argument may be positional, as call()'s); type is PYTHON_REMOTE_CALL or, inside a
- * distributed autograd context (context_id, message_id), FORWARD_AUTOGRAD_REQ
- * wrapping one; torch_profile as call()'s (RRef.profiled). */
+ * -> RRef, every argument positional or not, as call()'s; type is
+ * PYTHON_REMOTE_CALL or, inside a distributed autograd context
+ * (context_id, message_id), FORWARD_AUTOGRAD_REQ wrapping one;
+ * torch_profile as call()'s (RRef.profiled). */
 static PyObject *mod_remote(PyObject *m, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "dst", "pickle", "rrefs", "tensors", "timeout_ms", "fn", "type",

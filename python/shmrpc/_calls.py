@@ -302,7 +302,7 @@ class _Proxy:
     __slots__ = ("_sent",)  # (rref, how, timeout)
 
     def __init__(self, rref, how, timeout):
-        _proxy_sent.__set__(self, (rref, how, timeout))
+        self._sent = (rref, how, timeout)  # a store: __getattribute__ is not asked
 
     def __getattribute__(self, name):
         if name[:2] == "__":  # the proxy's own, else the value's (__getitem__...)
