@@ -141,11 +141,14 @@ SHMRPC_HIDDEN bool rref_peer_running(struct agent *ag, uint32_t r);
  * what a frame below produces. Elsewhere the wait spins first as long as a
  * hand-off does (worker_handoff_spin), since the owner's store wakes a
  * futex sleeper only with a syscall. reply (NULL: none), remote()'s
- * request on its creator, which the owner answers after its store: a
- * thread that must sleep then sleeps on that reply as rpc_sync's caller
- * does (future_sleep_until), so that the reply wakes it alone, not the
- * entry's futex this thread and the reply our loop thread (issue 23); the
- * spin stays on the entry, which says READY before the reply comes.
+ * request on its creator, which the owner answers after its store: the
+ * thread waits for that reply as rpc_sync's caller does
+ * (future_wait_until: a spin that takes our replies, having promised
+ * peers to, then a sleep on the reply), so that the reply wakes neither
+ * our loop thread nor, when the thread must sleep, the entry's futex
+ * besides (issue 23). In spin mode, where no loop thread sleeps, the spin
+ * stays on the entry, which says READY before the reply comes (a thread
+ * that must sleep there still sleeps on the reply).
  * -ETIMEDOUT also when the reply came and the entry is still pending: the
  * request failed, and the caller says why. */
 SHMRPC_HIDDEN int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id,

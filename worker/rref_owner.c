@@ -225,6 +225,19 @@ int rref_wait_ready(struct agent *ag, uint32_t slot, uint64_t id, shmrpc_future 
 		executor_block_end();
 		return l.st;
 	}
+	/* On remote()'s creator, where our loop thread sleeps (every mode but
+	 * spin), the wait is the reply's, as rpc_sync's: future_wait_until
+	 * spins taking our replies, having promised peers to (so that the
+	 * reply rings nothing), then sleeps on the reply. A spin on the entry
+	 * alone stopped watching at READY, just before the reply, which then
+	 * woke the loop thread each time (a loaded machine runs the woken loop
+	 * thread before the spinner: it even took the reply first) and only
+	 * for it to complete a future nobody waits for. In spin mode no
+	 * thread sleeps: the spin stays on the entry, READY a ring round trip
+	 * before the reply. */
+	if (reply && !shmrpc_future_done(reply) && ag->port.waiter.mode != IPC_WAIT_SPIN)
+		return future_wait_until(reply, deadline_ns) == 0 && looked_settled(&l) ? l.st
+											  : -ETIMEDOUT;
 	came = shmrpc_spin_until(looked_settled, &l, worker_handoff_spin(deadline_ns));
 	worker_handoff_spun(came);
 	if (came)

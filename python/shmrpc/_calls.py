@@ -10,7 +10,7 @@ from . import _contexts, _core, _marshal, _shmrpc, autograd, profiler
 from ._core import (UNSET_RPC_TIMEOUT, WorkerInfo, _c_wait, _not_initialized, _not_supported,
                     _rank_of, _timeout_ms, get_worker_info)
 from ._futures import Future, _note_future
-from ._marshal import _LIVE, _dumps, _func_name, _immutable, _pack_call, _result
+from ._marshal import _LIVE, _dumps, _func_name, _immutable, _pack_call, _result, _rref_of
 
 def _send_call(dst, func, args, kwargs, timeout, kind):
     """The C call in flight: a PYTHON_CALL, or inside a distributed autograd
@@ -22,14 +22,17 @@ def _send_call(dst, func, args, kwargs, timeout, kind):
     cid = _contexts._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
     torch_profile = profiler.torch_profiling()
+    # Every argument positional: a keyword makes the C half look up each
+    # name left in a dict (python/_calls.c).
     try:
         if cid is None:
             call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
-                                _func_name(func), torch_profile=torch_profile)
+                                _func_name(func), _shmrpc.PYTHON_CALL, -1, 0, False,
+                                torch_profile)
         else:
             call = _shmrpc.call(dst, data, rrefs, tensors, _timeout_ms(timeout), kind,
                                 _func_name(func), _shmrpc.FORWARD_AUTOGRAD_REQ, cid,
-                                _contexts._message_id(), torch_profile=torch_profile)
+                                _contexts._message_id(), False, torch_profile)
     except RuntimeError as e:
         raise _NotSent(str(e)) from None
     if torch_profile:
@@ -108,6 +111,11 @@ class RRef:
 
     def local_value(self):
         """The value, on the owner: the same object every time."""
+        # Only an owner keeps values in _owned: found there, no more to ask
+        # (a proxy's every call on the owner comes here).
+        value = _owned.get(self._r.id(), _owned)
+        if value is not _owned:
+            return value
         if not self._r.is_owner():
             # The RRef as torch's C++ prints it in this error.
             ref = re.sub(r"UserRRef\(RRefId = (.*), ForkId = (.*)\)$",
@@ -137,11 +145,18 @@ class RRef:
                             "to_here", _shmrpc.PYTHON_RREF_FETCH_CALL,
                             -1 if cid is None else cid)
 
+    # _get_type's: the owner's answer (a Future), and the type once it came.
+    _type_future = None
+    _type = None
+
     def _get_type(self, timeout=UNSET_RPC_TIMEOUT, blocking=True):
         """The type of the value, asked of the owner once (one
         _rref_typeof_on_owner call, its Future kept), or with blocking=False
-        that Future itself, as torch's."""
-        fut = getattr(self, "_type_future", None)
+        that Future itself, as torch's. A proxy's every call asks it: once
+        known, the type is returned without the Future's wait."""
+        if blocking and self._type is not None:
+            return self._type
+        fut = self._type_future
         if fut is None:
             if self._r.is_owner():
                 fut = Future()
@@ -150,7 +165,10 @@ class RRef:
                 fut = rpc_async(self._r.owner(), _rref_typeof_on_owner, args=(self,),
                                 timeout=timeout)
             self._type_future = fut
-        return fut.wait() if blocking else fut
+        if not blocking:
+            return fut
+        self._type = fut.wait()
+        return self._type
 
     def _get_future(self):
         """A Future completed (with None) once the owner has stored the
@@ -276,33 +294,56 @@ def _check_method(value_type, name):
 
 
 class _Proxy:
-    def __init__(self, rref, how, timeout):
-        self._rref, self._how, self._timeout = rref, how, timeout
+    """rref.rpc_sync(), rpc_async(), remote(): proxy.method(*args) is how
+    (the call) of method on rref's value, on its owner. Every attribute
+    but a dunder is such a method, as torch's: __getattribute__ rather than
+    __getattr__, which the interpreter calls only once its own lookup has
+    failed, an AttributeError made (and dropped) for every method call."""
+    __slots__ = ("_sent",)  # (rref, how, timeout)
 
-    def __getattr__(self, name):
-        def send(args, kwargs):
-            return self._how(self._rref.owner(), _call_method, args=(name, self._rref) + args,
-                             kwargs=kwargs, timeout=self._timeout)
+    def __init__(self, rref, how, timeout):
+        self._sent = (rref, how, timeout)  # a store: __getattribute__ is not asked
+
+    def __getattribute__(self, name):
+        if name[:2] == "__":  # the proxy's own, else the value's (__getitem__...)
+            try:
+                return object.__getattribute__(self, name)
+            except AttributeError:
+                pass
+        rref, how, timeout = _proxy_sent.__get__(self)
+        if how is rpc_async:
+            return _async_method(rref, name, timeout)
 
         def call(*args, **kwargs):
-            if self._how is not rpc_async:
-                _check_method(self._rref._get_type(self._timeout), name)
-                return send(args, kwargs)
-            # rpc_async does not wait for the type: the check and the call
-            # follow it, their error or result in the Future returned.
-            result = Future()
-
-            def typed(type_fut):
-                try:
-                    _check_method(type_fut.wait(), name)
-                    fut = send(args, kwargs)
-                except BaseException as e:  # noqa: BLE001 (the caller's, in result)
-                    result.set_exception(e)
-                    return
-                fut.add_done_callback(lambda f: _settle(result, f))
-            self._rref._get_type(self._timeout, blocking=False).add_done_callback(typed)
-            return result
+            _check_method(rref._get_type(timeout), name)
+            # The owner's rank: what rpc_sync makes of a WorkerInfo, without
+            # making one; arguments by position, as rpc_sync and remote take them.
+            return how(rref._r.owner(), _call_method, (name, rref) + args, kwargs, timeout)
         return call
+
+
+def _async_method(rref, name, timeout):
+    """rref.rpc_async().name: it does not wait for the value's type: the
+    check and the call follow it, their error or result in the Future
+    returned."""
+    def call(*args, **kwargs):
+        result = Future()
+
+        def typed(type_fut):
+            try:
+                _check_method(type_fut.wait(), name)
+                fut = rpc_async(rref._r.owner(), _call_method, (name, rref) + args, kwargs,
+                                timeout)
+            except BaseException as e:  # noqa: BLE001 (the caller's, in result)
+                result.set_exception(e)
+                return
+            fut.add_done_callback(lambda f: _settle(result, f))
+        rref._get_type(timeout, blocking=False).add_done_callback(typed)
+        return result
+    return call
+
+
+_proxy_sent = _Proxy._sent
 
 
 def _settle(fut, done):
@@ -324,16 +365,16 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     cid = _contexts._calling(dst)
     data, rrefs, tensors = _pack_call(func, args, kwargs)
     torch_profile = profiler.torch_profiling()
-    if cid is None:
+    if cid is None:  # all positional, as _send_call's
         r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
-                           torch_profile=torch_profile)
+                           _shmrpc.PYTHON_REMOTE_CALL, -1, 0, torch_profile)
     else:
         r = _shmrpc.remote(dst, data, rrefs, tensors, _timeout_ms(timeout), _func_name(func),
                            _shmrpc.FORWARD_AUTOGRAD_REQ, cid, _contexts._message_id(),
-                           torch_profile=torch_profile)
+                           torch_profile)
     if torch_profile:
         profiler.torch_called(r)
-    return RRef(_c=r)
+    return _rref_of(r)
 
 
 _marshal.set_rref_type(RRef)

@@ -231,7 +231,7 @@ def _running_in(cid, caller):
 
 def _calling(dst):
     """A call to rank dst is being packed: the context id it carries."""
-    ctx = _current()
+    ctx = _tls.ctx  # _current(), without a call: every call asks
     if ctx is None:
         return None
     with ctx.lock:

@@ -27,8 +27,14 @@ def set_rref_type(cls):
 
 
 def _rref_of(handle):
-    """An RRef of a C handle (as the unpickler makes one)."""
-    return _rref_type(_c=handle)
+    """An RRef of a C handle (as the unpickler makes one): what
+    RRef(_c=handle) makes, without __init__'s call and keyword."""
+    rref = _new_object(_rref_type)
+    rref._r = handle
+    return rref
+
+
+_new_object = object.__new__
 
 
 # The torch dtypes whose CPU tensors go through the pool, with their DLPack
@@ -577,15 +583,16 @@ def _pack_call(func, args, kwargs, dst=None):
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
     if not args and not kwargs:
         return named.head, [], []
-    if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
-        return named.tensors_head, [], list(map(_plain_handle, args))
-    args = tuple(args or ())
-    if named.func is _proxy_func and not kwargs and _proxied(args):
-        # A proxy's call (name, rref, scalars...): its method's name written
-        # out, its RRef the message's only one, no pickler (docs/PROTOCOL.md).
+    # A proxy's call (name, rref, scalars...): its method's name written
+    # out, its RRef the message's only one, no pickler (docs/PROTOCOL.md);
+    # asked before the tensors, since its first argument is a name.
+    if named.func is _proxy_func and not kwargs and _proxied(args := tuple(args)):
         rest = args[2:]
         return (named.head + _PROXY + args[0].encode() + b"\0" +
                 (pickle.dumps(rest, pickle.HIGHEST_PROTOCOL) if rest else b""), [args[1]._r], [])
+    if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
+        return named.tensors_head, [], list(map(_plain_handle, args))
+    args = tuple(args or ())
     if not kwargs and _scalars(args):  # as _dumps' scalars: C's pickler alone
         data, rrefs, tensors = _inline(pickle.dumps((args, {}), pickle.HIGHEST_PROTOCOL), [], [])
     else:
