@@ -36,8 +36,10 @@ at the last batch, which may grow with the machine's cores:
 
 (per worker: the max over the workers of threads, the sum of the rest).
 Also the machine (`ENV cpus= affinity= torch_threads= ...`), and os.fork
-of this process and torch.set_num_threads(1) in a forked child, which
-both loaders' workers call (`FORK fork_ms= child_set_num_threads_ms=`).
+of this process, then in a forked child each: torch.set_num_threads(1),
+which both loaders' workers call first, a whole worker start as shmrpc's
+workers do it, and torch.manual_seed (`FORK fork_ms= set_num_threads_ms=
+set_worker_ms= manual_seed_ms=`).
 w1_joined: shmrpc's worker 1's join (its init_rpc's return). Run from the
 repository root:
 
@@ -123,25 +125,33 @@ def _joins(init_rpc):
     return joined
 
 
-def _set_num_threads_cost(runs=5):
+def _child_costs(runs=5):
     """Medians over runs forked children of this process (ms): os.fork in
-    the parent, and torch.set_num_threads(1) in the child, as both
-    loaders' workers call it first (its cost grows with the cores: torch
-    builds its thread pool anew in a child)."""
+    the parent; in the child, torch.set_num_threads(1), as both loaders'
+    workers call it first (its cost may grow with the cores: torch builds
+    its thread pool anew in a child); then, in another child each, all of
+    a worker's start as shmrpc's workers do it (_data_worker._set_worker:
+    threads, seeds, worker info), and torch.manual_seed alone."""
+    from shmrpc import _data_worker
     out = mmap.mmap(-1, 8)
-    forks, sets = [], []
-    for _ in range(runs):
-        t = time.perf_counter_ns()
-        pid = os.fork()
-        if pid == 0:
-            t1 = time.perf_counter_ns()
-            torch.set_num_threads(1)
-            struct.pack_into("q", out, 0, time.perf_counter_ns() - t1)
-            os._exit(0)
-        forks.append(time.perf_counter_ns() - t)
-        os.waitpid(pid, 0)
-        sets.append(struct.unpack_from("q", out, 0)[0])
-    return sorted(forks)[runs // 2] * 1e-6, sorted(sets)[runs // 2] * 1e-6
+    steps = {"set_num_threads": lambda: torch.set_num_threads(1),
+             "set_worker": lambda: _data_worker._set_worker(1, WORKERS, 12345, None),
+             "manual_seed": lambda: torch.manual_seed(12346)}
+    ms = {"fork": []}
+    for name, step in steps.items():
+        ms[name] = []
+        for _ in range(runs):
+            t = time.perf_counter_ns()
+            pid = os.fork()
+            if pid == 0:
+                t1 = time.perf_counter_ns()
+                step()
+                struct.pack_into("q", out, 0, time.perf_counter_ns() - t1)
+                os._exit(0)
+            ms["fork"].append(time.perf_counter_ns() - t)
+            os.waitpid(pid, 0)
+            ms[name].append(struct.unpack_from("q", out, 0)[0])
+    return {k: sorted(v)[len(v) // 2] * 1e-6 for k, v in ms.items()}
 
 
 def _loader(module, ds):
@@ -288,8 +298,8 @@ def main():
           f"torch_threads={torch.get_num_threads()} torch={torch.__version__} "
           f"python={platform.python_version()} load={os.getloadavg()[0]:.1f} "
           f"wait={os.environ.get('SHMRPC_WAIT', 'auto')}", flush=True)
-    fork_ms, threads_ms = _set_num_threads_cost()
-    print(f"FORK fork_ms={fork_ms:.2f} child_set_num_threads_ms={threads_ms:.2f}", flush=True)
+    costs = _child_costs()
+    print("FORK " + " ".join(f"{k}_ms={v:.2f}" for k, v in costs.items()), flush=True)
     import shmrpc
     shmrpc.init_rpc = _joins(shmrpc.init_rpc)
     ds = Samples(4 << 10, BATCHES * BATCH)
