@@ -38,8 +38,8 @@ at the last batch, which may grow with the machine's cores:
 Also the machine (`ENV cpus= affinity= torch_threads= ...`), and os.fork
 of this process, then in a forked child each: torch.set_num_threads(1),
 which both loaders' workers call first, a whole worker start as shmrpc's
-workers do it, and torch.manual_seed (`FORK fork_ms= set_num_threads_ms=
-set_worker_ms= manual_seed_ms=`).
+workers do it, torch.manual_seed, and an import of numpy.random (`FORK fork_ms= set_num_threads_ms=
+set_worker_ms= manual_seed_ms= numpy_random_ms=`).
 w1_joined: shmrpc's worker 1's join (its init_rpc's return). Run from the
 repository root:
 
@@ -131,12 +131,14 @@ def _child_costs(runs=5):
     workers call it first (its cost may grow with the cores: torch builds
     its thread pool anew in a child); then, in another child each, all of
     a worker's start as shmrpc's workers do it (_data_worker._set_worker:
-    threads, seeds, worker info), and torch.manual_seed alone."""
+    threads, seeds, worker info), torch.manual_seed alone, and an import
+    of numpy.random (numpy 2 imports it at its first use only)."""
     from shmrpc import _data_worker
     out = mmap.mmap(-1, 8)
     steps = {"set_num_threads": lambda: torch.set_num_threads(1),
              "set_worker": lambda: _data_worker._set_worker(1, WORKERS, 12345, None),
-             "manual_seed": lambda: torch.manual_seed(12346)}
+             "manual_seed": lambda: torch.manual_seed(12346),
+             "numpy_random": lambda: __import__("numpy.random")}
     ms = {"fork": []}
     for name, step in steps.items():
         ms[name] = []
@@ -287,6 +289,11 @@ def census(module, ds):
             f"worker_nvcsw={sum(p[3] for p in per)} worker_nivcsw={sum(p[4] for p in per)}")
 
 
+def _numpy_version():
+    numpy = sys.modules.get("numpy")
+    return numpy.__version__ if numpy is not None else "none"
+
+
 def main():
     rounds = ROUNDS
     for a in sys.argv[1:]:
@@ -297,7 +304,8 @@ def main():
     print(f"ENV cpus={os.cpu_count()} affinity={len(os.sched_getaffinity(0))} "
           f"torch_threads={torch.get_num_threads()} torch={torch.__version__} "
           f"python={platform.python_version()} load={os.getloadavg()[0]:.1f} "
-          f"wait={os.environ.get('SHMRPC_WAIT', 'auto')}", flush=True)
+          f"wait={os.environ.get('SHMRPC_WAIT', 'auto')} numpy={_numpy_version()} "
+          f"numpy_random_imported={'numpy.random' in sys.modules}", flush=True)
     costs = _child_costs()
     print("FORK " + " ".join(f"{k}_ms={v:.2f}" for k, v in costs.items()), flush=True)
     import shmrpc
