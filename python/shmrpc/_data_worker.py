@@ -124,7 +124,8 @@ def _seed_numpy(state):
 class _SeedAtImport:
     """A sys.meta_path finder for one module not imported yet: the module is
     found and run as it would be without it, then module.seed(state) runs;
-    the finder leaves at the module's import."""
+    the finder leaves once the module is imported (not at a mere
+    importlib.util.find_spec, which imports nothing)."""
 
     def __init__(self, name, state):
         self.name, self.state = name, state
@@ -139,8 +140,7 @@ class _SeedAtImport:
     def find_spec(self, name, path, target=None):
         if name != self.name:
             return None
-        self.cancel()
-        for finder in sys.meta_path:
+        for finder in [f for f in sys.meta_path if f is not self]:
             find = getattr(finder, "find_spec", None)
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
@@ -148,16 +148,17 @@ class _SeedAtImport:
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _SeedAfterExec(spec.loader, self.state)
+            spec.loader = _SeedAfterExec(spec.loader, self)
         return spec
 
 
 class _SeedAfterExec:
-    """A module's own loader, then module.seed(state). The module keeps its
-    own loader (its __loader__ and __spec__.loader)."""
+    """A module's own loader, then module.seed(state) and the finder's
+    leave. The module keeps its own loader (its __loader__ and
+    __spec__.loader)."""
 
-    def __init__(self, loader, state):
-        self.loader, self.state = loader, state
+    def __init__(self, loader, finder):
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -165,7 +166,8 @@ class _SeedAfterExec:
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        module.seed(self.state)
+        module.seed(self.finder.state)
+        self.finder.cancel()
 
     def __getattr__(self, name):
         return getattr(self.loader, name)

@@ -170,6 +170,9 @@ def test_numpy_seeded_at_import(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     finder = _data_worker._SeedAtImport("seeded_late", [7, 8])
     try:
+        import importlib.util
+        assert importlib.util.find_spec("seeded_late") is not None
+        assert finder in sys.meta_path, "a find_spec without an import took the finder away"
         import seeded_late
     finally:
         finder.cancel()
