@@ -23,7 +23,8 @@ and torch's strictly in turn)
   BENCH dataloader_short_epoch batches=16 ms= torch_ms= vs_torch=
 
 (vs_torch: torch's time over shmrpc's, higher is better; the first batch
-counts from iter(loader), the workers' start included). -q: fewer batches;
+counts from iter(loader), the workers' start included; where that time
+goes, phase by phase: bench/dataloader_phases.py). -q: fewer batches;
 --size=4KiB (or 1MiB, 16MiB; repeatable): only those sizes.
 """
 import ctypes

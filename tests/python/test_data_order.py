@@ -6,6 +6,7 @@ datasets, shuffle with a generator and with the global seed, drop_last,
 custom collate, sampler and batch_sampler, no batching, num_workers
 0/1/2/4, persistent workers over epochs, and per-worker random numbers
 (the workers are seeded as torch seeds them)."""
+import random
 import sys
 
 import numpy as np
@@ -24,9 +25,11 @@ class Squares(tud.Dataset):
         return self.n
 
     def __getitem__(self, i):
-        # torch.rand: the worker's seed decides it, so it checks the seeding.
+        # torch.rand, np.random and random: the worker's seeds decide them,
+        # so they check the seeding.
         return {"x": torch.full(self.shape, float(i * i)), "r": torch.rand(2), "i": i,
-                "np": np.arange(4, dtype=np.float32) + i, "name": f"s{i}"}
+                "np": np.arange(4, dtype=np.float32) + i, "npr": np.random.randint(1 << 30),
+                "pyr": random.random(), "name": f"s{i}"}
 
 
 class Shards(tud.IterableDataset):
@@ -80,6 +83,8 @@ def epochs(make, n_epochs=1, seed=1234):
     out = {}
     for name, mod in (("torch", tud), ("shmrpc", sd)):
         torch.manual_seed(seed)
+        np.random.seed(seed)  # what num_workers=0 draws in this process
+        random.seed(seed)
         loader = make(mod)
         out[name] = ([list(loader) for _ in range(n_epochs)], len(loader))
         if hasattr(loader, "close"):
@@ -152,3 +157,26 @@ def test_batches_kept():
         "batches kept after the epoch read wrong bytes"
     # Batches really come through the pool: a worker sees its own pid in none.
     assert all(b["x"].is_shared() is False for b in kept), "pool tensors are plain tensors"
+
+
+def test_numpy_seeded_at_import(tmp_path, monkeypatch):
+    """numpy 2 imports numpy.random at its first use: a worker seeds it as
+    its import ends (_data_worker._SeedAtImport), which a stand-in module
+    checks here (numpy 1 imports numpy.random with numpy)."""
+    from shmrpc import _data_worker
+    (tmp_path / "seeded_late").mkdir()
+    (tmp_path / "seeded_late" / "__init__.py").write_text(
+        "state = None\ndef seed(s):\n    global state\n    state = s\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finder = _data_worker._SeedAtImport("seeded_late", [7, 8])
+    try:
+        import importlib.util
+        assert importlib.util.find_spec("seeded_late") is not None
+        assert finder in sys.meta_path, "a find_spec without an import took the finder away"
+        import seeded_late
+    finally:
+        finder.cancel()
+    assert seeded_late.state == [7, 8], "the module was not seeded at its import"
+    assert finder not in sys.meta_path, "the finder stayed after the import"
+    assert type(seeded_late.__loader__).__name__ != "_SeedAfterExec", \
+        "the module keeps the seeding loader, not its own"
