@@ -43,7 +43,9 @@ set_worker_ms= manual_seed_ms= numpy_random_ms=`).
 w1_joined: shmrpc's worker 1's join (its init_rpc's return). Run from the
 repository root:
 
-  SHMRPC_BUILD=build python3 bench/dataloader_phases.py [--rounds=N]
+  SHMRPC_BUILD=build python3 bench/dataloader_phases.py [-q] [--rounds=N]
+
+(-q: 7 rounds, as bench/run.sh passes it.)
 """
 import mmap
 import os
@@ -299,8 +301,10 @@ def main():
     for a in sys.argv[1:]:
         if a.startswith("--rounds="):
             rounds = int(a.split("=", 1)[1])
+        elif a == "-q":  # bench/run.sh's quick run
+            rounds = 7
         else:
-            sys.exit(f"usage: {sys.argv[0]} [--rounds=N]")
+            sys.exit(f"usage: {sys.argv[0]} [-q] [--rounds=N]")
     print(f"ENV cpus={os.cpu_count()} affinity={len(os.sched_getaffinity(0))} "
           f"torch_threads={torch.get_num_threads()} torch={torch.__version__} "
           f"python={platform.python_version()} load={os.getloadavg()[0]:.1f} "
