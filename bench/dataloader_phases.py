@@ -61,6 +61,10 @@ import torch.utils.data as tud  # noqa: E402
 
 import shmrpc.data as sd  # noqa: E402
 from shmrpc import _core, _shmrpc  # noqa: E402
+from shmrpc._data_job import _alive  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dataloader  # noqa: E402 (bench/dataloader.py: its samples)
 
 BATCH = 32
 WORKERS = 2
@@ -101,17 +105,12 @@ def _collate_with(default):
     return collate
 
 
-class Samples(tud.Dataset):
-    def __init__(self, nbytes, n):
-        self.n = n
-        self.data = torch.rand(33, nbytes // 4)
-
-    def __len__(self):
-        return self.n
+class Samples(dataloader.Samples):
+    """bench/dataloader.py's samples, each fetch marked."""
 
     def __getitem__(self, i):
         _mark(tud.get_worker_info().id, 1)
-        return self.data[i % 33]
+        return super().__getitem__(i)
 
 
 def _joins(init_rpc):
@@ -192,12 +191,6 @@ def _pids(module, it):
     return [w.pid for w in it._workers]
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def epoch(module, ds):
