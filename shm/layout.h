@@ -1,5 +1,5 @@
 /*
- * The job segment's format (format 4). Everything here lives in shared
+ * The job segment's format (SHM_FORMAT_VERSION). Everything here lives in shared
  * memory: fixed-width types, explicit padding, offsets instead of pointers,
  * and _Static_asserts so that a change of layout cannot go unnoticed.
  *
@@ -38,8 +38,9 @@
  * workers of different builds meet a version error, not "corrupt"; 8: the
  * worker slot's servers_newest (its idle executors woken newest first)
  * and replies_watched, servers_watched (a spinner's promise to take the
- * replies, the requests). */
-#define SHM_FORMAT_VERSION 8u
+ * replies, the requests); 9: the flight recorder's lanes (a struct
+ * shm_trace_ctl per lane before the records). */
+#define SHM_FORMAT_VERSION 9u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
