@@ -93,7 +93,8 @@ static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32
 			return NULL;
 		}
 		if (!HANDLE(o)) { /* a Tensor emptied by take_dlpack */
-			free(h);
+			if (!a)
+				free(h);
 			PyErr_SetString(PyExc_ValueError, "a message lists a Tensor whose reference "
 					"went to a DLPack capsule (take_dlpack): send the tensor made "
 					"from it");
