@@ -38,8 +38,10 @@
  * workers of different builds meet a version error, not "corrupt"; 8: the
  * worker slot's servers_newest (its idle executors woken newest first)
  * and replies_watched, servers_watched (a spinner's promise to take the
- * replies, the requests). */
-#define SHM_FORMAT_VERSION 8u
+ * replies, the requests); 9: the flight recorder's lanes (a control line
+ * each before the records), which an older reader would take for records
+ * and other ranks' rings (the segment's size often stays the same). */
+#define SHM_FORMAT_VERSION 9u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
