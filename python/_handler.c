@@ -17,6 +17,7 @@
 
 #include "shmrpc.h"
 #include "common/clock.h"
+#include "common/error.h"
 #include "python/module.h"
 #include "worker/python_api.h"
 
@@ -93,7 +94,8 @@ static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32
 			return NULL;
 		}
 		if (!HANDLE(o)) { /* a Tensor emptied by take_dlpack */
-			free(h);
+			if (!a)
+				free(h);
 			PyErr_SetString(PyExc_ValueError, "a message lists a Tensor whose reference "
 					"went to a DLPack capsule (take_dlpack): send the tensor made "
 					"from it");
@@ -362,6 +364,32 @@ static bool plain_request(const struct python_request *in, const struct profile_
 
 static PyObject *handler, *plain; /* the general and plain handlers; owned */
 
+/* A handler that failed (it catches what the function raises: a bug in
+ * it, a reply of the wrong shape, or no memory): the pending exception's
+ * repr as this thread's error, which the caller gets in the EXCEPTION,
+ * and the exception printed here. -EIO. */
+static int handler_failed(void)
+{
+	PyObject *type, *value, *tb, *text = NULL, *utf8 = NULL;
+	int rc;
+
+	PyErr_Fetch(&type, &value, &tb);
+	PyErr_NormalizeException(&type, &value, &tb);
+	if (value && (text = PyObject_Repr(value)))
+		utf8 = PyUnicode_AsUTF8String(text);
+	if (!utf8)
+		PyErr_Clear(); /* the text's own failure: the sentence says less */
+	rc = shmrpc__fail(-EIO, "the callee's Python handler failed: %s",
+			  utf8 ? PyBytes_AsString(utf8)
+			  : type ? "its error has no text" : "no handler is set (init_rpc has not run)");
+	Py_XDECREF(utf8);
+	Py_XDECREF(text);
+	PyErr_Restore(type, value, tb);
+	if (type)
+		PyErr_Print();
+	return rc;
+}
+
 /* The handler (python_handler_fn) on an executor thread: the GIL, the
  * request's RRefs and tensors as objects, the package's handler, the
  * reply into the call's arena. */
@@ -371,7 +399,7 @@ int run_handler(uint32_t caller, const struct python_request *in, struct python_
 	PyGILState_STATE g = gil_take();
 	const struct python_msg *m = &in->msg;
 	PyObject *res = NULL, *rrefs, *tensors;
-	int rc = -EIO;
+	int rc;
 
 	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
 	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
@@ -380,12 +408,7 @@ int run_handler(uint32_t caller, const struct python_request *in, struct python_
 					     : call_general(handler, caller, in, rrefs, tensors, ops);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
-	if (res && reply_read(res, a, out) == 0)
-		rc = 0;
-	else
-		/* The handler catches what the function raises: this is a bug
-		 * in it, or no memory. Its text goes back as an EXCEPTION. */
-		PyErr_Print();
+	rc = res && reply_read(res, a, out) == 0 ? 0 : handler_failed();
 	Py_XDECREF(res);
 	PyGILState_Release(g);
 	return rc;

@@ -432,8 +432,10 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 	PyObject *obj, *addrs;
 	unsigned long long row;
 	Py_ssize_t n;
+	shmrpc_tensor *keep;
 	uintptr_t *src;
 	char *dst;
+	int rc;
 
 	(void)m;
 	if (!PyArg_ParseTuple(args, "O!OK", (PyTypeObject *)TensorType, &obj, &addrs, &row) ||
@@ -459,11 +461,18 @@ static PyObject *mod_stack_rows(PyObject *m, PyObject *args)
 			return NULL;
 		}
 	}
-	dst = shmrpc_tensor_data(HANDLE(obj));
+	/* A reference of our own while the GIL is free: another thread may
+	 * meanwhile give obj's to a capsule (take_dlpack) and drop it. */
+	if ((rc = shmrpc_tensor_retain(HANDLE(obj), &keep))) {
+		free(src);
+		return fail(rc);
+	}
+	dst = shmrpc_tensor_data(keep);
 	Py_BEGIN_ALLOW_THREADS
 	for (Py_ssize_t i = 0; i < n; i++)
 		copy_streaming(dst + (size_t)i * row, (const char *)src[i], (size_t)row);
 	Py_END_ALLOW_THREADS
+	shmrpc_tensor_free(keep);
 	free(src);
 	return new_ref(Py_None);
 }

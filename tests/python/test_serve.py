@@ -122,3 +122,33 @@ def test_missing_function():
     with context():
         with pytest.raises(RuntimeError, match="Ensure that UDFs are defined"):
             rpc.rpc_sync(PEER, fn)
+
+
+
+def emptied_reply(*args):
+    """A plain handler whose reply lists a Tensor emptied by take_dlpack
+    (the package's pickler refuses one sooner: only a handler's bug gets
+    here)."""
+    from shmrpc import _shmrpc
+    t = _shmrpc.from_bytes(bytes(64))
+    _shmrpc.take_dlpack(t)
+    return (b"", [], [t])
+
+
+def set_plain(bad):
+    from shmrpc import _shmrpc
+    _shmrpc.set_handler(_serve._run_function, emptied_reply if bad else _serve._serve_plain)
+
+
+def test_emptied_tensor_reply():
+    """A reply listing an emptied Tensor fails the call with the handler's
+    error in its text (its handles are in the call's arena: the refusal
+    frees none of them), and the callee serves the next one."""
+    rpc.rpc_sync(PEER, set_plain, args=(True,))
+    try:
+        with pytest.raises(RuntimeError, match="handler failed: ValueError.*take_dlpack"):
+            rpc.rpc_sync(PEER, seven)
+    finally:
+        with context():  # served by _run_function
+            rpc.rpc_sync(PEER, set_plain, args=(False,))
+    assert rpc.rpc_sync(PEER, seven) == 7
