@@ -27,6 +27,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdbool.h>
@@ -125,6 +126,20 @@ static PyObject *mod_world_size(PyObject *m, PyObject *unused)
 	return n < 0 ? fail(n) : PyLong_FromLong(n);
 }
 
+/* The rank of the worker named by the str name: >= 0, shmrpc's -errno,
+ * or INT_MIN with Python's error set (name is no str). */
+static int rank_named(PyObject *name)
+{
+	PyObject *utf8 = PyUnicode_AsUTF8String(name);
+	int r;
+
+	if (!utf8)
+		return INT_MIN;
+	r = python_rank_named(PyBytes_AsString(utf8));
+	Py_DECREF(utf8);
+	return r;
+}
+
 /* worker_info(name or rank or None) -> (name, rank) */
 static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 {
@@ -141,14 +156,25 @@ static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 			return NULL;
 		rc = shmrpc_get_worker_info_by_rank((int)r, &wi);
 	} else {
-		PyObject *utf8 = PyUnicode_AsUTF8String(who);
+		int r = rank_named(who);
 
-		if (!utf8)
-			return NULL;
-		rc = shmrpc_get_worker_info(PyBytes_AsString(utf8), &wi);
-		Py_DECREF(utf8);
+		rc = r < 0 ? r : shmrpc_get_worker_info_by_rank(r, &wi);
 	}
-	return rc ? fail(rc) : Py_BuildValue("(si)", wi.name, wi.rank);
+	if (rc)
+		return rc == INT_MIN ? NULL : fail(rc);
+	return Py_BuildValue("(si)", wi.name, wi.rank);
+}
+
+/* rank_of(name) -> rank: worker_info(name)'s rank alone, without the
+ * name formatted, nor the tuple (each call made by name asks it). */
+static PyObject *mod_rank_of(PyObject *m, PyObject *name)
+{
+	int r = rank_named(name);
+
+	(void)m;
+	if (r < 0)
+		return r == INT_MIN ? NULL : fail(r);
+	return PyLong_FromLong(r);
 }
 
 /* blocking(on): around a wait for a Python Future, which on an executor
@@ -353,6 +379,7 @@ static PyMethodDef mod_methods[] = {
 	{ "rank", mod_rank, METH_NOARGS, "this worker's rank" },
 	{ "world_size", mod_world_size, METH_NOARGS, "the number of workers" },
 	{ "worker_info", mod_worker_info, METH_O, "worker_info(name|rank|None) -> (name, rank)" },
+	{ "rank_of", mod_rank_of, METH_O, "rank_of(name) -> rank" },
 	{ "peer_gone", mod_peer_gone, METH_O,
 	  "peer_gone(rank) -> None while rank is in the job, else (died, why)" },
 	{ NULL, NULL, 0, NULL },

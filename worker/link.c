@@ -609,6 +609,32 @@ int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 	return 0;
 }
 
+/* Whether worker r is the one named name. A call by name looks its peer up
+ * each time, so the slot's name is compared where it lies (a bounded copy:
+ * the slot is shared), not formatted first; only a slot without a name of
+ * its own goes through agent_peer_name's fallback. */
+static bool peer_named(const struct agent *ag, uint32_t r, const char *name)
+{
+	char buf[SHM_NAME_MAX];
+	size_t n;
+
+	memcpy(buf, shm_worker(&ag->seg, r)->name, sizeof(buf));
+	n = strnlen(buf, sizeof(buf));
+	if (n == 0 || n == sizeof(buf)) {
+		agent_peer_name(ag, r, buf, sizeof(buf));
+		n = strlen(buf);
+	}
+	return strncmp(buf, name, n) == 0 && name[n] == '\0';
+}
+
+int agent_rank_named(const struct agent *ag, const char *name)
+{
+	for (uint32_t r = 0; r < ag->world; r++)
+		if (peer_named(ag, r, name))
+			return (int)r;
+	return shmrpc__fail(-ENOENT, "no worker named \"%s\" in this job", name);
+}
+
 int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
 {
 	struct agent *ag;
@@ -618,12 +644,8 @@ int shmrpc_get_worker_info(const char *name, struct shmrpc_worker_info *out)
 		return rc;
 	if (!name)
 		return shmrpc_get_worker_info_by_rank((int)ag->rank, out);
-	for (uint32_t r = 0; r < ag->world; r++) {
-		shmrpc_get_worker_info_by_rank((int)r, out);
-		if (strcmp(out->name, name) == 0)
-			return 0;
-	}
-	return shmrpc__fail(-ENOENT, "no worker named \"%s\" in this job", name);
+	rc = agent_rank_named(ag, name);
+	return rc < 0 ? rc : shmrpc_get_worker_info_by_rank(rc, out);
 }
 
 /* ---- a lone waiter takes its reply itself ---- */

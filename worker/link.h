@@ -192,6 +192,8 @@ SHMRPC_HIDDEN int agent_wait_all(struct agent *ag, uint64_t deadline,
 
 /* Name of rank r as its slot says ("worker3" if none). */
 SHMRPC_HIDDEN void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len);
+/* The rank of the worker named name, or -ENOENT (the error's sentence set). */
+SHMRPC_HIDDEN int agent_rank_named(const struct agent *ag, const char *name);
 /* Whether rank r died or left the job (it will answer no call). */
 SHMRPC_HIDDEN bool agent_peer_gone(struct agent *ag, uint32_t r);
 /* "worker 3 (worker3) died: killed by signal 9 (SIGKILL)" and similar. */

@@ -66,6 +66,14 @@ int python_take_replies(bool on)
 	return 0;
 }
 
+int python_rank_named(const char *name)
+{
+	struct agent *ag;
+	int rc = agent_running(&ag);
+
+	return rc ? rc : agent_rank_named(ag, name);
+}
+
 int python_peer_gone(int rank, bool *gone, bool *died, char *why, size_t len, uint32_t *world)
 {
 	struct agent *ag = worker_agent;

@@ -70,6 +70,10 @@ SHMRPC_HIDDEN bool python_on_executor(void);
  * turning it off without an agent is nothing. */
 SHMRPC_HIDDEN int python_take_replies(bool on);
 
+/* The rank of the worker named name (a call's destination by name):
+ * shmrpc_get_worker_info's, without formatting its name; -ENOENT or
+ * -ENOTCONN, with the error's sentence. */
+SHMRPC_HIDDEN int python_rank_named(const char *name);
 /* Whether rank is gone (*gone), and then whether it died rather than left
  * (*died) and why, as a call to it would fail. -EINVAL: no such rank (the
  * job's size in *world). */

@@ -165,13 +165,13 @@ def _set_rpc_timeout(rpc_timeout):
     _rpc_timeout, _timeout_override = float(rpc_timeout), True
 
 
-def _worker(who):
-    """(name, rank) of a worker name or rank (None: this worker); an unknown
-    name in torch's words too."""
+def _worker(who, ask=_shmrpc.worker_info):
+    """ask(who): by default (name, rank) of a worker name or rank (None:
+    this worker); an unknown name in torch's words too."""
     if not _initialized:
         raise _not_initialized()
     try:
-        return _shmrpc.worker_info(who)
+        return ask(who)
     except RuntimeError as e:
         if isinstance(who, str):
             raise RuntimeError(f"could not find destination {who}: {e}") from None
@@ -183,12 +183,13 @@ def get_worker_info(worker_name=None):
 
 
 def _rank_of(to):
+    # A name first: most calls are addressed so, and each asks for the rank.
+    if isinstance(to, str):
+        return _worker(to, _shmrpc.rank_of)
     if isinstance(to, WorkerInfo):
         return to.id
     if isinstance(to, int) and not isinstance(to, bool):
         return to
-    if isinstance(to, str):
-        return _worker(to)[1]
     if isinstance(to, float):
         raise ValueError(f"to {to}: a rank is a whole number")
     raise TypeError(f"to must be a worker name, a rank or a WorkerInfo, not {type(to).__name__}")

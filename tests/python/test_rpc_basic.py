@@ -101,6 +101,18 @@ def test_calls(me, peer):
     # The three ways to name a destination.
     for to in (peer, peer.name, peer.id):
         assert rpc.rpc_sync(to, add, args=(2, 3)) == 5, f"rpc_sync to {to!r}"
+    class Name(str):
+        pass
+    assert rpc.rpc_sync(Name(peer.name), add, args=(1, 1)) == 2, "a str subclass as the name"
+    # Names the job does not have: a prefix of one, one longer, one empty.
+    for to in ("worker", peer.name + "0", ""):
+        with pytest.raises(RuntimeError, match=f'could not find destination {to}: no worker '
+                                               f'named "{to}" in this job'):
+            rpc.rpc_sync(to, add, args=(1, 1))
+    with pytest.raises(UnicodeEncodeError):
+        rpc.rpc_sync("w\ud800", add, args=(1, 1))
+    with pytest.raises(TypeError, match="to must be a worker name, a rank or a WorkerInfo"):
+        rpc.rpc_sync(b"worker1", add, args=(1, 1))
     assert rpc.rpc_sync(peer, add, args=(2,), kwargs={"b": 40}) == 42, "kwargs"
     assert rpc.rpc_sync(peer, whoami) == peer.name, "the callee runs it"
     assert rpc.rpc_sync(me, whoami) == me.name, "a call to oneself"
