@@ -33,7 +33,9 @@ a live object (rref.rpc_sync().get()), and remote()+to_here() of a value
 made once on the owner: 1 KiB of bytes (a value that cannot change, read
 without asking the owner), 1 KiB bytearray (a live value, fetched with
 PYTHON_RREF_FETCH_CALL) and a 1 MiB float32 torch tensor (live, fetched,
-copied into the pool once per fetch). The mode=spin lines are a second shmrpc
+copied into the pool once per fetch). py_rpc_sync, py_remote_to_here
+and the proxy are timed in turns, blocks of each (alternated), so that
+their ratios compare the same moments. The mode=spin lines are a second shmrpc
 job in spin mode (shmrun --wait=spin), calls alone. Without torch, shmrpc's figures alone
 (numpy arrays for the echo); torch's 1 GiB echo is skipped when the machine
 has too little memory for its copies.
@@ -126,6 +128,27 @@ def timed(op, n, budget_ns=0):
     return samples
 
 
+def alternated(ops, n, block=50):
+    """Timings of each op in ops, sorted: n each, in blocks of block runs
+    that take turns (after n/10 untimed turns), so that ops compared by
+    their ratio see the same moments: on a shared machine the load, and
+    even how the two processes' threads are placed on its cores, change
+    from one second to the next (bench/rref times its C figures so)."""
+    samples = [[] for _ in ops]
+    for _ in range(max(1, n // 10)):
+        for op in ops:
+            op()
+    while len(samples[0]) < n:
+        for op, s in zip(ops, samples):
+            for _ in range(min(block, n - len(s))):
+                t0 = time.perf_counter_ns()
+                op()
+                s.append(time.perf_counter_ns() - t0)
+    for s in samples:
+        s.sort()
+    return samples
+
+
 def median(values):
     return sorted(values)[len(values) // 2]
 
@@ -202,12 +225,20 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
     if floor is not None:
         s = timed(floor, 2000 if quick else 20000)
         fig["floor"] = s[len(s) // 2]
-    s = timed(lambda: rpc.rpc_sync("w1", nothing), 300 if quick else 2000)
+    # rpc_sync, remote()+to_here() and a proxy's rpc_sync in turns: the
+    # last two are given as ratios to the first.
+    ops = [lambda: rpc.rpc_sync("w1", nothing), lambda: rpc.remote("w1", nothing).to_here()]
+    if not calls_only:
+        box = rpc.remote("w1", Box, args=(7,))
+        ops.append(lambda: box.rpc_sync().get())
+    runs = alternated(ops, 300 if quick else 2000)
+    s = runs[0]
     fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
+    fig["remote"] = runs[1][len(runs[1]) // 2]
     if calls_only:
-        s = timed(lambda: rpc.remote("w1", nothing).to_here(), 200 if quick else 1000)
-        fig["remote"] = s[len(s) // 2]
         return fig
+    fig["proxy"] = runs[2][len(runs[2]) // 2]
+    del box, ops
 
     # Pipelined: every call in flight before the first wait.
     calls = 1000 if quick else 5000
@@ -220,13 +251,6 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
     fig["async"] = calls * 1e9 / (time.perf_counter_ns() - t0)
     del futs
 
-    s = timed(lambda: rpc.remote("w1", nothing).to_here(), 200 if quick else 1000)
-    fig["remote"] = s[len(s) // 2]
-
-    box = rpc.remote("w1", Box, args=(7,))
-    s = timed(lambda: box.rpc_sync().get(), 200 if quick else 1000)
-    fig["proxy"] = s[len(s) // 2]
-    del box
     fig["rref_values"] = {}
     for label, fn in (("1KiB_bytes", kib_bytes), ("1KiB_bytearray", kib_bytearray),
                       ("1MiB_tensor", mib_tensor)):
