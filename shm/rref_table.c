@@ -178,10 +178,42 @@ static void wake_all(struct rref_entry *e)
 		syscall(SYS_futex, &e->state, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
+/* Takes slot s for id if it is free (0 or TOMB), as rref_insert says. */
+static bool claim(struct rref_table *t, uint32_t s, uint64_t id, uint32_t owner,
+		  uint32_t creator, uint32_t flags)
+{
+	struct rref_entry *e = rref_entry_at(t, s);
+	uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
+	uint32_t w;
+
+	/* Acquire: pairs with the remover's release of TOMB (its zeroed
+	 * fields are visible before ours are written). */
+	if ((k != 0 && k != RREF_TOMB) ||
+	    !atomic_compare_exchange_strong_explicit(&e->key, &k, id, memory_order_acquire,
+						     memory_order_relaxed))
+		return false;
+	e->owner = owner;
+	e->creator = creator;
+	e->flags = flags;
+	e->created_ns = shmrpc_now_ns();
+	atomic_store_explicit(&e->value_off, 0, memory_order_relaxed);
+	atomic_store_explicit(&e->value_len, 0, memory_order_relaxed);
+	/* Relaxed: published with the state store below. */
+	atomic_store_explicit(&e->total, 2, memory_order_relaxed);
+	atomic_fetch_add_explicit(&e->counts[creator], 1, memory_order_relaxed);
+	atomic_fetch_add_explicit(&e->counts[owner], 1, memory_order_relaxed);
+	/* The next incarnation of the slot. Release: the fields above before
+	 * the entry counts as live; pairs with the acquire loads of state by
+	 * readers. */
+	w = atomic_load_explicit(&e->state, memory_order_relaxed);
+	atomic_store_explicit(&e->state, ((w >> 8) + 1) << 8 | RREF_PENDING, memory_order_release);
+	return true;
+}
+
 int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t creator,
 		uint32_t flags, uint32_t *slot)
 {
-	uint32_t mask = t->capacity - 1, s = home_of(t, id);
+	uint32_t mask = t->capacity - 1, s, hint;
 
 	if (!RREF_KEY_LIVE(id) || owner >= t->world || creator >= t->world)
 		return shmrpc__fail(-EINVAL, "bad RRef id %#" PRIx64 " or rank (owner %u, creator "
@@ -194,32 +226,16 @@ int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t crea
 				    t->max_rrefs,
 				    t->max_rrefs >= RREF_MAX_RREFS / 2 ? RREF_MAX_RREFS : 2 * t->max_rrefs);
 	}
+	/* Relaxed: a hint; the slot's CAS decides. Taken, so that two
+	 * threads do not both start there. */
+	hint = atomic_exchange_explicit(&t->freed_hint, 0, memory_order_relaxed);
+	if (hint && hint <= t->capacity && claim(t, hint - 1, id, owner, creator, flags)) {
+		*slot = hint - 1;
+		return 0;
+	}
+	s = home_of(t, id);
 	for (uint32_t probe = 0; probe < t->capacity; probe++, s = (s + 1) & mask) {
-		struct rref_entry *e = rref_entry_at(t, s);
-		uint64_t k = atomic_load_explicit(&e->key, memory_order_relaxed);
-		uint32_t w;
-
-		/* Acquire: pairs with the remover's release of TOMB (its zeroed
-		 * fields are visible before ours are written). */
-		if ((k == 0 || k == RREF_TOMB) &&
-		    atomic_compare_exchange_strong_explicit(&e->key, &k, id, memory_order_acquire,
-							    memory_order_relaxed)) {
-			e->owner = owner;
-			e->creator = creator;
-			e->flags = flags;
-			e->created_ns = shmrpc_now_ns();
-			atomic_store_explicit(&e->value_off, 0, memory_order_relaxed);
-			atomic_store_explicit(&e->value_len, 0, memory_order_relaxed);
-			/* Relaxed: published with the state store below. */
-			atomic_store_explicit(&e->total, 2, memory_order_relaxed);
-			atomic_fetch_add_explicit(&e->counts[creator], 1, memory_order_relaxed);
-			atomic_fetch_add_explicit(&e->counts[owner], 1, memory_order_relaxed);
-			/* The next incarnation of the slot. Release: the fields above
-			 * before the entry counts as live; pairs with the acquire loads
-			 * of state by readers. */
-			w = atomic_load_explicit(&e->state, memory_order_relaxed);
-			atomic_store_explicit(&e->state, ((w >> 8) + 1) << 8 | RREF_PENDING,
-					      memory_order_release);
+		if (claim(t, s, id, owner, creator, flags)) {
 			*slot = s;
 			return 0;
 		}
@@ -241,8 +257,6 @@ int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot)
 			*slot = s;
 			return 0;
 		}
-		if (k == 0)
-			break; /* TOMB and REMOVING are probed past */
 	}
 	return -ENOENT;
 }
@@ -332,6 +346,10 @@ static bool remove_entry(struct rref_table *t, struct rref_entry *e, uint64_t id
 	atomic_store_explicit(&e->state, with_state(w, RREF_FREE), memory_order_relaxed);
 	atomic_store_explicit(&e->key, RREF_TOMB, memory_order_release);
 	atomic_fetch_sub_explicit(&t->hdr->live, 1, memory_order_relaxed);
+	/* Relaxed: a hint (rref_table.freed_hint). */
+	atomic_store_explicit(&t->freed_hint,
+			      (uint32_t)(((uint8_t *)e - t->slots) / t->entry_size) + 1,
+			      memory_order_relaxed);
 	return true;
 }
 

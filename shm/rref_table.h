@@ -194,6 +194,12 @@ struct rref_table {
 	/* Where this process notes a structure it found corrupt (a worker's
 	 * slot, the launcher's own word; NULL: nowhere). Set after attach. */
 	_Atomic uint64_t *corrupt_note;
+	/* The slot this process emptied last, + 1 (0: none), which its next
+	 * insert tries before the id's home: its lines are still in this
+	 * core's cache and TLB, where a home is a random line of a table of
+	 * megabytes (a remote() whose RRef is dropped at once reuses one
+	 * slot instead of missing twice on a new one in each process). */
+	_Atomic uint32_t freed_hint;
 };
 
 /* A copy of one entry, for inspectors and tests. */
@@ -228,7 +234,9 @@ static inline struct rref_entry *rref_entry_at(const struct rref_table *t, uint3
  */
 SHMRPC_HIDDEN int rref_insert(struct rref_table *t, uint64_t id, uint32_t owner, uint32_t creator,
 			      uint32_t flags, uint32_t *slot);
-/* The slot of id, or -ENOENT. */
+/* The slot of id, or -ENOENT: a scan from the id's home (an insert may
+ * place it anywhere), for tests and tools; calls name their entries by
+ * slot. */
 SHMRPC_HIDDEN int rref_find(const struct rref_table *t, uint64_t id, uint32_t *slot);
 /*
  * n more references for rank; the caller holds one (or the pending run),
