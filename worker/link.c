@@ -114,14 +114,23 @@ void link_set_agent_state(struct agent *ag, uint32_t st)
 
 void agent_peer_name(const struct agent *ag, uint32_t r, char *buf, size_t len)
 {
-	const struct shm_worker *w = shm_worker(&ag->seg, r);
-	size_t n = strnlen(w->name, SHM_NAME_MAX);
+	char name[SHM_NAME_MAX];
+	size_t n;
 
-	/* The slot is shared: copy a bounded name, never trust a terminator. */
-	if (n == 0 || n == SHM_NAME_MAX)
+	/* The slot is shared: read it once, and never trust a terminator.
+	 * Copied, not printed: a call by name and each new RRef handle ask
+	 * for names (glibc prints "%.*s" the slow way, positionally). */
+	memcpy(name, shm_worker(&ag->seg, r)->name, sizeof(name));
+	n = strnlen(name, sizeof(name));
+	if (n == 0 || n == sizeof(name)) {
 		snprintf(buf, len, "worker%u", r);
-	else
-		snprintf(buf, len, "%.*s", (int)n, w->name);
+		return;
+	}
+	if (len == 0)
+		return;
+	n = n < len - 1 ? n : len - 1;
+	memcpy(buf, name, n);
+	buf[n] = '\0';
 }
 
 bool agent_peer_gone(struct agent *ag, uint32_t r)
@@ -609,22 +618,13 @@ int shmrpc_get_worker_info_by_rank(int rank, struct shmrpc_worker_info *out)
 	return 0;
 }
 
-/* Whether worker r is the one named name. A call by name looks its peer up
- * each time, so the slot's name is compared where it lies (a bounded copy:
- * the slot is shared), not formatted first; only a slot without a name of
- * its own goes through agent_peer_name's fallback. */
+/* Whether worker r is the one named name. */
 static bool peer_named(const struct agent *ag, uint32_t r, const char *name)
 {
 	char buf[SHM_NAME_MAX];
-	size_t n;
 
-	memcpy(buf, shm_worker(&ag->seg, r)->name, sizeof(buf));
-	n = strnlen(buf, sizeof(buf));
-	if (n == 0 || n == sizeof(buf)) {
-		agent_peer_name(ag, r, buf, sizeof(buf));
-		n = strlen(buf);
-	}
-	return strncmp(buf, name, n) == 0 && name[n] == '\0';
+	agent_peer_name(ag, r, buf, sizeof(buf));
+	return strcmp(buf, name) == 0;
 }
 
 int agent_rank_named(const struct agent *ag, const char *name)
