@@ -8,7 +8,8 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_rpc_async calls_per_s= vs_torch_rpc=
   BENCH py_remote_to_here median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_tensor_echo size=1KiB|1MiB|64MiB|1GiB median_ns= vs_py_rpc_sync= vs_torch_rpc=
-  BENCH py_tensor_echo tensor=plain size=1MiB|64MiB median_ns= copy_ns= memcpy_ns= vs_memcpy=
+  BENCH py_tensor_echo tensor=plain size=1MiB|64MiB median_ns= copy_ns= memcpy_ns=
+        memcpy_in_call_ns= vs_memcpy= vs_memcpy_in_call=
   BENCH py_tensor_echo ratio_1GiB_vs_1KiB=
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
@@ -27,10 +28,16 @@ hands over the same bytes, so the echo should take as long for 1 GiB as for
 (vs_py_rpc_sync, issue 23; the empty calls measured beside each size, in
 turns: echo_rounds). tensor=plain: a torch tensor of torch's memory,
 copied into the pool when sent; copy_ns is its echo less a pool tensor's
-of the same size, in turns, and vs_memcpy that over a copy of its bytes
-(issue 23: one copy, at most 1.5x a memcpy). The RRef lines: a proxy's rpc_sync on
-a live object (rref.rpc_sync().get()), and remote()+to_here() of a value
-made once on the owner: 1 KiB of bytes (a value that cannot change, read
+of the same size, in turns; memcpy_ns a memcpy of its bytes in a loop of
+its own, and vs_memcpy copy_ns over it (issue 23: one copy, at most 1.5x
+a memcpy); memcpy_in_call_ns what the same memcpy, into the pool tensor
+just before its echo, adds to that echo (the copy in the cache state a
+call leaves, and the rest of the call slowed by what it pushed out of the
+cache), and vs_memcpy_in_call copy_ns over that. The loop's memcpy is
+warmer than a call's can be: between two copies it touches nothing else.
+The RRef lines: a proxy's rpc_sync on a live object
+(rref.rpc_sync().get()), and remote()+to_here() of a value made once on
+the owner: 1 KiB of bytes (a value that cannot change, read
 without asking the owner), 1 KiB bytearray (a live value, fetched with
 PYTHON_RREF_FETCH_CALL) and a 1 MiB float32 torch tensor (live, fetched,
 copied into the pool once per fetch). py_rpc_sync, py_remote_to_here
@@ -189,13 +196,20 @@ PLAIN_SIZES = [(1 << 20, "1MiB"), (64 << 20, "64MiB")]
 
 
 def plain_rounds(rpc, alloc, plain, quick):
-    """{size: [plain echo ns, pool echo ns, memcpy ns]}: the echo of a
-    plain torch tensor (plain(nbytes)), of a pool tensor of that size, and
-    a memcpy of its bytes into a tensor made before (libc's, as the
-    pool's copy is: torch's copy_ took twice as long at 1 MiB, its
-    dispatch and threads), in turns over rounds, medians of medians. The
-    first minus the second is what the plain tensor's one copy costs in a
-    call (issue 23: at most 1.5x the memcpy)."""
+    """{size: [plain echo ns, pool echo ns, pool echo after a memcpy ns,
+    memcpy ns]}, in turns over rounds, medians of medians: the echo of a
+    plain torch tensor (plain(nbytes)); of a pool tensor of that size; of
+    the pool tensor with a memcpy of the plain tensor's bytes into it just
+    before (what a caller who made the copy itself would pay); and that
+    memcpy alone, again and again between two tensors made before (libc's,
+    as the pool's copy is: torch's copy_ took twice as long at 1 MiB, its
+    dispatch and threads). The first less the second is what the plain
+    tensor's one copy costs in a call (issue 23: at most 1.5x a memcpy);
+    the third less the second is a memcpy of the same bytes in the same
+    place, its source and destination as cold as the call leaves them and
+    the rest of the call slowed as much by what the copy pushed out of
+    the cache (docs/ARCHITECTURE.md, sixth pass). The memcpy alone is
+    warmer than any call's can be: it touches nothing else."""
     rounds = 3 if quick else 5
     calls = (60 if quick else 200) // rounds
     out = {}
@@ -204,12 +218,14 @@ def plain_rounds(rpc, alloc, plain, quick):
         src[:] = 1
         pooled[:] = 1
         dst[:] = 0
-        runs = [[], [], []]
+        s_at, p_at, d_at = src.data_ptr(), pooled.data_ptr(), dst.data_ptr()
+        runs = [[], [], [], []]
         for _ in range(rounds):
             for i, op in enumerate((lambda: rpc.rpc_sync("w1", echo, args=(src,)),
                                     lambda: rpc.rpc_sync("w1", echo, args=(pooled,)),
-                                    lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(),
-                                                           size))):
+                                    lambda: (ctypes.memmove(p_at, s_at, size),
+                                             rpc.rpc_sync("w1", echo, args=(pooled,))),
+                                    lambda: ctypes.memmove(d_at, s_at, size))):
                 s = timed(op, calls)
                 runs[i].append(s[len(s) // 2])
         out[label] = [median(r) for r in runs]
@@ -396,10 +412,14 @@ def main():
         line("py_tensor_echo", [("size", label), ("median_ns", med),
                                 ("vs_py_rpc_sync", f"{ours['echo_vs_sync'][label]:.3g}")],
              med, t["echo"].get(label))
-    for label, (plain, pooled, memcpy) in ours.get("plain", {}).items():
+    for label, (plain, pooled, copied, memcpy) in ours.get("plain", {}).items():
+        copy, in_call = plain - pooled, copied - pooled
+        # A burst of load during the pool echoes can make the difference
+        # nothing or less: no ratio then, rather than a meaningless one.
+        vs_in_call = f"{copy / in_call:.3g}" if in_call > 0 else "nan"
         print(f"BENCH py_tensor_echo tensor=plain size={label} median_ns={plain} "
-              f"copy_ns={plain - pooled} memcpy_ns={memcpy} "
-              f"vs_memcpy={(plain - pooled) / memcpy:.3g}", flush=True)
+              f"copy_ns={copy} memcpy_ns={memcpy} memcpy_in_call_ns={in_call} "
+              f"vs_memcpy={copy / memcpy:.3g} vs_memcpy_in_call={vs_in_call}", flush=True)
     med, p99 = spin["sync"]
     line("py_rpc_sync mode=spin", [("median_ns", med), ("p99_ns", p99)], med, t["sync"][0])
     line("py_remote_to_here mode=spin", [("median_ns", spin["remote"]),

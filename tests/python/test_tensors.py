@@ -285,3 +285,23 @@ def test_taken_handle_is_empty():
     got = rpc.rpc_sync(PEER, echo, args=(t,))
     assert torch.equal(got, torch.arange(4, dtype=torch.float32)), "the tensor kept its block"
     assert got.data_ptr() == t.data_ptr(), "and is sent by reference: its block"
+
+
+def test_plain_tensor_copied_once():
+    # A plain tensor above the inline threshold is copied into a pool block
+    # once, as it is sent (rpc_async has returned): the callee gets that
+    # block, equal to what was sent, whatever the caller writes to its own
+    # tensor after; the echo hands the same block back, not a copy.
+    torch = pytest.importorskip("torch")
+    sent = torch.arange(1 << 18, dtype=torch.int32)  # 1 MiB
+    t = sent.clone()
+    fut = rpc.rpc_async(PEER, keep_and_echo, args=(t,))
+    t.fill_(-1)
+    back = fut.wait()
+    assert torch.equal(back, sent), "the callee got the bytes as they were when sent"
+    assert in_pool(back) and back.data_ptr() != t.data_ptr(), \
+        "a 1 MiB plain tensor arrives as a pool block, not the caller's memory"
+    back[0] = 5
+    assert rpc.rpc_sync(PEER, kept_sum) == float(sent.sum()) + 5, \
+        "the echo is the block the callee kept (one copy, on the way out)"
+    assert t[0].item() == -1, "the caller's own tensor stays its own"
