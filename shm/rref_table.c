@@ -192,10 +192,14 @@ static bool claim(struct rref_table *t, uint32_t s, uint64_t id, uint32_t owner,
 	    !atomic_compare_exchange_strong_explicit(&e->key, &k, id, memory_order_acquire,
 						     memory_order_relaxed))
 		return false;
-	e->owner = owner;
-	e->creator = creator;
-	e->flags = flags;
-	e->created_ns = shmrpc_now_ns();
+	/* Release fence: the key's change before any field below, for
+	 * rref_info_at, whose acquire fence pairs with it: a reader that
+	 * loads one of these stores then sees the key no longer its id. */
+	atomic_thread_fence(memory_order_release);
+	atomic_store_explicit(&e->owner, owner, memory_order_relaxed);
+	atomic_store_explicit(&e->creator, creator, memory_order_relaxed);
+	atomic_store_explicit(&e->flags, flags, memory_order_relaxed);
+	atomic_store_explicit(&e->created_ns, shmrpc_now_ns(), memory_order_relaxed);
 	atomic_store_explicit(&e->value_off, 0, memory_order_relaxed);
 	atomic_store_explicit(&e->value_len, 0, memory_order_relaxed);
 	/* Relaxed: published with the state store below. */
@@ -281,7 +285,7 @@ static int entry_of(const struct rref_table *t, uint32_t slot, uint64_t id,
 		    struct rref_entry **out)
 {
 	struct rref_entry *e;
-	uint32_t st;
+	uint32_t st, owner;
 
 	if (slot >= t->capacity)
 		return gone(slot, id);
@@ -292,13 +296,15 @@ static int entry_of(const struct rref_table *t, uint32_t slot, uint64_t id,
 	st = RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire));
 	if (st == RREF_FREE)
 		return gone(slot, id);
-	if (st > RREF_OWNER_DEAD || e->owner >= t->world)
+	/* Relaxed: ordered by the acquire of state. */
+	owner = atomic_load_explicit(&e->owner, memory_order_relaxed);
+	if (st > RREF_OWNER_DEAD || owner >= t->world)
 		return TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
 				 "the RRef table's entry of RRef %" PRIu64 ":%" PRIu64 " (slot %u) "
 				 "is corrupt: state %u, owner %u of %u workers; the RRef cannot be "
 				 "used (the job's memory was written outside shmrpc)",
 				 (uint64_t)RREF_ID_RANK(id), (uint64_t)RREF_ID_LOCAL(id), slot, st,
-				 e->owner, t->world);
+				 owner, t->world);
 	*out = e;
 	return 0;
 }
@@ -457,7 +463,8 @@ int rref_store(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t state,
 		return shmrpc__fail(-EINVAL, "RRef %" PRIx64 " is %s, not pending: it has a value "
 				    "already", id, rref_state_name(RREF_STATE(w)));
 	wake_all(e);
-	return rref_release(t, slot, id, e->owner, 1);
+	/* Relaxed: ordered by entry_of's acquire of state. */
+	return rref_release(t, slot, id, atomic_load_explicit(&e->owner, memory_order_relaxed), 1);
 }
 
 int rref_wait(struct rref_table *t, uint32_t slot, uint64_t id, uint64_t deadline_ns)
@@ -513,18 +520,20 @@ bool rref_collect_push(struct rref_table *t, uint32_t slot)
 {
 	struct rref_entry *e = rref_entry_at(t, slot);
 	_Atomic uint32_t *head;
-	uint32_t first;
+	uint32_t first, owner;
 
 	/* Its owner was checked when it was found, but it is shared memory:
 	 * an owner beyond the job's would index past the heads. Not pushed,
-	 * the entry is leaked (and the job marked unhealthy). */
-	if (slot >= t->capacity || e->owner >= t->world) {
+	 * the entry is leaked (and the job marked unhealthy). Read once.
+	 * Relaxed: an unreferenced entry's owner no longer changes. */
+	owner = slot < t->capacity ? atomic_load_explicit(&e->owner, memory_order_relaxed) : 0;
+	if (slot >= t->capacity || owner >= t->world) {
 		TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
 			  "the RRef table's entry at slot %u is corrupt: owner %u of %u workers",
-			  slot, slot < t->capacity ? e->owner : 0, t->world);
+			  slot, owner, t->world);
 		return false;
 	}
-	head = &t->heads[e->owner];
+	head = &t->heads[owner];
 	/* Relaxed: the CAS below publishes the link. */
 	first = atomic_load_explicit(head, memory_order_relaxed);
 
@@ -567,12 +576,13 @@ uint32_t rref_collect_next(const struct rref_table *t, uint32_t slot)
 	/* Every entry of a taken list is UNREFERENCED, of the list's owner,
 	 * until that owner removes it (after reading its link): a link to
 	 * anything else is corrupt, or loops back to an entry already freed. */
-	owner = rref_entry_at(t, slot)->owner;
+	/* Relaxed: ordered by the take's acquire, and by n's state below. */
+	owner = atomic_load_explicit(&rref_entry_at(t, slot)->owner, memory_order_relaxed);
 	n = next <= t->capacity ? rref_entry_at(t, next - 1) : NULL;
 	if (!n || !RREF_KEY_LIVE(atomic_load_explicit(&n->key, memory_order_acquire)) ||
 	    RREF_STATE(atomic_load_explicit(&n->state, memory_order_acquire)) !=
 		    RREF_UNREFERENCED ||
-	    n->owner != owner) {
+	    atomic_load_explicit(&n->owner, memory_order_relaxed) != owner) {
 		TABLE_BAD(t, SHM_CORRUPT_RREF_COLLECT,
 			  "the RRef table's collect list of worker %u is corrupt: slot %u links "
 			  "to %u, not an unreferenced entry of it (the rest of the list is "
@@ -653,7 +663,7 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 	for (uint32_t s = 0; s < t->capacity; s++) {
 		struct rref_entry *e = rref_entry_at(t, s);
 		uint64_t id = atomic_load_explicit(&e->key, memory_order_acquire);
-		uint32_t w, c;
+		uint32_t w, c, owner;
 
 		if (!RREF_KEY_LIVE(id))
 			continue;
@@ -664,14 +674,16 @@ int rref_sweep_rank(struct rref_table *t, uint32_t rank)
 		if (atomic_load_explicit(&e->key, memory_order_acquire) != id ||
 		    RREF_STATE(w) == RREF_FREE)
 			continue;
-		if (RREF_STATE(w) > RREF_OWNER_DEAD || e->owner >= t->world) {
+		/* Relaxed: ordered by the acquire of state. */
+		owner = atomic_load_explicit(&e->owner, memory_order_relaxed);
+		if (RREF_STATE(w) > RREF_OWNER_DEAD || owner >= t->world) {
 			err = TABLE_BAD(t, SHM_CORRUPT_RREF_ENTRIES,
 					"the RRef table's entry at slot %u is corrupt: state %u, "
 					"owner %u of %u workers (the sweep of worker %u skipped it)",
-					s, RREF_STATE(w), e->owner, t->world, rank);
+					s, RREF_STATE(w), owner, t->world, rank);
 			continue;
 		}
-		if (e->owner == rank)
+		if (owner == rank)
 			owner_dead(t, e, id, w);
 		/* seq_cst: see rref_hold. Exchange: each reference is taken
 		 * once. A count held keeps the entry from removal, so it is
@@ -700,14 +712,20 @@ bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *o
 	out->state = RREF_STATE(atomic_load_explicit(&e->state, memory_order_acquire));
 	if (!RREF_KEY_LIVE(out->id) || out->state == RREF_FREE)
 		return false;
-	out->owner = e->owner;
-	out->creator = e->creator;
-	out->flags = e->flags;
-	out->created_ns = e->created_ns;
+	/* Relaxed, then the key again: an entry emptied and taken by the
+	 * next insert meanwhile (at once where the inserter emptied it:
+	 * freed_hint) would give its fields with our id. The acquire fence
+	 * pairs with claim()'s release fence: a field of the next insert's
+	 * read here means the key read after it is no longer out->id. */
+	out->owner = atomic_load_explicit(&e->owner, memory_order_relaxed);
+	out->creator = atomic_load_explicit(&e->creator, memory_order_relaxed);
+	out->flags = atomic_load_explicit(&e->flags, memory_order_relaxed);
+	out->created_ns = atomic_load_explicit(&e->created_ns, memory_order_relaxed);
 	out->total = atomic_load_explicit(&e->total, memory_order_relaxed);
 	out->value_off = atomic_load_explicit(&e->value_off, memory_order_relaxed);
 	out->value_len = atomic_load_explicit(&e->value_len, memory_order_relaxed);
-	return true;
+	atomic_thread_fence(memory_order_acquire);
+	return atomic_load_explicit(&e->key, memory_order_relaxed) == out->id;
 }
 
 uint32_t rref_count_of(const struct rref_table *t, uint32_t slot, uint32_t rank)

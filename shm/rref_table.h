@@ -154,13 +154,17 @@ struct rref_entry {
 	_Atomic uint32_t state;     /* incarnation << 8 | enum rref_state; the futex word */
 	_Atomic uint32_t waiters;   /* threads asleep on state */
 	_Atomic uint32_t total;     /* sum of counts (see above) */
-	uint32_t owner;             /* written by the creator before state leaves FREE */
+	/* owner, creator, flags, created_ns: stored (relaxed) by the creator
+	 * after its key CAS and a release fence, before state leaves FREE;
+	 * loaded relaxed. Atomic: a reader of a stale slot (rref_info_at: an
+	 * inspector, the debug counts) may meet the next insert's stores. */
+	_Atomic uint32_t owner;
 	_Atomic uint64_t value_off; /* pool offset, or the bytes themselves (RREF_VALUE_INLINE);
 				     * written before state READY/ERROR (release) */
 	_Atomic uint64_t value_len; /* bytes, | RREF_VALUE_INLINE when in value_off */
-	uint64_t created_ns;        /* CLOCK_MONOTONIC, for inspectors */
-	uint32_t creator;
-	uint32_t flags;             /* RREF_F_* */
+	_Atomic uint64_t created_ns; /* CLOCK_MONOTONIC, for inspectors */
+	_Atomic uint32_t creator;
+	_Atomic uint32_t flags;      /* RREF_F_* */
 	/* On the owner's collect list: the next entry's slot + 1 (0: none).
 	 * Written by the pusher before its release CAS of the head; read by
 	 * the owner after its acquire exchange. */
@@ -305,7 +309,8 @@ SHMRPC_HIDDEN int rref_mark_owner_dead(struct rref_table *t, uint32_t slot, uint
  * the return is rref_release's for what it dropped. */
 SHMRPC_HIDDEN int rref_sweep_entry(struct rref_table *t, uint32_t slot, uint64_t id, uint32_t rank);
 
-/* Copies the entry at slot; false when it is unused. */
+/* Copies the entry at slot; false when it is unused, or was emptied while
+ * it was copied (the copy would mix two RRefs). */
 SHMRPC_HIDDEN bool rref_info_at(const struct rref_table *t, uint32_t slot, struct rref_info *out);
 /* rank's count on the entry at slot (for tests and inspectors). */
 SHMRPC_HIDDEN uint32_t rref_count_of(const struct rref_table *t, uint32_t slot, uint32_t rank);

@@ -109,6 +109,13 @@ def test_calls(me, peer):
         with pytest.raises(RuntimeError, match=f'could not find destination {to}: no worker '
                                                f'named "{to}" in this job'):
             rpc.rpc_sync(to, add, args=(1, 1))
+    # A NUL inside a name does not end it: "worker1\0x" is no worker (as in
+    # torch), neither to a call nor to get_worker_info.
+    for to in (peer.name + "\0x", peer.name + "\0"):
+        with pytest.raises(RuntimeError, match="could not find destination"):
+            rpc.rpc_sync(to, add, args=(1, 1))
+        with pytest.raises(RuntimeError, match="could not find destination"):
+            rpc.get_worker_info(to)
     with pytest.raises(UnicodeEncodeError):
         rpc.rpc_sync("w\ud800", add, args=(1, 1))
     with pytest.raises(TypeError, match="to must be a worker name, a rank or a WorkerInfo"):
