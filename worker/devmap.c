@@ -31,19 +31,6 @@ int devmap_join_begin(struct agent *ag, const struct shmrpc_options *o)
 	return 0;
 }
 
-/* The rank named name, or -1. */
-static int rank_of(const struct agent *ag, const char *name)
-{
-	char n[SHM_NAME_MAX];
-
-	for (uint32_t r = 0; r < ag->world; r++) {
-		agent_peer_name(ag, r, n, sizeof(n));
-		if (!strcmp(n, name))
-			return (int)r;
-	}
-	return -1;
-}
-
 /* Our maps into our rows, resolved; the first error in err (empty: none). */
 static void publish_rows(struct agent *ag, const struct shmrpc_options *o, char *err, size_t len)
 {
@@ -60,7 +47,8 @@ static void publish_rows(struct agent *ag, const struct shmrpc_options *o, char 
 	head(ag, ag->rank)->device_count = devices;
 	for (uint32_t i = 0; i < o->num_device_maps && !*err; i++) {
 		const struct shmrpc_device_map_entry *e = &o->device_maps[i];
-		int dst = e->worker ? rank_of(ag, e->worker) : -1;
+		/* Not found: the sentence below says it in torch's words. */
+		int dst = e->worker ? agent_rank_named(ag, e->worker) : -1;
 		int8_t *to;
 
 		if (dst < 0) {
