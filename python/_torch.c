@@ -200,13 +200,14 @@ static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
 	return list;
 }
 
-/* take_torch(handles: list) -> [torch tensor...] of received host handles,
+/* take_torch(handles: list) -> (torch tensor...) of received host handles,
  * each holding its handle's own reference (take_capsule: the handles are
- * the message's, used once, and left empty). */
+ * the message's, used once, and left empty). A tuple: a call's arguments
+ * as they are. */
 static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
 {
 	Py_ssize_t n;
-	PyObject *list;
+	PyObject *tuple;
 
 	(void)m;
 	if (!from_dlpack) {
@@ -219,7 +220,7 @@ static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
 		return NULL;
 	}
 	n = PyList_Size(handles);
-	if (!(list = PyList_New(n)))
+	if (!(tuple = PyTuple_New(n)))
 		return NULL;
 	for (Py_ssize_t i = 0; i < n; i++) {
 		PyObject *cap = take_capsule(PyList_GetItem(handles, i)), *t;
@@ -227,12 +228,12 @@ static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
 		t = cap ? PyObject_CallFunctionObjArgs(from_dlpack, cap, NULL) : NULL;
 		Py_XDECREF(cap);
 		if (!t) {
-			Py_DECREF(list); /* the tensors made so far free their blocks */
+			Py_DECREF(tuple); /* the tensors made so far free their blocks */
 			return NULL;
 		}
-		PyList_SetItem(list, i, t); /* steals t */
+		PyTuple_SetItem(tuple, i, t); /* steals t */
 	}
-	return list;
+	return tuple;
 }
 
 static PyMethodDef torch_functions[] = {
@@ -243,7 +244,7 @@ static PyMethodDef torch_functions[] = {
 	{ "torch_handles", mod_torch_handles, METH_O,
 	  "torch_handles(args) -> [Tensor...] when every argument is such a tensor, or None" },
 	{ "take_torch", mod_take_torch, METH_O,
-	  "take_torch([Tensor...]) -> [torch tensor...], each taking its handle's reference" },
+	  "take_torch([Tensor...]) -> (torch tensor...), each taking its handle's reference" },
 	{ NULL, NULL, 0, NULL },
 };
 

@@ -243,9 +243,9 @@ def _plain_handle(obj):
 
 
 def _from_handles(tensors):
-    """The torch tensors of _TENSORS' handles (_from_pool's "torch"), each
-    holding its handle's reference (take_torch: the handles are the
-    message's, used once)."""
+    """The torch tensors (a tuple) of _TENSORS' handles (_from_pool's
+    "torch"), each holding its handle's reference (take_torch: the handles
+    are the message's, used once)."""
     if _from_dlpack is None:
         import torch
         _know_torch(torch)
@@ -672,7 +672,7 @@ def _unpack_call(payload, rrefs, tensors):
     elif last == _TENSORS:
         named = _named_heads.get(payload[:-1])
         if named is not None and named.holds():
-            return named.func, tuple(_from_handles(tensors)), {}
+            return named.func, _from_handles(tensors), {}
     if payload[:1] != _BY_NAME:
         return _loads((payload, rrefs, tensors), "call")
     end = payload.index(b"\0", payload.index(b"\0") + 1) + 1
@@ -688,7 +688,7 @@ def _unpack_call(payload, rrefs, tensors):
     if end == len(payload):
         return func, (), {}
     if payload[end:] == _TENSORS:
-        return func, tuple(_from_handles(tensors)), {}
+        return func, _from_handles(tensors), {}
     if payload[end:end + 1] == _PROXY:
         name_end = payload.index(b"\0", end)
         rest = payload[name_end + 1:]

@@ -217,6 +217,7 @@ def test_common_tensor_in_c():
     with pytest.raises(TypeError, match="tuple"):
         _marshal._torch_handles([plain])
     got = _shmrpc.take_torch(handles)
+    assert type(got) is tuple, "a call's arguments as they are"
     for g, want in zip(got, (pool_t, plain, scalar, pool_t)):
         assert type(g) is torch.Tensor and g.dtype == want.dtype and g.shape == want.shape
         assert g.stride() == want.stride() and not g.requires_grad and torch.equal(g, want)
