@@ -61,7 +61,7 @@ _from_dlpack = None
 
 
 def _know_torch(torch):
-    global _from_dlpack
+    global _from_dlpack, _from_handles
     # torch.utils.dlpack.from_dlpack without its Python wrapper, which asks
     # a capsule nothing.
     _from_dlpack = torch._C._from_dlpack
@@ -73,6 +73,7 @@ def _know_torch(torch):
     # The common tensor's fast path, in C (python/_torch.c): until now
     # _torch_handle takes no object for one.
     _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack)
+    _from_handles = _shmrpc.take_torch  # no Python call around it from now on
 
 
 def _type_kind(t):
@@ -245,14 +246,11 @@ def _plain_handle(obj):
 def _from_handles(tensors):
     """The torch tensors (a tuple) of _TENSORS' handles (_from_pool's
     "torch"), each holding its handle's reference (take_torch: the handles
-    are the message's, used once)."""
-    if _from_dlpack is None:
-        import torch
-        _know_torch(torch)
-    return _take_torch(tensors)
-
-
-_take_torch = _shmrpc.take_torch
+    are the message's, used once). This function only until torch is
+    known: _know_torch binds the name to take_torch itself."""
+    import torch
+    _know_torch(torch)
+    return _shmrpc.take_torch(tensors)
 
 
 # A value, or a call's arguments, that is only such tensors travels as
