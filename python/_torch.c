@@ -18,9 +18,17 @@
 #include "shmrpc.h"
 #include "python/module.h"
 
-/* torch.Tensor, {torch dtype: (DLPack code, bits), or False where its
- * tensors are pickled}, torch._C._from_dlpack; NULL until know_torch. */
-static PyObject *tensor_type, *dtypes, *from_dlpack;
+/* torch.Tensor and torch._C._from_dlpack; NULL until know_torch. */
+static PyObject *tensor_type, *from_dlpack;
+/* The pool dtypes (torch's dtype objects, one per dtype) and their DLPack
+ * dtypes: a tensor's found by pointer, without a dict lookup and a tuple's
+ * parse. */
+#define POOL_DTYPES 16
+static struct {
+	PyObject *torch; /* owned */
+	DLDataType dl;
+} pool_dtypes[POOL_DTYPES];
+static int npool_dtypes;
 /* Interned attribute names. */
 static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_is_contiguous, *s_shape, *s_data_ptr;
 
@@ -33,9 +41,39 @@ static void keep(PyObject **slot, PyObject *o)
 	Py_XDECREF(old);
 }
 
-/* know_torch(torch.Tensor, dtypes, torch._C._from_dlpack): what the
- * functions below need of torch (_marshal._know_torch); dtypes is kept, not
- * copied, so entries added later count. */
+/* The pool dtypes of map, {torch dtype: (DLPack code, bits), or False
+ * where its tensors are pickled}, into pool_dtypes. 0 or -1 with an
+ * exception set. */
+static int learn_dtypes(PyObject *map)
+{
+	PyObject *dtype, *code_bits;
+	Py_ssize_t pos = 0;
+	unsigned code, bits;
+	int n = 0;
+
+	while (PyDict_Next(map, &pos, &dtype, &code_bits)) {
+		if (!PyTuple_Check(code_bits))
+			continue;
+		if (n == POOL_DTYPES) {
+			PyErr_Format(PyExc_ValueError, "know_torch: more than %d pool dtypes",
+				     POOL_DTYPES);
+			return -1;
+		}
+		if (!PyArg_ParseTuple(code_bits, "II;know_torch: a pool dtype's DLPack is "
+				      "(code, bits)", &code, &bits))
+			return -1;
+		keep(&pool_dtypes[n].torch, dtype);
+		pool_dtypes[n++].dl = (DLDataType){ (uint8_t)code, (uint8_t)bits, 1 };
+	}
+	for (int i = n; i < npool_dtypes; i++)
+		Py_CLEAR(pool_dtypes[i].torch);
+	npool_dtypes = n;
+	return 0;
+}
+
+/* know_torch(torch.Tensor, {torch dtype: (code, bits) or False},
+ * torch._C._from_dlpack): what the functions below need of torch
+ * (_marshal._know_torch, which knows every pool dtype then). */
 static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 {
 	PyObject *type, *map, *fn;
@@ -47,8 +85,9 @@ static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 		PyErr_SetString(PyExc_TypeError, "know_torch: torch's DLPack import is not callable");
 		return NULL;
 	}
+	if (learn_dtypes(map))
+		return NULL;
 	keep(&tensor_type, type);
-	keep(&dtypes, map);
 	keep(&from_dlpack, fn);
 	return new_ref(Py_None);
 }
@@ -85,20 +124,17 @@ static int method_true(PyObject *obj, PyObject *name)
  * dtype), or -1 with an exception set. */
 static int pool_dtype(PyObject *obj, DLDataType *dt)
 {
-	PyObject *d = PyObject_GetAttr(obj, s_dtype), *code_bits;
-	unsigned code, bits;
+	PyObject *d = PyObject_GetAttr(obj, s_dtype);
+	int i;
 
 	if (!d)
 		return -1;
-	code_bits = PyDict_GetItemWithError(dtypes, d); /* borrowed */
-	Py_DECREF(d);
-	if (!code_bits)
-		return PyErr_Occurred() ? -1 : 0;
-	if (!PyTuple_Check(code_bits)) /* False: pickled */
+	for (i = 0; i < npool_dtypes && pool_dtypes[i].torch != d; i++)
+		;
+	Py_DECREF(d); /* torch keeps its dtypes; the pointer is only compared */
+	if (i == npool_dtypes)
 		return 0;
-	if (!PyArg_ParseTuple(code_bits, "II", &code, &bits))
-		return -1;
-	*dt = (DLDataType){ (uint8_t)code, (uint8_t)bits, 1 };
+	*dt = pool_dtypes[i].dl;
 	return 1;
 }
 

@@ -70,8 +70,9 @@ def _know_torch(torch):
     # fills the map) and only the later ones go by the fast path.
     for name, code_bits in _POOL_TORCH_DTYPES.items():
         _TORCH_DTYPE_OK[getattr(torch, name[len("torch."):])] = code_bits
-    # The common tensor's fast path, in C (python/_torch.c): until now
-    # _torch_handle takes no object for one.
+    # The common tensor's fast path, in C (python/_torch.c), which takes
+    # the pool dtypes from the map now: before, _torch_handle gives None
+    # for every object.
     _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack)
     _from_handles = _shmrpc.take_torch  # no Python call around it from now on
 
