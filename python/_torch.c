@@ -92,25 +92,10 @@ static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 	return new_ref(Py_None);
 }
 
-/* Whether obj.name is True: 1, 0, or -1 with an exception set. */
-static int attr_true(PyObject *obj, PyObject *name)
+/* Whether v, a new reference (an attribute's value, a method's result),
+ * is True: 1, 0, or -1 when v is NULL (its exception set). */
+static int is_true(PyObject *v)
 {
-	PyObject *v = PyObject_GetAttr(obj, name);
-
-	int yes;
-
-	if (!v)
-		return -1;
-	yes = v == Py_True;
-	Py_DECREF(v);
-	return yes;
-}
-
-/* Whether obj.name() is True: 1, 0, or -1 with an exception set. */
-static int method_true(PyObject *obj, PyObject *name)
-{
-	PyObject *v = PyObject_CallMethodObjArgs(obj, name, NULL);
-
 	int yes;
 
 	if (!v)
@@ -157,11 +142,12 @@ static int torch_plain(PyObject *obj, struct plain *p)
 
 	if (!tensor_type || (PyObject *)Py_TYPE(obj) != tensor_type)
 		return 0;
-	if ((ok = attr_true(obj, s_is_cpu)) != 1)
+	if ((ok = is_true(PyObject_GetAttr(obj, s_is_cpu))) != 1)
 		return ok;
-	if ((ok = attr_true(obj, s_requires_grad)) != 0)
+	if ((ok = is_true(PyObject_GetAttr(obj, s_requires_grad))) != 0)
 		return ok < 0 ? -1 : 0;
-	if ((ok = pool_dtype(obj, &p->dtype)) != 1 || (ok = method_true(obj, s_is_contiguous)) != 1)
+	if ((ok = pool_dtype(obj, &p->dtype)) != 1 ||
+	    (ok = is_true(PyObject_CallMethodObjArgs(obj, s_is_contiguous, NULL))) != 1)
 		return ok;
 	if (!(dims = PyObject_GetAttr(obj, s_shape)))
 		return -1;
