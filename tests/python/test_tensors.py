@@ -311,7 +311,7 @@ def test_pool_tensor_echoed_back():
 
 def test_taken_handle_is_empty():
     # A received handle made into a torch tensor gives it its own reference
-    # (take_dlpack, _marshal._from_handles): the tensor keeps the block
+    # (take_dlpack; take_torch in _marshal._from_handles): the tensor keeps the block
     # after the handle is gone, and the emptied handle refuses every use,
     # a send included, with a sentence (never a crash).
     torch = pytest.importorskip("torch")
