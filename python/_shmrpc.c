@@ -17,9 +17,10 @@
  *
  * This file: the module, and its functions of the agent's life and state.
  * Beside it: _handles.c (objects wrapping library handles), _tensor.c
- * (Tensor), _future.c (Future, RRef), _calls.c (call, remote, RRef(value)),
- * _handler.c (requests served), _job.c and _join.c (jobs launched from a
- * process, joining without shmrun). worker/ is reached through
+ * (Tensor), _torch.c (torch CPU tensors to handles and back), _future.c
+ * (Future, RRef), _calls.c (call, remote, RRef(value)), _handler.c
+ * (requests served), _job.c and _join.c (jobs launched from a process,
+ * joining without shmrun). worker/ is reached through
  * worker/python_api.h alone.
  */
 #define Py_LIMITED_API 0x03090000
@@ -416,8 +417,8 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 
 	if (!m)
 		return NULL;
-	if (module_add_future(m) || module_add_tensor(m) || module_add_handler(m) ||
-	    module_add_calls(m) || module_add_job(m) ||
+	if (module_add_future(m) || module_add_tensor(m) || module_add_torch(m) ||
+	    module_add_handler(m) || module_add_calls(m) || module_add_job(m) ||
 	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT) ||
 	    PyModule_AddIntConstant(m, "PROFILE_TORCH", PROFILE_TORCH) ||
 	    PyModule_AddIntConstant(m, "PROFILE_SHAPES", PROFILE_SHAPES) ||

@@ -107,19 +107,18 @@ static PyObject *tensor_dlpack(PyObject *self, PyObject *args, PyObject *kw)
 	return cap;
 }
 
-/* take_dlpack(t) -> a DLPack capsule that takes over t's own reference: t
- * is empty afterwards (held() refuses it). For a received host tensor
- * made into a torch tensor at once (_marshal._from_handles): __dlpack__
- * would take a reference of its own (a handle, a count and a holder
- * record) that t's release then drops. */
-static PyObject *mod_take_dlpack(PyObject *m, PyObject *obj)
+/* A DLPack capsule that takes over t's own reference: t is empty afterwards
+ * (held() refuses it). For a received host tensor made into a torch tensor
+ * at once (take_torch, _torch.c): __dlpack__ would take a reference of its
+ * own (a handle, a count and a holder record) that t's release then drops.
+ * NULL with an exception set. */
+PyObject *take_capsule(PyObject *obj)
 {
 	const DLTensor *dl;
 	DLManagedTensor *dm;
 	PyObject *cap;
 	int rc;
 
-	(void)m;
 	if (!PyObject_TypeCheck(obj, (PyTypeObject *)TensorType)) {
 		PyErr_SetString(PyExc_TypeError, "take_dlpack: an shmrpc Tensor is needed");
 		return NULL;
@@ -138,6 +137,13 @@ static PyObject *mod_take_dlpack(PyObject *m, PyObject *obj)
 	if (!(cap = PyCapsule_New(dm, "dltensor", capsule_free)))
 		dm->deleter(dm);
 	return cap;
+}
+
+/* take_dlpack(t) -> take_capsule(t). */
+static PyObject *mod_take_dlpack(PyObject *m, PyObject *obj)
+{
+	(void)m;
+	return take_capsule(obj);
 }
 
 static PyObject *tensor_dlpack_device(PyObject *self, PyObject *unused)
@@ -327,7 +333,7 @@ static PyObject *mod_from_bytes(PyObject *m, PyObject *obj)
 
 /* The sizes of dims (a tuple, or a subclass: torch.Size) into shape: how
  * many, or -1 with an exception set. */
-static Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS])
+Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS])
 {
 	Py_ssize_t n;
 
@@ -360,36 +366,44 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
-/* from_host(address, code, bits, shape) -> Tensor: from_dlpack of the
- * contiguous host array of that dtype and shape at address (a CPU torch
- * tensor's data_ptr(), which the caller keeps alive during the call):
- * taken without a copy when it is a whole pool block, else copied once.
- * torch's DLPack export makes a view of the tensor (as_strided) and a
- * capsule, and its deleter frees them: most of what sending a tensor cost
- * (docs/ARCHITECTURE.md, "A tensor echo"). */
+/* A Tensor of the contiguous host array of dtype and shape at addr (which
+ * its owner keeps alive during the call): taken without a copy when it is
+ * a whole pool block, else copied once. torch's DLPack export makes a view
+ * of the tensor (as_strided) and a capsule, and its deleter frees them:
+ * most of what sending a tensor cost (docs/ARCHITECTURE.md, "A tensor
+ * echo"). NULL with an exception set. */
+PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape)
+{
+	shmrpc_tensor *t;
+	int rc;
+
+	/* No deleter: the array stays its owner's. No strides: compact. */
+	rc = shmrpc_tensor_from_dlpack(
+		&(DLManagedTensor){ .dl_tensor = { .data = (void *)addr,
+						    .device = { kDLCPU, 0 },
+						    .ndim = ndim,
+						    .dtype = dtype,
+						    .shape = shape } },
+		&t);
+	return rc ? fail(rc) : tensor_wrap(t);
+}
+
+/* from_host(address, code, bits, shape) -> Tensor: host_handle of a CPU
+ * torch tensor's data_ptr(), DLPack dtype and shape. */
 static PyObject *mod_from_host(PyObject *m, PyObject *args)
 {
 	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
 	unsigned long long addr;
 	unsigned code, bits;
 	PyObject *dims;
-	shmrpc_tensor *t;
 	Py_ssize_t n;
-	int rc;
 
 	(void)m;
 	if (!PyArg_ParseTuple(args, "KIIO", &addr, &code, &bits, &dims) ||
 	    (n = shape_of(dims, shape)) < 0)
 		return NULL;
-	/* No deleter: the array stays its owner's. No strides: compact. */
-	rc = shmrpc_tensor_from_dlpack(
-		&(DLManagedTensor){ .dl_tensor = { .data = (void *)(uintptr_t)addr,
-						    .device = { kDLCPU, 0 },
-						    .ndim = (int32_t)n,
-						    .dtype = { (uint8_t)code, (uint8_t)bits, 1 },
-						    .shape = shape } },
-		&t);
-	return rc ? fail(rc) : tensor_wrap(t);
+	return host_handle((uintptr_t)addr, (DLDataType){ (uint8_t)code, (uint8_t)bits, 1 },
+			   (int32_t)n, shape);
 }
 
 /* Copies n bytes to dst, which nobody reads soon, with non-temporal stores

@@ -37,6 +37,16 @@ PyObject *future_wrap(shmrpc_future *f);
 PyObject *rref_wrap(shmrpc_rref *r);
 PyObject *tensor_wrap(shmrpc_tensor *t);
 
+/* _tensor.c: the helpers of _torch.c. The sizes of dims (a tuple, or
+ * torch.Size) into shape: how many, or -1 with an exception set. */
+Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS]);
+/* A Tensor of the contiguous host array at addr: a pool block's without a
+ * copy, else copied once (from_host). NULL with an exception set. */
+PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape);
+/* A DLPack capsule holding a host Tensor's own reference, the Tensor left
+ * empty (take_dlpack). NULL with an exception set. */
+PyObject *take_capsule(PyObject *obj);
+
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);
 int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m);
@@ -55,6 +65,7 @@ int module_add_calls(PyObject *m);
 int module_add_future(PyObject *m);
 int module_add_handler(PyObject *m);
 int module_add_tensor(PyObject *m);
+int module_add_torch(PyObject *m);
 /* _job.c: adds the Job type to the module. */
 int module_add_job(PyObject *m);
 /* _join.c: adds join() and leave(). */

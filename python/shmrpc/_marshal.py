@@ -56,23 +56,25 @@ _TYPE_KINDS = {}
 _TORCH_DTYPE_OK = {}
 
 
-# torch.Tensor and torch's DLPack import (a C function), once a torch
-# tensor was seen: the pickler's fast path (_Pickler.persistent_id).
-_torch_tensor_type = None
+# torch's DLPack import (a C function), once a torch tensor was seen.
 _from_dlpack = None
 
 
 def _know_torch(torch):
-    global _torch_tensor_type, _from_dlpack
+    global _from_dlpack, _from_handles
     # torch.utils.dlpack.from_dlpack without its Python wrapper, which asks
     # a capsule nothing.
     _from_dlpack = torch._C._from_dlpack
-    _torch_tensor_type = torch.Tensor
-    # Known before the first tensor: _plain_tensor asks this map alone, so
+    # Known before the first tensor: _torch_handle asks this map alone, so
     # the first tensor of a dtype would otherwise be pickled (_tensor_kind
     # fills the map) and only the later ones go by the fast path.
     for name, code_bits in _POOL_TORCH_DTYPES.items():
         _TORCH_DTYPE_OK[getattr(torch, name[len("torch."):])] = code_bits
+    # The common tensor's fast path, in C (python/_torch.c), which takes
+    # the pool dtypes from the map now: before, _torch_handle gives None
+    # for every object.
+    _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack)
+    _from_handles = _shmrpc.take_torch  # no Python call around it from now on
 
 
 def _type_kind(t):
@@ -85,7 +87,7 @@ def _type_kind(t):
     # torch's RPC pickler does (its dispatch table names torch.Tensor alone),
     # it arrives a Parameter, its data (a Tensor) handed over.
     if t.__module__.startswith("torch") and getattr(t, "__name__", "") == "Tensor":
-        if _torch_tensor_type is None:
+        if _from_dlpack is None:
             _know_torch(sys.modules["torch"])
         return _TORCH
     if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
@@ -223,34 +225,33 @@ def _from_pool(kind, t):
     return _from_dlpack(t.__dlpack__())
 
 
-def _plain_tensor(obj):
-    """Whether obj is the common tensor, which its handle describes whole:
-    a contiguous, non-empty CPU torch.Tensor (not a subclass) of a pool
-    dtype that needs no autograd. The fast path of the pickler and of
-    _TENSORS; its handle is _plain_handle(obj)."""
-    return (type(obj) is _torch_tensor_type and obj.is_cpu and not obj.requires_grad
-            and _TORCH_DTYPE_OK.get(obj.dtype) and obj.is_contiguous() and obj.numel() > 0)
+# The common tensor, which its handle describes whole: a contiguous,
+# non-empty CPU torch.Tensor (not a subclass) of a pool dtype that needs no
+# autograd. The fast path of the pickler and of _TENSORS: _torch_handle(obj)
+# is its handle, or None for any other object; _torch_handles(args) the
+# handles of a tuple of them, or None (python/_torch.c: the questions to the
+# tensor and its handle in one C call, docs/ARCHITECTURE.md, "A tensor
+# echo", seventh pass).
+_torch_handle = _shmrpc.torch_handle
+_torch_handles = _shmrpc.torch_handles
 
 
 def _plain_handle(obj):
     # Its address, dtype and shape rather than torch's DLPack export, which
     # makes a view of the tensor and a capsule for each (docs/ARCHITECTURE.md,
-    # "A tensor echo"); obj is alive and contiguous (_plain_tensor).
+    # "A tensor echo"); obj is alive, contiguous and of a pool dtype.
     code, bits = _TORCH_DTYPE_OK[obj.dtype]
     return _shmrpc.from_host(obj.data_ptr(), code, bits, obj.shape)
 
 
 def _from_handles(tensors):
-    """The torch tensors of _TENSORS' handles (_from_pool's "torch"), each
-    holding its handle's reference (take_dlpack: the handles are the
-    message's, used once)."""
-    if _from_dlpack is None:
-        import torch
-        _know_torch(torch)
-    return [_from_dlpack(_take_dlpack(t)) for t in tensors]
-
-
-_take_dlpack = _shmrpc.take_dlpack
+    """The torch tensors (a tuple) of _TENSORS' handles (_from_pool's
+    "torch"), each holding its handle's reference (take_torch: the handles
+    are the message's, used once). This function only until torch is
+    known: _know_torch binds the name to take_torch itself."""
+    import torch
+    _know_torch(torch)
+    return _shmrpc.take_torch(tensors)
 
 
 # A value, or a call's arguments, that is only such tensors travels as
@@ -291,10 +292,11 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
         if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
             return None
-        if _plain_tensor(obj):
+        handle = _torch_handle(obj)
+        if handle is not None:
             # Its handle has its shape, so its id is the bare index (a
             # tuple's elements would each come back here, the shape's too).
-            self.tensors.append(_plain_handle(obj))
+            self.tensors.append(handle)
             return len(self.tensors) - 1
         if isinstance(obj, _rref_type):
             self.rrefs.append(obj._r)
@@ -384,8 +386,9 @@ def _dumps(obj):
         # _Pickler's persistent_id, a Python call per object (a number
         # took 3.0 us that way, 0.3 this way; docs/ARCHITECTURE.md).
         return _inline(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], [])
-    if _plain_tensor(obj):
-        return _TENSORS, [], [_plain_handle(obj)]
+    handle = _torch_handle(obj)
+    if handle is not None:
+        return _TENSORS, [], [handle]
     p = _idle.pickler
     if p is None:
         p = _Pickler(io.BytesIO())
@@ -460,8 +463,11 @@ def _immutable(value):
 
 def _result(msg, grad_mode="result"):
     """Unpickles a result; a RemoteException is raised as its own type."""
-    if not msg[0]:
+    data = msg[0]
+    if not data:
         return None  # most results: nothing to unpickle (_dumps)
+    if data == _TENSORS:  # a tensor (_dumps): no RemoteException
+        return _from_handles(msg[2])[0]
     value = _loads(msg, grad_mode)
     if isinstance(value, RemoteException):
         exc_type = value.exception_type
@@ -590,8 +596,10 @@ def _pack_call(func, args, kwargs, dst=None):
         rest = args[2:]
         return (named.head + _PROXY + args[0].encode() + b"\0" +
                 (pickle.dumps(rest, pickle.HIGHEST_PROTOCOL) if rest else b""), [args[1]._r], [])
-    if not kwargs and type(args) is tuple and all(map(_plain_tensor, args)):
-        return named.tensors_head, [], list(map(_plain_handle, args))
+    if not kwargs and type(args) is tuple:
+        handles = _torch_handles(args)
+        if handles is not None:
+            return named.tensors_head, [], handles
     args = tuple(args or ())
     if not kwargs and _scalars(args):  # as _dumps' scalars: C's pickler alone
         data, rrefs, tensors = _inline(pickle.dumps((args, {}), pickle.HIGHEST_PROTOCOL), [], [])
@@ -651,11 +659,19 @@ def _unpack_call(payload, rrefs, tensors):
     # A call without arguments, the payload its head alone (ending in its
     # name's NUL, which no pickle or other payload of a call by name
     # but a proxy's ends in): one lookup of the short payload, without
-    # the head's search (two index calls and a slice), 1.3 -> 0.8 us.
-    if payload[-1:] == b"\0":
+    # the head's search (two index calls and a slice), 1.3 -> 0.8 us. A
+    # call of tensors alone, its head and _TENSORS (the one payload of a
+    # call by name that ends in it: a pickle ends in STOP, _OUT_OF_LINE in
+    # text): one lookup of the head.
+    last = payload[-1:]
+    if last == b"\0":
         named = _named_heads.get(payload)
         if named is not None and named.holds():
             return named.func, (), {}
+    elif last == _TENSORS:
+        named = _named_heads.get(payload[:-1])
+        if named is not None and named.holds():
+            return named.func, _from_handles(tensors), {}
     if payload[:1] != _BY_NAME:
         return _loads((payload, rrefs, tensors), "call")
     end = payload.index(b"\0", payload.index(b"\0") + 1) + 1
@@ -671,7 +687,7 @@ def _unpack_call(payload, rrefs, tensors):
     if end == len(payload):
         return func, (), {}
     if payload[end:] == _TENSORS:
-        return func, tuple(_from_handles(tensors)), {}
+        return func, _from_handles(tensors), {}
     if payload[end:end + 1] == _PROXY:
         name_end = payload.index(b"\0", end)
         rest = payload[name_end + 1:]

@@ -80,7 +80,8 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
                 result = _waited(result)
             if result is None:
                 return b""
-            reply = _reply(result, rref_id)
+            # A call's result, most often: _dumps without _reply's call.
+            reply = _dumps(result) if not rref_id else _reply(result, rref_id)
         return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
         return _failed(e)

@@ -189,6 +189,49 @@ def test_tensor_only_calls():
     assert torch.equal(got, g.detach()), "a tensor that requires grad"
 
 
+def test_common_tensor_in_c():
+    # The common tensor's fast path in C (python/_torch.c): a handle for a
+    # contiguous, non-empty CPU torch.Tensor of a pool dtype that needs no
+    # grad, None for anything else (pickled); a call's arguments' handles
+    # only when all are such; a received handle made a torch tensor that
+    # takes the handle's reference.
+    torch = pytest.importorskip("torch")
+    from shmrpc import _marshal, _shmrpc
+    pool_t = rpc.empty((2, 3), "int32", like="torch")
+    plain = torch.arange(6, dtype=torch.float64).reshape(3, 2)
+    scalar = torch.tensor(7, dtype=torch.int16)
+    h = _marshal._torch_handle(pool_t)
+    assert h.data_ptr() == pool_t.data_ptr(), "a pool tensor by reference"
+    taken = _marshal._torch_handle(plain)
+    assert taken.data_ptr() != plain.data_ptr() and taken.tobytes() == plain.numpy().tobytes(), \
+        "a plain tensor copied once"
+    grad = torch.ones(2, requires_grad=True)
+    for other in (torch.nn.Parameter(torch.ones(2), requires_grad=False), grad,
+                  plain.t(), torch.ones(0), torch.ones(2, 0), torch.ones(2, dtype=torch.bool),
+                  torch.ones(2, dtype=torch.complex64), np.ones(2), 3, None, [plain]):
+        assert _marshal._torch_handle(other) is None, f"not the common tensor: {other!r}"
+    assert _marshal._torch_handles((plain, 3)) is None, "a number beside a tensor"
+    assert _marshal._torch_handles((plain, grad)) is None, "a tensor that requires grad"
+    handles = _marshal._torch_handles((pool_t, plain, scalar, pool_t))
+    assert len(handles) == 4 and handles[0].data_ptr() == handles[3].data_ptr() == h.data_ptr()
+    with pytest.raises(TypeError, match="tuple"):
+        _marshal._torch_handles([plain])
+    got = _shmrpc.take_torch(handles)
+    assert type(got) is tuple, "a call's arguments as they are"
+    for g, want in zip(got, (pool_t, plain, scalar, pool_t)):
+        assert type(g) is torch.Tensor and g.dtype == want.dtype and g.shape == want.shape
+        assert g.stride() == want.stride() and not g.requires_grad and torch.equal(g, want)
+    assert got[0].data_ptr() == pool_t.data_ptr(), "a received pool tensor shares its block"
+    with pytest.raises(ValueError, match="DLPack capsule"):
+        handles[0].data_ptr()  # each handle gave its reference to its tensor
+    del handles
+    gc.collect()
+    got[1].add_(1)  # the copy's block is the tensor's now
+    assert torch.equal(got[1], plain + 1)
+    with pytest.raises(TypeError, match="shmrpc Tensor"):
+        _shmrpc.take_torch([plain])
+
+
 def test_tensor_only_calls_from_the_first():
     # Every pool dtype takes the pickle-free form from its first tensor on
     # (the dtypes are known with torch, not learnt from a pickled first).
@@ -268,7 +311,7 @@ def test_pool_tensor_echoed_back():
 
 def test_taken_handle_is_empty():
     # A received handle made into a torch tensor gives it its own reference
-    # (take_dlpack, _marshal._from_handles): the tensor keeps the block
+    # (take_dlpack; take_torch in _marshal._from_handles): the tensor keeps the block
     # after the handle is gone, and the emptied handle refuses every use,
     # a send included, with a sentence (never a crash).
     torch = pytest.importorskip("torch")

@@ -1,0 +1,283 @@
+/*
+ * torch CPU tensors to handles and back, for the common tensor of a call
+ * or a result (_marshal: a contiguous, non-empty CPU torch.Tensor, not a
+ * subclass, of a pool dtype, that needs no autograd): its questions asked
+ * and its handle made in one C call, and a received handle made a torch
+ * tensor in one, without the Python around each (a tensor echo made 14
+ * Python calls per tensor and side for it; docs/ARCHITECTURE.md, "A
+ * tensor echo", seventh pass). torch is not linked: its type, its dtypes
+ * and its DLPack import are handed over by know_torch, once torch is
+ * known to the package.
+ */
+#define Py_LIMITED_API 0x03090000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "shmrpc.h"
+#include "python/module.h"
+
+/* torch.Tensor and torch._C._from_dlpack; NULL until know_torch. */
+static PyObject *tensor_type, *from_dlpack;
+/* The pool dtypes (torch's dtype objects, one per dtype) and their DLPack
+ * dtypes: a tensor's found by pointer, without a dict lookup and a tuple's
+ * parse. */
+#define POOL_DTYPES 16
+static struct {
+	PyObject *torch; /* owned */
+	DLDataType dl;
+} pool_dtypes[POOL_DTYPES];
+static int npool_dtypes;
+/* Interned attribute names. */
+static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_is_contiguous, *s_shape, *s_data_ptr;
+
+/* *slot = a new reference to o, the one it held dropped. */
+static void keep(PyObject **slot, PyObject *o)
+{
+	PyObject *old = *slot;
+
+	*slot = new_ref(o);
+	Py_XDECREF(old);
+}
+
+/* The pool dtypes of map, {torch dtype: (DLPack code, bits), or False
+ * where its tensors are pickled}, into pool_dtypes. 0 or -1 with an
+ * exception set. */
+static int learn_dtypes(PyObject *map)
+{
+	PyObject *dtype, *code_bits;
+	Py_ssize_t pos = 0;
+	unsigned code, bits;
+	int n = 0;
+
+	while (PyDict_Next(map, &pos, &dtype, &code_bits)) {
+		if (!PyTuple_Check(code_bits))
+			continue;
+		if (n == POOL_DTYPES) {
+			PyErr_Format(PyExc_ValueError, "know_torch: more than %d pool dtypes",
+				     POOL_DTYPES);
+			return -1;
+		}
+		if (!PyArg_ParseTuple(code_bits, "II;know_torch: a pool dtype's DLPack is "
+				      "(code, bits)", &code, &bits))
+			return -1;
+		keep(&pool_dtypes[n].torch, dtype);
+		pool_dtypes[n++].dl = (DLDataType){ (uint8_t)code, (uint8_t)bits, 1 };
+	}
+	for (int i = n; i < npool_dtypes; i++)
+		Py_CLEAR(pool_dtypes[i].torch);
+	npool_dtypes = n;
+	return 0;
+}
+
+/* know_torch(torch.Tensor, {torch dtype: (code, bits) or False},
+ * torch._C._from_dlpack): what the functions below need of torch
+ * (_marshal._know_torch, which knows every pool dtype then). */
+static PyObject *mod_know_torch(PyObject *m, PyObject *args)
+{
+	PyObject *type, *map, *fn;
+
+	(void)m;
+	if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &type, &PyDict_Type, &map, &fn))
+		return NULL;
+	if (!PyCallable_Check(fn)) {
+		PyErr_SetString(PyExc_TypeError, "know_torch: torch's DLPack import is not callable");
+		return NULL;
+	}
+	if (learn_dtypes(map))
+		return NULL;
+	keep(&tensor_type, type);
+	keep(&from_dlpack, fn);
+	return new_ref(Py_None);
+}
+
+/* Whether v, a new reference (an attribute's value, a method's result),
+ * is True: 1, 0, or -1 when v is NULL (its exception set). */
+static int is_true(PyObject *v)
+{
+	int yes;
+
+	if (!v)
+		return -1;
+	yes = v == Py_True;
+	Py_DECREF(v);
+	return yes;
+}
+
+/* obj's DLPack dtype when it is a pool dtype's tensor: 1, 0 (another
+ * dtype), or -1 with an exception set. */
+static int pool_dtype(PyObject *obj, DLDataType *dt)
+{
+	PyObject *d = PyObject_GetAttr(obj, s_dtype);
+	int i;
+
+	if (!d)
+		return -1;
+	for (i = 0; i < npool_dtypes && pool_dtypes[i].torch != d; i++)
+		;
+	Py_DECREF(d); /* torch keeps its dtypes; the pointer is only compared */
+	if (i == npool_dtypes)
+		return 0;
+	*dt = pool_dtypes[i].dl;
+	return 1;
+}
+
+/* What makes the handle of a common tensor (above). */
+struct plain {
+	uintptr_t addr;
+	DLDataType dtype;
+	int32_t ndim;
+	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+};
+
+/* Whether obj is the common tensor (above), *p its description if so: 1,
+ * 0, or -1 with an exception set. The checks cheapest first; obj's numel()
+ * is its shape's product. */
+static int torch_plain(PyObject *obj, struct plain *p)
+{
+	PyObject *dims, *ptr;
+	Py_ssize_t n;
+	int ok;
+
+	if (!tensor_type || (PyObject *)Py_TYPE(obj) != tensor_type)
+		return 0;
+	if ((ok = is_true(PyObject_GetAttr(obj, s_is_cpu))) != 1)
+		return ok;
+	if ((ok = is_true(PyObject_GetAttr(obj, s_requires_grad))) != 0)
+		return ok < 0 ? -1 : 0;
+	if ((ok = pool_dtype(obj, &p->dtype)) != 1 ||
+	    (ok = is_true(PyObject_CallMethodObjArgs(obj, s_is_contiguous, NULL))) != 1)
+		return ok;
+	if (!(dims = PyObject_GetAttr(obj, s_shape)))
+		return -1;
+	n = shape_of(dims, p->shape);
+	Py_DECREF(dims);
+	if (n < 0)
+		return -1;
+	for (Py_ssize_t i = 0; i < n; i++)
+		if (p->shape[i] == 0) /* empty: pickled (the pool's import takes them for strided) */
+			return 0;
+	p->ndim = (int32_t)n;
+	if (!(ptr = PyObject_CallMethodObjArgs(obj, s_data_ptr, NULL)))
+		return -1;
+	p->addr = (uintptr_t)PyLong_AsVoidPtr(ptr);
+	Py_DECREF(ptr);
+	return PyErr_Occurred() ? -1 : 1;
+}
+
+/* The handle of a common tensor: its bytes' owner, obj, is alive and
+ * contiguous during the call. */
+static PyObject *plain_handle(struct plain *p)
+{
+	return host_handle(p->addr, p->dtype, p->ndim, p->shape);
+}
+
+/* torch_handle(obj) -> obj's handle, or None when obj is not the common
+ * tensor (it is then pickled). */
+static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
+{
+	struct plain p;
+	int ok = torch_plain(obj, &p);
+
+	(void)m;
+	return ok == 1 ? plain_handle(&p) : ok == 0 ? new_ref(Py_None) : NULL;
+}
+
+/* torch_handles(args: tuple) -> [handle...] of args when every one is the
+ * common tensor, else None (a call's arguments that travel without a
+ * pickle, _marshal._TENSORS). All are asked before any handle is made: a
+ * plain tensor's handle is a copy, wasted if a later argument is pickled. */
+static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
+{
+	struct plain few[4], *p = few;
+	PyObject *list = NULL;
+	Py_ssize_t n, i;
+	int ok = 1;
+
+	(void)m;
+	if (!PyTuple_Check(args)) {
+		PyErr_SetString(PyExc_TypeError, "torch_handles: a call's arguments come in a tuple");
+		return NULL;
+	}
+	n = PyTuple_Size(args);
+	if (n > (Py_ssize_t)(sizeof(few) / sizeof(*few)) && !(p = PyMem_Malloc((size_t)n * sizeof(*p))))
+		return PyErr_NoMemory();
+	for (i = 0; i < n && ok == 1; i++)
+		ok = torch_plain(PyTuple_GetItem(args, i), &p[i]);
+	if (ok == 0)
+		list = new_ref(Py_None);
+	else if (ok == 1 && (list = PyList_New(n)))
+		for (i = 0; i < n; i++) {
+			PyObject *h = plain_handle(&p[i]);
+
+			if (!h) {
+				Py_CLEAR(list); /* the handles made so far go with it */
+				break;
+			}
+			PyList_SetItem(list, i, h); /* steals h */
+		}
+	if (p != few)
+		PyMem_Free(p);
+	return list;
+}
+
+/* take_torch(handles: list) -> (torch tensor...) of received host handles,
+ * each holding its handle's own reference (take_capsule: the handles are
+ * the message's, used once, and left empty). A tuple: a call's arguments
+ * as they are. */
+static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
+{
+	Py_ssize_t n;
+	PyObject *tuple;
+
+	(void)m;
+	if (!from_dlpack) {
+		PyErr_SetString(PyExc_RuntimeError, "take_torch: torch is not known to shmrpc yet "
+				"(_marshal._know_torch runs first)");
+		return NULL;
+	}
+	if (!PyList_Check(handles)) {
+		PyErr_SetString(PyExc_TypeError, "take_torch: a message's tensors come in a list");
+		return NULL;
+	}
+	n = PyList_Size(handles);
+	if (!(tuple = PyTuple_New(n)))
+		return NULL;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *cap = take_capsule(PyList_GetItem(handles, i)), *t;
+
+		t = cap ? PyObject_CallFunctionObjArgs(from_dlpack, cap, NULL) : NULL;
+		Py_XDECREF(cap);
+		if (!t) {
+			Py_DECREF(tuple); /* the tensors made so far free their blocks */
+			return NULL;
+		}
+		PyTuple_SetItem(tuple, i, t); /* steals t */
+	}
+	return tuple;
+}
+
+static PyMethodDef torch_functions[] = {
+	{ "know_torch", mod_know_torch, METH_VARARGS,
+	  "know_torch(torch.Tensor, {dtype: (code, bits)}, torch._C._from_dlpack)" },
+	{ "torch_handle", mod_torch_handle, METH_O,
+	  "torch_handle(obj) -> Tensor of a contiguous CPU torch tensor of a pool dtype, or None" },
+	{ "torch_handles", mod_torch_handles, METH_O,
+	  "torch_handles(args) -> [Tensor...] when every argument is such a tensor, or None" },
+	{ "take_torch", mod_take_torch, METH_O,
+	  "take_torch([Tensor...]) -> (torch tensor...), each taking its handle's reference" },
+	{ NULL, NULL, 0, NULL },
+};
+
+int module_add_torch(PyObject *m)
+{
+	if (!(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
+	    !(s_requires_grad = PyUnicode_InternFromString("requires_grad")) ||
+	    !(s_dtype = PyUnicode_InternFromString("dtype")) ||
+	    !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
+	    !(s_shape = PyUnicode_InternFromString("shape")) ||
+	    !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+		return -1;
+	return PyModule_AddFunctions(m, torch_functions);
+}
