@@ -105,7 +105,7 @@ static double ns_per_record(void)
 	trace_ring_init(&t, ctl, RECS, worker_agent->seg.trace_clock == SHM_TRACE_CLOCK_TICKS);
 	t0 = shmrpc_now_ns();
 	for (uint64_t i = 0; i < N; i++)
-		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16));
+		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16), NULL);
 	t0 = shmrpc_now_ns() - t0;
 	free(ctl);
 	return (double)t0 / N;
