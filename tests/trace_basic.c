@@ -6,8 +6,12 @@
  * Rank 0 then reads both rings through its own read-only mapping of the
  * segment and checks every record in order: kind, type, peer, id,
  * status, sizes that match across the two sides, times that never go
- * back; then shmrpc-inspect --trace in text and JSON, and its errors;
- * then 100 more calls wrap its ring, which must hold the last 64, whole
+ * back (rank 1's arrival and start of each request as RECEIVED then
+ * STARTED, or one RECEIVED_STARTED when the thread that took it ran it
+ * at once: the machine picks the thread; rank 0's calls to itself from
+ * its main thread, which runs no requests, always both); then
+ * shmrpc-inspect --trace in text and JSON, and its errors; then 100
+ * more calls wrap its ring, which must hold the last 64, whole
  * and in order. Then tensors: a call with two (1000 and 40 bytes) whose
  * reply returns a copy of the first, recorded pinned and unpinned on both
  * sides with their counts and bytes; the same call whose reply returns the
@@ -17,7 +21,8 @@
  * and is recorded blocked, then unblocked once rank 1 goes on. The
  * inspector shows both, text and JSON. A second job kills rank 1 inside a call under
  * --dump-on-failure: the launcher's output must show, after the death
- * line, rank 1's last records, the fatal call received and started, and
+ * line, rank 1's last records, the fatal call received and started (in
+ * one record or two), and
  * rank 0's ring must end with that call completed as peer-dead; again
  * with rings of 4096 records, whose lanes (one per thread) the dump merges.
  */

@@ -8,7 +8,9 @@
  * written), then calls itself 20 times, which wraps its own ring only.
  * /usr/bin/python3 parses the file (json, decimals kept exact) and prints
  * what it holds: the process names, the complete events per kind, rank and
- * peer, the unpaired records, each flow checked (one start and one finish;
+ * peer (a callee's waits in the queue and its requests run at once, which
+ * the machine picks, adding up to the calls it served), the unpaired
+ * records, each flow checked (one start and one finish;
  * request from the call's start to the handler's start, reply from the
  * handler's end to the call's end; same message id, matching ranks; times
  * ordered send <= start <= end <= reply) and each worker's record counts.
