@@ -298,7 +298,8 @@ _Static_assert(sizeof(struct shm_ring_ctl) == 256, "ring control is four lines")
  * becoming RECEIVED_STARTED): seq = 2i+1 again (own lane: a store; shared
  * lane: a CAS from 2i+2, which fails when a writer a lap ahead has the
  * slot), the release fence, the new info, seq = 2i+2 (release); a reader
- * meanwhile skips it, or reads it whole, before or after.
+ * meanwhile skips it, or reads it whole, before or after, and a shared
+ * lane's writer a lap behind finds the slot odd and drops its record.
  *
  * A record's time is the CPU's time-stamp counter where the segment's
  * creator found it invariant (trace_clock SHM_TRACE_CLOCK_TICKS: a read
