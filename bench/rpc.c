@@ -5,13 +5,16 @@
  *         spin_caught_pct= vs_floor= vs_torch= [vs_spin=]
  *   BENCH rpc_async mode=uring calls_per_s= vs_torch=
  *   BENCH rpc_echo size=S median_ns= p99_ns= vs_torch=
- *   BENCH flight_recorder mode=M records_per_call= ns_per_record= rpc_sync_ns= overhead_pct=
- *         measured_pct= on_ns= off_ns= blocks=
+ *   BENCH flight_recorder mode=M records_per_call= ns_per_record= folds_per_call= ns_per_fold=
+ *         rpc_sync_ns= overhead_pct= measured_pct= on_ns= off_ns= blocks=
  * The last one is the recorder's share of an empty rpc_sync (issue 23: at
  * most 5 %), two ways. overhead_pct estimates it: the records both workers
  * wrote per call (their lanes' heads), times what one record costs, timed
- * on a private ring in a lane of the thread's own as the calls' are, over
- * the call's median. measured_pct measures it, in the same job: `blocks`
+ * on a private ring in a lane of the thread's own as the calls' are, plus
+ * the folds per call (a request's RECEIVED rewritten as RECEIVED_STARTED
+ * by the thread that runs it at once: the callee's last records, counted
+ * against its FINISHED ones) times what one costs on that ring, over the
+ * call's median. measured_pct measures it, in the same job: `blocks`
  * blocks of calls with the recorder switched on and off in both workers
  * (trace_switch, as SHMRPC_TRACE=0 leaves it), alternated in pairs (on
  * first in even pairs, off first in odd ones); the median of the pairs'
@@ -89,14 +92,37 @@ static uint64_t records_written(void)
 	return trace_claimed(seg, 0) + trace_claimed(seg, 1);
 }
 
-/* What one record costs, on a ring like a worker's but this bench's own. */
-static double ns_per_record(void)
+/* The callee's requests run at once (their RECEIVED folded into
+ * RECEIVED_STARTED) per request it answered, among its last records. */
+static double folds_per_call(void)
+{
+	const struct shm_seg *seg = &worker_agent->seg;
+	struct trace_entry *e = malloc(seg->trace_records * sizeof(*e));
+	uint64_t head, dropped, folded = 0, finished = 0;
+	size_t n;
+
+	if (!e)
+		die("malloc");
+	n = trace_read(seg, 1, seg->trace_records, e, &head, &dropped);
+	for (size_t i = 0; i < n; i++) {
+		folded += e[i].kind == SHM_TRACE_RECEIVED_STARTED;
+		finished += e[i].kind == SHM_TRACE_FINISHED;
+	}
+	free(e);
+	return finished ? (double)folded / (double)finished : 0.0;
+}
+
+/* What one record costs, and one fold, on a ring like a worker's but this
+ * bench's own, in a lane of this thread's. */
+static void ns_per_record(double *record, double *fold)
 {
 	enum { RECS = 4096, N = 1000000 };
 	size_t bytes = shm_trace_lanes(RECS) * sizeof(struct shm_trace_ctl) +
 		       RECS * sizeof(struct shm_trace_rec);
 	struct shm_trace_ctl *ctl = aligned_alloc(64, bytes);
+	uint64_t info = SHM_TRACE_INFO(SHM_TRACE_RECEIVED_STARTED, SHM_TRACE_OK, 1, 1, 16);
 	struct trace_self t;
+	struct trace_mark at;
 	uint64_t t0;
 
 	if (!ctl)
@@ -105,10 +131,16 @@ static double ns_per_record(void)
 	trace_ring_init(&t, ctl, RECS, worker_agent->seg.trace_clock == SHM_TRACE_CLOCK_TICKS);
 	t0 = shmrpc_now_ns();
 	for (uint64_t i = 0; i < N; i++)
-		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16));
-	t0 = shmrpc_now_ns() - t0;
+		trace_put_to(&t, i, SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, 1, 16), &at);
+	*record = (double)(shmrpc_now_ns() - t0) / N;
+	/* The newest record, folded again and again: each time the whole
+	 * rewrite (it stays this thread's newest). */
+	t0 = shmrpc_now_ns();
+	for (uint64_t i = 0; i < N; i++)
+		if (!trace_fold_to(&t, &at, info))
+			die("a fold of the newest record");
+	*fold = (double)(shmrpc_now_ns() - t0) / N;
 	free(ctl);
-	return (double)t0 / N;
 }
 
 /* One run's rpc_sync figures, a line of the file named by
@@ -135,13 +167,14 @@ static void switch_both(bool on)
 	shmrpc_future_free(f);
 }
 
-/* mode's flight_recorder line: the estimate from per_call records a call
- * and med, the calls' median; then the measure, blocks of n calls each. */
-static void recorder_figures(const char *mode, double per_call, uint64_t med, int n)
+/* mode's flight_recorder line: the estimate from per_call records and
+ * folds folds a call and med, the calls' median; then the measure,
+ * blocks of n calls each. */
+static void recorder_figures(const char *mode, double per_call, double folds, uint64_t med, int n)
 {
 	enum { BLOCKS = 20 };
 	uint64_t on[BLOCKS / 2], off[BLOCKS / 2], ratio[BLOCKS / 2], m, p99;
-	double per_rec;
+	double per_rec, per_fold;
 
 	for (int b = 0; b < BLOCKS; b++) {
 		/* on, off; off, on; ...: neither goes first more often. */
@@ -156,13 +189,14 @@ static void recorder_figures(const char *mode, double per_call, uint64_t med, in
 	 * of it, and its next record in the worker's ring another lane there
 	 * (worker/trace.c, my_lane), which would leave the blocks fewer own
 	 * lanes than the job has writing threads. */
-	per_rec = ns_per_record();
+	ns_per_record(&per_rec, &per_fold);
 	for (int k = 0; k < BLOCKS / 2; k++)
 		ratio[k] = on[k] * 1000000u / (off[k] ? off[k] : 1); /* parts per million */
-	printf("BENCH flight_recorder mode=%s records_per_call=%.1f ns_per_record=%.1f "
-	       "rpc_sync_ns=%llu overhead_pct=%.2f measured_pct=%.2f on_ns=%llu off_ns=%llu "
-	       "blocks=%d\n", mode, per_call, per_rec, (unsigned long long)med,
-	       100.0 * per_call * per_rec / (double)med,
+	printf("BENCH flight_recorder mode=%s records_per_call=%.2f ns_per_record=%.1f "
+	       "folds_per_call=%.2f ns_per_fold=%.1f rpc_sync_ns=%llu overhead_pct=%.2f "
+	       "measured_pct=%.2f on_ns=%llu off_ns=%llu blocks=%d\n", mode, per_call, per_rec,
+	       folds, per_fold, (unsigned long long)med,
+	       100.0 * (per_call * per_rec + folds * per_fold) / (double)med,
 	       ((double)bench_median(ratio, BLOCKS / 2) - 1e6) / 1e4,
 	       (unsigned long long)bench_median(on, BLOCKS / 2),
 	       (unsigned long long)bench_median(off, BLOCKS / 2), BLOCKS);
@@ -188,7 +222,8 @@ static void measure(const char *mode, bool quick)
 	fclose(out);
 	if (strcmp(getenv("SHMRPC_BENCH_RUN"), "0"))
 		return; /* the other figures: the first run's */
-	recorder_figures(mode, (double)recs / n, med, quick ? n / 2 : n / 5);
+	/* The callee's ring still ends with these calls' records. */
+	recorder_figures(mode, (double)recs / n, folds_per_call(), med, quick ? n / 2 : n / 5);
 	if (strcmp(mode, "uring"))
 		return;
 

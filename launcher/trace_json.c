@@ -5,7 +5,9 @@
  *
  * Each worker's records are paired by (peer, message id): sent with
  * completed makes a call, started with finished a handler run, received
- * with started a wait in the executors' queue, pinned with unpinned (of
+ * with started a wait in the executors' queue (a request that one record
+ * says received and started, run at once by the thread that took it,
+ * makes a handler run from that record and no wait), pinned with unpinned (of
  * the same message: request or reply) a tensor handoff, blocked with
  * unblocked (of the same type) a send that waited for ring space. Each
  * becomes a complete event ("X") on a track of its own kind; since the
@@ -151,7 +153,9 @@ static void rank_meta(struct trace_out *t, uint32_t rank)
 
 /* The arguments of an event made of record a, and b its end (NULL: none
  * shown); reply: b is the reply of a call, shown with its type and size.
- * The status is b's, or a's. */
+ * The status is b's, or a's. A handler's start says whether the request
+ * was run at once by the thread that took it off the ring (one record
+ * for received and started), or queued. */
 static void put_args(struct trace_out *t, const struct trace_entry *a,
 		     const struct trace_entry *b, bool reply)
 {
@@ -171,6 +175,9 @@ static void put_args(struct trace_out *t, const struct trace_entry *a,
 		json_put_str(t->f, type_name(b->type, buf, sizeof(buf)));
 		fprintf(t->f, ",\"reply_bytes\":%llu", (unsigned long long)b->size);
 	}
+	if (a->kind == SHM_TRACE_STARTED || a->kind == SHM_TRACE_RECEIVED_STARTED)
+		fprintf(t->f, ",\"at_once\":%s",
+			a->kind == SHM_TRACE_RECEIVED_STARTED ? "true" : "false");
 	fprintf(t->f, ",\"status\":\"%s\"}}", trace_status_name((b ? b : a)->status));
 }
 
@@ -331,9 +338,15 @@ static void pair_rank(struct trace_out *t, uint32_t rank, const struct trace_ent
 		const struct trace_entry *k[SHM_TRACE_COMPLETED + 1] = { 0 };
 
 		for (end = g; end < r->n && p[end]->peer == p[g]->peer &&
-			      p[end]->msg_id == p[g]->msg_id; end++)
-			if (p[end]->kind <= SHM_TRACE_COMPLETED && !k[p[end]->kind])
-				k[p[end]->kind] = p[end];
+			      p[end]->msg_id == p[g]->msg_id; end++) {
+			/* One record for received and started: the handler
+			 * starts there, and no wait shows. */
+			uint32_t kind = p[end]->kind == SHM_TRACE_RECEIVED_STARTED ? SHM_TRACE_STARTED
+										   : p[end]->kind;
+
+			if (kind <= SHM_TRACE_COMPLETED && !k[kind])
+				k[kind] = p[end];
+		}
 		if (k[SHM_TRACE_SENT] && k[SHM_TRACE_COMPLETED])
 			add_span(t, rank, LANE_CALL, k[SHM_TRACE_SENT], k[SHM_TRACE_COMPLETED]);
 		if (k[SHM_TRACE_STARTED] && k[SHM_TRACE_FINISHED])
@@ -522,8 +535,8 @@ int trace_json_write(const struct job *j, const char *path)
 		r->n = trace_read(seg, rank, seg->trace_records, r->e, &r->head, &r->dropped);
 		total += r->n;
 	}
-	/* A span takes a record of its own: sent, started, received, pinned
-	 * or blocked. */
+	/* A span takes a record of its own: sent, started (or received and
+	 * started), received, pinned or blocked. */
 	t.spans = malloc((total ? total : 1) * sizeof(*t.spans));
 	t.handlers = malloc((total ? total : 1) * sizeof(*t.handlers));
 	t.calls = malloc((total ? total : 1) * sizeof(*t.calls));

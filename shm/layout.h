@@ -39,8 +39,9 @@
  * worker slot's servers_newest (its idle executors woken newest first)
  * and replies_watched, servers_watched (a spinner's promise to take the
  * replies, the requests); 9: the flight recorder's lanes (a struct
- * shm_trace_ctl per lane before the records). */
-#define SHM_FORMAT_VERSION 9u
+ * shm_trace_ctl per lane before the records); 10: the recorder's
+ * RECEIVED_STARTED records (an inspector of 9 would show them as "?"). */
+#define SHM_FORMAT_VERSION 10u
 #define SHM_PAGE 4096u
 #define SHM_MAX_WORLD 1024u
 #define SHM_NAME_MAX 48u
@@ -292,6 +293,13 @@ _Static_assert(sizeof(struct shm_ring_ctl) == 256, "ring control is four lines")
  * skipped. 0 is a slot never written. A reader takes the records from
  * head - length to head, and the ones past head while their seq says
  * they are whole (an own lane's thread stores head after the record).
+ * A record is rewritten only by the thread that wrote it, and only while
+ * it is that thread's newest (worker/trace.c, trace_fold_to: RECEIVED
+ * becoming RECEIVED_STARTED): seq = 2i+1 again (own lane: a store; shared
+ * lane: a CAS from 2i+2, which fails when a writer a lap ahead has the
+ * slot), the release fence, the new info, seq = 2i+2 (release); a reader
+ * meanwhile skips it, or reads it whole, before or after, and a shared
+ * lane's writer a lap behind finds the slot odd and drops its record.
  *
  * A record's time is the CPU's time-stamp counter where the segment's
  * creator found it invariant (trace_clock SHM_TRACE_CLOCK_TICKS: a read
@@ -349,6 +357,10 @@ enum shm_trace_kind {
 	SHM_TRACE_UNPINNED = 7,
 	SHM_TRACE_BLOCKED = 8,   /* a send found its ring to peer full and waits for space */
 	SHM_TRACE_UNBLOCKED = 9, /* that wait ended: the frame went (ok) or peer died */
+	/* RECEIVED and STARTED as one: the thread that took the request off
+	 * its ring ran it before it wrote any other record. The time is the
+	 * arrival's; the record was RECEIVED until the run began (below). */
+	SHM_TRACE_RECEIVED_STARTED = 10,
 };
 
 /* How it went (shm_trace_rec.info's status). */

@@ -8,7 +8,9 @@
  * written), then calls itself 20 times, which wraps its own ring only.
  * /usr/bin/python3 parses the file (json, decimals kept exact) and prints
  * what it holds: the process names, the complete events per kind, rank and
- * peer, the unpaired records, each flow checked (one start and one finish;
+ * peer (a callee's waits in the queue and its requests run at once, which
+ * the machine picks, adding up to the calls it served), the unpaired
+ * records, each flow checked (one start and one finish;
  * request from the call's start to the handler's start, reply from the
  * handler's end to the call's end; same message id, matching ranks; times
  * ordered send <= start <= end <= reply) and each worker's record counts.
@@ -74,12 +76,16 @@ static const char summary_py[] =
 	"        n['X', e['cat'], e['pid'], a['peer']] += 1\n"
 	"        n['X', e['cat']] += 1\n"
 	"        n['status', e['cat'], e['pid'], a['status']] += 1\n"
+	"        if a.get('at_once'):\n"
+	"            n['at_once', e['pid'], a['peer']] += 1\n"
 	"        if e['cat'] == 'tensors':\n"
 	"            n['handoff', e['pid'], a['peer'], a['with'], a['tensors'], a['bytes']] += 1\n"
 	"        starts[e['pid'], e['tid'], e['ts']] = e\n"
 	"        ends[e['pid'], e['tid'], e['ts'] + e['dur']] = e\n"
 	"    elif ph == 'i':\n"
 	"        n['i', e['pid'], e['name'], e['args']['msg_id']] += 1\n"
+	"        if e['args'].get('at_once'):\n"
+	"            n['at_once', e['pid'], e['args']['peer']] += 1\n"
 	"        n['i'] += 1\n"
 	"    elif ph in ('s', 'f'):\n"
 	"        flows.setdefault((e['name'], e['id']), []).append(e)\n"
@@ -359,6 +365,44 @@ static void expectf(const char *fmt, ...)
 	expect(line);
 }
 
+/* The count on the summary's line that starts with prefix (0: none,
+ * which the summary prints for nothing counted). */
+static int count_of(const char *prefix)
+{
+	const char *at = out;
+	int n = 0;
+
+	while ((at = strstr(at, prefix)) && at != out && at[-1] != '\n')
+		at++;
+	if (at && sscanf(at + strlen(prefix), "%d", &n) != 1)
+		n = 0;
+	return n;
+}
+
+/* The requests rank served from peer that were run at once by the thread
+ * that took them off the ring (one record for received and started; no
+ * wait in the queue): which thread takes one is the machine's choice. */
+static int at_once(int rank, int peer)
+{
+	char prefix[32];
+
+	snprintf(prefix, sizeof(prefix), "at_once %d %d ", rank, peer);
+	return count_of(prefix);
+}
+
+/* rank's requests from peer that waited in the queue, and those run at
+ * once, are its handled calls. */
+static void expect_queued(int rank, int peer, int calls)
+{
+	char prefix[32];
+	int queued;
+
+	snprintf(prefix, sizeof(prefix), "X queued %d %d ", rank, peer);
+	queued = count_of(prefix);
+	CHECK(queued + at_once(rank, peer) == calls, "rank %d served %d calls from %d: %d queued, "
+	      "%d at once", rank, calls, peer, queued, at_once(rank, peer));
+}
+
 static int count_lines(const char *prefix)
 {
 	int n = 0;
@@ -370,30 +414,38 @@ static int count_lines(const char *prefix)
 
 static void check_calls(void)
 {
+	int w0, w1, w2;
+
 	expect("process 0 worker 0 (worker0)");
 	expect("process 1 worker 1 (worker1)");
 	expect("process 2 worker 2 (worker2)");
 	CHECK(count_lines("process ") == 3, "%d process names", count_lines("process "));
 
-	/* Every call's handler run, with the wait before it, where the
-	 * callee's ring still holds it; rank 1 and 2's rings never wrap
-	 * (24 and 36 records), each fan call is one more handled. */
+	/* Every call's handler run, with the wait before it unless the
+	 * thread that took the request ran it at once, where the callee's
+	 * ring still holds it; rank 1 and 2's rings never wrap (24 and 36
+	 * records at most), each fan call is one more handled. */
 	expectf("X handlers 1 0 %d", CALLS_01 + 1);
 	expectf("X handlers 2 0 %d", CALLS_02 + 1);
 	expectf("X handlers 2 1 %d", CALLS_12);
-	expectf("X queued 1 0 %d", CALLS_01 + 1);
-	expectf("X queued 2 0 %d", CALLS_02 + 1);
-	expectf("X queued 2 1 %d", CALLS_12);
-	/* Rank 0 made 140 records; its ring holds the last 64 = 12 × 5 + 4:
-	 * 12 calls to itself whole, and the last four records of the one
-	 * before: received, started, finished (a wait and a handler run) and
-	 * completed, whose sent is gone: unpaired. Rank 2's calls to rank 0
-	 * and rank 0's to the others are in their callers' rings only. */
+	expect_queued(1, 0, CALLS_01 + 1);
+	expect_queued(2, 0, CALLS_02 + 1);
+	expect_queued(2, 1, CALLS_12);
+	/* Rank 0 made 140 records, less those of rank 2's calls run at
+	 * once; its ring holds the last 64 = 12 × 5 + 4: 12 calls to itself
+	 * whole, and the last four records of the one before: received,
+	 * started, finished (a wait and a handler run) and completed, whose
+	 * sent is gone: unpaired. A call to itself from the main thread,
+	 * which runs no requests, always waits in the queue. Rank 2's calls
+	 * to rank 0 and rank 0's to the others are in their callers' rings
+	 * only. */
 	expect("X handlers 0 0 13");
 	expect("X queued 0 0 13");
+	CHECK(at_once(0, 0) == 0, "a call to itself from rank 0's main thread ran at once");
 	expect("X calls 0 0 12");
 	expectf("X handlers %d", CALLS_01 + CALLS_02 + CALLS_12 + 2 + 13);
-	expectf("X queued %d", CALLS_01 + CALLS_02 + CALLS_12 + 2 + 13);
+	expectf("X queued %d", CALLS_01 + CALLS_02 + CALLS_12 + 2 + 13 - at_once(1, 0) -
+		at_once(2, 0) - at_once(2, 1));
 	expectf("X calls 1 2 %d", CALLS_12);
 	expectf("X calls 2 0 %d", CALLS_20);
 	expectf("X calls %d", CALLS_12 + CALLS_20 + 12);
@@ -409,12 +461,16 @@ static void check_calls(void)
 	expectf("flow reply 1 2 %d", CALLS_12);
 
 	expect("records_per_worker 64");
-	expectf("worker 0 worker0 exited 0 %d 64",
-		2 * (CALLS_01 + CALLS_02 + 2) + 3 * CALLS_20 + 5 * SELF_CALLS);
-	expectf("worker 1 worker1 exited 0 %d %d", 3 * (CALLS_01 + 1) + 2 * CALLS_12,
-		3 * (CALLS_01 + 1) + 2 * CALLS_12);
-	expectf("worker 2 worker2 exited 0 %d %d", 3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20,
-		3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20);
+	/* Rank 2's calls that rank 0 ran at once are out of its ring. */
+	w0 = count_of("worker 0 worker0 exited 0 ");
+	CHECK(w0 <= 2 * (CALLS_01 + CALLS_02 + 2) + 3 * CALLS_20 + 5 * SELF_CALLS &&
+	      w0 >= 2 * (CALLS_01 + CALLS_02 + 2) + 2 * CALLS_20 + 5 * SELF_CALLS,
+	      "rank 0 made %d records", w0);
+	expectf("worker 0 worker0 exited 0 %d 64", w0);
+	w1 = 3 * (CALLS_01 + 1) + 2 * CALLS_12 - at_once(1, 0);
+	w2 = 3 * (CALLS_02 + 1 + CALLS_12) + 2 * CALLS_20 - at_once(2, 0) - at_once(2, 1);
+	expectf("worker 1 worker1 exited 0 %d %d", w1, w1);
+	expectf("worker 2 worker2 exited 0 %d %d", w2, w2);
 	/* Rank 0's ring (one lane) wrapped: it holds every record from its
 	 * oldest on; the others hold all they wrote. */
 	expect("complete_since 0 oldest");
@@ -423,16 +479,19 @@ static void check_calls(void)
 }
 
 /* Rank 1 died inside "die": rank 0's call to it ended peer-dead, and
- * rank 1's handler was started, never finished. */
+ * rank 1's handler was started (at once, or after its wait), never
+ * finished. */
 static void check_death(void)
 {
-	expect("worker 1 worker1 killed by signal 9 (SIGKILL) 5 5");
+	expectf("worker 1 worker1 killed by signal 9 (SIGKILL) %d %d", 5 - at_once(1, 0),
+		5 - at_once(1, 0));
 	expect("worker 0 worker0 exited 0 4 4");
 	expect("X calls 0 1 2");
 	expect("status calls 0 peer-dead 1");
 	expect("X handlers 1 0 1");
-	expect("X queued 1 0 2");
-	CHECK(count_lines("i 1 started SCRIPT_CALL ") == 1, "the fatal call is not shown started");
+	expect_queued(1, 0, 2);
+	CHECK(count_lines("i 1 started SCRIPT_CALL ") + count_lines("i 1 recv+start SCRIPT_CALL ") ==
+	      1, "the fatal call is not shown started");
 	expect("i 1");
 	expect("flows 2 bad 0");
 	expect("worker 2 worker2 exited 0 0 0");

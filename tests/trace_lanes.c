@@ -39,7 +39,7 @@ static void *writer(void *arg)
 
 	for (uint32_t k = 0; k < PER_THREAD; k++)
 		trace_put_to(&ring, (uint64_t)t << 32 | k,
-			     SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, t, k));
+			     SHM_TRACE_INFO(SHM_TRACE_SENT, SHM_TRACE_OK, 1, t, k), NULL);
 	atomic_fetch_sub(&writing, 1);
 	return NULL;
 }

@@ -32,7 +32,7 @@ static void run_request(struct job *j)
 	const struct link_served me = { rq->src, rq->msg_id, rq->depth, &rq->up };
 	const struct link_served *outer = link_serving_swap(&me);
 
-	trace_rec(SHM_TRACE_STARTED, rq->src, rq->type, rq->msg_id, rq->len, SHM_TRACE_OK);
+	trace_started(&rq->received, rq->src, rq->type, rq->msg_id, rq->len);
 	server_count(&ag->self->num_pending_futures, -1);
 	server_count(&ag->self->server_active_calls, 1);
 	if (rq->depth == 0 || rq->depth > SHMRPC_MAX_NESTING) {
@@ -78,7 +78,7 @@ static void run_profiled(struct request_job *rq, shmrpc_call *call)
 		return;
 	}
 	*inner = (struct request_job){ rq->base, rq->ag, rq->src, type, rq->msg_id, &events, len,
-				       rq->depth, rq->up };
+				       rq->depth, rq->up, rq->received };
 	memcpy(inner->payload, buf, len);
 	call->profile = &events;
 	call->profile_what = events.what = (unsigned)what.u.i;
@@ -140,8 +140,9 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 		   const void *payload, size_t len)
 {
 	struct request_job *rq = malloc(sizeof(*rq) + len);
+	struct trace_mark received;
 
-	trace_rec(SHM_TRACE_RECEIVED, src, type, msg_id, len, SHM_TRACE_OK);
+	trace_received(src, type, msg_id, len, &received);
 	if (!rq) {
 		/* Nothing can be queued: the caller will see its call time out. */
 		fprintf(stderr, "shmrpc: worker %u: out of memory queueing a request from worker %u\n",
@@ -149,7 +150,8 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 		return;
 	}
 	*rq = (struct request_job){ { .run = run_request, .needed_by = needed_by, .src = src },
-				    ag, src, type, msg_id, NULL, len, depth, { .n = help_n } };
+				    ag, src, type, msg_id, NULL, len, depth, { .n = help_n },
+				    received };
 	if (help_n)
 		memcpy(rq->up.e, help, help_n * sizeof(*rq->up.e));
 	memcpy(rq->payload, payload, len);

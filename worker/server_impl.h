@@ -19,6 +19,7 @@
 #include "worker/profile.h"
 #include "worker/python.h"
 #include "worker/tensor.h"
+#include "worker/trace.h"
 
 struct request_job {
 	struct job base;
@@ -30,6 +31,7 @@ struct request_job {
 	size_t len;
 	uint32_t depth; /* nesting depth (ipc/frame.h), checked when it runs */
 	struct help_chain up; /* the waits upstream of it (ipc/frame.h) */
+	struct trace_mark received; /* its RECEIVED record, which its start may fold into */
 	uint8_t payload[];
 };
 

@@ -21,9 +21,12 @@ struct trace_self trace_self;
  * number (relaxed: the number only has to differ). */
 static _Atomic uint64_t openings;
 /* This thread's lane: `lane` of the ring that `opening` made (0: none yet,
- * or the shared lane). */
+ * or the shared lane); `last`, the index of its newest record there (in
+ * the shared lane, the index it claimed last, unique to it, written or
+ * dropped): trace_fold_to rewrites only that one. */
 static _Thread_local struct {
 	uint64_t opening;
+	uint64_t last;
 	uint32_t lane;
 } mine;
 
@@ -89,7 +92,13 @@ static uint32_t my_lane(struct trace_self *t)
 	return mine.lane;
 }
 
-void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
+/* Record i of lane's slot in t. */
+static struct shm_trace_rec *slot(const struct trace_self *t, uint32_t lane, uint64_t i)
+{
+	return &t->recs[((uint64_t)lane * (t->mask + 1)) | (i & t->mask)];
+}
+
+void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info, struct trace_mark *at)
 {
 	uint64_t now = t->ticks ? shmrpc_ticks() : shmrpc_now_ns();
 	struct shm_trace_ctl *ctl = atomic_load_explicit(&t->ctl, memory_order_relaxed), *c;
@@ -97,6 +106,8 @@ void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 	uint32_t lane;
 	uint64_t i, seq;
 
+	if (at)
+		at->opening = 0;
 	if (!ctl)
 		return;
 	lane = my_lane(t);
@@ -104,13 +115,15 @@ void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 	if (lane) {
 		/* Relaxed: only this thread writes this lane's head and slots. */
 		i = atomic_load_explicit(&c->head, memory_order_relaxed);
-		r = &t->recs[((uint64_t)lane * (t->mask + 1)) | (i & t->mask)];
+		r = slot(t, lane, i);
+		mine.last = i;
 		atomic_store_explicit(&r->seq, 2 * i + 1, memory_order_relaxed);
 	} else {
 		/* Relaxed: the index only has to be unique; the record's seq
 		 * publishes it. */
 		i = atomic_fetch_add_explicit(&c->head, 1, memory_order_relaxed);
-		r = &t->recs[i & t->mask];
+		r = slot(t, 0, i);
+		mine.last = i;
 		seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
 
 		/* Odd: a writer a lap away is still in this slot; above 2i: one
@@ -137,6 +150,61 @@ void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info)
 	 * to look (and a reader looks past it: shm/layout.h). */
 	if (lane)
 		atomic_store_explicit(&c->head, i + 1, memory_order_relaxed);
+	if (at)
+		*at = (struct trace_mark){ t->opening, i, lane };
+}
+
+bool trace_fold_to(struct trace_self *t, const struct trace_mark *at, uint64_t info)
+{
+	struct shm_trace_ctl *ctl = atomic_load_explicit(&t->ctl, memory_order_relaxed);
+	struct shm_trace_rec *r;
+	uint64_t i = at->index, seq = 2 * i + 2;
+
+	/* This thread's newest record: in its own lane no other thread
+	 * writes, and in the shared lane no other thread claimed index i. */
+	if (!ctl || !at->opening || at->opening != t->opening || mine.opening != t->opening ||
+	    mine.lane != at->lane || mine.last != i)
+		return false;
+	r = slot(t, at->lane, i);
+	if (at->lane) {
+		/* Relaxed, as a record's first store (trace_put_to). */
+		atomic_store_explicit(&r->seq, 2 * i + 1, memory_order_relaxed);
+	} else if (!atomic_compare_exchange_strong_explicit(&r->seq, &seq, 2 * i + 1,
+							    memory_order_relaxed,
+							    memory_order_relaxed)) {
+		/* A writer a lap ahead has the slot: the record is gone.
+		 * Relaxed on success: seq still 2i+2, the slot's last writer
+		 * was this thread; a lapper now finds it odd and drops. */
+		return false;
+	}
+	/* Release fence and release store: as trace_put_to's, so that a
+	 * reader sees the record whole with the old info or the new. */
+	atomic_thread_fence(memory_order_release);
+	atomic_store_explicit(&r->info, info, memory_order_relaxed);
+	atomic_store_explicit(&r->seq, 2 * i + 2, memory_order_release);
+	return true;
+}
+
+void trace_received(uint32_t src, uint32_t type, uint64_t msg_id, size_t size,
+		    struct trace_mark *at)
+{
+	at->opening = 0;
+	if (trace_on())
+		trace_put_to(&trace_self, msg_id, trace_info(SHM_TRACE_RECEIVED, src, type, size,
+							     SHM_TRACE_OK), at);
+}
+
+void trace_started(const struct trace_mark *at, uint32_t src, uint32_t type, uint64_t msg_id,
+		   size_t size)
+{
+	if (!trace_on())
+		return;
+	/* A request taken off its ring and run by one thread with nothing
+	 * between: its arrival is its start, give or take the queue's push
+	 * and pop, and one record says both. */
+	if (!trace_fold_to(&trace_self, at, trace_info(SHM_TRACE_RECEIVED_STARTED, src, type, size,
+						       SHM_TRACE_OK)))
+		trace_put(msg_id, trace_info(SHM_TRACE_STARTED, src, type, size, SHM_TRACE_OK));
 }
 
 void trace_pins(uint32_t kind, uint32_t peer, bool reply, uint64_t msg_id, uint32_t tensors,
@@ -332,9 +400,9 @@ size_t trace_read(const struct shm_seg *seg, uint32_t rank, size_t max, struct t
 
 const char *trace_kind_name(uint32_t kind)
 {
-	static const char *const names[] = { "?",        "sent",     "received", "started",
-					     "finished", "completed", "pinned",  "unpinned",
-					     "blocked",  "unblocked" };
+	static const char *const names[] = { "?",        "sent",       "received", "started",
+					     "finished", "completed",  "pinned",   "unpinned",
+					     "blocked",  "unblocked", "recv+start" };
 
 	return kind < sizeof(names) / sizeof(names[0]) ? names[kind] : "?";
 }
@@ -374,8 +442,12 @@ const char *trace_step(const struct trace_entry *e, size_t i, uint64_t *ns)
 	for (size_t j = i; j-- > 0;) {
 		/* A request of ours and our reply to the peer's request of the
 		 * same id are two messages: for pins the reply flag tells them
-		 * apart, for blocked sends the message type. */
-		if (e[j].kind == before && e[j].peer == e[i].peer && e[j].msg_id == e[i].msg_id &&
+		 * apart, for blocked sends the message type. A run that one
+		 * record says received and started ran from the arrival. */
+		uint32_t kind = e[j].kind == SHM_TRACE_RECEIVED_STARTED ? SHM_TRACE_STARTED
+									 : e[j].kind;
+
+		if (kind == before && e[j].peer == e[i].peer && e[j].msg_id == e[i].msg_id &&
 		    e[j].reply == e[i].reply &&
 		    (before != SHM_TRACE_BLOCKED || e[j].type == e[i].type)) {
 			*ns = e[i].time_ns > e[j].time_ns ? e[i].time_ns - e[j].time_ns : 0;
@@ -397,7 +469,7 @@ uint64_t trace_newest_ns(const struct trace_entry *e, size_t n)
 
 const char *trace_header(void)
 {
-	return "    TIME_S KIND      TYPE                     PEER     MSG_ID     SIZE STATUS    STEP";
+	return "    TIME_S KIND       TYPE                     PEER     MSG_ID     SIZE STATUS    STEP";
 }
 
 /* "850ns", "12.3us", "4.56ms", "1.23s". */
@@ -438,7 +510,7 @@ void trace_format(const struct trace_entry *e, size_t i, uint64_t newest_ns, cha
 		fmt_ns(ns, dur + at, sizeof(dur) - at);
 	}
 	/* Signed: the newest prints as 0, not -0. */
-	n = snprintf(buf, len, "%10.6f %-9s %-23s %5u %10llu %8llu %-9s %s",
+	n = snprintf(buf, len, "%10.6f %-10s %-23s %5u %10llu %8llu %-9s %s",
 		     (double)((int64_t)r->time_ns - (int64_t)newest_ns) / 1e9,
 		     trace_kind_name(r->kind), name, r->peer, (unsigned long long)r->msg_id,
 		     (unsigned long long)r->size, trace_status_name(r->status), dur);

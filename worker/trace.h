@@ -16,6 +16,9 @@
  *   SENT       client_request, before the request goes (peer: the callee)
  *   RECEIVED   server_submit, a request queued for the executors (peer: the caller)
  *   STARTED    run_request, on an executor thread
+ *   RECEIVED_STARTED  run_request, in place of STARTED when the thread
+ *              that wrote the request's RECEIVED runs it before writing
+ *              any other record: that RECEIVED becomes this (trace_started)
  *   FINISHED   send_reply, the reply about to go (ok, or error for an EXCEPTION)
  *   COMPLETED  a call of ours ended: its reply (ok, error, late), a failed
  *              send, a timeout, the callee's death, or shutdown
@@ -74,24 +77,59 @@ static inline bool trace_on(void)
 	return atomic_load_explicit(&trace_self.ctl, memory_order_relaxed) != NULL;
 }
 
+/* Where a record was written: the ring (trace_ring_init's opening; 0:
+ * nowhere, the recorder off or the record dropped), lane and index. */
+struct trace_mark {
+	uint64_t opening;
+	uint64_t index;
+	uint32_t lane;
+};
+
 /* Claims and writes one record into t's ring (nothing while it is off):
- * into this thread's lane, taken at its first record into t. */
-SHMRPC_HIDDEN void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info);
+ * into this thread's lane, taken at its first record into t. Where it
+ * went into *at (opening 0: nowhere), unless at is NULL. */
+SHMRPC_HIDDEN void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t info,
+				struct trace_mark *at);
+
+/* Rewrites the record at *at with info if this thread wrote it and has
+ * written none since (into t, the shared lane included), and the
+ * recorder is on; true when it did. Its id and time stay. */
+SHMRPC_HIDDEN bool trace_fold_to(struct trace_self *t, const struct trace_mark *at,
+				 uint64_t info);
 
 /* Claims and writes one record (recording is on). */
 static inline void trace_put(uint64_t msg_id, uint64_t info)
 {
-	trace_put_to(&trace_self, msg_id, info);
+	trace_put_to(&trace_self, msg_id, info, NULL);
 }
 
-/* Records one step (SHM_TRACE_* kind and status); type and size saturate. */
+/* A record's info word (SHM_TRACE_* kind and status); type and size saturate. */
+static inline uint64_t trace_info(uint32_t kind, uint32_t peer, uint32_t type, size_t size,
+				  uint32_t status)
+{
+	return SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
+			      size > UINT32_MAX ? UINT32_MAX : size);
+}
+
+/* Records one step. */
 static inline void trace_rec(uint32_t kind, uint32_t peer, uint32_t type, uint64_t msg_id,
 			     size_t size, uint32_t status)
 {
 	if (trace_on())
-		trace_put(msg_id, SHM_TRACE_INFO(kind, status, type > 0xffu ? 0xffu : type, peer,
-						 size > UINT32_MAX ? UINT32_MAX : size));
+		trace_put(msg_id, trace_info(kind, peer, type, size, status));
 }
+
+/* RECEIVED of request msg_id from src; where it went into *at, for
+ * trace_started (opening 0 when nothing was written). */
+SHMRPC_HIDDEN void trace_received(uint32_t src, uint32_t type, uint64_t msg_id, size_t size,
+				  struct trace_mark *at);
+/* The request whose RECEIVED is at *at starts on this thread: that record
+ * becomes RECEIVED_STARTED if this thread wrote it and nothing since (it
+ * took the request off the ring and runs it at once: one record for the
+ * two steps); otherwise STARTED is a record of its own, and the wait
+ * between the two shows. */
+SHMRPC_HIDDEN void trace_started(const struct trace_mark *at, uint32_t src, uint32_t type,
+				 uint64_t msg_id, size_t size);
 
 /* Records PINNED or UNPINNED of the pins of one message to peer: our
  * request msg_id, or (reply) our reply to its request msg_id, which
@@ -151,7 +189,8 @@ static inline bool trace_is_pin(uint32_t kind)
 }
 /* The time from the previous step of e[i]'s call (the same peer and id
  * in e[0..i)) to e[i], in *ns, and its name: "waited" (received to
- * started), "ran" (started to finished), "took" (sent to completed),
+ * started), "ran" (started, or received and started, to finished: from
+ * the arrival then), "took" (sent to completed),
  * "held" (pinned to unpinned, the same message), "blocked" (blocked to
  * unblocked, the same type). NULL when that step is not in e[0..i), or
  * e[i] follows no step. */

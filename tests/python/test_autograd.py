@@ -405,7 +405,10 @@ def test_message_types():
     if trace is None:
         print(f"autograd: no {INSPECT}: the flight recorder is not looked at", file=sys.stderr)
     else:
-        seen = {(r["kind"], r["type"]) for r in records_since(trace)}
+        # A request run at once by the thread that took it off the ring
+        # is one record, received and started.
+        seen = {("received" if r["kind"] == "recv+start" else r["kind"], r["type"])
+                for r in records_since(trace)}
         want = {("sent", "FORWARD_AUTOGRAD_REQ"), ("completed", "FORWARD_AUTOGRAD_RESP"),
                 ("sent", "BACKWARD_AUTOGRAD_REQ"), ("completed", "BACKWARD_AUTOGRAD_RESP"),
                 ("received", "BACKWARD_AUTOGRAD_REQ"), ("finished", "BACKWARD_AUTOGRAD_RESP"),
