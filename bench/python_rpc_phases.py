@@ -15,12 +15,13 @@ CLOCK_MONOTONIC. The phases, medians over the calls:
 
   caller_send    the caller's Python and C until the request is sent (SENT)
   to_callee      the request's hand-off, until the callee took it
-                 (RECEIVED, or STARTED for a request run by the thread that
-                 received it when the recorder writes one record for both)
-  queued         waiting for an executor (RECEIVED to STARTED)
+                 (RECEIVED, or recv+start)
+  queued         waiting for an executor (RECEIVED to STARTED; 0 for a
+                 request run at once, whose one record, recv+start, is
+                 its arrival)
   callee_in      the executor's work until the function runs: the GIL,
-                 the handler's arguments, the payload unpacked (STARTED to
-                 the function's stamp)
+                 the handler's arguments, the payload unpacked (STARTED,
+                 or recv+start, to the function's stamp)
   callee_out     from the function's stamp until the reply is sent: its
                  result pickled, the handler's return, the reply copied
                  (FINISHED)
@@ -75,10 +76,16 @@ def recorder(inspect, rank):
 
 
 def by_msg(records, kinds, peer):
-    """{msg_id: {kind: time_ns}} of the records of kinds with peer."""
+    """{msg_id: {kind: time_ns}} of the records of kinds with peer. A
+    request run at once by the thread that took it has one record for
+    both, recv+start, at its arrival: its received and started times."""
     out = {}
     for r in records:
-        if r["kind"] in kinds and r["peer"] == peer:
+        if r["peer"] != peer:
+            continue
+        if r["kind"] == "recv+start" and "started" in kinds:
+            out.setdefault(r["msg_id"], {}).update(received=r["time_ns"], started=r["time_ns"])
+        elif r["kind"] in kinds:
             out.setdefault(r["msg_id"], {})[r["kind"]] = r["time_ns"]
     return out
 
