@@ -125,6 +125,7 @@ static int pool_dtype(PyObject *obj, DLDataType *dt)
 
 /* What makes the handle of a common tensor (above). */
 struct plain {
+	PyObject *obj; /* the tensor (torch_handles: borrowed from its tuple) */
 	uintptr_t addr;
 	DLDataType dtype;
 	int32_t ndim;
@@ -185,14 +186,17 @@ static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
 }
 
 /* torch_handles(args: tuple) -> [handle...] of args when every one is the
- * common tensor, else None (a call's arguments that travel without a
- * pickle, _marshal._TENSORS). All are asked before any handle is made: a
- * plain tensor's handle is a copy, wasted if a later argument is pickled. */
+ * common tensor, each given once, else None (a call's arguments that
+ * travel without a pickle, _marshal._TENSORS). All are asked before any
+ * handle is made: a plain tensor's handle is a copy, wasted if a later
+ * argument is pickled. A tensor given twice goes by the pickler, which
+ * sends it once and the callee gets one object twice, as torch's (each
+ * handle here becomes a tensor of its own). */
 static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
 {
 	struct plain few[4], *p = few;
-	PyObject *list = NULL;
-	Py_ssize_t n, i;
+	PyObject *list = NULL, *obj;
+	Py_ssize_t n, i, j;
 	int ok = 1;
 
 	(void)m;
@@ -203,8 +207,12 @@ static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
 	n = PyTuple_Size(args);
 	if (n > (Py_ssize_t)(sizeof(few) / sizeof(*few)) && !(p = PyMem_Malloc((size_t)n * sizeof(*p))))
 		return PyErr_NoMemory();
-	for (i = 0; i < n && ok == 1; i++)
-		ok = torch_plain(PyTuple_GetItem(args, i), &p[i]);
+	for (i = 0; i < n && ok == 1; i++) {
+		obj = p[i].obj = PyTuple_GetItem(args, i);
+		for (j = 0; j < i && p[j].obj != obj; j++)
+			;
+		ok = j < i ? 0 : torch_plain(obj, &p[i]);
+	}
 	if (ok == 0)
 		list = new_ref(Py_None);
 	else if (ok == 1 && (list = PyList_New(n)))

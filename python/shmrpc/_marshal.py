@@ -288,15 +288,24 @@ class _Pickler(pickle.Pickler):
         self.rrefs = []
         self.tensors = []
         self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
+        # {id(tensor): (its id, the tensor)}: a tensor met again is not sent
+        # again, and arrives the same object, as torch's pickler memoizes it
+        # (this hook comes before pickle's memo). The tensor is kept: a
+        # temporary's id (a __reduce__'s) could be another's later.
+        self.pids = {}
 
     def persistent_id(self, obj):
         if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
             return None
+        seen = self.pids.get(id(obj))
+        if seen is not None:
+            return seen[0]
         handle = _torch_handle(obj)
         if handle is not None:
             # Its handle has its shape, so its id is the bare index (a
             # tuple's elements would each come back here, the shape's too).
             self.tensors.append(handle)
+            self.pids[id(obj)] = (len(self.tensors) - 1, obj)
             return len(self.tensors) - 1
         if isinstance(obj, _rref_type):
             self.rrefs.append(obj._r)
@@ -313,11 +322,13 @@ class _Pickler(pickle.Pickler):
                 shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
                 data = obj.detach().new_empty(0).set_(obj.storage())
             self.tensors.append(_to_pool(kind, data))
+            pid = (kind, len(self.tensors) - 1, shape)
             if kind != "np" and getattr(obj, "requires_grad", False):
                 if self.grad_tensors is None:
                     self.grad_tensors = _contexts._Outgoing()
-                return (kind, len(self.tensors) - 1, shape, self.grad_tensors.add(obj))
-            return (kind, len(self.tensors) - 1, shape)
+                pid += (self.grad_tensors.add(obj),)
+            self.pids[id(obj)] = (pid, obj)
+            return pid
         return None
 
 
@@ -328,12 +339,22 @@ class _Unpickler(pickle.Unpickler):
         self.tensors = tensors
         self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (_contexts._Incoming)
         self.grad_tensors = None  # an _contexts._Incoming, at the first tensor that required grad
+        self.made = {}  # {index: what tensor index became}: one object for a tensor sent once, met twice
 
     def persistent_load(self, pid):
         if type(pid) is int:  # a CPU torch tensor of its handle's shape (_Pickler)
-            return _from_pool("torch", self.tensors[pid])
+            t = self.made.get(pid)
+            if t is None:
+                t = self.made[pid] = _from_pool("torch", self.tensors[pid])
+            return t
         if pid[0] == "rref":
             return _rref_of(self.rrefs[pid[1]])
+        t = self.made.get(pid[1])
+        if t is None:
+            t = self.made[pid[1]] = self._tensor(pid)
+        return t
+
+    def _tensor(self, pid):
         handle = self.tensors[pid[1]]
         t = _from_pool(pid[0], handle)
         if type(t) is _shmrpc.Tensor:  # a handle keeps its shape
