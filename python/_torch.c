@@ -18,8 +18,9 @@
 #include "shmrpc.h"
 #include "python/module.h"
 
-/* torch.Tensor and torch._C._from_dlpack; NULL until know_torch. */
-static PyObject *tensor_type, *from_dlpack;
+/* torch.Tensor, torch._C._from_dlpack and torch.strided; NULL until
+ * know_torch. */
+static PyObject *tensor_type, *from_dlpack, *strided;
 /* The pool dtypes (torch's dtype objects, one per dtype) and their DLPack
  * dtypes: a tensor's found by pointer, without a dict lookup and a tuple's
  * parse. */
@@ -30,7 +31,8 @@ static struct {
 } pool_dtypes[POOL_DTYPES];
 static int npool_dtypes;
 /* Interned attribute names. */
-static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_is_contiguous, *s_shape, *s_data_ptr;
+static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_layout, *s_is_contiguous, *s_shape,
+	*s_data_ptr;
 
 /* *slot = a new reference to o, the one it held dropped. */
 static void keep(PyObject **slot, PyObject *o)
@@ -72,14 +74,15 @@ static int learn_dtypes(PyObject *map)
 }
 
 /* know_torch(torch.Tensor, {torch dtype: (code, bits) or False},
- * torch._C._from_dlpack): what the functions below need of torch
- * (_marshal._know_torch, which knows every pool dtype then). */
+ * torch._C._from_dlpack, torch.strided): what the functions below need of
+ * torch (_marshal._know_torch, which knows every pool dtype then). */
 static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 {
-	PyObject *type, *map, *fn;
+	PyObject *type, *map, *fn, *layout;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &type, &PyDict_Type, &map, &fn))
+	if (!PyArg_ParseTuple(args, "O!O!OO", &PyType_Type, &type, &PyDict_Type, &map, &fn,
+			      &layout))
 		return NULL;
 	if (!PyCallable_Check(fn)) {
 		PyErr_SetString(PyExc_TypeError, "know_torch: torch's DLPack import is not callable");
@@ -89,20 +92,26 @@ static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 		return NULL;
 	keep(&tensor_type, type);
 	keep(&from_dlpack, fn);
+	keep(&strided, layout);
 	return new_ref(Py_None);
 }
 
 /* Whether v, a new reference (an attribute's value, a method's result),
- * is True: 1, 0, or -1 when v is NULL (its exception set). */
-static int is_true(PyObject *v)
+ * is want: 1, 0, or -1 when v is NULL (its exception set). */
+static int is(PyObject *v, PyObject *want)
 {
 	int yes;
 
 	if (!v)
 		return -1;
-	yes = v == Py_True;
+	yes = v == want;
 	Py_DECREF(v);
 	return yes;
+}
+
+static int is_true(PyObject *v)
+{
+	return is(v, Py_True);
 }
 
 /* obj's DLPack dtype when it is a pool dtype's tensor: 1, 0 (another
@@ -121,6 +130,29 @@ static int pool_dtype(PyObject *obj, DLDataType *dt)
 		return 0;
 	*dt = pool_dtypes[i].dl;
 	return 1;
+}
+
+/* After a question to torch tensor obj raised (a sparse CSR tensor has no
+ * is_contiguous, no sparse or MKL-DNN tensor a data_ptr): 0, the error
+ * dropped, when obj is not strided (no bytes to hand over: torch pickles
+ * it), else -1 with it. Its layout asked only then, which costs the
+ * common tensor nothing. */
+static int unstrided(PyObject *obj)
+{
+	PyObject *type, *value, *tb;
+	int ok;
+
+	PyErr_Fetch(&type, &value, &tb);
+	if ((ok = is(PyObject_GetAttr(obj, s_layout), strided)) == 0) {
+		Py_XDECREF(type);
+		Py_XDECREF(value);
+		Py_XDECREF(tb);
+		return 0;
+	}
+	if (ok < 0)
+		PyErr_Clear(); /* the first error is the one to tell */
+	PyErr_Restore(type, value, tb);
+	return -1;
 }
 
 /* What makes the handle of a common tensor (above). */
@@ -149,9 +181,14 @@ static int torch_plain(PyObject *obj, struct plain *p)
 		return ok < 0 ? -1 : 0;
 	if ((ok = pool_dtype(obj, &p->dtype)) != 1 ||
 	    (ok = is_true(PyObject_CallMethodObjArgs(obj, s_is_contiguous, NULL))) != 1)
-		return ok;
+		return ok < 0 ? unstrided(obj) : ok;
 	if (!(dims = PyObject_GetAttr(obj, s_shape)))
 		return -1;
+	/* More sizes than a handle holds: the pickler's path sends it flat. */
+	if (PyTuple_Check(dims) && PyTuple_Size(dims) > SHMRPC_TENSOR_MAX_DIMS) {
+		Py_DECREF(dims);
+		return 0;
+	}
 	n = shape_of(dims, p->shape);
 	Py_DECREF(dims);
 	if (n < 0)
@@ -161,7 +198,7 @@ static int torch_plain(PyObject *obj, struct plain *p)
 			return 0;
 	p->ndim = (int32_t)n;
 	if (!(ptr = PyObject_CallMethodObjArgs(obj, s_data_ptr, NULL)))
-		return -1;
+		return unstrided(obj);
 	p->addr = (uintptr_t)PyLong_AsVoidPtr(ptr);
 	Py_DECREF(ptr);
 	return PyErr_Occurred() ? -1 : 1;
@@ -283,9 +320,11 @@ int module_add_torch(PyObject *m)
 	if (!(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
 	    !(s_requires_grad = PyUnicode_InternFromString("requires_grad")) ||
 	    !(s_dtype = PyUnicode_InternFromString("dtype")) ||
+	    !(s_layout = PyUnicode_InternFromString("layout")) ||
 	    !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
 	    !(s_shape = PyUnicode_InternFromString("shape")) ||
-	    !(s_data_ptr = PyUnicode_InternFromString("data_ptr")))
+	    !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
+	    PyModule_AddIntConstant(m, "TENSOR_MAX_DIMS", SHMRPC_TENSOR_MAX_DIMS))
 		return -1;
 	return PyModule_AddFunctions(m, torch_functions);
 }

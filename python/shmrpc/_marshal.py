@@ -58,13 +58,15 @@ _TORCH_DTYPE_OK = {}
 
 # torch's DLPack import (a C function), once a torch tensor was seen.
 _from_dlpack = None
+_torch_strided = None  # torch.strided then: the layout whose bytes a handle holds
 
 
 def _know_torch(torch):
-    global _from_dlpack, _from_handles
+    global _from_dlpack, _from_handles, _torch_strided
     # torch.utils.dlpack.from_dlpack without its Python wrapper, which asks
     # a capsule nothing.
     _from_dlpack = torch._C._from_dlpack
+    _torch_strided = torch.strided
     # Known before the first tensor: _torch_handle asks this map alone, so
     # the first tensor of a dtype would otherwise be pickled (_tensor_kind
     # fills the map) and only the later ones go by the fast path.
@@ -73,7 +75,7 @@ def _know_torch(torch):
     # The common tensor's fast path, in C (python/_torch.c), which takes
     # the pool dtypes from the map now: before, _torch_handle gives None
     # for every object.
-    _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack)
+    _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack, torch.strided)
     _from_handles = _shmrpc.take_torch  # no Python call around it from now on
 
 
@@ -111,6 +113,8 @@ def _tensor_kind(obj):
     if how == _NUMPY:
         return "np" if obj.dtype.kind in "iuf" and obj.size else None
     if how == _TORCH:
+        if obj.layout is not _torch_strided:
+            return None  # sparse or MKL-DNN: no strided bytes to hand over; torch pickles it
         if obj.is_cpu:
             ok = _TORCH_DTYPE_OK.get(obj.dtype)
             if ok is None:
@@ -321,6 +325,10 @@ class _Pickler(pickle.Pickler):
                 # .contiguous() or .clone() sends only its elements).
                 shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
                 data = obj.detach().new_empty(0).set_(obj.storage())
+            elif kind != "cuda" and len(shape) > _shmrpc.TENSOR_MAX_DIMS:
+                # More sizes than a handle holds: flat, given its shape back
+                # on arrival (_Unpickler), as a view's storage is.
+                data = obj.reshape(-1)
             self.tensors.append(_to_pool(kind, data))
             pid = (kind, len(self.tensors) - 1, shape)
             if kind != "np" and getattr(obj, "requires_grad", False):

@@ -11,6 +11,7 @@ by reference.
 """
 import gc
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -206,9 +207,13 @@ def test_common_tensor_in_c():
     assert taken.data_ptr() != plain.data_ptr() and taken.tobytes() == plain.numpy().tobytes(), \
         "a plain tensor copied once"
     grad = torch.ones(2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch 1.13: CSR "is in beta state"
+        csr = torch.ones(2, 2).to_sparse_csr()  # which has no is_contiguous
     for other in (torch.nn.Parameter(torch.ones(2), requires_grad=False), grad,
                   plain.t(), torch.ones(0), torch.ones(2, 0), torch.ones(2, dtype=torch.bool),
-                  torch.ones(2, dtype=torch.complex64), np.ones(2), 3, None, [plain]):
+                  torch.ones(2, dtype=torch.complex64), torch.ones(2, 2).to_sparse(), csr,
+                  torch.ones([1] * 9), np.ones(2), 3, None, [plain]):
         assert _marshal._torch_handle(other) is None, f"not the common tensor: {other!r}"
     assert _marshal._torch_handles((plain, 3)) is None, "a number beside a tensor"
     assert _marshal._torch_handles((plain, grad)) is None, "a tensor that requires grad"
@@ -273,6 +278,28 @@ def test_tensor_given_twice_arrives_once():
     assert back[0] is back[1], "a result"
     assert rpc.rpc_sync(PEER, add_one_to_first, args=(t, t)).tolist() == [1.0, 2.0, 3.0]
     assert t.tolist() == [0.0, 1.0, 2.0], "the caller's tensor is its own, as torch's"
+
+
+def test_sparse_and_many_dims():
+    # As torch's: a sparse tensor arrives sparse (pickled: it has no
+    # strided bytes), and a tensor or array of more dimensions than a
+    # handle holds (8) arrives in its shape (sent flat). Both failed
+    # before: "Cannot access data pointer of Tensor that doesn't have
+    # storage", "a shape is a tuple of at most 8 sizes".
+    torch = pytest.importorskip("torch")
+    sparse = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.0, 4.0, 5.0], (2, 3))
+    for back in (rpc.rpc_sync(PEER, echo, args=(sparse,)),
+                 rpc.rpc_sync(PEER, echo, args=([sparse, 1],))[0]):
+        assert back.layout == torch.sparse_coo and torch.equal(back.to_dense(), sparse.to_dense())
+    assert torch.equal(rpc.rpc_sync(PEER, torch.add, args=(sparse, sparse)).to_dense(),
+                       2 * sparse.to_dense()), "a builtin's sparse arguments"
+    many = torch.arange(2 ** 9, dtype=torch.float32).reshape([2] * 9)
+    for x in (many, many.transpose(0, 8), many[None]):
+        back = rpc.rpc_sync(PEER, echo, args=(x,))
+        assert back.shape == x.shape and torch.equal(back, x), f"{x.dim()} dimensions"
+    a = np.arange(2 ** 9).reshape([2] * 9)
+    back = rpc.rpc_sync(PEER, echo, args=([a],))[0]
+    assert back.shape == a.shape and (back == a).all(), "an array of 9 dimensions"
 
 
 def test_tensor_only_calls_from_the_first():
