@@ -282,6 +282,19 @@ def array_stats(a):
     return (str(a.dtype), list(a.shape), a.sum().item())
 
 
+def write_first(a, b):
+    a.add_(1)
+    return (a is b, b)
+
+
+def first_two_same(seq):
+    return seq[0] is seq[1]
+
+
+def twice(x):
+    return (x, x)
+
+
 # ---- the cases (run on worker0) ---------------------------------------------
 
 @case
@@ -767,6 +780,25 @@ def tensor_same_twice():
     t = torch.arange(3)
     a, b = rpc.rpc_sync(PEER, echo, args=((t, t),))
     return show((a, b, torch.equal(a, b)))
+
+
+@case(needs_torch=True)
+def tensor_twice_one_object():
+    # torch's pickler memoizes a tensor as any object: given (or returned)
+    # twice in one message, it arrives one object.
+    t = torch.arange(3.0)
+    a, b = rpc.rpc_sync(PEER, twice, args=(t,))
+    return show((rpc.rpc_sync(PEER, write_first, args=(t, t)),
+                 rpc.rpc_sync(PEER, first_two_same, args=([t, t],)), a is b, t))
+
+
+@case(needs_torch=True)
+def tensor_sparse_and_many_dims():
+    s = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 2]], [3.0, 4.0, 5.0], (2, 3))
+    back = rpc.rpc_sync(PEER, echo, args=(s,))
+    many = torch.arange(2 ** 9, dtype=torch.float32).reshape([2] * 9)
+    got = rpc.rpc_sync(PEER, echo, args=(many,))
+    return show((str(back.layout), back.to_dense(), list(got.shape), torch.equal(got, many)))
 
 
 @case(needs_torch=True)
