@@ -292,10 +292,10 @@ class _Pickler(pickle.Pickler):
         self.rrefs = []
         self.tensors = []
         self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
-        # {id(tensor): (its id, the tensor)}: a tensor met again is not sent
+        # {id(tensor or RRef): (its id, it)}: one met again is not sent
         # again, and arrives the same object, as torch's pickler memoizes it
-        # (this hook comes before pickle's memo). The tensor is kept: a
-        # temporary's id (a __reduce__'s) could be another's later.
+        # (this hook comes before pickle's memo). It is kept: a temporary's
+        # id (a __reduce__'s) could be another's later.
         self.pids = {}
 
     def persistent_id(self, obj):
@@ -313,7 +313,9 @@ class _Pickler(pickle.Pickler):
             return len(self.tensors) - 1
         if isinstance(obj, _rref_type):
             self.rrefs.append(obj._r)
-            return ("rref", len(self.rrefs) - 1)
+            pid = ("rref", len(self.rrefs) - 1)
+            self.pids[id(obj)] = (pid, obj)
+            return pid
         kind = _tensor_kind(obj)
         if kind:
             # Any DLPack producer may be sent: it may have no .shape.
@@ -347,7 +349,9 @@ class _Unpickler(pickle.Unpickler):
         self.tensors = tensors
         self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (_contexts._Incoming)
         self.grad_tensors = None  # an _contexts._Incoming, at the first tensor that required grad
-        self.made = {}  # {index: what tensor index became}: one object for a tensor sent once, met twice
+        # {tensor index, or RRef id: what it became}: one object for one
+        # sent once and met twice (_Pickler.pids)
+        self.made = {}
 
     def persistent_load(self, pid):
         if type(pid) is int:  # a CPU torch tensor of its handle's shape (_Pickler)
@@ -356,7 +360,10 @@ class _Unpickler(pickle.Unpickler):
                 t = self.made[pid] = _from_pool("torch", self.tensors[pid])
             return t
         if pid[0] == "rref":
-            return _rref_of(self.rrefs[pid[1]])
+            r = self.made.get(pid)
+            if r is None:
+                r = self.made[pid] = _rref_of(self.rrefs[pid[1]])
+            return r
         t = self.made.get(pid[1])
         if t is None:
             t = self.made[pid[1]] = self._tensor(pid)

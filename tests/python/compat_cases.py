@@ -295,6 +295,10 @@ def twice(x):
     return (x, x)
 
 
+def both_same(a, b):
+    return a is b
+
+
 # ---- the cases (run on worker0) ---------------------------------------------
 
 @case
@@ -790,6 +794,14 @@ def tensor_twice_one_object():
     a, b = rpc.rpc_sync(PEER, twice, args=(t,))
     return show((rpc.rpc_sync(PEER, write_first, args=(t, t)),
                  rpc.rpc_sync(PEER, first_two_same, args=([t, t],)), a is b, t))
+
+
+@case
+def rref_twice_one_object():
+    # As a tensor: an RRef given twice in one call arrives one object.
+    r = rpc.remote(PEER, add, args=(1, 2))
+    return show((rpc.rpc_sync(PEER, both_same, args=(r, r)),
+                 rpc.rpc_sync(PEER, first_two_same, args=([r, r],)), r.to_here()))
 
 
 @case(needs_torch=True)
