@@ -12,6 +12,7 @@
 #include "ipc/doorbell.h"
 #include "worker/executor_impl.h"
 #include "worker/link.h"
+#include "worker/trace.h"
 
 static _Thread_local bool on_executor;
 /* Jobs this thread runs for the calls it waits for, one inside another. */
@@ -162,6 +163,7 @@ static bool run_next(void)
 		busy_take();
 	pthread_mutex_unlock(&ex.lock);
 	j->run(j);
+	trace_fold_forget();
 	pthread_mutex_lock(&ex.lock);
 	if (!ex.head)
 		busy_release();
@@ -486,6 +488,7 @@ static void run_for(struct waiter *w, struct job *j)
 	help_levels++;
 	pthread_mutex_unlock(&ex.lock);
 	j->run(j);
+	trace_fold_forget();
 	pthread_mutex_lock(&ex.lock);
 	help_levels--;
 	busy_release();

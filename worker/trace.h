@@ -97,6 +97,11 @@ SHMRPC_HIDDEN void trace_put_to(struct trace_self *t, uint64_t msg_id, uint64_t 
 SHMRPC_HIDDEN bool trace_fold_to(struct trace_self *t, const struct trace_mark *at,
 				 uint64_t info);
 
+/* Refuses this thread's next fold: it ran a job since its newest record,
+ * maybe one that writes none (a Future's callback), and a request it took
+ * before that waited for it (executor.c, after each job). */
+SHMRPC_HIDDEN void trace_fold_forget(void);
+
 /* Claims and writes one record (recording is on). */
 static inline void trace_put(uint64_t msg_id, uint64_t info)
 {
