@@ -210,7 +210,7 @@ static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
  * reference handed over instead of copied (a handle's calloc, a pool
  * reference and its holder record, then their undoing when the object
  * goes, which it does as soon as the reply is read). The Tensor is left
- * empty, as take_dlpack leaves one, for the moment it has left. NULL when
+ * empty, as take_dlpack leaves one, for the instant before it goes. NULL when
  * something else may still use it: it keeps its reference, and the agent
  * gets one of its own. */
 static shmrpc_tensor *tensor_given(PyObject *objs, uint32_t i, bool alone)
@@ -380,8 +380,8 @@ static int reply_read(PyObject *res, struct arena *a, struct python_request *out
 		memset(&out->msg, 0, sizeof(out->msg)); /* none of its handles are ours */
 		return -1;
 	}
-	/* res is the handler's result, which the caller holds until the
-	 * reply is read; a tuple's items are its own. */
+	/* res, the handler's result, is held by run_handler alone when its
+	 * count is 1 (a tuple holds its items itself). */
 	if ((rc = msg_keep(&out->msg, tensors,
 			   Py_REFCNT(res) == 1 && Py_REFCNT(tensors) == 1, a)) == 0)
 		return 0;
