@@ -204,10 +204,34 @@ static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
 	return list;
 }
 
-/* m, a view (msg_view) in a, made the agent's: its pickle copied into a
- * (the one copy before the reply's frame), each handle replaced by a new
- * one that the agent frees once sent. -ENOMEM or -EIO with none taken. */
-static int msg_keep(struct python_msg *m, struct arena *a)
+/* The handle of objs[i], a reply's Tensor that nothing else reaches (alone:
+ * the reply and its list of tensors are held by the handler's caller alone;
+ * the Tensor by that list alone), taken from it for the agent: its
+ * reference handed over instead of copied (a handle's calloc, a pool
+ * reference and its holder record, then their undoing when the object
+ * goes, which it does as soon as the reply is read). The Tensor is left
+ * empty, as take_dlpack leaves one, for the instant before it goes. NULL when
+ * something else may still use it: it keeps its reference, and the agent
+ * gets one of its own. */
+static shmrpc_tensor *tensor_given(PyObject *objs, uint32_t i, bool alone)
+{
+	PyObject *o = PyList_GetItem(objs, i);
+	shmrpc_tensor *t = HANDLE(o);
+
+	if (!alone || Py_REFCNT(o) != 1)
+		return NULL;
+	HANDLE(o) = NULL;
+	return t;
+}
+
+/* m, a view (msg_view) in a of a reply whose tensors are the Tensors of
+ * objs, made the agent's: its pickle copied into a (the one copy before
+ * the reply's frame), each handle replaced by one the agent frees once
+ * sent, the Tensor's own where nothing else reaches it (tensor_given:
+ * alone says whether the reply and objs are held by nothing else), a new
+ * one otherwise. -ENOMEM or -EIO with none taken: a handle given over goes
+ * back to its Tensor. */
+static int msg_keep(struct python_msg *m, PyObject *objs, bool alone, struct arena *a)
 {
 	void *data = arena_alloc(a, m->len ? m->len : 1);
 	uint32_t nr = 0, nt = 0;
@@ -220,16 +244,22 @@ static int msg_keep(struct python_msg *m, struct arena *a)
 			m->rrefs[nr++] = r;
 	}
 	while (rc == 0 && nt < m->ntensors) {
-		shmrpc_tensor *t;
+		shmrpc_tensor *t = tensor_given(objs, nt, alone);
 
-		if (!(rc = shmrpc_tensor_retain(m->tensors[nt], &t)))
+		if (t || !(rc = shmrpc_tensor_retain(m->tensors[nt], &t)))
 			m->tensors[nt++] = t;
 	}
 	if (rc) {
 		for (uint32_t i = 0; i < nr; i++)
 			shmrpc_rref_free(m->rrefs[i]);
-		for (uint32_t i = 0; i < nt; i++)
-			shmrpc_tensor_free(m->tensors[i]);
+		for (uint32_t i = 0; i < nt; i++) {
+			PyObject *o = PyList_GetItem(objs, i);
+
+			if (HANDLE(o)) /* a new handle: msg_view found none empty */
+				shmrpc_tensor_free(m->tensors[i]);
+			else
+				HANDLE(o) = m->tensors[i];
+		}
 		m->nrrefs = m->ntensors = 0;
 		return rc;
 	}
@@ -350,7 +380,10 @@ static int reply_read(PyObject *res, struct arena *a, struct python_request *out
 		memset(&out->msg, 0, sizeof(out->msg)); /* none of its handles are ours */
 		return -1;
 	}
-	if ((rc = msg_keep(&out->msg, a)) == 0)
+	/* res, the handler's result, is held by run_handler alone when its
+	 * count is 1 (a tuple holds its items itself). */
+	if ((rc = msg_keep(&out->msg, tensors,
+			   Py_REFCNT(res) == 1 && Py_REFCNT(tensors) == 1, a)) == 0)
 		return 0;
 	fail(rc);
 	return -1;
