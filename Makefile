@@ -87,13 +87,15 @@ help:
 
 # What tests/gpu.sh runs on a machine with a GPU, and nothing more, in one
 # folder of plain files (no links) to carry there: shmrun, the GPU tests
-# (cuda_ipc; the Python modules through python_test NAME), the benches and
-# the Python package. About 12 MiB; a device machine takes 64 MiB.
+# (cuda_ipc; the Python modules through python_test NAME), the benches,
+# the inspector (bench/python_rpc_phases.py reads the flight recorders
+# with it) and the Python package. About 12 MiB; a device machine takes
+# 64 MiB.
 GPU_BUILD := $(BUILD)/gpu
-gpu: $(LAUNCHER) $(BUILD)/tests/cuda_ipc $(BUILD)/tests/python_test $(BENCHES) $(PYTHON)
+gpu: $(LAUNCHER) $(TOOLS) $(BUILD)/tests/cuda_ipc $(BUILD)/tests/python_test $(BENCHES) $(PYTHON)
 	rm -rf $(GPU_BUILD)
 	mkdir -p $(GPU_BUILD)/bin $(GPU_BUILD)/tests $(GPU_BUILD)/bench
-	cp $(LAUNCHER) $(GPU_BUILD)/bin/
+	cp $(LAUNCHER) $(TOOLS) $(GPU_BUILD)/bin/
 	cp $(BUILD)/tests/cuda_ipc $(BUILD)/tests/python_test $(GPU_BUILD)/tests/
 	cp $(BENCHES) $(GPU_BUILD)/bench/
 	cp -RL $(BUILD)/python $(GPU_BUILD)/python

@@ -38,7 +38,7 @@ print("gpu.sh: pytest", pytest.__version__)
 assert torch.cuda.is_available(), "torch.cuda.is_available() is false"
 print("gpu.sh:", torch.cuda.device_count(), "device(s), cuda:0 is", torch.cuda.get_device_name(0))
 PY
-for f in bin/shmrun tests/cuda_ipc tests/python_test bench/tensor_handoff \
+for f in bin/shmrun bin/shmrpc-inspect tests/cuda_ipc tests/python_test bench/tensor_handoff \
 	python/shmrpc/_shmrpc.abi3.so; do
 	[ -f "$build/$f" ] || fail "$build/$f is missing: run make gpu where it is built, carry $build"
 done
