@@ -30,6 +30,7 @@ except ImportError:
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "lib"))
 sys.path.insert(0, here)
+from shmrpcjob import package_build  # noqa: E402
 from torchpeer import init_pair, spawn_pair  # noqa: E402
 from python_rpc import run_shmrpc, timed  # noqa: E402
 
@@ -105,10 +106,8 @@ def main():
     if "--worker" in sys.argv:
         shmrpc_worker(quick, sys.argv[sys.argv.index("--worker") + 1])
         return 0
-    build = os.environ.get("SHMRPC_BUILD", "build")
-    if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
-        print(f"dist_autograd: no shmrpc Python package in {build}/python: skipped",
-              file=sys.stderr)
+    build = package_build("dist_autograd")
+    if build is None:
         return 0
     if torch is None:
         print("dist_autograd: torch is not importable: skipped", file=sys.stderr)

@@ -17,12 +17,13 @@ Needs torch; run by bench/run.sh. -q: fewer repetitions.
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
 from python_rpc import timed  # noqa: E402
+from shmrpcjob import package_build, run_job  # noqa: E402
 
 SIZES = [(16, "16B"), (1 << 10, "1KiB"), (4 << 10, "4KiB"), (16 << 10, "16KiB"),
          (64 << 10, "64KiB"), (1 << 20, "1MiB")]
@@ -49,39 +50,26 @@ def worker(quick, out):
     rpc.shutdown()
 
 
-def run_job(build, quick, out, inline_max):
-    env = dict(os.environ, SHMRPC_INLINE_MAX=str(inline_max))
-    env["PYTHONPATH"] = os.path.join(build, "python") + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--quiet", "--timeout", "600",
-           "--ring-size", "524288", "--", sys.executable, os.path.abspath(__file__),
-           "--worker", out] + (["-q"] if quick else [])
-    subprocess.run(cmd, env=env, check=True)
-    with open(out) as f:
-        return json.load(f)
-
-
 def main():
     quick = "-q" in sys.argv
     if "--worker" in sys.argv:
         worker(quick, sys.argv[sys.argv.index("--worker") + 1])
         return 0
-    build = os.environ.get("SHMRPC_BUILD", "build")
     try:
         import torch  # noqa: F401 (only whether it is there)
     except ImportError:
         print("py_tensor_inline: torch is not importable: skipped", file=sys.stderr)
         return 0
-    if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
-        print(f"py_tensor_inline: no shmrpc Python package in {build}/python: skipped",
-              file=sys.stderr)
+    build = package_build("py_tensor_inline")
+    if build is None:
         return 0
     runs = {"pool": [], "inline": []}
     with tempfile.TemporaryDirectory(prefix="shmrpc-py-inline.") as tmp:
         for i in range(2):
             for path, limit in (("pool", 0), ("inline", 64 << 10)):
-                runs[path].append(run_job(build, quick, os.path.join(tmp, f"{path}{i}.json"),
-                                          limit))
+                runs[path].append(run_job(build, __file__, os.path.join(tmp, f"{path}{i}.json"),
+                                          quick, ["--ring-size", "524288"],
+                                          env={"SHMRPC_INLINE_MAX": str(limit)}))
     for _, label in SIZES:
         pool = min(r[label] for r in runs["pool"])
         inl = min(r[label] for r in runs["inline"])

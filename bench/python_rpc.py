@@ -54,12 +54,12 @@ $SHMRPC_BUILD (default build), its package in $SHMRPC_BUILD/python.
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from shmrpcjob import package_build, run_job  # noqa: E402
 from torchpeer import init_pair, spawn_pair  # noqa: E402
 
 SIZES = [(1 << 10, "1KiB"), (1 << 20, "1MiB"), (64 << 20, "64MiB"), (1 << 30, "1GiB")]
@@ -345,19 +345,9 @@ def run_shmrpc(build, quick, out, script=__file__, pool=POOL, spin=False):
     """Runs script --worker out as a two-worker shmrpc job (pool: its
     --pool-size; spin: in spin mode, the calls alone); what its rank 0
     wrote to out, as JSON."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(build, "python") + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--pool-size", pool, "--quiet",
-           "--timeout", "600"] + (["--wait=spin"] if spin else []) + [
-           "--", sys.executable, os.path.abspath(script), "--worker", out]
-    if quick:
-        cmd.append("-q")
-    if spin:
-        cmd.append("--calls-only")
-    subprocess.run(cmd, env=env, check=True)
-    with open(out) as f:
-        return json.load(f)
+    return run_job(build, script, out, quick,
+                   ["--pool-size", pool] + (["--wait=spin"] if spin else []),
+                   ["--calls-only"] if spin else [])
 
 
 def line(name, fields, num, den):
@@ -374,10 +364,8 @@ def main():
     if "--worker" in sys.argv:
         shmrpc_worker(quick, sys.argv[sys.argv.index("--worker") + 1], "--calls-only" in sys.argv)
         return 0
-    build = os.environ.get("SHMRPC_BUILD", "build")
-    if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
-        print(f"python_rpc: no shmrpc Python package in {build}/python (make needs "
-              "python3-dev): skipped", file=sys.stderr)
+    build = package_build("python_rpc")
+    if build is None:
         return 0
     try:
         import numpy  # noqa: F401 (shmrpc makes its pool arrays with it)

@@ -49,6 +49,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from shmrpcjob import package_build, run_job  # noqa: E402
+
 BATCH = 100  # calls between two reads of the recorders: a thread's lane keeps 512 records
 
 STAMPS = []  # rank 1: when each call's function ran
@@ -174,27 +177,16 @@ def main():
     if "--worker" in sys.argv:
         worker(sys.argv[sys.argv.index("--worker") + 1], quick)
         return 0
-    build = os.environ.get("SHMRPC_BUILD", "build")
-    if not os.path.exists(os.path.join(build, "python", "shmrpc", "_shmrpc.abi3.so")):
-        print(f"python_rpc_phases: no shmrpc Python package in {build}/python: skipped",
-              file=sys.stderr)
+    build = package_build("python_rpc_phases")
+    if build is None:
         return 0
     modes = ([sys.argv[sys.argv.index("--wait") + 1]] if "--wait" in sys.argv
              else ["default", "spin"])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.join(build, "python") + (
-        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     rc = 0
     with tempfile.TemporaryDirectory(prefix="shmrpc-py-phases.") as tmp:
         for mode in modes:
-            out = os.path.join(tmp, f"{mode}.json")
-            cmd = [os.path.join(build, "bin", "shmrun"), "-n", "2", "--quiet", "--timeout",
-                   "600"] + ([] if mode == "default" else [f"--wait={mode}"]) + [
-                   "--", sys.executable, os.path.abspath(__file__), "--worker", out] + (
-                   ["-q"] if quick else [])
-            subprocess.run(cmd, env=env, check=True)
-            with open(out) as f:
-                rc |= report(json.load(f), mode)
+            rc |= report(run_job(build, __file__, os.path.join(tmp, f"{mode}.json"), quick,
+                                 [] if mode == "default" else [f"--wait={mode}"]), mode)
     return rc
 
 
