@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -13,6 +14,31 @@
 #include "shmrpc.h"
 #include "python/module.h"
 #include "worker/python_api.h"
+
+/* The rank of the worker named by the str name: >= 0, shmrpc's -errno,
+ * or INT_MIN with Python's error set (name is no str, or no worker's: a
+ * NUL inside it would end the C string early, and "worker1\0x" would
+ * name worker1 where torch finds no such worker). */
+int rank_named(PyObject *name)
+{
+	PyObject *utf8 = PyUnicode_AsUTF8String(name);
+	Py_ssize_t n;
+	char *s;
+	int r;
+
+	if (!utf8)
+		return INT_MIN;
+	if (PyBytes_AsStringAndSize(utf8, &s, &n)) {
+		r = INT_MIN;
+	} else if (memchr(s, '\0', (size_t)n)) {
+		PyErr_Format(PyExc_RuntimeError, "no worker named \"%U\" in this job", name);
+		r = INT_MIN;
+	} else {
+		r = python_rank_named(s);
+	}
+	Py_DECREF(utf8);
+	return r;
+}
 
 /* call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind=None, fn=None,
  * type=PYTHON_CALL, context_id=-1, message_id=0, retain_graph=False,
@@ -109,6 +135,443 @@ static PyObject *mod_rref_local(PyObject *m, PyObject *args)
 	rc = python_rref_local(pickled, (uint32_t)len, live, &r);
 	return rc ? fail(rc) : rref_wrap(r);
 }
+
+/* ---- rpc_sync's common call, made in C ---- */
+
+/*
+ * rpc_sync(to, func, args, kwargs, timeout) as shmrpc/_calls.py makes it,
+ * for the call most programs make: a module's function sent by name, with
+ * no arguments, scalars or common tensors, no keywords, the default
+ * timeout, outside a distributed autograd context, not recorded by torch's
+ * profiler, under the default pickler, to a worker named by a str or an
+ * int. Each of these is read from the package's own state as its Python
+ * reads it (rpc_sync_setup gives the objects), so the two paths cannot
+ * disagree; any other call returns the package's sentinel with nothing
+ * done, and the Python path makes it. The Python path ran 12 Python
+ * functions on an empty call's caller (docs/ARCHITECTURE.md).
+ */
+static struct {
+	PyObject *general;	 /* returned for a call the Python path makes */
+	PyObject *core;		 /* shmrpc._core: _initialized, _timeout_override */
+	PyObject *marshal;	 /* shmrpc._marshal: _default_pickler, _pickler_ok */
+	PyObject *profiler;	 /* shmrpc.profiler: _torch_state */
+	PyObject *tls;		 /* shmrpc._contexts._tls: ctx, the autograd context */
+	PyObject *function_type; /* types.FunctionType */
+	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
+	PyObject *result;	 /* _marshal._result(msg) */
+	PyObject *remote_exc;	 /* _core.RemoteException */
+	PyObject *not_sent;	 /* _calls._NotSent */
+	PyObject *timed_out;	 /* _core._RpcTimeout */
+	PyObject *dumps, *loads; /* pickle's */
+	PyObject *protocol;	 /* pickle.HIGHEST_PROTOCOL */
+	PyObject *no_kwargs;	 /* {}, the kwargs pickled beside scalars */
+	PyObject *no_list;	 /* [], a message's empty list of RRefs */
+	PyObject *no_args;	 /* (), args=None's */
+	PyObject *funcs;	 /* {func: entry}, see func_entry */
+	PyObject *torch_on;	 /* torch.autograd._profiler_enabled, once torch is met */
+} fast;
+
+/* How many calls rpc_sync made here (rpc_sync_count, for the tests that
+ * check which calls take this path); read and written under the GIL. */
+static unsigned long long sync_count;
+
+/* The attribute names read on each call, interned once. */
+static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pickler_ok,
+	*s_torch_state, *s_ctx, *s_module, *s_qualname, *s_torch;
+
+/* A function's entry in fast.funcs: what _Named knows of it (head, the
+ * payload's reference; tensors_head, a call of tensors alone's; module
+ * and name, the reference; mod and scope, the module and its dict that
+ * must still find the function), and fn, its name for the profiler
+ * (_func_name's, its __qualname__) in UTF-8. */
+enum { E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_FN, E_N };
+
+/* Whether o's attribute name is want: 1, 0, or -1 with an exception. */
+static int attr_is(PyObject *o, PyObject *name, PyObject *want)
+{
+	PyObject *v = PyObject_GetAttr(o, name);
+
+	if (!v)
+		return -1;
+	Py_DECREF(v); /* only its identity is compared */
+	return v == want;
+}
+
+/* A new entry of func from its _Named (named); NULL when its name has a
+ * dot (scope None: _Named.holds looks it up again each time) or with an
+ * exception set. */
+static PyObject *entry_new(PyObject *named)
+{
+	static const char *slots[] = { "head", "tensors_head", "module", "mod", "scope", "name" };
+	PyObject *e = PyTuple_New(E_N);
+
+	for (int i = 0; e && i < E_FN; i++) {
+		PyObject *v = PyObject_GetAttrString(named, slots[i]);
+
+		if (!v || (i == E_SCOPE && v == Py_None)) {
+			Py_XDECREF(v);
+			Py_CLEAR(e);
+		} else {
+			PyTuple_SetItem(e, i, v); /* steals v */
+		}
+	}
+	if (e) {
+		PyObject *fn = PyUnicode_AsUTF8String(PyTuple_GetItem(e, E_NAME));
+
+		if (fn)
+			PyTuple_SetItem(e, E_FN, fn);
+		else
+			Py_CLEAR(e);
+	}
+	return e;
+}
+
+/* Whether entry e of func still holds, as _Named.holds asks (the module
+ * in sys.modules and its name in the module's dict still find func) and
+ * func still has the names it was entered under (a reassigned __qualname__
+ * would make _named look under the new one): 1, 0, or -1. */
+static int entry_holds(PyObject *e, PyObject *func)
+{
+	PyObject *mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), PyTuple_GetItem(e, E_MODULE));
+	PyObject *found;
+	int r;
+
+	if (mod != PyTuple_GetItem(e, E_MOD))
+		return PyErr_Occurred() ? -1 : 0;
+	found = PyDict_GetItemWithError(PyTuple_GetItem(e, E_SCOPE), PyTuple_GetItem(e, E_NAME));
+	if (found != func)
+		return PyErr_Occurred() ? -1 : 0;
+	if ((r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) != 1)
+		return r;
+	return attr_is(func, s_qualname, PyTuple_GetItem(e, E_NAME));
+}
+
+/* func's entry (borrowed) when it is a function sent by a name that still
+ * finds it, made from _marshal._named the first time; NULL otherwise, or
+ * with an exception set. The entries are bounded: functions made anew
+ * under one name (each entered once) clear them at 256. */
+static PyObject *func_entry(PyObject *func)
+{
+	PyObject *e = PyDict_GetItemWithError(fast.funcs, func), *named;
+	int r;
+
+	if (!e && !PyErr_Occurred()) {
+		if (!(named = PyObject_CallFunctionObjArgs(fast.named, func, NULL)))
+			return NULL;
+		e = named == Py_None ? NULL : entry_new(named);
+		Py_DECREF(named);
+		if (!e)
+			return NULL;
+		if (PyDict_Size(fast.funcs) >= 256)
+			PyDict_Clear(fast.funcs);
+		r = PyDict_SetItem(fast.funcs, func, e);
+		Py_DECREF(e); /* the dict holds it */
+		if (r)
+			return NULL;
+	}
+	if (!e)
+		return NULL;
+	return (r = entry_holds(e, func)) == 1 ? e : NULL;
+}
+
+/* Whether torch's profiler may record a call made now (profiler.
+ * torch_profiling would not answer 0: torch is loaded, usable, and its
+ * profiler on in this thread; the Python path asks the rest): 1, 0, -1. */
+static int torch_may_profile(void)
+{
+	PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), s_torch), *on;
+	int r;
+
+	if (!torch || torch == Py_None)
+		return PyErr_Occurred() ? -1 : 0;
+	if ((r = attr_is(fast.profiler, s_torch_state, Py_False)) != 0)
+		return r < 0 ? -1 : 0;
+	if (!fast.torch_on) {
+		PyObject *autograd = PyObject_GetAttrString(torch, "autograd");
+
+		if (autograd)
+			fast.torch_on = PyObject_GetAttrString(autograd, "_profiler_enabled");
+		Py_XDECREF(autograd);
+		if (!fast.torch_on)
+			return -1;
+	}
+	if (!(on = PyObject_CallObject(fast.torch_on, NULL)))
+		return -1;
+	r = PyObject_IsTrue(on);
+	Py_DECREF(on);
+	return r;
+}
+
+/* The rank of to, a str or an int (not a bool), or -1 for any other (a
+ * WorkerInfo, a name no worker has: the Python path words its error). */
+static int rank_to(PyObject *to)
+{
+	long r;
+
+	if (PyUnicode_CheckExact(to)) {
+		r = rank_named(to);
+		if (r == INT_MIN)
+			PyErr_Clear();
+		return r < 0 ? -1 : (int)r;
+	}
+	if (!PyLong_CheckExact(to))
+		return -1;
+	r = PyLong_AsLong(to);
+	if (r == -1 && PyErr_Occurred())
+		PyErr_Clear();
+	return r < 0 || r > INT_MAX ? -1 : (int)r;
+}
+
+/* Whether the package's state lets a call be the common one: initialized,
+ * the default timeout in effect (timeout unset), the default pickler, no
+ * autograd context in this thread, torch's profiler off: 1, 0, -1. */
+static int state_common(PyObject *timeout)
+{
+	PyObject *pickler;
+	int r;
+
+	if (timeout != Py_None && !(PyFloat_CheckExact(timeout) && PyFloat_AsDouble(timeout) == -1.0))
+		return 0;
+	if ((r = attr_is(fast.core, s_initialized, Py_True)) != 1 ||
+	    (r = attr_is(fast.core, s_timeout_override, Py_False)) != 1)
+		return r;
+	if (!(pickler = PyObject_GetAttr(fast.marshal, s_default_pickler)))
+		return -1;
+	Py_DECREF(pickler); /* its identity alone */
+	if ((r = attr_is(fast.marshal, s_pickler_ok, pickler)) != 1 ||
+	    (r = attr_is(fast.tls, s_ctx, Py_None)) != 1)
+		return r;
+	return (r = torch_may_profile()) < 0 ? -1 : !r;
+}
+
+/* Whether every item of the tuple args is a scalar no pickler hook sees
+ * (_marshal._scalars: exact types, a subclass may hold anything). */
+static bool scalars(PyObject *args)
+{
+	for (Py_ssize_t i = 0; i < PyTuple_Size(args); i++) {
+		PyObject *o = PyTuple_GetItem(args, i);
+
+		if (!(o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) ||
+		      PyFloat_CheckExact(o) || PyComplex_CheckExact(o) || PyUnicode_CheckExact(o) ||
+		      PyBytes_CheckExact(o)))
+			return false;
+	}
+	return true;
+}
+
+/* The payload of a call of func's entry e with args, as _pack_call makes
+ * it (head; tensors_head and *tensors, the handles; head and the pickle
+ * of (args, {})): a new bytes object, or NULL (an exception set, or none
+ * for arguments this path does not pack). */
+static PyObject *payload_of(PyObject *e, PyObject *args, PyObject **tensors)
+{
+	PyObject *head = PyTuple_GetItem(e, E_HEAD), *pair, *data, *out;
+	Py_ssize_t hlen = PyBytes_Size(head), dlen;
+
+	if (PyTuple_Size(args) == 0)
+		return new_ref(head);
+	if (!scalars(args)) {
+		*tensors = torch_handles_of(args);
+		if (*tensors == Py_None)
+			Py_CLEAR(*tensors);
+		return *tensors ? new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD)) : NULL;
+	}
+	if (!(pair = PyTuple_Pack(2, args, fast.no_kwargs)))
+		return NULL;
+	data = PyObject_CallFunctionObjArgs(fast.dumps, pair, fast.protocol, NULL);
+	Py_DECREF(pair);
+	if (!data)
+		return NULL;
+	dlen = PyBytes_Size(data);
+	/* Past _marshal._INLINE_MAX the pickle travels in the pool. */
+	out = dlen > 16 * 1024 ? NULL : PyBytes_FromStringAndSize(NULL, hlen + dlen);
+	if (out) {
+		memcpy(PyBytes_AsString(out), PyBytes_AsString(head), (size_t)hlen);
+		memcpy(PyBytes_AsString(out) + hlen, PyBytes_AsString(data), (size_t)dlen);
+	}
+	Py_DECREF(data);
+	return out;
+}
+
+/* The call's message sent: its Future in *f, or -1 with _calls' errors
+ * set (_NotSent for a RuntimeError, as _send_call words it). */
+static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
+		     shmrpc_future **f)
+{
+	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL,
+				     .context_id = -1 };
+	PyObject *type, *value, *tb, *text;
+	int rc;
+
+	if (msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg))
+		return -1;
+	python_call_begin("rpc_sync", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, true);
+	rc = python_request_async(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, f);
+	python_call_end();
+	msg_free(&rq.msg);
+	if (!rc)
+		return 0;
+	fail(rc);
+	if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+		return -1;
+	PyErr_Fetch(&type, &value, &tb);
+	PyErr_NormalizeException(&type, &value, &tb);
+	if ((text = PyObject_Str(value))) {
+		PyErr_SetObject(fast.not_sent, text);
+		Py_DECREF(text);
+	}
+	Py_XDECREF(type);
+	Py_XDECREF(value);
+	Py_XDECREF(tb);
+	return -1;
+}
+
+/* The wait's TimeoutError raised as _RpcTimeout (_core._c_wait), its
+ * context suppressed as `from None` does. */
+static void timed_out(void)
+{
+	PyObject *type, *value, *tb, *args, *exc = NULL;
+
+	PyErr_Fetch(&type, &value, &tb);
+	PyErr_NormalizeException(&type, &value, &tb);
+	if ((args = PyObject_GetAttrString(value, "args")))
+		exc = PyObject_CallObject(fast.timed_out, args);
+	if (exc) {
+		PyException_SetCause(exc, NULL);
+		PyErr_SetObject(fast.timed_out, exc);
+		Py_DECREF(exc);
+	}
+	Py_XDECREF(args);
+	Py_XDECREF(type);
+	Py_XDECREF(value);
+	Py_XDECREF(tb);
+}
+
+/* The result of the completed call f, as _marshal._result gives it: the
+ * empty pickle None, a bare pickle unpickled here, anything else (RRefs,
+ * tensors, a RemoteException to raise) by _result itself. */
+static PyObject *sync_result(shmrpc_future *f)
+{
+	const shmrpc_value *v = shmrpc_future_value(f);
+	struct arena a = { 0 };
+	struct python_msg m;
+	PyObject *data = NULL, *value = NULL, *msg;
+	int is_exc = 1;
+
+	if (v && python_reply_of(v, &a, &m) == 0 && !m.nrrefs && !m.ntensors) {
+		if (!m.len) {
+			arena_free(&a);
+			return new_ref(Py_None);
+		}
+		data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len);
+		if (data && (value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL)))
+			is_exc = PyObject_IsInstance(value, fast.remote_exc);
+		Py_XDECREF(data);
+	}
+	arena_free(&a);
+	if (is_exc == 0)
+		return value;
+	Py_XDECREF(value);
+	if (is_exc < 0 || !(msg = msg_to_py(v)))
+		return NULL;
+	value = PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
+	Py_DECREF(msg);
+	return value;
+}
+
+/* rpc_sync(to, func, args, kwargs, timeout) -> the result, or the
+ * sentinel of rpc_sync_setup for a call the Python path makes. */
+static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
+{
+	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
+	PyObject *e, *payload = NULL, *tensors = NULL, *res;
+	shmrpc_future *f;
+	int dst, rc;
+
+	(void)m;
+	if (!PyArg_UnpackTuple(a, "rpc_sync", 2, 5, &to, &func, &args, &kwargs, &timeout))
+		return NULL;
+	if (!fast.general || (args != Py_None && !PyTuple_CheckExact(args)) ||
+	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
+	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
+	    (dst = rank_to(to)) < 0 || !(e = func_entry(func)) ||
+	    !(payload = payload_of(e, args == Py_None ? fast.no_args : args,
+				   &tensors))) {
+		/* Nothing was sent: the Python path makes the call, and raises what
+		 * failed here in its own words. */
+		PyErr_Clear();
+		return new_ref(fast.general);
+	}
+	sync_count++;
+	rc = sync_send(dst, e, payload, tensors, &f);
+	Py_DECREF(payload);
+	Py_XDECREF(tensors);
+	if (rc)
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	rc = shmrpc_future_wait(f, -1);
+	Py_END_ALLOW_THREADS
+	if (rc) {
+		fail(rc);
+		if (PyErr_ExceptionMatches(PyExc_TimeoutError))
+			timed_out();
+		res = NULL;
+	} else {
+		res = sync_result(f);
+	}
+	shmrpc_future_free(f);
+	return res;
+}
+
+static PyObject *mod_rpc_sync_count(PyObject *m, PyObject *unused)
+{
+	(void)m, (void)unused;
+	return PyLong_FromUnsignedLongLong(sync_count);
+}
+
+/* rpc_sync_setup(general, core, marshal, profiler, tls, function_type,
+ * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol):
+ * the package's objects rpc_sync reads (fast, above), once at import. */
+static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
+{
+	static const char *const names[] = { "_initialized", "_timeout_override",
+		"_default_pickler", "_pickler_ok", "_torch_state", "ctx", "__module__",
+		"__qualname__", "torch" };
+	PyObject **const interned[] = { &s_initialized, &s_timeout_override, &s_default_pickler,
+		&s_pickler_ok, &s_torch_state, &s_ctx, &s_module, &s_qualname, &s_torch };
+	PyObject *o[14];
+
+	(void)m;
+	if (fast.general) {
+		PyErr_SetString(PyExc_RuntimeError, "rpc_sync_setup runs once");
+		return NULL;
+	}
+	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4],
+			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
+		return NULL;
+	for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
+		if (!*interned[i] && !(*interned[i] = PyUnicode_InternFromString(names[i])))
+			return NULL;
+	if (!(fast.no_kwargs = PyDict_New()) || !(fast.no_list = PyList_New(0)) ||
+	    !(fast.no_args = PyTuple_New(0)) || !(fast.funcs = PyDict_New()))
+		return NULL;
+	fast.core = new_ref(o[1]);
+	fast.marshal = new_ref(o[2]);
+	fast.profiler = new_ref(o[3]);
+	fast.tls = new_ref(o[4]);
+	fast.function_type = new_ref(o[5]);
+	fast.named = new_ref(o[6]);
+	fast.result = new_ref(o[7]);
+	fast.remote_exc = new_ref(o[8]);
+	fast.not_sent = new_ref(o[9]);
+	fast.timed_out = new_ref(o[10]);
+	fast.dumps = new_ref(o[11]);
+	fast.loads = new_ref(o[12]);
+	fast.protocol = new_ref(o[13]);
+	fast.general = new_ref(o[0]); /* last: rpc_sync works from now on */
+	return new_ref(Py_None);
+}
+
 static PyMethodDef call_functions[] = {
 	{ "call", (PyCFunction)(void (*)(void))mod_call, METH_VARARGS | METH_KEYWORDS,
 	  "call(dst, pickle, [RRef...], [Tensor...], timeout_ms, kind, fn, type, context_id, "
@@ -118,6 +581,14 @@ static PyMethodDef call_functions[] = {
 	  "message_id, torch_profile=0) -> RRef" },
 	{ "rref_local", mod_rref_local, METH_VARARGS,
 	  "rref_local(pickled, live) -> RRef: RRef(value) on this worker, ready at once" },
+	{ "rpc_sync", mod_rpc_sync, METH_VARARGS,
+	  "rpc_sync(to, func, args, kwargs, timeout) -> result: the common call made here, or "
+	  "rpc_sync_setup's sentinel for shmrpc._calls.rpc_sync to make it" },
+	{ "rpc_sync_count", mod_rpc_sync_count, METH_NOARGS,
+	  "rpc_sync_count() -> how many calls rpc_sync made in C (for tests)" },
+	{ "rpc_sync_setup", mod_rpc_sync_setup, METH_VARARGS,
+	  "rpc_sync_setup(general, core, marshal, profiler, tls, function_type, named, result, "
+	  "remote_exc, not_sent, timed_out, dumps, loads, protocol): what rpc_sync reads" },
 	{ NULL, NULL, 0, NULL },
 };
 

@@ -127,31 +127,6 @@ static PyObject *mod_world_size(PyObject *m, PyObject *unused)
 	return n < 0 ? fail(n) : PyLong_FromLong(n);
 }
 
-/* The rank of the worker named by the str name: >= 0, shmrpc's -errno,
- * or INT_MIN with Python's error set (name is no str, or no worker's: a
- * NUL inside it would end the C string early, and "worker1\0x" would
- * name worker1 where torch finds no such worker). */
-static int rank_named(PyObject *name)
-{
-	PyObject *utf8 = PyUnicode_AsUTF8String(name);
-	Py_ssize_t n;
-	char *s;
-	int r;
-
-	if (!utf8)
-		return INT_MIN;
-	if (PyBytes_AsStringAndSize(utf8, &s, &n)) {
-		r = INT_MIN;
-	} else if (memchr(s, '\0', (size_t)n)) {
-		PyErr_Format(PyExc_RuntimeError, "no worker named \"%U\" in this job", name);
-		r = INT_MIN;
-	} else {
-		r = python_rank_named(s);
-	}
-	Py_DECREF(utf8);
-	return r;
-}
-
 /* worker_info(name or rank or None) -> (name, rank) */
 static PyObject *mod_worker_info(PyObject *m, PyObject *who)
 {

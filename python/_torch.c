@@ -229,14 +229,13 @@ static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
  * argument is pickled. A tensor given twice goes by the pickler, which
  * sends it once and the callee gets one object twice, as torch's (each
  * handle here becomes a tensor of its own). */
-static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
+PyObject *torch_handles_of(PyObject *args)
 {
 	struct plain few[4], *p = few;
 	PyObject *list = NULL, *obj;
 	Py_ssize_t n, i, j;
 	int ok = 1;
 
-	(void)m;
 	if (!PyTuple_Check(args)) {
 		PyErr_SetString(PyExc_TypeError, "torch_handles: a call's arguments come in a tuple");
 		return NULL;
@@ -265,6 +264,12 @@ static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
 	if (p != few)
 		PyMem_Free(p);
 	return list;
+}
+
+static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
+{
+	(void)m;
+	return torch_handles_of(args);
 }
 
 /* take_torch(handles: list) -> (torch tensor...) of received host handles,

@@ -47,6 +47,11 @@ PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *s
  * empty (take_dlpack). NULL with an exception set. */
 PyObject *take_capsule(PyObject *obj);
 
+/* _torch.c: torch_handles(args), args a call's tuple, from C: [handle...]
+ * when every argument is the common tensor, each given once, else None;
+ * NULL with an exception set. */
+PyObject *torch_handles_of(PyObject *args);
+
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);
 int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m);
@@ -58,6 +63,10 @@ int run_handler(uint32_t caller, const struct python_request *in, struct python_
 		struct profile_events *ops, struct arena *a);
 /* How often executor threads took the GIL, and how long they waited. */
 void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
+
+/* _calls.c: the rank of the worker named by the str name: >= 0, shmrpc's
+ * -errno, or INT_MIN with Python's error set. */
+int rank_named(PyObject *name);
 
 /* Each file adds its types and functions to the module; 0 or -1 with an
  * exception. */

@@ -2,9 +2,11 @@
 (its value, proxies, type, backward). Above the pickler, the futures and
 distributed autograd; the server is above it.
 """
+import pickle
 import re
 import sys
 import threading
+import types
 
 from . import _contexts, _core, _marshal, _shmrpc, autograd, profiler
 from ._core import (UNSET_RPC_TIMEOUT, WorkerInfo, _c_wait, _not_initialized, _not_supported,
@@ -59,8 +61,20 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    # The common call is made in C (python/_calls.c, rpc_sync), which reads
+    # the same state as the path below; any other comes back _GENERAL, with
+    # nothing done.
+    result = _shmrpc.rpc_sync(to, func, args, kwargs, timeout)
+    if result is not _GENERAL:
+        return result
     call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_sync")
     return _result(_c_wait(call.wait))
+
+
+_GENERAL = object()
+_shmrpc.rpc_sync_setup(_GENERAL, _core, _marshal, profiler, _contexts._tls, types.FunctionType,
+                       _marshal._named, _result, _core.RemoteException, _NotSent,
+                       _core._RpcTimeout, pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL)
 
 
 class RRef:

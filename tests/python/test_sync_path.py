@@ -1,0 +1,204 @@
+# shmrun: -n 2 --pool-size 64M
+"""rpc_sync's two paths (worker0 calls, worker1 serves): the common call,
+made in C (python/_calls.c, rpc_sync), and every other, made by the
+package's Python. Each case that must take the Python path is checked to
+take it (the C path's count does not move) and to keep its meaning: an
+autograd context learns the callee, torch's profiler records the call, a
+timeout of the call's own or set for every call applies, a function no
+longer found under its name is refused. The common call's results and
+errors are those of the Python path: None, scalars, a tensor, a remote
+exception's type and text, the default timeout (1 s in this job) raised
+as RuntimeError and TimeoutError, a rank no worker has.
+"""
+import pickle
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import shmrpc as rpc
+from shmrpc import _core, _marshal, _shmrpc
+
+
+def nothing():
+    return None
+
+
+def add(a, b=0):
+    return a + b
+
+
+def ident(x):
+    return x
+
+
+def pair(a, b):
+    return a, b
+
+
+def boom(text):
+    raise KeyError(text)
+
+
+def slow(sec):
+    time.sleep(sec)
+    return sec
+
+
+def rebound():
+    return "the first"
+
+
+def rpc_init(rank):
+    class Opts:
+        num_worker_threads = 4
+        rpc_timeout = 1  # the default timeout, which the common call has
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's options shmrpc ignores (none here)
+        rpc.init_rpc(f"worker{rank}", rpc_backend_options=Opts())
+
+
+def common(call):
+    """call()'s result, asserting it was made in C: one call counted."""
+    before = _shmrpc.rpc_sync_count()
+    result = call()
+    assert _shmrpc.rpc_sync_count() == before + 1, "not made as the common call"
+    return result
+
+
+def general(call):
+    """call()'s result, asserting it was made by the Python path."""
+    before = _shmrpc.rpc_sync_count()
+    result = call()
+    assert _shmrpc.rpc_sync_count() == before, "made as the common call"
+    return result
+
+
+def test_common_calls():
+    # The first call checks the pickler in effect (torch's, loaded here)
+    # on the Python path; the later ones find it checked.
+    general(lambda: rpc.rpc_sync("worker1", nothing))
+    assert common(lambda: rpc.rpc_sync("worker1", nothing)) is None
+    assert common(lambda: rpc.rpc_sync(1, add, args=(2, 3))) == 5
+    assert common(lambda: rpc.rpc_sync("worker1", pair, ("x", b"y"), {})) == ("x", b"y")
+    assert common(lambda: rpc.rpc_sync("worker1", add, args=(1.5, 2j),
+                                       timeout=rpc.constants.UNSET_RPC_TIMEOUT)) == 1.5 + 2j
+    t = torch.arange(6.0)
+    # As the pickler: torch is learnt of at the first tensor sent.
+    general(lambda: rpc.rpc_sync("worker1", ident, args=(t,)))
+    got = common(lambda: rpc.rpc_sync("worker1", ident, args=(t,)))
+    assert torch.equal(got, t), "a common tensor there and back"
+    assert common(lambda: rpc.rpc_sync("worker1", add, args=(None,) * 0 + (True, 1))) == 2
+
+
+def test_general_calls():
+    me = rpc.get_worker_info()
+    peer = rpc.get_worker_info("worker1")
+    assert general(lambda: rpc.rpc_sync(peer, add, args=(1, 2))) == 3, "a WorkerInfo"
+    assert general(lambda: rpc.rpc_sync("worker1", add, args=(1,), kwargs={"b": 2})) == 3
+    assert general(lambda: rpc.rpc_sync("worker1", add, args=[1, 2])) == 3, "a list of args"
+    assert general(lambda: rpc.rpc_sync("worker1", add, args=(1, 2), timeout=5)) == 3
+    assert general(lambda: rpc.rpc_sync("worker1", add, args=([1], [2]))) == [1, 2]
+    assert general(lambda: rpc.rpc_sync("worker1", len, args=("abc",))) == 3, "a builtin"
+    assert common(lambda: rpc.rpc_sync(me.name, add, args=(1, 2))) == 3, "to oneself"
+    with pytest.raises(RuntimeError, match="could not find destination nobody"):
+        general(lambda: rpc.rpc_sync("nobody", nothing))
+
+
+def test_same_errors_both_ways():
+    # The same failures through both paths, in the same words.
+    with pytest.raises(KeyError) as c:
+        common(lambda: rpc.rpc_sync("worker1", boom, args=("c",)))
+    with pytest.raises(KeyError) as g:
+        general(lambda: rpc.rpc_sync("worker1", boom, args=("c",), timeout=5))
+    assert str(c.value) == str(g.value) and "On WorkerInfo(id=1, name=worker1)" in str(c.value)
+    with pytest.raises(RuntimeError) as c:
+        common(lambda: rpc.rpc_sync(99, nothing))
+    with pytest.raises(RuntimeError) as g:
+        general(lambda: rpc.rpc_sync(99, nothing, timeout=5))
+    assert type(c.value) is type(g.value) and str(c.value) == str(g.value), \
+        f"a rank no worker has: {c.value!r} and {g.value!r}"
+
+
+def test_default_timeout():
+    # The job's default timeout (rpc_init: 1 s) ends a common call, raised
+    # as both TimeoutError and RuntimeError (torch's), its context dropped.
+    with pytest.raises(RuntimeError) as e:
+        common(lambda: rpc.rpc_sync("worker1", slow, args=(2.0,)))
+    assert isinstance(e.value, TimeoutError) and e.value.__suppress_context__, repr(e.value)
+
+
+def test_autograd_context_takes_python_path():
+    import shmrpc.autograd as dist_autograd
+    with dist_autograd.context() as cid:
+        general(lambda: rpc.rpc_sync("worker1", nothing))
+        known = dist_autograd._current_context()._known_worker_ids()
+    assert 1 in known, f"the context {cid} learnt its callee: {known}"
+
+
+def test_torch_profiler_takes_python_path():
+    with torch.autograd.profiler_legacy.profile() as prof:
+        general(lambda: rpc.rpc_sync("worker1", add, args=(1, 2)))
+    names = [e.name for e in prof.function_events]
+    assert any(n.startswith("rpc_sync#add(worker0 -> worker1)") for n in names), names
+
+
+def test_shmrpc_profiler_sees_common_call():
+    with rpc.profiler.profile() as prof:
+        common(lambda: rpc.rpc_sync("worker1", add, args=(1, 2)))
+    names = [e.name for e in prof.function_events]
+    assert "rpc_sync#add(worker0 -> worker1)" in names, names
+
+
+def test_timeout_set_for_all_takes_python_path():
+    saved = _core._rpc_timeout, _core._timeout_override
+    try:
+        rpc._set_rpc_timeout(0.1)
+        with pytest.raises(RuntimeError, match="timeout"):
+            general(lambda: rpc.rpc_sync("worker1", slow, args=(0.5,)))
+    finally:
+        _core._rpc_timeout, _core._timeout_override = saved
+    common(lambda: rpc.rpc_sync("worker1", nothing))
+
+
+def test_other_pickler_takes_python_path():
+    class Mine:
+        pass
+    with _marshal._use_rpc_pickler(Mine()):
+        with pytest.raises(NotImplementedError, match="RPC pickler of the program's own"):
+            general(lambda: rpc.rpc_sync("worker1", nothing))
+
+
+def test_function_rebound_under_its_name():
+    module = sys.modules[__name__]
+    first = rebound
+    assert common(lambda: rpc.rpc_sync("worker1", first)) == "the first"
+
+    def second():
+        return "the second"
+    second.__qualname__ = "rebound"
+    module.rebound = second
+    try:
+        # The name finds another function now: the first cannot go by it
+        # (pickle refuses it, as torch's), the second can.
+        with pytest.raises(pickle.PicklingError):
+            general(lambda: rpc.rpc_sync("worker1", first))
+    finally:
+        module.rebound = first
+    assert common(lambda: rpc.rpc_sync("worker1", first)) == "the first"
+
+
+def renamed():
+    return "renamed"
+
+
+def test_renamed_function_takes_python_path():
+    assert common(lambda: rpc.rpc_sync("worker1", renamed)) == "renamed"
+    renamed.__qualname__ = "no_such_function"  # pickle looks it up by this name now
+    try:
+        with pytest.raises(pickle.PicklingError):
+            general(lambda: rpc.rpc_sync("worker1", renamed))
+    finally:
+        renamed.__qualname__ = "renamed"
