@@ -179,12 +179,13 @@ static unsigned long long sync_count;
 static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pickler_ok,
 	*s_torch_state, *s_ctx, *s_module, *s_qualname, *s_torch;
 
-/* A function's entry in fast.funcs: what _Named knows of it (head, the
- * payload's reference; tensors_head, a call of tensors alone's; module
- * and name, the reference; mod and scope, the module and its dict that
- * must still find the function), and fn, its name for the profiler
- * (_func_name's, its __qualname__) in UTF-8. */
-enum { E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_FN, E_N };
+/* A function's entry in fast.funcs: its _Named (named), what _Named knows
+ * of it (head, the payload's reference; tensors_head, a call of tensors
+ * alone's; module and name, the reference; mod and scope, the module and
+ * its dict that must still find the function, scope None where the name
+ * has a dot), and fn, its name for the profiler (_func_name's, its
+ * __qualname__) in UTF-8. */
+enum { E_NAMED, E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_FN, E_N };
 
 /* Whether o's attribute name is want: 1, 0, or -1 with an exception. */
 static int attr_is(PyObject *o, PyObject *name, PyObject *want)
@@ -197,53 +198,57 @@ static int attr_is(PyObject *o, PyObject *name, PyObject *want)
 	return v == want;
 }
 
-/* A new entry of func from its _Named (named); NULL when its name has a
- * dot (scope None: _Named.holds looks it up again each time) or with an
- * exception set. */
+/* A new entry from named, a _Named; NULL with an exception set. */
 static PyObject *entry_new(PyObject *named)
 {
 	static const char *slots[] = { "head", "tensors_head", "module", "mod", "scope", "name" };
-	PyObject *e = PyTuple_New(E_N);
+	PyObject *e = PyTuple_New(E_N), *fn;
 
-	for (int i = 0; e && i < E_FN; i++) {
-		PyObject *v = PyObject_GetAttrString(named, slots[i]);
+	if (!e)
+		return NULL;
+	PyTuple_SetItem(e, E_NAMED, new_ref(named)); /* steals the new reference */
+	for (int i = E_HEAD; i < E_FN; i++) {
+		PyObject *v = PyObject_GetAttrString(named, slots[i - E_HEAD]);
 
-		if (!v || (i == E_SCOPE && v == Py_None)) {
-			Py_XDECREF(v);
-			Py_CLEAR(e);
-		} else {
-			PyTuple_SetItem(e, i, v); /* steals v */
+		if (!v) {
+			Py_DECREF(e);
+			return NULL;
 		}
+		PyTuple_SetItem(e, i, v);
 	}
-	if (e) {
-		PyObject *fn = PyUnicode_AsUTF8String(PyTuple_GetItem(e, E_NAME));
-
-		if (fn)
-			PyTuple_SetItem(e, E_FN, fn);
-		else
-			Py_CLEAR(e);
+	if (!(fn = PyUnicode_AsUTF8String(PyTuple_GetItem(e, E_NAME)))) {
+		Py_DECREF(e);
+		return NULL;
 	}
+	PyTuple_SetItem(e, E_FN, fn);
 	return e;
 }
 
 /* Whether entry e of func still holds, as _Named.holds asks (the module
- * in sys.modules and its name in the module's dict still find func) and
- * func still has the names it was entered under (a reassigned __qualname__
- * would make _named look under the new one): 1, 0, or -1. */
+ * in sys.modules and its name in the module's dict still find func; a
+ * dotted name by holds itself) and func still has the names it was
+ * entered under (a reassigned __qualname__ would make _named look under
+ * the new one): 1, 0, or -1. */
 static int entry_holds(PyObject *e, PyObject *func)
 {
-	PyObject *mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), PyTuple_GetItem(e, E_MODULE));
-	PyObject *found;
+	PyObject *scope = PyTuple_GetItem(e, E_SCOPE), *found;
 	int r;
 
-	if (mod != PyTuple_GetItem(e, E_MOD))
-		return PyErr_Occurred() ? -1 : 0;
-	found = PyDict_GetItemWithError(PyTuple_GetItem(e, E_SCOPE), PyTuple_GetItem(e, E_NAME));
-	if (found != func)
-		return PyErr_Occurred() ? -1 : 0;
-	if ((r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) != 1)
-		return r;
-	return attr_is(func, s_qualname, PyTuple_GetItem(e, E_NAME));
+	if (scope == Py_None) {
+		if (!(found = PyObject_CallMethod(PyTuple_GetItem(e, E_NAMED), "holds", NULL)))
+			return -1;
+		r = PyObject_IsTrue(found);
+		Py_DECREF(found);
+	} else {
+		found = PyDict_GetItemWithError(PyImport_GetModuleDict(),
+						PyTuple_GetItem(e, E_MODULE));
+		if (found == PyTuple_GetItem(e, E_MOD))
+			found = PyDict_GetItemWithError(scope, PyTuple_GetItem(e, E_NAME));
+		r = found == func ? 1 : PyErr_Occurred() ? -1 : 0;
+	}
+	if (r == 1 && (r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) == 1)
+		r = attr_is(func, s_qualname, PyTuple_GetItem(e, E_NAME));
+	return r;
 }
 
 /* func's entry (borrowed) when it is a function sent by a name that still
@@ -269,9 +274,7 @@ static PyObject *func_entry(PyObject *func)
 		if (r)
 			return NULL;
 	}
-	if (!e)
-		return NULL;
-	return (r = entry_holds(e, func)) == 1 ? e : NULL;
+	return e && entry_holds(e, func) == 1 ? e : NULL;
 }
 
 /* Whether torch's profiler may record a call made now (profiler.
@@ -455,24 +458,25 @@ static PyObject *sync_result(shmrpc_future *f)
 	const shmrpc_value *v = shmrpc_future_value(f);
 	struct arena a = { 0 };
 	struct python_msg m;
-	PyObject *data = NULL, *value = NULL, *msg;
-	int is_exc = 1;
+	PyObject *data, *value = NULL, *msg;
+	bool bare = v && python_reply_of(v, &a, &m) == 0 && !m.nrrefs && !m.ntensors;
+	int is_exc;
 
-	if (v && python_reply_of(v, &a, &m) == 0 && !m.nrrefs && !m.ntensors) {
-		if (!m.len) {
-			arena_free(&a);
-			return new_ref(Py_None);
-		}
-		data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len);
-		if (data && (value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL)))
-			is_exc = PyObject_IsInstance(value, fast.remote_exc);
-		Py_XDECREF(data);
+	if (bare && !m.len) {
+		value = new_ref(Py_None);
+	} else if (bare && (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
+		value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL);
+		Py_DECREF(data);
 	}
 	arena_free(&a);
-	if (is_exc == 0)
-		return value;
-	Py_XDECREF(value);
-	if (is_exc < 0 || !(msg = msg_to_py(v)))
+	if (bare) {
+		if (!value || (is_exc = PyObject_IsInstance(value, fast.remote_exc)) == 0)
+			return value;
+		Py_DECREF(value);
+		if (is_exc < 0)
+			return NULL;
+	}
+	if (!(msg = msg_to_py(v)))
 		return NULL;
 	value = PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
 	Py_DECREF(msg);

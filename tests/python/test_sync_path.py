@@ -38,6 +38,12 @@ def pair(a, b):
     return a, b
 
 
+class Holder:
+    @staticmethod
+    def twice(x):  # a function found by a dotted name (_Named.holds asked)
+        return 2 * x
+
+
 def boom(text):
     raise KeyError(text)
 
@@ -82,6 +88,7 @@ def test_common_calls():
     general(lambda: rpc.rpc_sync("worker1", nothing))
     assert common(lambda: rpc.rpc_sync("worker1", nothing)) is None
     assert common(lambda: rpc.rpc_sync(1, add, args=(2, 3))) == 5
+    assert common(lambda: rpc.rpc_sync("worker1", Holder.twice, args=(4,))) == 8
     assert common(lambda: rpc.rpc_sync("worker1", pair, ("x", b"y"), {})) == ("x", b"y")
     assert common(lambda: rpc.rpc_sync("worker1", add, args=(1.5, 2j),
                                        timeout=rpc.constants.UNSET_RPC_TIMEOUT)) == 1.5 + 2j
