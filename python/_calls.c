@@ -169,15 +169,22 @@ static struct {
 	PyObject *no_args;	 /* (), args=None's */
 	PyObject *funcs;	 /* {func: entry}, see func_entry */
 	PyObject *torch_on;	 /* torch.autograd._profiler_enabled, once torch is met */
+	PyObject *rref_type;	 /* _calls.RRef */
+	PyObject *object_new;	 /* object.__new__, which makes an RRef without __init__ */
 } fast;
 
-/* How many calls rpc_sync made here (rpc_sync_count, for the tests that
- * check which calls take this path); read and written under the GIL. */
-static unsigned long long sync_count;
+/* How many calls rpc_sync and rpc_remote made here, and RRef values
+ * rref_value read (common_calls, for the tests that check which calls
+ * take this path); under the GIL. */
+static unsigned long long common_count;
 
 /* The attribute names read on each call, interned once. */
 static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pickler_ok,
-	*s_torch_state, *s_ctx, *s_module, *s_qualname, *s_torch;
+	*s_torch_state, *s_ctx, *s_module, *s_qualname, *s_torch, *s_r;
+
+/* What an RRef's value is when its owner keeps it live (_marshal._LIVE,
+ * worker/python.h): a user's to_here asks the owner for it. */
+#define LIVE_MARK '\x02'
 
 /* A function's entry in fast.funcs: its _Named (named), what _Named knows
  * of it (head, the payload's reference; tensors_head, a call of tensors
@@ -450,10 +457,12 @@ static void timed_out(void)
 	Py_XDECREF(tb);
 }
 
-/* The result of the completed call f, as _marshal._result gives it: the
- * empty pickle None, a bare pickle unpickled here, anything else (RRefs,
- * tensors, a RemoteException to raise) by _result itself. */
-static PyObject *sync_result(shmrpc_future *f)
+/* The value of the completed call or fetch f, as _marshal._result gives
+ * it: the empty pickle None, a bare pickle unpickled here, anything else
+ * (RRefs, tensors, a RemoteException to raise) by _result itself; the
+ * live mark (an RRef's value its owner keeps, _marshal._LIVE) is
+ * fast.general, no error set. */
+static PyObject *reply_value(shmrpc_future *f)
 {
 	const shmrpc_value *v = shmrpc_future_value(f);
 	struct arena a = { 0 };
@@ -462,15 +471,18 @@ static PyObject *sync_result(shmrpc_future *f)
 	bool bare = v && python_reply_of(v, &a, &m) == 0 && !m.nrrefs && !m.ntensors;
 	int is_exc;
 
-	if (bare && !m.len) {
+	if (bare && !m.len)
 		value = new_ref(Py_None);
-	} else if (bare && (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
+	else if (bare && m.len == 1 && *(const char *)m.data == LIVE_MARK)
+		value = new_ref(fast.general);
+	else if (bare && (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
 		value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL);
 		Py_DECREF(data);
 	}
 	arena_free(&a);
 	if (bare) {
-		if (!value || (is_exc = PyObject_IsInstance(value, fast.remote_exc)) == 0)
+		if (!value || value == fast.general ||
+		    (is_exc = PyObject_IsInstance(value, fast.remote_exc)) == 0)
 			return value;
 		Py_DECREF(value);
 		if (is_exc < 0)
@@ -483,75 +495,166 @@ static PyObject *sync_result(shmrpc_future *f)
 	return value;
 }
 
+/* Whether the call of the arguments a, (to, func[, args, kwargs,
+ * timeout]) as rpc_sync and remote() take them, is the common one: then
+ * its destination, func's entry (borrowed) and its payload and tensors
+ * (new references, tensors NULL for none) are out, and it is counted.
+ * Otherwise nothing is done, nor any error left: the Python path makes
+ * the call, and raises what failed here in its own words. */
+static bool call_common(PyObject *a, const char *name, int *dst, PyObject **e,
+			PyObject **payload, PyObject **tensors)
+{
+	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
+
+	*tensors = NULL;
+	if (!fast.general || !PyArg_UnpackTuple(a, name, 2, 5, &to, &func, &args, &kwargs, &timeout) ||
+	    (args != Py_None && !PyTuple_CheckExact(args)) ||
+	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
+	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
+	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
+	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, tensors))) {
+		PyErr_Clear();
+		return false;
+	}
+	common_count++;
+	return true;
+}
+
+/* The wait for f (the GIL released): 0, or -1 with the error raised as
+ * _core._c_wait raises it. */
+static int common_wait(shmrpc_future *f, int64_t timeout_ms)
+{
+	int rc;
+
+	Py_BEGIN_ALLOW_THREADS
+	rc = shmrpc_future_wait(f, timeout_ms);
+	Py_END_ALLOW_THREADS
+	if (!rc)
+		return 0;
+	fail(rc);
+	if (PyErr_ExceptionMatches(PyExc_TimeoutError))
+		timed_out();
+	return -1;
+}
+
 /* rpc_sync(to, func, args, kwargs, timeout) -> the result, or the
  * sentinel of rpc_sync_setup for a call the Python path makes. */
 static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 {
-	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
-	PyObject *e, *payload = NULL, *tensors = NULL, *res;
+	PyObject *e, *payload, *tensors, *res = NULL;
 	shmrpc_future *f;
 	int dst, rc;
 
 	(void)m;
-	if (!PyArg_UnpackTuple(a, "rpc_sync", 2, 5, &to, &func, &args, &kwargs, &timeout))
-		return NULL;
-	if (!fast.general || (args != Py_None && !PyTuple_CheckExact(args)) ||
-	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
-	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
-	    (dst = rank_to(to)) < 0 || !(e = func_entry(func)) ||
-	    !(payload = payload_of(e, args == Py_None ? fast.no_args : args,
-				   &tensors))) {
-		/* Nothing was sent: the Python path makes the call, and raises what
-		 * failed here in its own words. */
-		PyErr_Clear();
+	if (!call_common(a, "rpc_sync", &dst, &e, &payload, &tensors))
 		return new_ref(fast.general);
-	}
-	sync_count++;
 	rc = sync_send(dst, e, payload, tensors, &f);
 	Py_DECREF(payload);
 	Py_XDECREF(tensors);
 	if (rc)
 		return NULL;
-	Py_BEGIN_ALLOW_THREADS
-	rc = shmrpc_future_wait(f, -1);
-	Py_END_ALLOW_THREADS
-	if (rc) {
-		fail(rc);
-		if (PyErr_ExceptionMatches(PyExc_TimeoutError))
-			timed_out();
-		res = NULL;
-	} else {
-		res = sync_result(f);
+	if (common_wait(f, -1) == 0 && (res = reply_value(f)) == fast.general) {
+		Py_CLEAR(res);
+		PyErr_SetString(PyExc_RuntimeError, "a Python call's reply was an RRef's live mark");
 	}
 	shmrpc_future_free(f);
 	return res;
 }
 
-static PyObject *mod_rpc_sync_count(PyObject *m, PyObject *unused)
+/* rpc_remote(to, func, args, kwargs, timeout) -> an RRef (shmrpc's
+ * Python RRef, as _marshal._rref_of makes one), or rpc_sync_setup's
+ * sentinel for a call the Python path makes (shmrpc/_calls.py, remote). */
+static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
+{
+	struct python_request rq = { .type = MSG_PYTHON_REMOTE_CALL,
+				     .wrapped = MSG_PYTHON_REMOTE_CALL, .context_id = -1 };
+	PyObject *e, *payload, *tensors, *handle, *rref = NULL;
+	shmrpc_rref *r;
+	int dst, rc = -1;
+
+	(void)m;
+	if (!call_common(a, "rpc_remote", &dst, &e, &payload, &tensors))
+		return new_ref(fast.general);
+	if (!msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg)) {
+		python_call_begin("rpc_remote", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, false);
+		rc = python_remote(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, &r);
+		python_call_end();
+		msg_free(&rq.msg);
+		if (rc)
+			fail(rc);
+	}
+	Py_DECREF(payload);
+	Py_XDECREF(tensors);
+	if (rc || !(handle = rref_wrap(r)))
+		return NULL;
+	if ((rref = PyObject_CallFunctionObjArgs(fast.object_new, fast.rref_type, NULL)) &&
+	    PyObject_SetAttr(rref, s_r, handle))
+		Py_CLEAR(rref);
+	Py_DECREF(handle);
+	return rref;
+}
+
+/* rref_value(handle, timeout) -> a user's RRef's value (RRef.to_here),
+ * read here when the RRef is not this worker's own, the timeout is the
+ * default and the value came as a bare pickle; else rpc_sync_setup's
+ * sentinel (before anything was done, or for a live value the owner keeps:
+ * the Python path reads it again and fetches it). */
+static PyObject *mod_rref_value(PyObject *m, PyObject *a)
+{
+	PyObject *handle, *timeout, *res = NULL;
+	shmrpc_future *f = NULL;
+	int rc;
+
+	(void)m;
+	if (!PyArg_UnpackTuple(a, "rref_value", 2, 2, &handle, &timeout))
+		return NULL;
+	if (!fast.general || !PyObject_TypeCheck(handle, (PyTypeObject *)RRefType) ||
+	    !HANDLE(handle) || shmrpc_rref_is_owner(HANDLE(handle)) ||
+	    state_common(timeout) != 1) {
+		PyErr_Clear();
+		return new_ref(fast.general);
+	}
+	Py_BEGIN_ALLOW_THREADS
+	rc = shmrpc_rref_to_here(HANDLE(handle), SHMRPC_TIMEOUT_DEFAULT, &f);
+	Py_END_ALLOW_THREADS
+	if (rc) {
+		fail(rc);
+		if (PyErr_ExceptionMatches(PyExc_TimeoutError))
+			timed_out();
+	} else if ((res = reply_value(f)) != fast.general) {
+		common_count++;
+	}
+	shmrpc_future_free(f);
+	return res;
+}
+
+static PyObject *mod_common_calls(PyObject *m, PyObject *unused)
 {
 	(void)m, (void)unused;
-	return PyLong_FromUnsignedLongLong(sync_count);
+	return PyLong_FromUnsignedLongLong(common_count);
 }
 
 /* rpc_sync_setup(general, core, marshal, profiler, tls, function_type,
- * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol):
- * the package's objects rpc_sync reads (fast, above), once at import. */
+ * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol,
+ * rref_type, object_new): the package's objects that rpc_sync, rpc_remote
+ * and rref_value read (fast, above), once at import. */
 static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 {
 	static const char *const names[] = { "_initialized", "_timeout_override",
 		"_default_pickler", "_pickler_ok", "_torch_state", "ctx", "__module__",
-		"__qualname__", "torch" };
+		"__qualname__", "torch", "_r" };
 	PyObject **const interned[] = { &s_initialized, &s_timeout_override, &s_default_pickler,
-		&s_pickler_ok, &s_torch_state, &s_ctx, &s_module, &s_qualname, &s_torch };
-	PyObject *o[14];
+		&s_pickler_ok, &s_torch_state, &s_ctx, &s_module, &s_qualname, &s_torch, &s_r };
+	PyObject *o[16];
 
 	(void)m;
 	if (fast.general) {
 		PyErr_SetString(PyExc_RuntimeError, "rpc_sync_setup runs once");
 		return NULL;
 	}
-	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4],
-			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
+	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 16, 16, &o[0], &o[1], &o[2], &o[3], &o[4],
+			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13],
+			       &o[14], &o[15]))
 		return NULL;
 	for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
 		if (!*interned[i] && !(*interned[i] = PyUnicode_InternFromString(names[i])))
@@ -572,6 +675,8 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	fast.dumps = new_ref(o[11]);
 	fast.loads = new_ref(o[12]);
 	fast.protocol = new_ref(o[13]);
+	fast.rref_type = new_ref(o[14]);
+	fast.object_new = new_ref(o[15]);
 	fast.general = new_ref(o[0]); /* last: rpc_sync works from now on */
 	return new_ref(Py_None);
 }
@@ -588,11 +693,18 @@ static PyMethodDef call_functions[] = {
 	{ "rpc_sync", mod_rpc_sync, METH_VARARGS,
 	  "rpc_sync(to, func, args, kwargs, timeout) -> result: the common call made here, or "
 	  "rpc_sync_setup's sentinel for shmrpc._calls.rpc_sync to make it" },
-	{ "rpc_sync_count", mod_rpc_sync_count, METH_NOARGS,
-	  "rpc_sync_count() -> how many calls rpc_sync made in C (for tests)" },
+	{ "rpc_remote", mod_rpc_remote, METH_VARARGS,
+	  "rpc_remote(to, func, args, kwargs, timeout) -> RRef: remote()'s common call made here, "
+	  "or rpc_sync_setup's sentinel" },
+	{ "rref_value", mod_rref_value, METH_VARARGS,
+	  "rref_value(rref, timeout) -> a user's RRef value (to_here) read here, or "
+	  "rpc_sync_setup's sentinel" },
+	{ "common_calls", mod_common_calls, METH_NOARGS,
+	  "common_calls() -> how many calls and RRef reads were made in C (for tests)" },
 	{ "rpc_sync_setup", mod_rpc_sync_setup, METH_VARARGS,
 	  "rpc_sync_setup(general, core, marshal, profiler, tls, function_type, named, result, "
-	  "remote_exc, not_sent, timed_out, dumps, loads, protocol): what rpc_sync reads" },
+	  "remote_exc, not_sent, timed_out, dumps, loads, protocol, rref_type, object_new): "
+	  "what rpc_sync, rpc_remote and rref_value read" },
 	{ NULL, NULL, 0, NULL },
 };
 

@@ -71,10 +71,9 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     return _result(_c_wait(call.wait))
 
 
+# What python/_calls.c's rpc_sync, rpc_remote and rref_value return for
+# what they leave to the Python path.
 _GENERAL = object()
-_shmrpc.rpc_sync_setup(_GENERAL, _core, _marshal, profiler, _contexts._tls, types.FunctionType,
-                       _marshal._named, _result, _core.RemoteException, _NotSent,
-                       _core._RpcTimeout, pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL)
 
 
 class RRef:
@@ -113,6 +112,11 @@ class RRef:
         """The value: on the owner the object itself (as torch's), on a
         user a copy made by the owner now (PYTHON_RREF_FETCH_CALL), once
         the remote call has stored it."""
+        # A user's read of a value that came pickled, in C
+        # (python/_calls.c, rref_value), which asks what the lines below do.
+        value = _shmrpc.rref_value(self._r, timeout)
+        if value is not _GENERAL:
+            return value
         if not _core._initialized:
             raise RuntimeError(f"{self} was deleted when RPC shut down. Cannot call to_here() "
                                "on it after deletion.")
@@ -373,6 +377,9 @@ def _settle(fut, done):
 def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     """A PYTHON_REMOTE_CALL, or inside a distributed autograd context a
     FORWARD_AUTOGRAD_REQ wrapping it (as _send_call's)."""
+    rref = _shmrpc.rpc_remote(to, func, args, kwargs, timeout)  # the common call, as rpc_sync's
+    if rref is not _GENERAL:
+        return rref
     if not _core._initialized:
         raise _not_initialized()
     dst = _rank_of(to)
@@ -393,3 +400,7 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 _marshal.set_rref_type(RRef)
 _marshal.set_proxy_func(_call_method)
+_shmrpc.rpc_sync_setup(_GENERAL, _core, _marshal, profiler, _contexts._tls, types.FunctionType,
+                       _marshal._named, _result, _core.RemoteException, _NotSent,
+                       _core._RpcTimeout, pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL,
+                       RRef, object.__new__)

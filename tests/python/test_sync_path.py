@@ -1,6 +1,7 @@
 # shmrun: -n 2 --pool-size 64M
-"""rpc_sync's two paths (worker0 calls, worker1 serves): the common call,
-made in C (python/_calls.c, rpc_sync), and every other, made by the
+"""The two paths of rpc_sync, remote() and a user's to_here() (worker0
+calls, worker1 serves): the common call, made in C (python/_calls.c:
+rpc_sync, rpc_remote, rref_value), and every other, made by the
 package's Python. Each case that must take the Python path is checked to
 take it (the C path's count does not move) and to keep its meaning: an
 autograd context learns the callee, torch's profiler records the call, a
@@ -53,6 +54,10 @@ def slow(sec):
     return sec
 
 
+def make_list(n):
+    return list(range(n))
+
+
 def rebound():
     return "the first"
 
@@ -68,17 +73,17 @@ def rpc_init(rank):
 
 def common(call):
     """call()'s result, asserting it was made in C: one call counted."""
-    before = _shmrpc.rpc_sync_count()
+    before = _shmrpc.common_calls()
     result = call()
-    assert _shmrpc.rpc_sync_count() == before + 1, "not made as the common call"
+    assert _shmrpc.common_calls() == before + 1, "not made as the common call"
     return result
 
 
 def general(call):
     """call()'s result, asserting it was made by the Python path."""
-    before = _shmrpc.rpc_sync_count()
+    before = _shmrpc.common_calls()
     result = call()
-    assert _shmrpc.rpc_sync_count() == before, "made as the common call"
+    assert _shmrpc.common_calls() == before, "made as the common call"
     return result
 
 
@@ -209,3 +214,25 @@ def test_renamed_function_takes_python_path():
             general(lambda: rpc.rpc_sync("worker1", renamed))
     finally:
         renamed.__qualname__ = "renamed"
+
+
+def test_remote_common_and_general():
+    import shmrpc.autograd as dist_autograd
+    rref = common(lambda: rpc.remote("worker1", add, args=(1, 2)))
+    assert type(rref) is rpc.RRef and rref.owner().name == "worker1"
+    assert common(rref.to_here) == 3, "a value that came pickled, read in C"
+    assert general(lambda: rref.to_here(timeout=5)) == 3
+    live = common(lambda: rpc.remote("worker1", make_list, args=(3,)))
+    assert general(live.to_here) == [0, 1, 2], "a live value, fetched"
+    t = common(lambda: rpc.remote("worker1", ident, args=(torch.ones(2),)))
+    assert torch.equal(general(t.to_here), torch.ones(2)), "a tensor value"
+    failed = common(lambda: rpc.remote("worker1", boom, args=("r",)))
+    with pytest.raises(KeyError, match="r"):
+        failed.to_here()
+    with pytest.raises(KeyError, match="r"):
+        failed.to_here(timeout=5)
+    assert general(lambda: rpc.remote("worker1", add, args=(1,), kwargs={"b": 1})).to_here() == 2
+    with dist_autograd.context():
+        general(lambda: rpc.remote("worker1", nothing))
+    mine = rpc.RRef([1])
+    assert general(mine.to_here) == [1], "an owner's RRef"
