@@ -185,6 +185,9 @@ static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pick
 /* What an RRef's value is when its owner keeps it live (_marshal._LIVE,
  * worker/python.h): a user's to_here asks the owner for it. */
 #define LIVE_MARK '\x02'
+/* A value, or a call's arguments, of common tensors alone, no pickle
+ * (_marshal._TENSORS, docs/PROTOCOL.md). */
+#define TENSORS_MARK '\x03'
 
 /* A function's entry in fast.funcs: its _Named (named), what _Named knows
  * of it (head, the payload's reference; tensors_head, a call of tensors
@@ -457,18 +460,33 @@ static void timed_out(void)
 	Py_XDECREF(tb);
 }
 
+/* The tensor that a value of one common tensor is (_marshal._TENSORS:
+ * the mark, no pickle, one handle), from the message msg, as _result
+ * gives it; NULL with an exception set. */
+static PyObject *tensor_value(PyObject *msg)
+{
+	PyObject *tuple = take_torch_of(PyTuple_GetItem(msg, 2)), *t = NULL;
+
+	if (tuple && PyTuple_Size(tuple) == 1)
+		t = new_ref(PyTuple_GetItem(tuple, 0));
+	Py_XDECREF(tuple);
+	return t;
+}
+
 /* The value of the completed call or fetch f, as _marshal._result gives
- * it: the empty pickle None, a bare pickle unpickled here, anything else
- * (RRefs, tensors, a RemoteException to raise) by _result itself; the
- * live mark (an RRef's value its owner keeps, _marshal._LIVE) is
- * fast.general, no error set. */
+ * it: the empty pickle None, a bare pickle unpickled here, one common
+ * tensor taken here, anything else (RRefs, other tensors, a
+ * RemoteException to raise) by _result itself; the live mark (an RRef's
+ * value its owner keeps, _marshal._LIVE) is fast.general, no error set. */
 static PyObject *reply_value(shmrpc_future *f)
 {
 	const shmrpc_value *v = shmrpc_future_value(f);
 	struct arena a = { 0 };
 	struct python_msg m;
 	PyObject *data, *value = NULL, *msg;
-	bool bare = v && python_reply_of(v, &a, &m) == 0 && !m.nrrefs && !m.ntensors;
+	bool ok = v && python_reply_of(v, &a, &m) == 0, bare = ok && !m.nrrefs && !m.ntensors;
+	bool tensor = ok && !m.nrrefs && m.ntensors == 1 && m.len == 1 &&
+		      *(const char *)m.data == TENSORS_MARK && torch_known();
 	int is_exc;
 
 	if (bare && !m.len)
@@ -490,7 +508,7 @@ static PyObject *reply_value(shmrpc_future *f)
 	}
 	if (!(msg = msg_to_py(v)))
 		return NULL;
-	value = PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
+	value = tensor ? tensor_value(msg) : PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
 	Py_DECREF(msg);
 	return value;
 }

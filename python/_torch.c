@@ -276,12 +276,16 @@ static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
  * each holding its handle's own reference (take_capsule: the handles are
  * the message's, used once, and left empty). A tuple: a call's arguments
  * as they are. */
-static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
+bool torch_known(void)
+{
+	return from_dlpack != NULL;
+}
+
+PyObject *take_torch_of(PyObject *handles)
 {
 	Py_ssize_t n;
 	PyObject *tuple;
 
-	(void)m;
 	if (!from_dlpack) {
 		PyErr_SetString(PyExc_RuntimeError, "take_torch: torch is not known to shmrpc yet "
 				"(_marshal._know_torch runs first)");
@@ -306,6 +310,12 @@ static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
 		PyTuple_SetItem(tuple, i, t); /* steals t */
 	}
 	return tuple;
+}
+
+static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
+{
+	(void)m;
+	return take_torch_of(handles);
 }
 
 static PyMethodDef torch_functions[] = {

@@ -51,6 +51,12 @@ PyObject *take_capsule(PyObject *obj);
  * when every argument is the common tensor, each given once, else None;
  * NULL with an exception set. */
 PyObject *torch_handles_of(PyObject *args);
+/* take_torch(handles) from C: the torch tensors (a tuple) of a received
+ * message's list of host handles, each taking its handle's reference;
+ * NULL with an exception set (also before torch is known). */
+PyObject *take_torch_of(PyObject *handles);
+/* Whether torch is known (know_torch ran): take_torch_of works. */
+bool torch_known(void);
 
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);
