@@ -261,16 +261,21 @@ static int entry_holds(PyObject *e, PyObject *func)
 	return r;
 }
 
-/* func's entry (borrowed) when it is a function sent by a name that still
- * finds it, made from _marshal._named the first time; NULL otherwise, or
- * with an exception set. The entries are bounded: functions made anew
- * under one name (each entered once) clear them at 256. */
+/* func's entry (a new reference) when it is a function sent by a name
+ * that still finds it, made from _marshal._named the first time; NULL
+ * otherwise, or with an exception set. The entries are bounded: functions
+ * made anew under one name (each entered once) clear them at 256. The
+ * entry is held, not borrowed from fast.funcs: _named and a dotted name's
+ * holds run Python code (a class's __getattribute__, a switch to another
+ * thread) that may make calls which clear the dict or replace the entry,
+ * and the caller uses it after that. */
 static PyObject *func_entry(PyObject *func)
 {
 	PyObject *e = PyDict_GetItemWithError(fast.funcs, func), *named;
-	int r;
 
-	if (!e && !PyErr_Occurred()) {
+	if (e) {
+		Py_INCREF(e);
+	} else if (!PyErr_Occurred()) {
 		if (!(named = PyObject_CallFunctionObjArgs(fast.named, func, NULL)))
 			return NULL;
 		e = named == Py_None ? NULL : entry_new(named);
@@ -279,12 +284,14 @@ static PyObject *func_entry(PyObject *func)
 			return NULL;
 		if (PyDict_Size(fast.funcs) >= 256)
 			PyDict_Clear(fast.funcs);
-		r = PyDict_SetItem(fast.funcs, func, e);
-		Py_DECREF(e); /* the dict holds it */
-		if (r)
+		if (PyDict_SetItem(fast.funcs, func, e)) {
+			Py_DECREF(e);
 			return NULL;
+		}
 	}
-	return e && entry_holds(e, func) == 1 ? e : NULL;
+	if (e && entry_holds(e, func) != 1)
+		Py_CLEAR(e);
+	return e;
 }
 
 /* Whether torch's profiler may record a call made now (profiler.
@@ -515,8 +522,8 @@ static PyObject *reply_value(shmrpc_future *f)
 
 /* Whether the call of the arguments a, (to, func[, args, kwargs,
  * timeout]) as rpc_sync and remote() take them, is the common one: then
- * its destination, func's entry (borrowed) and its payload and tensors
- * (new references, tensors NULL for none) are out, and it is counted.
+ * its destination, func's entry, its payload and tensors (new
+ * references, tensors NULL for none) are out, and it is counted.
  * Otherwise nothing is done, nor any error left: the Python path makes
  * the call, and raises what failed here in its own words. */
 static bool call_common(PyObject *a, const char *name, int *dst, PyObject **e,
@@ -524,13 +531,14 @@ static bool call_common(PyObject *a, const char *name, int *dst, PyObject **e,
 {
 	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
 
-	*tensors = NULL;
+	*e = *tensors = NULL;
 	if (!fast.general || !PyArg_UnpackTuple(a, name, 2, 5, &to, &func, &args, &kwargs, &timeout) ||
 	    (args != Py_None && !PyTuple_CheckExact(args)) ||
 	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
 	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
 	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, tensors))) {
+		Py_CLEAR(*e);
 		PyErr_Clear();
 		return false;
 	}
@@ -567,6 +575,7 @@ static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 	if (!call_common(a, "rpc_sync", &dst, &e, &payload, &tensors))
 		return new_ref(fast.general);
 	rc = sync_send(dst, e, payload, tensors, &f);
+	Py_DECREF(e);
 	Py_DECREF(payload);
 	Py_XDECREF(tensors);
 	if (rc)
@@ -601,6 +610,7 @@ static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
 		if (rc)
 			fail(rc);
 	}
+	Py_DECREF(e);
 	Py_DECREF(payload);
 	Py_XDECREF(tensors);
 	if (rc || !(handle = rref_wrap(r)))

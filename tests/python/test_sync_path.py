@@ -62,6 +62,32 @@ def rebound():
     return "the first"
 
 
+class _Watched(type):
+    """A class whose attribute lookups run hook once (set): the lookup of
+    its function by its dotted name, which _Named.holds makes inside the
+    C path, then runs Python code of the program's."""
+    hook = None
+
+    def __getattribute__(cls, name):
+        hook = type.__getattribute__(_Watched, "hook")
+        if hook is not None and name == "thrice":
+            _Watched.hook = None
+            hook()
+        return type.__getattribute__(cls, name)
+
+
+class Watched(metaclass=_Watched):
+    @staticmethod
+    def thrice(x):
+        return 3 * x
+
+
+# Functions called for the first time in test_entry_held_across_holds: as
+# many as clear the C path's entries of functions (256).
+for _i in range(300):
+    exec(f"def fresh{_i}():\n    return {_i}")
+
+
 def rpc_init(rank):
     class Opts:
         num_worker_threads = 4
@@ -236,3 +262,24 @@ def test_remote_common_and_general():
         general(lambda: rpc.remote("worker1", nothing))
     mine = rpc.RRef([1])
     assert general(mine.to_here) == [1], "an owner's RRef"
+
+
+def test_entry_held_across_holds():
+    # A dotted name's holds runs Python code (here a class's
+    # __getattribute__; in a program also a switch to another thread)
+    # while the C path uses the function's entry: calls made then that
+    # clear the entries (or replace this one) must not free it under the
+    # call, which then read freed memory (the tuples made after reuse it).
+    thrice = Watched.thrice
+    assert common(lambda: rpc.rpc_sync("worker1", thrice, args=(1,))) == 3  # entered
+    made = []
+
+    def first_calls():
+        for i in range(300):
+            assert common(lambda: rpc.rpc_sync("worker1", globals()[f"fresh{i}"])) == i
+        made.extend((i,) * 8 for i in range(5000))  # the size of an entry
+    _Watched.hook = first_calls
+    before = _shmrpc.common_calls()
+    assert rpc.rpc_sync("worker1", thrice, args=(2,)) == 6
+    assert _Watched.hook is None, "holds looked the function up"
+    assert _shmrpc.common_calls() == before + 301, "made as the common call, its entry held"
