@@ -413,6 +413,41 @@ static PyObject *payload_of(PyObject *e, PyObject *args, PyObject **tensors)
 	return out;
 }
 
+/* The error set now replaced by make(*its args), or make(str(it)) when
+ * by_text, raised as the Python path raises it inside its except with
+ * `from None` (_send_call's _NotSent, _core._c_wait's _RpcTimeout): its
+ * __context__ the error replaced, its __cause__ None, the context
+ * suppressed. Set by PyErr_Restore: PyErr_SetObject would make its
+ * context the exception the caller is handling, and show that one with
+ * it. Always leaves an error set (make's own if that failed). */
+static void raise_from_none(PyObject *make, bool by_text)
+{
+	PyObject *type, *value, *tb, *args = NULL, *text, *exc = NULL;
+
+	PyErr_Fetch(&type, &value, &tb);
+	PyErr_NormalizeException(&type, &value, &tb);
+	if (tb)
+		PyException_SetTraceback(value, tb);
+	if (!by_text) {
+		args = PyObject_GetAttrString(value, "args");
+	} else if ((text = PyObject_Str(value))) {
+		args = PyTuple_Pack(1, text);
+		Py_DECREF(text);
+	}
+	if (args)
+		exc = PyObject_CallObject(make, args);
+	if (exc) {
+		PyException_SetContext(exc, value); /* steals value */
+		PyException_SetCause(exc, NULL);    /* and suppresses the context */
+		PyErr_Restore(new_ref((PyObject *)Py_TYPE(exc)), exc, NULL);
+	} else {
+		Py_XDECREF(value);
+	}
+	Py_XDECREF(args);
+	Py_XDECREF(type);
+	Py_XDECREF(tb);
+}
+
 /* The call's message sent: its Future in *f, or -1 with _calls' errors
  * set (_NotSent for a RuntimeError, as _send_call words it). */
 static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
@@ -420,7 +455,6 @@ static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
 {
 	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL,
 				     .context_id = -1 };
-	PyObject *type, *value, *tb, *text;
 	int rc;
 
 	if (msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg))
@@ -432,39 +466,9 @@ static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
 	if (!rc)
 		return 0;
 	fail(rc);
-	if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-		return -1;
-	PyErr_Fetch(&type, &value, &tb);
-	PyErr_NormalizeException(&type, &value, &tb);
-	if ((text = PyObject_Str(value))) {
-		PyErr_SetObject(fast.not_sent, text);
-		Py_DECREF(text);
-	}
-	Py_XDECREF(type);
-	Py_XDECREF(value);
-	Py_XDECREF(tb);
+	if (PyErr_ExceptionMatches(PyExc_RuntimeError))
+		raise_from_none(fast.not_sent, true);
 	return -1;
-}
-
-/* The wait's TimeoutError raised as _RpcTimeout (_core._c_wait), its
- * context suppressed as `from None` does. */
-static void timed_out(void)
-{
-	PyObject *type, *value, *tb, *args, *exc = NULL;
-
-	PyErr_Fetch(&type, &value, &tb);
-	PyErr_NormalizeException(&type, &value, &tb);
-	if ((args = PyObject_GetAttrString(value, "args")))
-		exc = PyObject_CallObject(fast.timed_out, args);
-	if (exc) {
-		PyException_SetCause(exc, NULL);
-		PyErr_SetObject(fast.timed_out, exc);
-		Py_DECREF(exc);
-	}
-	Py_XDECREF(args);
-	Py_XDECREF(type);
-	Py_XDECREF(value);
-	Py_XDECREF(tb);
 }
 
 /* The tensor that a value of one common tensor is (_marshal._TENSORS:
@@ -559,7 +563,7 @@ static int common_wait(shmrpc_future *f, int64_t timeout_ms)
 		return 0;
 	fail(rc);
 	if (PyErr_ExceptionMatches(PyExc_TimeoutError))
-		timed_out();
+		raise_from_none(fast.timed_out, false);
 	return -1;
 }
 
@@ -648,7 +652,7 @@ static PyObject *mod_rref_value(PyObject *m, PyObject *a)
 	if (rc) {
 		fail(rc);
 		if (PyErr_ExceptionMatches(PyExc_TimeoutError))
-			timed_out();
+			raise_from_none(fast.timed_out, false);
 	} else if ((res = reply_value(f)) != fast.general) {
 		common_count++;
 	}

@@ -283,3 +283,31 @@ def test_entry_held_across_holds():
     assert rpc.rpc_sync("worker1", thrice, args=(2,)) == 6
     assert _Watched.hook is None, "holds looked the function up"
     assert _shmrpc.common_calls() == before + 301, "made as the common call, its entry held"
+
+
+def _chain(call):
+    """What call raises, raised inside an except: its type, text and what
+    it chains to (its context's type, whether suppressed, its cause)."""
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError:
+        try:
+            call()
+        except RuntimeError as e:
+            return (type(e), str(e), type(e.__context__), e.__suppress_context__, e.__cause__)
+    raise AssertionError("nothing raised")
+
+
+def test_errors_chain_as_python_path():
+    # _send_call and _c_wait raise their errors `from None` inside their
+    # except: the C half's error is the context, suppressed, and the
+    # exception the caller is handling is not shown with it.
+    sent = _chain(lambda: common(lambda: rpc.rpc_sync(99, nothing)))
+    assert sent == _chain(lambda: general(lambda: rpc.rpc_sync(99, nothing, timeout=5))), sent
+    assert sent[2:] == (RuntimeError, True, None), sent
+    late = _chain(lambda: common(lambda: rpc.rpc_sync("worker1", slow, args=(1.5,))))
+    assert late[0] is _core._RpcTimeout and late[2:] == (TimeoutError, True, None), late
+    assert _chain(lambda: general(lambda: rpc.rpc_sync("worker1", slow, args=(1.5,),
+                                                       timeout=1)))[2:] == late[2:]
+    rref = common(lambda: rpc.remote("worker1", slow, args=(1.5,)))
+    assert _chain(lambda: common(rref.to_here))[2:] == late[2:], "to_here's timeout"
