@@ -208,7 +208,11 @@ static int attr_is(PyObject *o, PyObject *name, PyObject *want)
 	return v == want;
 }
 
-/* A new entry from named, a _Named; NULL with an exception set. */
+/* A new entry from named, a _Named; NULL with an exception set, also
+ * for a name with a NUL in it: the Python path refuses that name
+ * (call()'s fn, a C string: "embedded null character"), and here it would
+ * end the profiler's name early, and the payload's head would name
+ * another function (the callee reads the name up to its first NUL). */
 static PyObject *entry_new(PyObject *named)
 {
 	static const char *slots[] = { "head", "tensors_head", "module", "mod", "scope", "name" };
@@ -231,6 +235,10 @@ static PyObject *entry_new(PyObject *named)
 		return NULL;
 	}
 	PyTuple_SetItem(e, E_FN, fn);
+	if (memchr(PyBytes_AsString(fn), '\0', (size_t)PyBytes_Size(fn))) {
+		PyErr_SetString(PyExc_ValueError, "embedded null character");
+		Py_CLEAR(e);
+	}
 	return e;
 }
 

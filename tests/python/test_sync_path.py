@@ -82,6 +82,20 @@ class Watched(metaclass=_Watched):
         return 3 * x
 
 
+def nul():
+    return "another function"
+
+
+def nul_named():
+    return "nul_named"
+
+
+# Found under a name with a NUL: pickle sends it by that name, which the
+# Python path then refuses to send (a C string's name for the profiler).
+nul_named.__qualname__ = "nul\0named"
+setattr(sys.modules[__name__], nul_named.__qualname__, nul_named)
+
+
 # Functions called for the first time in test_entry_held_across_holds: as
 # many as clear the C path's entries of functions (256).
 for _i in range(300):
@@ -311,3 +325,13 @@ def test_errors_chain_as_python_path():
                                                        timeout=1)))[2:] == late[2:]
     rref = common(lambda: rpc.remote("worker1", slow, args=(1.5,)))
     assert _chain(lambda: common(rref.to_here))[2:] == late[2:], "to_here's timeout"
+
+
+def test_name_with_nul_refused_both_ways():
+    # Its payload's head, read up to the first NUL, names another function
+    # (nul) on the callee: no path sends it.
+    for timeout in (rpc.constants.UNSET_RPC_TIMEOUT, 5):
+        with pytest.raises(ValueError, match="embedded null character"):
+            general(lambda: rpc.rpc_sync("worker1", nul_named, args=(1,), timeout=timeout))
+        with pytest.raises(ValueError, match="embedded null character"):
+            general(lambda: rpc.remote("worker1", nul_named, timeout=timeout))
