@@ -532,14 +532,28 @@ static PyObject *reply_value(shmrpc_future *f)
 	return value;
 }
 
+/* After a question of the C path failed, Python's error (if any)
+ * cleared, for the Python path to ask again and raise what failed in its
+ * own words: 0. Or left set when it is no Exception: -1. A
+ * KeyboardInterrupt (a signal's handler, run in the Python code asked:
+ * _named, a dotted name's holds) or a SystemExit would not come again
+ * when the Python path asks, and the program's interrupt would be lost. */
+static int python_path_asks(void)
+{
+	if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+		return -1;
+	PyErr_Clear();
+	return 0;
+}
+
 /* Whether the call of the arguments a, (to, func[, args, kwargs,
- * timeout]) as rpc_sync and remote() take them, is the common one: then
+ * timeout]) as rpc_sync and remote() take them, is the common one: 1,
  * its destination, func's entry, its payload and tensors (new
- * references, tensors NULL for none) are out, and it is counted.
- * Otherwise nothing is done, nor any error left: the Python path makes
- * the call, and raises what failed here in its own words. */
-static bool call_common(PyObject *a, const char *name, int *dst, PyObject **e,
-			PyObject **payload, PyObject **tensors)
+ * references, tensors NULL for none) out, and it is counted. Otherwise
+ * nothing is done: 0, no error left, the Python path makes the call; or
+ * -1 with an error that is no Exception (python_path_asks). */
+static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
+		       PyObject **payload, PyObject **tensors)
 {
 	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
 
@@ -551,11 +565,10 @@ static bool call_common(PyObject *a, const char *name, int *dst, PyObject **e,
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
 	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, tensors))) {
 		Py_CLEAR(*e);
-		PyErr_Clear();
-		return false;
+		return python_path_asks();
 	}
 	common_count++;
-	return true;
+	return 1;
 }
 
 /* The wait for f (the GIL released): 0, or -1 with the error raised as
@@ -584,8 +597,8 @@ static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 	int dst, rc;
 
 	(void)m;
-	if (!call_common(a, "rpc_sync", &dst, &e, &payload, &tensors))
-		return new_ref(fast.general);
+	if ((rc = call_common(a, "rpc_sync", &dst, &e, &payload, &tensors)) <= 0)
+		return rc ? NULL : new_ref(fast.general);
 	rc = sync_send(dst, e, payload, tensors, &f);
 	Py_DECREF(e);
 	Py_DECREF(payload);
@@ -609,11 +622,12 @@ static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
 				     .wrapped = MSG_PYTHON_REMOTE_CALL, .context_id = -1 };
 	PyObject *e, *payload, *tensors, *handle, *rref = NULL;
 	shmrpc_rref *r;
-	int dst, rc = -1;
+	int dst, rc;
 
 	(void)m;
-	if (!call_common(a, "rpc_remote", &dst, &e, &payload, &tensors))
-		return new_ref(fast.general);
+	if ((rc = call_common(a, "rpc_remote", &dst, &e, &payload, &tensors)) <= 0)
+		return rc ? NULL : new_ref(fast.general);
+	rc = -1; /* until sent: msg_from_py's error */
 	if (!msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg)) {
 		python_call_begin("rpc_remote", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, false);
 		rc = python_remote(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, &r);
@@ -650,10 +664,8 @@ static PyObject *mod_rref_value(PyObject *m, PyObject *a)
 		return NULL;
 	if (!fast.general || !PyObject_TypeCheck(handle, (PyTypeObject *)RRefType) ||
 	    !HANDLE(handle) || shmrpc_rref_is_owner(HANDLE(handle)) ||
-	    state_common(timeout) != 1) {
-		PyErr_Clear();
-		return new_ref(fast.general);
-	}
+	    state_common(timeout) != 1)
+		return python_path_asks() ? NULL : new_ref(fast.general);
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_rref_to_here(HANDLE(handle), SHMRPC_TIMEOUT_DEFAULT, &f);
 	Py_END_ALLOW_THREADS

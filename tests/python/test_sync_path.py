@@ -335,3 +335,21 @@ def test_name_with_nul_refused_both_ways():
             general(lambda: rpc.rpc_sync("worker1", nul_named, args=(1,), timeout=timeout))
         with pytest.raises(ValueError, match="embedded null character"):
             general(lambda: rpc.remote("worker1", nul_named, timeout=timeout))
+
+
+def test_interrupt_while_asked_not_lost():
+    # A KeyboardInterrupt raised in the Python code that the C path runs to
+    # ask whether a call is common (here a dotted name's holds; in a
+    # program Ctrl-C's handler at any point of it) is raised, not cleared
+    # for the Python path, which asks again and would not meet it.
+    thrice = Watched.thrice
+    assert common(lambda: rpc.rpc_sync("worker1", thrice, args=(1,))) == 3  # entered
+
+    def interrupt():
+        raise KeyboardInterrupt
+    for call in (lambda: rpc.rpc_sync("worker1", thrice, args=(2,)),
+                 lambda: rpc.remote("worker1", thrice, args=(2,))):
+        _Watched.hook = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        assert _Watched.hook is None, "holds looked the function up"
