@@ -272,15 +272,16 @@ static PyObject *mod_torch_handles(PyObject *m, PyObject *args)
 	return torch_handles_of(args);
 }
 
-/* take_torch(handles: list) -> (torch tensor...) of received host handles,
- * each holding its handle's own reference (take_capsule: the handles are
- * the message's, used once, and left empty). A tuple: a call's arguments
- * as they are. */
+/* Whether torch is known (know_torch ran): take_torch_of works. */
 bool torch_known(void)
 {
 	return from_dlpack != NULL;
 }
 
+/* take_torch(handles: list) -> (torch tensor...) of received host handles,
+ * each holding its handle's own reference (take_capsule: the handles are
+ * the message's, used once, and left empty). A tuple: a call's arguments
+ * as they are. NULL with an exception set (also before torch is known). */
 PyObject *take_torch_of(PyObject *handles)
 {
 	Py_ssize_t n;
