@@ -3,6 +3,7 @@ on an executor thread (set by init_rpc), a call's function run in its
 caller's autograd context and under its profilers, a remote call's result
 kept live, an RRef fetch answered. Above the calls; below api.
 """
+import pickle
 import sys
 import threading
 import traceback
@@ -12,7 +13,7 @@ from . import _contexts, _shmrpc, autograd, profiler, server_profiler
 from ._calls import RRef, _call_method, _owned
 from ._core import RemoteException, WorkerInfo
 from ._futures import Future
-from ._marshal import _LIVE, _dumps, _immutable, _unpack_call
+from ._marshal import _LIVE, _dumps, _immutable, _Named, _named_heads, _unpack_call
 
 _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
              "defined on both caller and callee modules.")
@@ -85,6 +86,18 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
         return reply + (0, True) if reply[0] == _LIVE else reply
     except BaseException as e:  # every error travels back
         return _failed(e)
+
+
+def _fast():
+    """What the C half's fast path reads (python/_serve_fast.c, set with
+    set_handler), in its order: it serves a PYTHON_CALL of a function sent
+    by name, without RRefs nor tensors, as _serve_plain would, asking the
+    same objects (_named_heads and each _Named's name, _call_method, the
+    thread's context, the server profiler) and calling the same Python for
+    the rest."""
+    return (_named_heads, _Named, types.FunctionType, sys, _call_method, _contexts,
+            server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
+            _failed)
 
 
 def _not_found(e):
