@@ -21,9 +21,9 @@
 
 #include "python/module.h"
 
-/* What the fast path reads, from _serve._fast() (set_handler), in its
- * order; owned, all NULL while there is no fast path. */
-static struct {
+/* What the fast path reads, _serve._fast()'s tuple's items in its order
+ * (set_handler), borrowed from the tuple. */
+struct fast_objs {
 	PyObject *heads;         /* _marshal._named_heads: head bytes -> _Named */
 	PyObject *named_type;    /* _marshal._Named */
 	PyObject *function_type; /* types.FunctionType */
@@ -37,9 +37,13 @@ static struct {
 	PyObject *waited;        /* _serve._waited */
 	PyObject *dumps;         /* _marshal._dumps */
 	PyObject *failed;        /* _serve._failed */
-} fast;
+};
 
-#define FAST_COUNT (sizeof(fast) / sizeof(PyObject *))
+/* The tuple (owned; NULL: no fast path) and its items. A call served
+ * holds the tuple and a copy of the items: the function it runs may set
+ * the handlers again (a test's). */
+static PyObject *fast_tuple;
+static struct fast_objs fast;
 
 /* The attribute names asked, interned once (names_make). */
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_modules, *s_tls, *s_ctx,
@@ -65,21 +69,23 @@ static int names_make(void)
 	return 0;
 }
 
+/* module.h says what fast_set and fast_serve return. */
 int fast_set(PyObject *objs)
 {
-	PyObject **slot = (PyObject **)&fast, *got[FAST_COUNT];
+	struct fast_objs got = { 0 };
 
 	if (objs && (names_make() ||
 		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOO:set_handler's fast path",
-				       &PyDict_Type, &got[0], &PyType_Type, &got[1], &PyType_Type,
-				       &got[2], &PyModule_Type, &got[3], &got[4], &PyModule_Type,
-				       &got[5], &PyModule_Type, &got[6], &got[7], &got[8], &got[9],
-				       &got[10], &got[11], &got[12])))
+				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
+				       &PyType_Type, &got.function_type, &PyModule_Type, &got.sys,
+				       &got.call_method, &PyModule_Type, &got.contexts,
+				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
+				       &got.is_async, &got.waited, &got.dumps, &got.failed)))
 		return -1;
-	for (size_t i = 0; i < FAST_COUNT; i++) {
-		Py_XDECREF(slot[i]);
-		slot[i] = objs ? new_ref(got[i]) : NULL;
-	}
+	Py_XINCREF(objs); /* before the old one goes: it may be the same */
+	Py_XDECREF(fast_tuple);
+	fast_tuple = objs;
+	fast = got;
 	return 0;
 }
 
@@ -110,20 +116,17 @@ static bool args_served(const char *p, size_t len, size_t head)
  * that module under its name, and the dict that function under its name.
  * 1, 0, or -1 with an exception set; 0 for a dotted name (scope None),
  * which _resolve walks: left to Python. */
-static int holds(PyObject *named, PyObject *func)
+static int holds(const struct fast_objs *f, PyObject *named, PyObject *func)
 {
 	PyObject *scope = PyObject_GetAttr(named, s_scope);
 	PyObject *module = PyObject_GetAttr(named, s_module), *mod = PyObject_GetAttr(named, s_mod);
-	PyObject *name = PyObject_GetAttr(named, s_name), *modules = PyObject_GetAttr(fast.sys, s_modules);
-	PyObject *found;
+	PyObject *name = PyObject_GetAttr(named, s_name);
+	PyObject *modules = PyObject_GetAttr(f->sys, s_modules);
 	int rc = scope && module && mod && name && modules ? 0 : -1;
 
-	if (rc == 0 && scope != Py_None && PyDict_CheckExact(scope) && PyDict_CheckExact(modules)) {
-		found = PyDict_GetItemWithError(modules, module);
-		if (found == mod)
-			found = PyDict_GetItemWithError(scope, name);
-		rc = found == func ? 1 : PyErr_Occurred() ? -1 : 0;
-	}
+	if (rc == 0 && scope != Py_None && PyDict_CheckExact(scope) && PyDict_CheckExact(modules))
+		rc = PyDict_GetItemWithError(modules, module) == mod &&
+		     PyDict_GetItemWithError(scope, name) == func ? 1 : PyErr_Occurred() ? -1 : 0;
 	Py_XDECREF(scope);
 	Py_XDECREF(module);
 	Py_XDECREF(mod);
@@ -137,14 +140,14 @@ static int holds(PyObject *named, PyObject *func)
  * exception where Python must look (a head not cached or no longer
  * holding, a dotted name, an error: cleared, the plain handler meets it
  * again). */
-static PyObject *named_func(const char *p, size_t len)
+static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len)
 {
 	PyObject *head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len);
-	PyObject *named = head ? PyDict_GetItemWithError(fast.heads, head) : NULL, *func = NULL;
+	PyObject *named = head ? PyDict_GetItemWithError(f->heads, head) : NULL, *func = NULL;
 
 	Py_XINCREF(named); /* borrowed from a dict that the lookups below may change */
-	if (named && Py_TYPE(named) == (PyTypeObject *)fast.named_type &&
-	    (func = PyObject_GetAttr(named, s_func)) && holds(named, func) != 1)
+	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type &&
+	    (func = PyObject_GetAttr(named, s_func)) && holds(f, named, func) != 1)
 		Py_CLEAR(func);
 	Py_XDECREF(named);
 	Py_XDECREF(head);
@@ -156,9 +159,9 @@ static PyObject *named_func(const char *p, size_t len)
  * exact types, as _pack_call pickles them. New reference; NULL with no
  * exception for anything else, or a pickle that fails (cleared: the plain
  * handler unpickles it again and answers as it does). */
-static PyObject *call_loaded(const char *p, size_t len)
+static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *call = PyObject_CallFunction(fast.loads, "y#", p, (Py_ssize_t)len);
+	PyObject *call = PyObject_CallFunction(f->loads, "y#", p, (Py_ssize_t)len);
 
 	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
 		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
@@ -173,14 +176,14 @@ static PyObject *call_loaded(const char *p, size_t len)
  * (_contexts._tls.ctx not None), or a server profiler records
  * (server_profiler._active), each asked only if the one before is not so,
  * as Python's `or`. 1, 0, or -1 with an exception set. */
-static int general_way(PyObject *func)
+static int general_way(const struct fast_objs *f, PyObject *func)
 {
 	PyObject *tls, *ctx, *active;
 	int rc;
 
-	if (func == fast.call_method)
+	if (func == f->call_method)
 		return 1;
-	if (!(tls = PyObject_GetAttr(fast.contexts, s_tls)))
+	if (!(tls = PyObject_GetAttr(f->contexts, s_tls)))
 		return -1;
 	ctx = PyObject_GetAttr(tls, s_ctx);
 	Py_DECREF(tls);
@@ -189,7 +192,7 @@ static int general_way(PyObject *func)
 		return ctx ? 1 : -1;
 	}
 	Py_DECREF(ctx);
-	if (!(active = PyObject_GetAttr(fast.profiler, s_active)))
+	if (!(active = PyObject_GetAttr(f->profiler, s_active)))
 		return -1;
 	rc = PyObject_IsTrue(active);
 	Py_DECREF(active);
@@ -201,21 +204,21 @@ static int general_way(PyObject *func)
  * the call as there) and does (_is_async_execution), the value of the
  * Future it returned (_waited). Steals result; NULL with an exception
  * set. */
-static PyObject *async_waited(PyObject *func, PyObject *result)
+static PyObject *async_waited(const struct fast_objs *f, PyObject *func, PyObject *result)
 {
 	PyObject *dict = NULL, *mark = NULL, *value;
-	int maybe = Py_TYPE(func) != (PyTypeObject *)fast.function_type;
+	int maybe = Py_TYPE(func) != (PyTypeObject *)f->function_type;
 
 	if (!maybe)
 		maybe = (dict = PyObject_GetAttr(func, s_dict)) ? PyObject_IsTrue(dict) : -1;
 	if (maybe > 0)
-		maybe = (mark = PyObject_CallFunctionObjArgs(fast.is_async, func, NULL))
+		maybe = (mark = PyObject_CallFunctionObjArgs(f->is_async, func, NULL))
 			? PyObject_IsTrue(mark) : -1;
 	Py_XDECREF(dict);
 	Py_XDECREF(mark);
 	if (maybe == 0)
 		return result;
-	value = maybe > 0 ? PyObject_CallFunctionObjArgs(fast.waited, result, NULL) : NULL;
+	value = maybe > 0 ? PyObject_CallFunctionObjArgs(f->waited, result, NULL) : NULL;
 	Py_DECREF(result);
 	return value;
 }
@@ -225,14 +228,15 @@ static PyObject *async_waited(PyObject *func, PyObject *result)
  * {} as _unpack_call gives them: the reply to a call in a context, under a
  * server profiler, or of _call_method. New reference; NULL with an
  * exception set. */
-static PyObject *general_reply(uint32_t caller, PyObject *func, PyObject *call)
+static PyObject *general_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
+			       PyObject *call)
 {
 	PyObject *args = call ? new_ref(PyTuple_GetItem(call, 0)) : PyTuple_New(0);
 	PyObject *kwargs = call ? new_ref(PyTuple_GetItem(call, 1)) : PyDict_New();
 	PyObject *who = PyLong_FromUnsignedLong(caller), *reply = NULL;
 
 	if (args && kwargs && who)
-		reply = PyObject_CallFunctionObjArgs(fast.serve_call, func, args, kwargs, who, Py_None,
+		reply = PyObject_CallFunctionObjArgs(f->serve_call, func, args, kwargs, who, Py_None,
 						     Py_None, NULL);
 	Py_XDECREF(args);
 	Py_XDECREF(kwargs);
@@ -259,20 +263,21 @@ static PyObject *called(PyObject *func, PyObject *call)
  * empty pickle for None, _dumps' otherwise. _serve_plain's last test, a
  * reply of _LIVE, is not made: only a remote call's can be one. New
  * reference; NULL with an exception set. */
-static PyObject *call_reply(uint32_t caller, PyObject *func, PyObject *call)
+static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
+			    PyObject *call)
 {
 	PyObject *result, *reply;
-	int general = general_way(func);
+	int general = general_way(f, func);
 
 	if (general)
-		return general > 0 ? general_reply(caller, func, call) : NULL;
+		return general > 0 ? general_reply(f, caller, func, call) : NULL;
 	if ((result = called(func, call)))
-		result = async_waited(func, result);
+		result = async_waited(f, func, result);
 	if (result == Py_None) {
 		Py_DECREF(result);
 		return new_ref(empty_reply);
 	}
-	reply = result ? PyObject_CallFunctionObjArgs(fast.dumps, result, NULL) : NULL;
+	reply = result ? PyObject_CallFunctionObjArgs(f->dumps, result, NULL) : NULL;
 	Py_XDECREF(result);
 	return reply;
 }
@@ -282,7 +287,7 @@ static PyObject *call_reply(uint32_t caller, PyObject *func, PyObject *call)
  * text and traceback), as _serve_plain's except clause answers. New
  * reference; NULL with an exception set if _failed raises, as the plain
  * handler would then. */
-static PyObject *failed_reply(void)
+static PyObject *failed_reply(const struct fast_objs *f)
 {
 	PyObject *type, *value, *tb, *reply;
 
@@ -290,7 +295,7 @@ static PyObject *failed_reply(void)
 	PyErr_NormalizeException(&type, &value, &tb);
 	if (tb)
 		PyException_SetTraceback(value, tb);
-	reply = PyObject_CallFunctionObjArgs(fast.failed, value, NULL);
+	reply = PyObject_CallFunctionObjArgs(f->failed, value, NULL);
 	Py_XDECREF(type);
 	Py_XDECREF(value);
 	Py_XDECREF(tb);
@@ -301,21 +306,25 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	       const struct profile_events *ops, PyObject **reply)
 {
 	const struct python_msg *m = &in->msg;
+	const struct fast_objs f = fast;
 	const char *p = m->data;
+	PyObject *hold = fast_tuple, *func, *call = NULL;
 	size_t head = 0;
-	PyObject *func, *call = NULL;
 
-	if (!fast.heads || ops || in->type != MSG_PYTHON_CALL || in->rref_id || m->nrrefs ||
-	    m->ntensors || !(head = head_len(p, m->len)) || !args_served(p, m->len, head) ||
-	    !(func = named_func(p, head)))
+	if (!hold || ops || in->type != MSG_PYTHON_CALL || in->rref_id || m->nrrefs ||
+	    m->ntensors || !(head = head_len(p, m->len)) || !args_served(p, m->len, head))
 		return 0;
-	if (head < m->len && !(call = call_loaded(p + head, m->len - head))) {
-		Py_DECREF(func);
+	Py_INCREF(hold);
+	if (!(func = named_func(&f, p, head)) ||
+	    (head < m->len && !(call = call_loaded(&f, p + head, m->len - head)))) {
+		Py_XDECREF(func);
+		Py_DECREF(hold);
 		return 0;
 	}
-	if (!(*reply = call_reply(caller, func, call)))
-		*reply = failed_reply();
+	if (!(*reply = call_reply(&f, caller, func, call)))
+		*reply = failed_reply(&f);
 	Py_XDECREF(call);
 	Py_DECREF(func);
+	Py_DECREF(hold);
 	return 1;
 }
