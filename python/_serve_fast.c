@@ -282,11 +282,12 @@ static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject
 	return reply;
 }
 
-/* _failed(e) of the exception pending, its traceback set on it (what the
- * function raised: the callee prints it, and the caller gets its type,
- * text and traceback), as _serve_plain's except clause answers. New
- * reference; NULL with an exception set if _failed raises, as the plain
- * handler would then. */
+/* _failed(e) of the exception pending (what the function raised: the
+ * callee prints it, and the caller gets its type, text and traceback), as
+ * _serve_plain's except clause answers, the traceback set on it as that
+ * clause sets it (3.11's interpreter has set it already; the stable ABI
+ * runs on older ones). New reference; NULL with an exception set if
+ * _failed raises, as the plain handler would then. */
 static PyObject *failed_reply(const struct fast_objs *f)
 {
 	PyObject *type, *value, *tb, *reply;

@@ -57,8 +57,11 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
 
 def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
     """A PYTHON_CALL or PYTHON_REMOTE_CALL that its caller does not profile
-    for torch's profiler: most requests, which the C half gives here with
-    only the arguments they use (python/_handler.c). What _run_function
+    for torch's profiler, which the C half gives here with only the
+    arguments they use (python/_handler.c), unless its fast path serves it
+    as this function would (python/_serve_fast.c: a function by name whose
+    name this function cached, without RRefs nor tensors; _fast). The
+    checks below and the fast path's must stay the same. What _run_function
     does for them, in fewer steps: no autograd context to enter or leave
     unless this thread is in one or a server profiler records, and a result
     of None, most calls', sent as the empty pickle itself (_dumps' b"",

@@ -314,6 +314,12 @@ def raises(text):
     raise ValueError(f"{text} {served_by('C')}")
 
 
+def parses(text):
+    """Raises what a C function raised (its error set without an
+    exception object, which the traceback is given to when made)."""
+    return int(f"{text} {served_by('C')}")
+
+
 def stderr_kept(on):
     """On the callee: its stderr kept from now on (on), or what it kept."""
     if on:
@@ -327,19 +333,21 @@ def stderr_kept(on):
 _STDERR = []
 
 
-def test_raises_in_c():
+@pytest.mark.parametrize("fn, line", [(raises, "raise ValueError"), (parses, "return int")])
+def test_raises_in_c(fn, line):
     """What a function served in C raises reaches the caller with its
     type, text and traceback, and the callee prints it."""
     for way_ in ("_serve_plain", "C"):
         rpc.rpc_sync(PEER, stderr_kept, args=(True,))
         try:
             with pytest.raises(ValueError, match=f"not this {way_}") as info:
-                rpc.rpc_sync(PEER, raises, args=("not this",))
+                rpc.rpc_sync(PEER, fn, args=("not this",))
         finally:
             printed = rpc.rpc_sync(PEER, stderr_kept, args=(False,))
         text = str(info.value)
-        assert "Traceback" in text and "in raises" in text and "raise ValueError" in text, text
-        assert "On WorkerInfo(id=1" in printed and "in raises" in printed, printed
+        where = f"in {fn.__name__}"
+        assert "Traceback" in text and where in text and line in text, text
+        assert "On WorkerInfo(id=1" in printed and where in printed, printed
 
 
 def nothing_in(way_):
