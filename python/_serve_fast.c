@@ -161,8 +161,10 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
  * handler unpickles it again and answers as it does). */
 static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *call = PyObject_CallFunction(f->loads, "y#", p, (Py_ssize_t)len);
+	PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)len);
+	PyObject *call = data ? PyObject_CallFunctionObjArgs(f->loads, data, NULL) : NULL;
 
+	Py_XDECREF(data);
 	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
 		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
 		     !PyDict_CheckExact(PyTuple_GetItem(call, 1))))
