@@ -46,8 +46,8 @@ static PyObject *fast_tuple;
 static struct fast_objs fast;
 
 /* The attribute names asked, interned once (names_make). */
-static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_modules, *s_tls, *s_ctx,
-	*s_active, *s_dict;
+static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_holds, *s_modules, *s_tls,
+	*s_ctx, *s_active, *s_dict;
 
 /* The empty pickle: the reply to a result of None (_serve_plain's b""). */
 static PyObject *empty_reply;
@@ -56,10 +56,10 @@ static PyObject *empty_reply;
  * exception set. */
 static int names_make(void)
 {
-	static const char *const text[] = { "func", "module", "mod", "scope", "name", "modules",
-					    "_tls", "ctx", "_active", "__dict__" };
-	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_modules,
-			       &s_tls, &s_ctx, &s_active, &s_dict };
+	static const char *const text[] = { "func", "module", "mod", "scope", "name", "holds",
+					    "modules", "_tls", "ctx", "_active", "__dict__" };
+	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_holds,
+			       &s_modules, &s_tls, &s_ctx, &s_active, &s_dict };
 
 	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
 		if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i])))
@@ -111,22 +111,27 @@ static bool args_served(const char *p, size_t len, size_t head)
 	return head == len || ((unsigned char)p[head] == 0x80 && p[len - 1] == '.');
 }
 
-/* Whether named (a _Named) still finds its function, as holds() says, for
- * a name without a dot (scope, the module's dict): sys.modules still has
- * that module under its name, and the dict that function under its name.
- * 1, 0, or -1 with an exception set; 0 for a dotted name (scope None),
- * which _resolve walks: left to Python. */
+/* Whether named (a _Named) still finds its function func, as holds()
+ * says: for a name without a dot (scope, the module's dict), sys.modules
+ * still has that module under its name, and the dict that function under
+ * its name, asked here; a dotted name, which _resolve walks, asks holds()
+ * itself. 1, 0, or -1 with an exception set. */
 static int holds(const struct fast_objs *f, PyObject *named, PyObject *func)
 {
 	PyObject *scope = PyObject_GetAttr(named, s_scope);
 	PyObject *module = PyObject_GetAttr(named, s_module), *mod = PyObject_GetAttr(named, s_mod);
 	PyObject *name = PyObject_GetAttr(named, s_name);
-	PyObject *modules = PyObject_GetAttr(f->sys, s_modules);
+	PyObject *modules = PyObject_GetAttr(f->sys, s_modules), *said;
 	int rc = scope && module && mod && name && modules ? 0 : -1;
 
-	if (rc == 0 && scope != Py_None && PyDict_CheckExact(scope) && PyDict_CheckExact(modules))
+	if (rc == 0 && scope == Py_None) {
+		said = PyObject_CallMethodObjArgs(named, s_holds, NULL);
+		rc = said ? PyObject_IsTrue(said) : -1;
+		Py_XDECREF(said);
+	} else if (rc == 0 && PyDict_CheckExact(scope) && PyDict_CheckExact(modules)) {
 		rc = PyDict_GetItemWithError(modules, module) == mod &&
 		     PyDict_GetItemWithError(scope, name) == func ? 1 : PyErr_Occurred() ? -1 : 0;
+	}
 	Py_XDECREF(scope);
 	Py_XDECREF(module);
 	Py_XDECREF(mod);
@@ -138,8 +143,7 @@ static int holds(const struct fast_objs *f, PyObject *named, PyObject *func)
 /* The function the head (len bytes at p) names, as _unpack_call finds it:
  * its _Named in _named_heads, which holds. New reference; NULL with no
  * exception where Python must look (a head not cached or no longer
- * holding, a dotted name, an error: cleared, the plain handler meets it
- * again). */
+ * holding, an error: cleared, the plain handler meets it again). */
 static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len)
 {
 	PyObject *head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len);

@@ -211,6 +211,21 @@ _HOME = sys.modules[__name__]
 _REBOUND = rebound
 
 
+class Box:
+    """A function found by a dotted name (Box.inside), which holds() walks."""
+    @staticmethod
+    def inside():
+        return "first", served_by("C")
+
+
+def replaced_inside(on):
+    """On the callee: Box.inside rebound to another function (on), or back."""
+    Box.inside = staticmethod((lambda: ("second", served_by("C"))) if on else _INSIDE)
+
+
+_INSIDE = Box.inside
+
+
 @pytest.mark.parametrize("how, now", [("name", "second"), ("module", "another module's")])
 def test_rebound_name(how, now):
     """A function's name that finds another function once the first was
@@ -223,6 +238,18 @@ def test_rebound_name(how, now):
     finally:
         rpc.rpc_sync(PEER, replaced, args=(None,))
     assert rpc.rpc_sync(PEER, rebound) == ("first", "C")  # its name holds again
+
+
+def test_rebound_dotted_name():
+    """The same for a function found by a dotted name (holds() called from
+    C)."""
+    assert twice(Box.inside)[1] == ("first", "C")
+    rpc.rpc_sync(PEER, replaced_inside, args=(True,))
+    try:
+        assert rpc.rpc_sync(PEER, Box.inside) == ("second", "_serve_plain")
+    finally:
+        rpc.rpc_sync(PEER, replaced_inside, args=(False,))
+    assert rpc.rpc_sync(PEER, Box.inside) == ("first", "C")
 
 
 @rpc.functions.async_execution
