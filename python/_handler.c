@@ -523,7 +523,8 @@ static PyObject *mod_set_live_release(PyObject *m, PyObject *fn)
 static PyMethodDef handler_functions[] = {
 	{ "set_handler", mod_set_handler, METH_VARARGS,
 	  "set_handler(general, plain[, fast]): the functions that serve requests (plain: most "
-	  "calls; fast: _serve._fast(), the common call served in C as plain would)" },
+	  "calls; fast: _serve._fast(), what serves the commonest of those in C as plain "
+	  "would)" },
 	{ "set_live_release", mod_set_live_release, METH_O,
 	  "set_live_release(fn): fn(rref_id) drops an owned RRef's live value once it went" },
 	{ NULL, NULL, 0, NULL },
