@@ -391,6 +391,16 @@ def tensor_in(way_):
     return torch.arange(4.0)
 
 
+class Refuses:
+    def __reduce__(self):
+        raise ValueError(f"this object refuses to be pickled {served_by('C')}")
+
+
+def refusing_in(way_):
+    _WAYS.append(served_by("C"))
+    return Refuses()
+
+
 def ways_taken():
     taken = _WAYS[:]
     del _WAYS[:]
@@ -401,9 +411,13 @@ _WAYS = []
 
 
 def test_results_in_c():
-    """None (the empty pickle), a number and a tensor, served both ways."""
+    """None (the empty pickle), a number, a tensor and a result that fails
+    to pickle, served both ways."""
     assert twice(nothing_in, 0) == [None, None]
     assert twice(scalar_in, 0) == [2.5, 2.5]
     got = twice(tensor_in, 0)
     assert all(torch.equal(t, torch.arange(4.0)) for t in got)
-    assert rpc.rpc_sync(PEER, ways_taken) == ["_serve_plain", "C"] * 3
+    for _ in range(2):  # a result that fails to pickle: _failed's reply
+        with pytest.raises(ValueError, match="refuses to be pickled"):
+            rpc.rpc_sync(PEER, refusing_in, args=(0,))
+    assert rpc.rpc_sync(PEER, ways_taken) == ["_serve_plain", "C"] * 4
