@@ -56,6 +56,7 @@ PyGILState_STATE gil_take(void);
 /* The handler python_set_handler installs (shmrpc_init's). */
 int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		struct profile_events *ops, struct arena *a);
+
 /* _serve_fast.c: the common Python call served in C, as the plain
  * handler (_serve._serve_plain) would serve it. fast_set: the objects it
  * reads (_serve._fast()'s tuple), or NULL for no fast path; 0, or -1 with
@@ -66,7 +67,8 @@ int fast_set(PyObject *objs);
 int fast_serve(uint32_t caller, const struct python_request *in,
 	       const struct profile_events *ops, PyObject **reply);
 
-/* How often executor threads took the GIL, and how long they waited. */
+/* _handler.c: how often executor threads took the GIL, and how long they
+ * waited. */
 void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
 
 /* Each file adds its types and functions to the module; 0 or -1 with an
