@@ -111,11 +111,17 @@ def _not_found(e):
 
 def _failed(e):
     """The reply to a request that raised e: the pickled RemoteException
-    with its type, text and traceback; the callee logs it too, as torch's."""
+    with its type, text and traceback; the callee logs it too, as torch's.
+    The traceback starts below this module's handlers (their last frame
+    is kept if nothing is below it): the same text whichever way served
+    the call, these handlers or the C half's fast path (which calls a
+    function, or _serve_call, without a frame of its own)."""
     # From the agent: a call can come before init_rpc has returned here.
     me = WorkerInfo._of(*_shmrpc.worker_info(None))
-    text = (f"On {me!r}:\n{e!r}\n"
-            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals is globals():
+        tb = tb.tb_next
+    text = f"On {me!r}:\n{e!r}\n" + "".join(traceback.format_exception(type(e), e, tb))
     print(text, file=sys.stderr, flush=True)
     try:
         return _dumps(RemoteException(text, type(e)))
