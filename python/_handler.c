@@ -423,16 +423,14 @@ static int handler_failed(void)
 	return rc;
 }
 
-/* The handler (python_handler_fn) on an executor thread: the GIL, the
- * request's RRefs and tensors as objects, the package's handler, the
- * reply into the call's arena. */
-int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
-		struct profile_events *ops, struct arena *a)
+/* The package's handler's reply to in: the request's RRefs and tensors as
+ * objects, then the plain handler or the general one. New reference;
+ * NULL with an exception set. */
+static PyObject *handler_reply(uint32_t caller, const struct python_request *in,
+			       struct profile_events *ops)
 {
-	PyGILState_STATE g = gil_take();
 	const struct python_msg *m = &in->msg;
 	PyObject *res = NULL, *rrefs, *tensors;
-	int rc;
 
 	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
 	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
@@ -441,25 +439,45 @@ int run_handler(uint32_t caller, const struct python_request *in, struct python_
 					     : call_general(handler, caller, in, rrefs, tensors, ops);
 	Py_XDECREF(rrefs);
 	Py_XDECREF(tensors);
+	return res;
+}
+
+/* The handler (python_handler_fn) on an executor thread: the GIL, the
+ * reply of the fast path (python/_serve_fast.c) or else of the package's
+ * handler, the reply into the call's arena. */
+int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
+		struct profile_events *ops, struct arena *a)
+{
+	PyGILState_STATE g = gil_take();
+	PyObject *res;
+	int rc;
+
+	if (!fast_serve(caller, in, ops, &res))
+		res = handler_reply(caller, in, ops);
 	rc = res && reply_read(res, a, out) == 0 ? 0 : handler_failed();
 	Py_XDECREF(res);
 	PyGILState_Release(g);
 	return rc;
 }
 
-/* set_handler(general, plain): the functions that serve requests
- * (call_general's arguments and call_plain's). */
+/* set_handler(general, plain[, fast]): the functions that serve requests
+ * (call_general's arguments and call_plain's), and what the fast path
+ * reads (fast_set), which serves the common call as plain would: without
+ * it, as for a plain handler of a test's own, plain serves every call it
+ * is given. */
 static PyObject *mod_set_handler(PyObject *m, PyObject *args)
 {
-	PyObject *fn, *fn_plain;
+	PyObject *fn, *fn_plain, *objs = NULL;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "OO", &fn, &fn_plain))
+	if (!PyArg_ParseTuple(args, "OO|O!", &fn, &fn_plain, &PyTuple_Type, &objs))
 		return NULL;
 	if (!PyCallable_Check(fn) || !PyCallable_Check(fn_plain)) {
 		PyErr_SetString(PyExc_TypeError, "the handlers must be callable");
 		return NULL;
 	}
+	if (fast_set(objs))
+		return NULL;
 	Py_XDECREF(handler);
 	Py_XDECREF(plain);
 	handler = new_ref(fn);
@@ -504,7 +522,9 @@ static PyObject *mod_set_live_release(PyObject *m, PyObject *fn)
 }
 static PyMethodDef handler_functions[] = {
 	{ "set_handler", mod_set_handler, METH_VARARGS,
-	  "set_handler(general, plain): the functions that serve requests (plain: most calls)" },
+	  "set_handler(general, plain[, fast]): the functions that serve requests (plain: most "
+	  "calls; fast: _serve._fast(), what serves the commonest of those in C as plain "
+	  "would)" },
 	{ "set_live_release", mod_set_live_release, METH_O,
 	  "set_live_release(fn): fn(rref_id) drops an owned RRef's live value once it went" },
 	{ NULL, NULL, 0, NULL },

@@ -67,7 +67,19 @@ PyGILState_STATE gil_take(void);
 /* The handler python_set_handler installs (shmrpc_init's). */
 int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		struct profile_events *ops, struct arena *a);
-/* How often executor threads took the GIL, and how long they waited. */
+
+/* _serve_fast.c: the common Python call served in C, as the plain
+ * handler (_serve._serve_plain) would serve it. fast_set: the objects it
+ * reads (_serve._fast()'s tuple), or NULL for no fast path; 0, or -1 with
+ * an exception set. fast_serve: 1 when it served in (*reply the handler's
+ * reply, or NULL with an exception set where the plain handler would have
+ * raised), 0 when it ran nothing and the handlers must serve it. */
+int fast_set(PyObject *objs);
+int fast_serve(uint32_t caller, const struct python_request *in,
+	       const struct profile_events *ops, PyObject **reply);
+
+/* _handler.c: how often executor threads took the GIL, and how long they
+ * waited. */
 void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
 
 /* _calls.c: the rank of the worker named by the str name: >= 0, shmrpc's

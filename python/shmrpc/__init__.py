@@ -20,7 +20,7 @@ from ._core import (UNSET_RPC_TIMEOUT, RemoteException, WorkerInfo,  # noqa: F40
                     get_rpc_timeout, get_worker_info, is_available)
 from ._futures import Future, collect_all, functions, wait_all  # noqa: F401
 from ._marshal import empty  # noqa: F401
-from ._serve import _run_function, _serve_plain
+from ._serve import _fast, _run_function, _serve_plain
 from .api import (  # noqa: F401  (torch's names, as torch.distributed.rpc has them)
     PyRRef, _get_current_rpc_agent, _get_debug_info, _is_current_rpc_agent_set,
     _rref_context_get_debug_info, enable_gil_profiling, shutdown)
@@ -98,7 +98,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
                 _core._rpc_timeout = float(t)
             maps = _device_map_entries(getattr(rpc_backend_options, "device_maps", None) or {})
             _warn_ignored(rpc_backend_options, joined=joined is not None)
-        _shmrpc.set_handler(_run_function, _serve_plain)
+        _shmrpc.set_handler(_run_function, _serve_plain, _fast())
         _shmrpc.set_live_release(_release_owned)
         # Initialized before the agent serves: a peer's call can come before
         # init returns here, and the function it runs may call out.

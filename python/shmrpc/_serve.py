@@ -3,6 +3,7 @@ on an executor thread (set by init_rpc), a call's function run in its
 caller's autograd context and under its profilers, a remote call's result
 kept live, an RRef fetch answered. Above the calls; below api.
 """
+import pickle
 import sys
 import threading
 import traceback
@@ -12,7 +13,7 @@ from . import _contexts, _shmrpc, autograd, profiler, server_profiler
 from ._calls import RRef, _call_method, _owned
 from ._core import RemoteException, WorkerInfo
 from ._futures import Future
-from ._marshal import _LIVE, _dumps, _immutable, _unpack_call
+from ._marshal import _LIVE, _dumps, _immutable, _Named, _named_heads, _unpack_call
 
 _UDF_HINT = ("Default RPC pickler does not serialize function code. Ensure that UDFs are "
              "defined on both caller and callee modules.")
@@ -56,8 +57,11 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
 
 def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
     """A PYTHON_CALL or PYTHON_REMOTE_CALL that its caller does not profile
-    for torch's profiler: most requests, which the C half gives here with
-    only the arguments they use (python/_handler.c). What _run_function
+    for torch's profiler, which the C half gives here with only the
+    arguments they use (python/_handler.c), unless its fast path serves it
+    as this function would (python/_serve_fast.c: a function by name whose
+    name this function cached, without RRefs nor tensors; _fast). The
+    checks below and the fast path's must stay the same. What _run_function
     does for them, in fewer steps: no autograd context to enter or leave
     unless this thread is in one or a server profiler records, and a result
     of None, most calls', sent as the empty pickle itself (_dumps' b"",
@@ -87,6 +91,18 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
         return _failed(e)
 
 
+def _fast():
+    """What the C half's fast path reads (python/_serve_fast.c, set with
+    set_handler), in its order: it serves a PYTHON_CALL of a function sent
+    by name, without RRefs nor tensors, as _serve_plain would, asking the
+    same objects (_named_heads and each _Named's name, _call_method, the
+    thread's context, the server profiler) and calling the same Python for
+    the rest."""
+    return (_named_heads, _Named, types.FunctionType, sys, _call_method, _contexts,
+            server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
+            _failed)
+
+
 def _not_found(e):
     """The error for a call whose function this worker cannot find (e,
     unpickling it), with torch's hint."""
@@ -95,11 +111,17 @@ def _not_found(e):
 
 def _failed(e):
     """The reply to a request that raised e: the pickled RemoteException
-    with its type, text and traceback; the callee logs it too, as torch's."""
+    with its type, text and traceback; the callee logs it too, as torch's.
+    The traceback starts below this module's handlers (their last frame
+    is kept if nothing is below it): the same text whichever way served
+    the call, these handlers or the C half's fast path (which calls a
+    function, or _serve_call, without a frame of its own)."""
     # From the agent: a call can come before init_rpc has returned here.
     me = WorkerInfo._of(*_shmrpc.worker_info(None))
-    text = (f"On {me!r}:\n{e!r}\n"
-            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals is globals():
+        tb = tb.tb_next
+    text = f"On {me!r}:\n{e!r}\n" + "".join(traceback.format_exception(type(e), e, tb))
     print(text, file=sys.stderr, flush=True)
     try:
         return _dumps(RemoteException(text, type(e)))

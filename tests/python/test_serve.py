@@ -1,21 +1,26 @@
 # shmrun: -n 2 --pool-size 64M
 # needs: has("torch")
-"""The callee's two ways of serving a call (python/_handler.c): most calls
-by _serve._serve_plain (a PYTHON_CALL or PYTHON_REMOTE_CALL its caller does
-not profile), the others by _run_function (inside a distributed autograd
-context, profiled, an RRef fetch). Each test sends the same kind of call
-both ways, or one way whose answer depends on the shortcut the plain way
-takes (a result of None sent as the bare empty pickle, async_execution's
-mark asked only of a callable that may have it), and checks what comes
-back. Rank 0 calls rank 1.
+"""The callee's ways of serving a call (python/_handler.c): a PYTHON_CALL
+of a function sent by name, without RRefs nor tensors, in C
+(python/_serve_fast.c) once the function's name is known there; the other
+PYTHON_CALLs and PYTHON_REMOTE_CALLs its caller does not profile by
+_serve._serve_plain; the rest by _run_function (inside a distributed
+autograd context, profiled, an RRef fetch). Each test sends the same kind
+of call several ways, or one way whose answer depends on a shortcut (a
+result of None sent as the bare empty pickle, async_execution's mark asked
+only of a callable that may have it, a check the C way must make as
+_serve_plain does), and checks what comes back. Rank 0 calls rank 1.
 """
 import functools
+import io
+import sys
 import types
 
 import pytest
+import torch
 
 import shmrpc as rpc
-from shmrpc import _serve
+from shmrpc import _contexts, _serve
 from shmrpc.autograd import context
 
 PEER = "worker1"
@@ -56,8 +61,7 @@ def async_add(a, b):
 def served_by(name):
     """On the callee: which handler serves the call this function runs in
     (the innermost of _serve_plain and _run_function on this stack), or
-    name if neither is there."""
-    import sys
+    name if neither is there (the C way)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in (_serve._serve_plain.__code__, _serve._run_function.__code__):
@@ -78,13 +82,29 @@ def missing_on_the_callee():
 pytestmark = pytest.mark.rank(0)
 
 
+def way():
+    return served_by("C")
+
+
+def way_of(value):
+    return served_by("C"), value
+
+
 def test_ways():
     """Plain calls, remote calls and a call in a distributed autograd
-    context: each served the way the C half picks."""
-    assert rpc.rpc_sync(PEER, served_by, args=("?",)) == "_serve_plain"
-    assert rpc.remote(PEER, served_by, args=("?",)).to_here() == "_serve_plain"
+    context: each served the way the C half picks. A function's first call
+    by name is served by _serve_plain, which caches its name
+    (_marshal._named_heads); the next ones in C."""
+    assert rpc.rpc_sync(PEER, way) == "_serve_plain"
+    assert rpc.rpc_sync(PEER, way) == "C"
+    assert rpc.rpc_sync(PEER, way_of, args=(1,)) == ("_serve_plain", 1)
+    assert rpc.rpc_sync(PEER, way_of, args=(2,)) == ("C", 2)
+    assert rpc.rpc_sync(PEER, way_of, kwargs={"value": 3}) == ("C", 3)
+    assert rpc.remote(PEER, way).to_here() == "_serve_plain"
     with context():
-        assert rpc.rpc_sync(PEER, served_by, args=("?",)) == "_run_function"
+        assert rpc.rpc_sync(PEER, way) == "_run_function"
+    # A tensor among the arguments: the message's, which the C way leaves.
+    assert rpc.rpc_sync(PEER, way_of, args=(torch.ones(2),))[0] == "_serve_plain"
 
 
 def test_results():
@@ -137,7 +157,10 @@ def emptied_reply(*args):
 
 def set_plain(bad):
     from shmrpc import _shmrpc
-    _shmrpc.set_handler(_serve._run_function, emptied_reply if bad else _serve._serve_plain)
+    if bad:  # without the fast path, which would serve the call without it
+        _shmrpc.set_handler(_serve._run_function, emptied_reply)
+    else:
+        _shmrpc.set_handler(_serve._run_function, _serve._serve_plain, _serve._fast())
 
 
 def test_emptied_tensor_reply():
@@ -152,3 +175,253 @@ def test_emptied_tensor_reply():
         with context():  # served by _run_function
             rpc.rpc_sync(PEER, set_plain, args=(False,))
     assert rpc.rpc_sync(PEER, seven) == 7
+
+
+# ---- the C way (python/_serve_fast.c): each check _serve_plain makes ----
+
+def twice(fn, *args):
+    """fn's results on the callee, called twice: the first call by
+    _serve_plain where the callee does not know fn's name yet (it caches
+    it), the second in C."""
+    return [rpc.rpc_sync(PEER, fn, args=args) for _ in range(2)]
+
+
+def rebound():
+    return "first", served_by("C")
+
+
+def replaced(how):
+    """On the callee: rebound's name made to find another function ("name":
+    the module's attribute rebound; "module": another module put under the
+    module's name in sys.modules, which has this function too, so that the
+    test can undo it), or both undone (None)."""
+    if how == "name":
+        _HOME.rebound = lambda: ("second", served_by("C"))
+    elif how == "module":
+        other = types.ModuleType(__name__)
+        other.rebound = lambda: ("another module's", served_by("C"))
+        other.replaced = replaced
+        sys.modules[__name__] = other
+    else:
+        _HOME.rebound = _REBOUND
+        sys.modules[__name__] = _HOME
+
+
+_HOME = sys.modules[__name__]
+_REBOUND = rebound
+
+
+class Box:
+    """A function found by a dotted name (Box.inside), which holds() walks."""
+    @staticmethod
+    def inside():
+        return "first", served_by("C")
+
+
+def replaced_inside(on):
+    """On the callee: Box.inside rebound to another function (on), or back."""
+    Box.inside = staticmethod((lambda: ("second", served_by("C"))) if on else _INSIDE)
+
+
+_INSIDE = Box.inside
+
+
+@pytest.mark.parametrize("how, now", [("name", "second"), ("module", "another module's")])
+def test_rebound_name(how, now):
+    """A function's name that finds another function once the first was
+    served in C (its name rebound, or its module replaced in sys.modules):
+    the other one runs, found by _serve_plain, as pickle would find it."""
+    assert twice(rebound)[1] == ("first", "C")
+    rpc.rpc_sync(PEER, replaced, args=(how,))
+    try:
+        assert rpc.rpc_sync(PEER, rebound) == (now, "_serve_plain")
+    finally:
+        rpc.rpc_sync(PEER, replaced, args=(None,))
+    assert rpc.rpc_sync(PEER, rebound) == ("first", "C")  # its name holds again
+
+
+def test_rebound_dotted_name():
+    """The same for a function found by a dotted name (holds() called from
+    C)."""
+    assert twice(Box.inside)[1] == ("first", "C")
+    rpc.rpc_sync(PEER, replaced_inside, args=(True,))
+    try:
+        assert rpc.rpc_sync(PEER, Box.inside) == ("second", "_serve_plain")
+    finally:
+        rpc.rpc_sync(PEER, replaced_inside, args=(False,))
+    assert rpc.rpc_sync(PEER, Box.inside) == ("first", "C")
+
+
+@rpc.functions.async_execution
+def async_way(value):
+    """async_execution's: a Future, whose value the caller gets."""
+    fut = torch.futures.Future()
+    fut.set_result((served_by("C"), value))
+    return fut
+
+
+def marks_itself(value):
+    """A plain function that gives itself async_execution's mark while it
+    runs (_serve_plain asks after the call)."""
+    marks_itself.__dict__.clear()
+    marks_itself._shmrpc_async_execution = True
+    fut = torch.futures.Future()
+    fut.set_result((served_by("C"), value))
+    return fut
+
+
+def test_async_execution_in_c():
+    """A function with async_execution's mark in its __dict__, before the
+    call or from it: its Future is waited for, in C as by _serve_plain."""
+    assert twice(async_way, 5) == [("_serve_plain", 5), ("C", 5)]
+    assert twice(marks_itself, 6) == [("_serve_plain", 6), ("C", 6)]
+
+
+def leak_context(on):
+    """On the callee: _contexts._tls replaced by one object that every
+    thread shares, in a distributed autograd context (on), as an executor
+    thread inside one that serves a plain call would be; or the real one
+    back."""
+    if on:
+        shared = types.SimpleNamespace(ctx=_contexts._get_or_create(12345))
+        _LEAKED.append(_contexts._tls)
+        _contexts._tls = shared
+    else:
+        _contexts._tls = _LEAKED.pop()
+
+
+_LEAKED = []
+
+
+def context_seen():
+    return _contexts._current() is None, served_by("C")
+
+
+def test_thread_in_context():
+    """A call served by a thread that is in a distributed autograd context
+    goes through _serve_call (called from C: no _serve_plain frame), which
+    runs it outside that context, as _serve_plain does."""
+    assert twice(context_seen) == [(True, "_serve_plain"), (True, "C")]
+    rpc.rpc_sync(PEER, leak_context, args=(True,))
+    try:
+        assert rpc.rpc_sync(PEER, context_seen) == (True, "C")
+    finally:
+        rpc.rpc_sync(PEER, leak_context, args=(False,))
+    assert rpc.rpc_sync(PEER, context_seen) == (True, "C")
+
+
+_PROFILES = []
+
+
+def server_profile(on):
+    """On the callee: a server profile entered (on), or exited: how many
+    calls it recorded."""
+    if on:
+        _PROFILES.append(rpc._server_process_global_profile())
+        _PROFILES[-1].__enter__()
+        return None
+    prof = _PROFILES.pop()
+    prof.__exit__(None, None, None)
+    return len(prof.process_global_function_events)
+
+
+def test_server_profiler():
+    """Calls served in C while a server profile records are recorded, each
+    (_serve_call, called from C)."""
+    assert twice(way)[1] == "C"
+    rpc.rpc_sync(PEER, server_profile, args=(True,))
+    try:
+        ways = [rpc.rpc_sync(PEER, way) for _ in range(3)]
+    finally:
+        recorded = rpc.rpc_sync(PEER, server_profile, args=(False,))
+    assert ways == ["C"] * 3 and recorded == 3
+
+
+def raises(text):
+    raise ValueError(f"{text} {served_by('C')}")
+
+
+def parses(text):
+    """Raises what a C function raised (its error set without an
+    exception object, which the traceback is given to when made)."""
+    return int(f"{text} {served_by('C')}")
+
+
+def stderr_kept(on):
+    """On the callee: its stderr kept from now on (on), or what it kept."""
+    if on:
+        _STDERR.append(sys.stderr)
+        sys.stderr = io.StringIO()
+        return None
+    kept, sys.stderr = sys.stderr, _STDERR.pop()
+    return kept.getvalue()
+
+
+_STDERR = []
+
+
+@pytest.mark.parametrize("fn, line", [(raises, "raise ValueError"), (parses, "return int")])
+def test_raises_in_c(fn, line):
+    """What a function served in C raises reaches the caller with its
+    type, text and traceback, and the callee prints it: the same text
+    either way (the handlers' frames left out)."""
+    texts = []
+    for way_ in ("_serve_plain", "C"):
+        rpc.rpc_sync(PEER, stderr_kept, args=(True,))
+        try:
+            with pytest.raises(ValueError, match=f"not this {way_}") as info:
+                rpc.rpc_sync(PEER, fn, args=("not this",))
+        finally:
+            printed = rpc.rpc_sync(PEER, stderr_kept, args=(False,))
+        text = str(info.value)
+        where = f"in {fn.__name__}"
+        assert "Traceback" in text and where in text and line in text, text
+        assert "On WorkerInfo(id=1" in printed and where in printed, printed
+        texts.append(text.replace(f"not this {way_}", "not this ..."))
+    assert texts[0] == texts[1] and "in _serve_plain" not in texts[0], texts
+
+
+def nothing_in(way_):
+    _WAYS.append(served_by("C"))
+
+
+def scalar_in(way_):
+    _WAYS.append(served_by("C"))
+    return 2.5
+
+
+def tensor_in(way_):
+    _WAYS.append(served_by("C"))
+    return torch.arange(4.0)
+
+
+class Refuses:
+    def __reduce__(self):
+        raise ValueError(f"this object refuses to be pickled {served_by('C')}")
+
+
+def refusing_in(way_):
+    _WAYS.append(served_by("C"))
+    return Refuses()
+
+
+def ways_taken():
+    taken = _WAYS[:]
+    del _WAYS[:]
+    return taken
+
+
+_WAYS = []
+
+
+def test_results_in_c():
+    """None (the empty pickle), a number, a tensor and a result that fails
+    to pickle, served both ways."""
+    assert twice(nothing_in, 0) == [None, None]
+    assert twice(scalar_in, 0) == [2.5, 2.5]
+    got = twice(tensor_in, 0)
+    assert all(torch.equal(t, torch.arange(4.0)) for t in got)
+    for _ in range(2):  # a result that fails to pickle: _failed's reply
+        with pytest.raises(ValueError, match="refuses to be pickled"):
+            rpc.rpc_sync(PEER, refusing_in, args=(0,))
+    assert rpc.rpc_sync(PEER, ways_taken) == ["_serve_plain", "C"] * 4
