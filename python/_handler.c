@@ -179,31 +179,6 @@ PyGILState_STATE gil_take(void)
 	return g;
 }
 
-/* A list of new objects, one per handle, each holding a handle of its own. */
-static PyObject *objects_of(void *const *h, uint32_t n, bool rrefs)
-{
-	PyObject *list = PyList_New(n);
-
-	for (uint32_t i = 0; list && i < n; i++) {
-		PyObject *o = NULL;
-
-		if (rrefs) {
-			shmrpc_rref *r;
-
-			o = shmrpc_rref_retain(h[i], &r) ? fail(-EIO) : rref_wrap(r);
-		} else {
-			shmrpc_tensor *t;
-
-			o = shmrpc_tensor_retain(h[i], &t) ? fail(-EIO) : tensor_wrap(t);
-		}
-		if (!o)
-			Py_CLEAR(list);
-		else
-			PyList_SetItem(list, i, o);
-	}
-	return list;
-}
-
 /* The handle of objs[i], a reply's Tensor that nothing else reaches (alone:
  * the reply and its list of tensors are held by the handler's caller alone;
  * the Tensor by that list alone), taken from it for the agent: its
@@ -432,8 +407,8 @@ static PyObject *handler_reply(uint32_t caller, const struct python_request *in,
 	const struct python_msg *m = &in->msg;
 	PyObject *res = NULL, *rrefs, *tensors;
 
-	rrefs = objects_of((void *const *)m->rrefs, m->nrrefs, true);
-	tensors = objects_of((void *const *)m->tensors, m->ntensors, false);
+	rrefs = handle_objects((void *const *)m->rrefs, m->nrrefs, true);
+	tensors = handle_objects((void *const *)m->tensors, m->ntensors, false);
 	if (rrefs && tensors && handler)
 		res = plain_request(in, ops) ? call_plain(plain, caller, in, rrefs, tensors)
 					     : call_general(handler, caller, in, rrefs, tensors, ops);

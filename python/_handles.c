@@ -95,3 +95,27 @@ PyObject *future_wrap(shmrpc_future *f)
 {
 	return wrap(FutureType, f, release_future);
 }
+
+PyObject *handle_objects(void *const *h, uint32_t n, bool rrefs)
+{
+	PyObject *list = PyList_New(n);
+
+	for (uint32_t i = 0; list && i < n; i++) {
+		PyObject *o = NULL;
+
+		if (rrefs) {
+			shmrpc_rref *r;
+
+			o = shmrpc_rref_retain(h[i], &r) ? fail(-EIO) : rref_wrap(r);
+		} else {
+			shmrpc_tensor *t;
+
+			o = shmrpc_tensor_retain(h[i], &t) ? fail(-EIO) : tensor_wrap(t);
+		}
+		if (!o)
+			Py_CLEAR(list);
+		else
+			PyList_SetItem(list, i, o);
+	}
+	return list;
+}

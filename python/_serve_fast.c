@@ -1,7 +1,7 @@
 /*
- * The common Python call served in C: a PYTHON_CALL of a function sent by
- * name, with no arguments or with the pickle of (args, kwargs), no RRefs
- * nor tensors, not profiled. What _serve._serve_plain does for it, each of
+ * The common Python call served in C: a PYTHON_CALL or PYTHON_REMOTE_CALL
+ * of a function sent by name, with no arguments, the pickle of (args,
+ * kwargs) or common tensors alone (_TENSORS), no RRefs, not profiled. What _serve._serve_plain does for it, each of
  * its decisions made on the same objects (docs/ARCHITECTURE.md, "Where a
  * Python call's time goes", eighth pass): the payload's head looked up in
  * _marshal._named_heads and its _Named's holds() asked in C, the function
@@ -37,6 +37,7 @@ struct fast_objs {
 	PyObject *waited;        /* _serve._waited */
 	PyObject *dumps;         /* _marshal._dumps */
 	PyObject *failed;        /* _serve._failed */
+	PyObject *reply;         /* _serve._reply: a remote call's result kept or pickled */
 };
 
 /* The tuple (owned; NULL: no fast path) and its items. A call served
@@ -49,8 +50,11 @@ static struct fast_objs fast;
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_holds, *s_modules, *s_tls,
 	*s_ctx, *s_active, *s_dict;
 
-/* The empty pickle: the reply to a result of None (_serve_plain's b""). */
-static PyObject *empty_reply;
+/* The empty pickle: the reply to a result of None (_serve_plain's b"");
+ * the mark of a value of common tensors alone (_marshal._TENSORS); what
+ * a reply whose value its owner keeps live ends in (_serve_plain's
+ * (0, True)). */
+static PyObject *empty_reply, *tensors_mark, *live_tail;
 
 /* The names above and the empty reply, made once. 0, or -1 with an
  * exception set. */
@@ -64,7 +68,9 @@ static int names_make(void)
 	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
 		if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i])))
 			return -1;
-	if (!empty_reply && !(empty_reply = PyBytes_FromStringAndSize(NULL, 0)))
+	if ((!empty_reply && !(empty_reply = PyBytes_FromStringAndSize(NULL, 0))) ||
+	    (!tensors_mark && !(tensors_mark = PyBytes_FromStringAndSize("\x03", 1))) ||
+	    (!live_tail && !(live_tail = Py_BuildValue("(iO)", 0, Py_True))))
 		return -1;
 	return 0;
 }
@@ -75,12 +81,13 @@ int fast_set(PyObject *objs)
 	struct fast_objs got = { 0 };
 
 	if (objs && (names_make() ||
-		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOO:set_handler's fast path",
+		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOOO:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
 				       &PyType_Type, &got.function_type, &PyModule_Type, &got.sys,
 				       &got.call_method, &PyModule_Type, &got.contexts,
 				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
-				       &got.is_async, &got.waited, &got.dumps, &got.failed)))
+				       &got.is_async, &got.waited, &got.dumps, &got.failed,
+				       &got.reply)))
 		return -1;
 	Py_XINCREF(objs); /* before the old one goes: it may be the same */
 	Py_XDECREF(fast_tuple);
@@ -109,6 +116,35 @@ static size_t head_len(const char *p, size_t len)
 static bool args_served(const char *p, size_t len, size_t head)
 {
 	return head == len || ((unsigned char)p[head] == 0x80 && p[len - 1] == '.');
+}
+
+/* Whether the payload is a head of len bytes and the mark of arguments
+ * that are common tensors alone (_marshal._TENSORS), the message's
+ * tensors: _unpack_call's shortcut, which takes them as torch tensors
+ * (here once torch is known, tensors_taken). */
+static bool tensors_form(const char *p, size_t len, size_t head)
+{
+	return head + 1 == len && p[head] == '\x03' && torch_known();
+}
+
+/* The (args, {}) of a call of common tensors alone: the message's
+ * tensors as torch tensors, each holding its handle (take_torch, as
+ * _from_handles gives them). New reference; NULL with no exception where
+ * the plain handler must take them (an error cleared: it meets it
+ * again, from the message's own handles, which these objects copied). */
+static PyObject *tensors_taken(const struct python_msg *m)
+{
+	PyObject *objs = handle_objects((void *const *)m->tensors, m->ntensors, false);
+	PyObject *args = objs ? take_torch_of(objs) : NULL, *call = NULL, *kwargs;
+
+	if (args && (kwargs = PyDict_New())) {
+		call = PyTuple_Pack(2, args, kwargs);
+		Py_DECREF(kwargs);
+	}
+	Py_XDECREF(args);
+	Py_XDECREF(objs);
+	PyErr_Clear();
+	return call;
 }
 
 /* Whether named (a _Named) still finds its function func, as holds()
@@ -229,25 +265,70 @@ static PyObject *async_waited(const struct fast_objs *f, PyObject *func, PyObjec
 	return value;
 }
 
-/* _serve_call(func, args, kwargs, caller, None, None), call being
- * (args, kwargs), or NULL for a call without arguments, given as () and
- * {} as _unpack_call gives them: the reply to a call in a context, under a
- * server profiler, or of _call_method. New reference; NULL with an
- * exception set. */
+/* _serve_call(func, args, kwargs, caller, None, None, rref_id), call
+ * being (args, kwargs), or NULL for a call without arguments, given as ()
+ * and {} as _unpack_call gives them: the reply to a call in a context,
+ * under a server profiler, or of _call_method (rref_id: a remote call's
+ * RRef, 0 for a call). New reference; NULL with an exception set. */
 static PyObject *general_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
-			       PyObject *call)
+			       PyObject *call, uint64_t rref_id)
 {
 	PyObject *args = call ? new_ref(PyTuple_GetItem(call, 0)) : PyTuple_New(0);
 	PyObject *kwargs = call ? new_ref(PyTuple_GetItem(call, 1)) : PyDict_New();
 	PyObject *who = PyLong_FromUnsignedLong(caller), *reply = NULL;
+	PyObject *rref = PyLong_FromUnsignedLongLong(rref_id);
 
-	if (args && kwargs && who)
+	if (args && kwargs && who && rref)
 		reply = PyObject_CallFunctionObjArgs(f->serve_call, func, args, kwargs, who, Py_None,
-						     Py_None, NULL);
+						     Py_None, rref, NULL);
 	Py_XDECREF(args);
 	Py_XDECREF(kwargs);
 	Py_XDECREF(who);
+	Py_XDECREF(rref);
 	return reply;
+}
+
+/* The reply of result, not None: for a remote call (rref_id) _reply's (its
+ * pickle, or the live mark with the value kept here); for a call one
+ * common tensor's handle after the mark, as _dumps gives it (asked here
+ * once torch is known), or _dumps' itself. Steals result; new reference,
+ * or NULL with an exception set. */
+static PyObject *result_reply(const struct fast_objs *f, PyObject *result, uint64_t rref_id)
+{
+	PyObject *handle = NULL, *reply = NULL, *id;
+
+	if (rref_id) {
+		if ((id = PyLong_FromUnsignedLongLong(rref_id)))
+			reply = PyObject_CallFunctionObjArgs(f->reply, result, id, NULL);
+		Py_XDECREF(id);
+	} else if (torch_known() && !(handle = torch_handle_of(result))) {
+		reply = NULL;
+	} else if (handle && handle != Py_None) {
+		reply = Py_BuildValue("(O[][N])", tensors_mark, handle); /* steals handle */
+		handle = NULL;
+	} else {
+		reply = PyObject_CallFunctionObjArgs(f->dumps, result, NULL);
+	}
+	Py_XDECREF(handle);
+	Py_DECREF(result);
+	return reply;
+}
+
+/* reply, and (0, True) after it when it is a live value's (its pickle the
+ * live mark, _marshal._LIVE), as _serve_plain's last line adds: the C
+ * half then keeps the RRef's value here. Steals reply. */
+static PyObject *live_marked(PyObject *reply)
+{
+	PyObject *data, *marked;
+
+	if (!reply || !PyTuple_Check(reply) || PyTuple_Size(reply) < 1)
+		return reply;
+	data = PyTuple_GetItem(reply, 0);
+	if (!PyBytes_Check(data) || PyBytes_Size(data) != 1 || PyBytes_AsString(data)[0] != '\x02')
+		return reply;
+	marked = PySequence_Concat(reply, live_tail);
+	Py_DECREF(reply);
+	return marked;
 }
 
 /* func(*args, **(kwargs or {})), call being (args, kwargs) or NULL for
@@ -263,29 +344,28 @@ static PyObject *called(PyObject *func, PyObject *call)
 	return PyObject_Call(func, PyTuple_GetItem(call, 0), PyDict_Size(kwargs) ? kwargs : NULL);
 }
 
-/* The reply to the call of func (call: as called's), as _serve_plain's try
- * block makes it: _serve_call's where general_way says so; else the
- * function's result, waited for if async_execution's (async_waited), the
- * empty pickle for None, _dumps' otherwise. _serve_plain's last test, a
- * reply of _LIVE, is not made: only a remote call's can be one. New
+/* The reply to the call of func (call: as called's; rref_id a remote
+ * call's RRef, or 0), as _serve_plain's try block makes it: _serve_call's
+ * where general_way says so; else the function's result, waited for if
+ * async_execution's (async_waited), the empty pickle for None,
+ * result_reply's otherwise; a live value's marked (live_marked). New
  * reference; NULL with an exception set. */
 static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
-			    PyObject *call)
+			    PyObject *call, uint64_t rref_id)
 {
-	PyObject *result, *reply;
+	PyObject *result;
 	int general = general_way(f, func);
 
 	if (general)
-		return general > 0 ? general_reply(f, caller, func, call) : NULL;
+		return live_marked(general > 0 ? general_reply(f, caller, func, call, rref_id)
+					       : NULL);
 	if ((result = called(func, call)))
 		result = async_waited(f, func, result);
 	if (result == Py_None) {
 		Py_DECREF(result);
 		return new_ref(empty_reply);
 	}
-	reply = result ? PyObject_CallFunctionObjArgs(f->dumps, result, NULL) : NULL;
-	Py_XDECREF(result);
-	return reply;
+	return result ? live_marked(result_reply(f, result, rref_id)) : NULL;
 }
 
 /* _failed(e) of the exception pending (what the function raised: the
@@ -317,18 +397,23 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	const char *p = m->data;
 	PyObject *hold = fast_tuple, *func, *call = NULL;
 	size_t head = 0;
+	bool tensors;
 
-	if (!hold || ops || in->type != MSG_PYTHON_CALL || in->rref_id || m->nrrefs ||
-	    m->ntensors || !(head = head_len(p, m->len)) || !args_served(p, m->len, head))
+	if (!hold || ops || (in->type != MSG_PYTHON_CALL && in->type != MSG_PYTHON_REMOTE_CALL) ||
+	    m->nrrefs || !(head = head_len(p, m->len)))
+		return 0;
+	tensors = m->ntensors && tensors_form(p, m->len, head);
+	if (!tensors && (m->ntensors || !args_served(p, m->len, head)))
 		return 0;
 	Py_INCREF(hold);
 	if (!(func = named_func(&f, p, head)) ||
-	    (head < m->len && !(call = call_loaded(&f, p + head, m->len - head)))) {
+	    (tensors && !(call = tensors_taken(m))) ||
+	    (!tensors && head < m->len && !(call = call_loaded(&f, p + head, m->len - head)))) {
 		Py_XDECREF(func);
 		Py_DECREF(hold);
 		return 0;
 	}
-	if (!(*reply = call_reply(&f, caller, func, call)))
+	if (!(*reply = call_reply(&f, caller, func, call, in->rref_id)))
 		*reply = failed_reply(&f);
 	Py_XDECREF(call);
 	Py_DECREF(func);

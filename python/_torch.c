@@ -213,13 +213,18 @@ static PyObject *plain_handle(struct plain *p)
 
 /* torch_handle(obj) -> obj's handle, or None when obj is not the common
  * tensor (it is then pickled). */
-static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
+PyObject *torch_handle_of(PyObject *obj)
 {
 	struct plain p;
 	int ok = torch_plain(obj, &p);
 
-	(void)m;
 	return ok == 1 ? plain_handle(&p) : ok == 0 ? new_ref(Py_None) : NULL;
+}
+
+static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
+{
+	(void)m;
+	return torch_handle_of(obj);
 }
 
 /* torch_handles(args: tuple) -> [handle...] of args when every one is the

@@ -36,6 +36,9 @@ void dealloc_with(PyObject *self, void (*release)(void *));
 PyObject *future_wrap(shmrpc_future *f);
 PyObject *rref_wrap(shmrpc_rref *r);
 PyObject *tensor_wrap(shmrpc_tensor *t);
+/* A list of new objects, one per handle (RRefs, or Tensors), each holding
+ * a handle of its own; NULL with an exception set. */
+PyObject *handle_objects(void *const *h, uint32_t n, bool rrefs);
 
 /* _tensor.c: the helpers of _torch.c. The sizes of dims (a tuple, or
  * torch.Size) into shape: how many, or -1 with an exception set. */
@@ -47,7 +50,10 @@ PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *s
  * empty (take_dlpack). NULL with an exception set. */
 PyObject *take_capsule(PyObject *obj);
 
-/* _torch.c: torch_handles(args), args a call's tuple, from C: [handle...]
+/* _torch.c: torch_handle(obj) from C: obj's handle when it is the common
+ * tensor, else None; NULL with an exception set. */
+PyObject *torch_handle_of(PyObject *obj);
+/* torch_handles(args), args a call's tuple, from C: [handle...]
  * when every argument is the common tensor, each given once, else None;
  * NULL with an exception set. */
 PyObject *torch_handles_of(PyObject *args);

@@ -93,14 +93,15 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
 
 def _fast():
     """What the C half's fast path reads (python/_serve_fast.c, set with
-    set_handler), in its order: it serves a PYTHON_CALL of a function sent
-    by name, without RRefs nor tensors, as _serve_plain would, asking the
-    same objects (_named_heads and each _Named's name, _call_method, the
-    thread's context, the server profiler) and calling the same Python for
-    the rest."""
+    set_handler), in its order: it serves a PYTHON_CALL or
+    PYTHON_REMOTE_CALL of a function sent by name, without RRefs, its
+    arguments none, pickled or common tensors alone, as _serve_plain
+    would, asking the same objects (_named_heads and each _Named's name,
+    _call_method, the thread's context, the server profiler) and calling
+    the same Python for the rest (_reply keeps a remote call's value)."""
     return (_named_heads, _Named, types.FunctionType, sys, _call_method, _contexts,
             server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
-            _failed)
+            _failed, _reply)
 
 
 def _not_found(e):

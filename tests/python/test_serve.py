@@ -1,7 +1,8 @@
 # shmrun: -n 2 --pool-size 64M
 # needs: has("torch")
 """The callee's ways of serving a call (python/_handler.c): a PYTHON_CALL
-of a function sent by name, without RRefs nor tensors, in C
+or PYTHON_REMOTE_CALL of a function sent by name, without RRefs, its
+arguments none, pickled without tensors, or common tensors alone, in C
 (python/_serve_fast.c) once the function's name is known there; the other
 PYTHON_CALLs and PYTHON_REMOTE_CALLs its caller does not profile by
 _serve._serve_plain; the rest by _run_function (inside a distributed
@@ -14,6 +15,7 @@ _serve_plain does), and checks what comes back. Rank 0 calls rank 1.
 import functools
 import io
 import sys
+import time
 import types
 
 import pytest
@@ -100,11 +102,19 @@ def test_ways():
     assert rpc.rpc_sync(PEER, way_of, args=(1,)) == ("_serve_plain", 1)
     assert rpc.rpc_sync(PEER, way_of, args=(2,)) == ("C", 2)
     assert rpc.rpc_sync(PEER, way_of, kwargs={"value": 3}) == ("C", 3)
-    assert rpc.remote(PEER, way).to_here() == "_serve_plain"
+    assert rpc.remote(PEER, way).to_here() == "C", "a remote call, in C too"
     with context():
         assert rpc.rpc_sync(PEER, way) == "_run_function"
-    # A tensor among the arguments: the message's, which the C way leaves.
+    # Tensors among the arguments: the first pickled (the caller learns of
+    # torch at it), then common tensors alone, which the C way takes once
+    # the callee knows torch (at that first one).
     assert rpc.rpc_sync(PEER, way_of, args=(torch.ones(2),))[0] == "_serve_plain"
+    way_, t = rpc.rpc_sync(PEER, way_of, args=(torch.ones(2),))
+    assert way_ == "C" and torch.equal(t, torch.ones(2))
+    way_, t = rpc.remote(PEER, way_of, args=(torch.ones(3),)).to_here()
+    assert way_ == "C" and torch.equal(t, torch.ones(3)), "a remote call's live value"
+    assert rpc.rpc_sync(PEER, way_of, args=((torch.ones(2), 1),))[0] == "_serve_plain", \
+        "a tensor beside a number: pickled, which the C way leaves"
 
 
 def test_results():
@@ -425,3 +435,26 @@ def test_results_in_c():
         with pytest.raises(ValueError, match="refuses to be pickled"):
             rpc.rpc_sync(PEER, refusing_in, args=(0,))
     assert rpc.rpc_sync(PEER, ways_taken) == ["_serve_plain", "C"] * 4
+
+
+def owned_count():
+    return len(rpc._owned)
+
+
+def test_live_value_released_both_ways():
+    """A remote call's live value kept by its owner (the reply marked live)
+    is dropped there once its RRef is gone, whichever way served it."""
+    before = rpc.rpc_sync(PEER, owned_count)
+    for expected_way in ("_serve_plain", "C"):
+        rref = rpc.remote(PEER, pair_with_way)
+        assert rref.to_here() == [1, 2, expected_way]
+        assert rpc.rpc_sync(PEER, owned_count) == before + 1
+        del rref
+        end = time.monotonic() + 10
+        while rpc.rpc_sync(PEER, owned_count) != before:
+            assert time.monotonic() < end, f"the live value served by {expected_way} stays"
+            time.sleep(0.01)
+
+
+def pair_with_way():
+    return [1, 2, served_by("C")]
