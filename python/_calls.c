@@ -571,28 +571,21 @@ static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
 	return 1;
 }
 
-/* The wait for f (the GIL released): 0, or -1 with the error raised as
- * _core._c_wait raises it. */
-static int common_wait(shmrpc_future *f, int64_t timeout_ms)
+/* rc, a wait's failure, raised as _core._c_wait raises it (a timeout as
+ * _RpcTimeout): NULL. */
+static PyObject *wait_failed(int rc)
 {
-	int rc;
-
-	Py_BEGIN_ALLOW_THREADS
-	rc = shmrpc_future_wait(f, timeout_ms);
-	Py_END_ALLOW_THREADS
-	if (!rc)
-		return 0;
 	fail(rc);
 	if (PyErr_ExceptionMatches(PyExc_TimeoutError))
 		raise_from_none(fast.timed_out, false);
-	return -1;
+	return NULL;
 }
 
 /* rpc_sync(to, func, args, kwargs, timeout) -> the result, or the
  * sentinel of rpc_sync_setup for a call the Python path makes. */
 static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 {
-	PyObject *e, *payload, *tensors, *res = NULL;
+	PyObject *e, *payload, *tensors, *res;
 	shmrpc_future *f;
 	int dst, rc;
 
@@ -605,7 +598,10 @@ static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 	Py_XDECREF(tensors);
 	if (rc)
 		return NULL;
-	if (common_wait(f, -1) == 0 && (res = reply_value(f)) == fast.general) {
+	Py_BEGIN_ALLOW_THREADS
+	rc = shmrpc_future_wait(f, -1);
+	Py_END_ALLOW_THREADS
+	if ((res = rc ? wait_failed(rc) : reply_value(f)) == fast.general) {
 		Py_CLEAR(res);
 		PyErr_SetString(PyExc_RuntimeError, "a Python call's reply was an RRef's live mark");
 	}
@@ -655,7 +651,7 @@ static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
  * the Python path reads it again and fetches it). */
 static PyObject *mod_rref_value(PyObject *m, PyObject *a)
 {
-	PyObject *handle, *timeout, *res = NULL;
+	PyObject *handle, *timeout, *res;
 	shmrpc_future *f = NULL;
 	int rc;
 
@@ -669,13 +665,8 @@ static PyObject *mod_rref_value(PyObject *m, PyObject *a)
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_rref_to_here(HANDLE(handle), SHMRPC_TIMEOUT_DEFAULT, &f);
 	Py_END_ALLOW_THREADS
-	if (rc) {
-		fail(rc);
-		if (PyErr_ExceptionMatches(PyExc_TimeoutError))
-			raise_from_none(fast.timed_out, false);
-	} else if ((res = reply_value(f)) != fast.general) {
+	if ((res = rc ? wait_failed(rc) : reply_value(f)) && res != fast.general)
 		common_count++;
-	}
 	shmrpc_future_free(f);
 	return res;
 }
