@@ -60,7 +60,7 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
     for torch's profiler, which the C half gives here with only the
     arguments they use (python/_handler.c), unless its fast path serves it
     as this function would (python/_serve_fast.c: a function by name whose
-    name this function cached, without RRefs nor tensors; _fast). The
+    name this function cached, without RRefs; _fast). The
     checks below and the fast path's must stay the same. What _run_function
     does for them, in fewer steps: no autograd context to enter or leave
     unless this thread is in one or a server profiler records, and a result
