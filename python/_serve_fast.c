@@ -9,7 +9,8 @@
  * in a context or under a server profiler, async_execution's mark, _dumps,
  * _failed) called as _serve_plain calls it. Anything else, and any doubt
  * before the payload is unpickled, leaves the request to the plain
- * handler, nothing run.
+ * handler, nothing run; a pickle that raises is answered here
+ * (_unloaded), its code run once.
  */
 #define Py_LIMITED_API 0x03090000
 #define PY_SSIZE_T_CLEAN
@@ -38,6 +39,7 @@ struct fast_objs {
 	PyObject *dumps;         /* _marshal._dumps */
 	PyObject *failed;        /* _serve._failed */
 	PyObject *reply;         /* _serve._reply: a remote call's result kept or pickled */
+	PyObject *unloaded;      /* _serve._unloaded: the reply to arguments that failed to unpickle */
 };
 
 /* The tuple (owned; NULL: no fast path) and its items. A call served
@@ -81,13 +83,13 @@ int fast_set(PyObject *objs)
 	struct fast_objs got = { 0 };
 
 	if (objs && (names_make() ||
-		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOOO:set_handler's fast path",
+		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOOOO:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
 				       &PyType_Type, &got.function_type, &PyModule_Type, &got.sys,
 				       &got.call_method, &PyModule_Type, &got.contexts,
 				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
-				       &got.reply)))
+				       &got.reply, &got.unloaded)))
 		return -1;
 	Py_XINCREF(objs); /* before the old one goes: it may be the same */
 	Py_XDECREF(fast_tuple);
@@ -197,19 +199,25 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
 
 /* The (args, kwargs) pickled in len bytes at p, a tuple and a dict of
  * exact types, as _pack_call pickles them. New reference; NULL with no
- * exception for anything else, or a pickle that fails (cleared: the plain
- * handler unpickles it again and answers as it does). */
+ * exception where the pickle was not read (its bytes not copied), or
+ * for another value (the plain handler unpickles it again); NULL with
+ * the exception set where the pickle raised it: the call is answered
+ * here (_unloaded), since the plain handler would run the code its
+ * objects name a second time. */
 static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)len);
-	PyObject *call = data ? PyObject_CallFunctionObjArgs(f->loads, data, NULL) : NULL;
+	PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)len), *call;
 
-	Py_XDECREF(data);
+	if (!data) {
+		PyErr_Clear();
+		return NULL;
+	}
+	call = PyObject_CallFunctionObjArgs(f->loads, data, NULL);
+	Py_DECREF(data);
 	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
 		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
 		     !PyDict_CheckExact(PyTuple_GetItem(call, 1))))
 		Py_CLEAR(call);
-	PyErr_Clear();
 	return call;
 }
 
@@ -368,13 +376,14 @@ static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject
 	return result ? live_marked(result_reply(f, result, rref_id)) : NULL;
 }
 
-/* _failed(e) of the exception pending (what the function raised: the
- * callee prints it, and the caller gets its type, text and traceback), as
- * _serve_plain's except clause answers, the traceback set on it as that
+/* answer(e) of the exception pending: _failed's (what the function
+ * raised: the callee prints it, and the caller gets its type, text and
+ * traceback), as _serve_plain's except clause answers, or _unloaded's
+ * (the arguments' pickle raised it), the traceback set on it as that
  * clause sets it (3.11's interpreter has set it already; the stable ABI
  * runs on older ones). New reference; NULL with an exception set if
- * _failed raises, as the plain handler would then. */
-static PyObject *failed_reply(const struct fast_objs *f)
+ * answer raises, as the plain handler would then. */
+static PyObject *failed_reply(PyObject *answer)
 {
 	PyObject *type, *value, *tb, *reply;
 
@@ -382,7 +391,7 @@ static PyObject *failed_reply(const struct fast_objs *f)
 	PyErr_NormalizeException(&type, &value, &tb);
 	if (tb)
 		PyException_SetTraceback(value, tb);
-	reply = PyObject_CallFunctionObjArgs(f->failed, value, NULL);
+	reply = PyObject_CallFunctionObjArgs(answer, value, NULL);
 	Py_XDECREF(type);
 	Py_XDECREF(value);
 	Py_XDECREF(tb);
@@ -408,13 +417,16 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	Py_INCREF(hold);
 	if (!(func = named_func(&f, p, head)) ||
 	    (tensors && !(call = tensors_taken(m))) ||
-	    (!tensors && head < m->len && !(call = call_loaded(&f, p + head, m->len - head)))) {
+	    (!tensors && head < m->len && !(call = call_loaded(&f, p + head, m->len - head)) &&
+	     !PyErr_Occurred())) {
 		Py_XDECREF(func);
 		Py_DECREF(hold);
 		return 0;
 	}
-	if (!(*reply = call_reply(&f, caller, func, call, in->rref_id)))
-		*reply = failed_reply(&f);
+	if (PyErr_Occurred()) /* the arguments' pickle raised it */
+		*reply = failed_reply(f.unloaded);
+	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id)))
+		*reply = failed_reply(f.failed);
 	Py_XDECREF(call);
 	Py_DECREF(func);
 	Py_DECREF(hold);

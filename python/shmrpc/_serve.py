@@ -98,10 +98,25 @@ def _fast():
     arguments none, pickled or common tensors alone, as _serve_plain
     would, asking the same objects (_named_heads and each _Named's name,
     _call_method, the thread's context, the server profiler) and calling
-    the same Python for the rest (_reply keeps a remote call's value)."""
+    the same Python for the rest (_reply keeps a remote call's value,
+    _unloaded answers arguments that failed to unpickle)."""
     return (_named_heads, _Named, types.FunctionType, sys, _call_method, _contexts,
             server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
-            _failed, _reply)
+            _failed, _reply, _unloaded)
+
+
+def _unloaded(e):
+    """The reply to a call whose arguments' pickle raised e, for the C
+    half's fast path, which unpickled them: as _serve_plain answers it,
+    torch's hint for a name not found. Answered there rather than left to
+    _serve_plain, which would run the pickle (the code its objects name) a
+    second time."""
+    if not isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
+        return _failed(e)
+    try:
+        raise _not_found(e) from None
+    except RuntimeError as found:
+        return _failed(found)
 
 
 def _not_found(e):

@@ -458,3 +458,51 @@ def test_live_value_released_both_ways():
 
 def pair_with_way():
     return [1, 2, served_by("C")]
+
+
+
+_UNPICKLED = []
+
+
+def unpickled(what):
+    """Run by pickle on the callee for an argument (Unpickles' reduce):
+    counted, then the failure what names."""
+    _UNPICKLED.append(what)
+    if what == "fails":
+        raise ValueError("this argument fails to unpickle")
+    raise AttributeError("this argument names nothing")
+
+
+class Unpickles:
+    """An argument whose unpickling on the callee runs unpickled(what)."""
+    def __init__(self, what):
+        self.what = what
+
+    def __reduce__(self):
+        return unpickled, (self.what,)
+
+
+def takes(arg):
+    return served_by("C")
+
+
+def unpickled_count():
+    count = len(_UNPICKLED)
+    del _UNPICKLED[:]
+    return count
+
+
+@pytest.mark.parametrize("what, error, text", [
+    ("fails", ValueError, "fails to unpickle"),
+    ("names nothing", RuntimeError, "names nothing. Default RPC pickler")])
+def test_arguments_unpickled_once(what, error, text):
+    """Arguments that fail to unpickle: the code their pickle names runs
+    once per call, served in C as by _serve_plain (which the C way once
+    left them to, to run it again), and the caller gets the same error."""
+    assert twice(takes, 0)[1] == "C"
+    for _ in range(2):
+        with pytest.raises(error, match=text):
+            rpc.rpc_sync(PEER, takes, args=(Unpickles(what),))
+    with pytest.raises(error, match=text):
+        rpc.remote(PEER, takes, args=(Unpickles(what),)).to_here()
+    assert rpc.rpc_sync(PEER, unpickled_count) == 3
