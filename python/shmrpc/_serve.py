@@ -44,7 +44,7 @@ def _run_function(caller, msg_type, context_id, message_id, retain_graph, payloa
         try:
             func, args, kwargs = _unpack_call(payload, rrefs, tensors)
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
-            raise _not_found(e) from None
+            _not_found(e)
         if msg_type != _shmrpc.FORWARD_AUTOGRAD_REQ:
             context_id = None
         reply = _serve_call(func, args, kwargs, caller, context_id, ops, rref_id, profile)
@@ -72,7 +72,7 @@ def _serve_plain(caller, msg_type, payload, rrefs, tensors, rref_id):
         try:
             func, args, kwargs = _unpack_call(payload, rrefs, tensors)
         except (AttributeError, ModuleNotFoundError, ImportError) as e:
-            raise _not_found(e) from None
+            _not_found(e)
         if func is _call_method or _contexts._tls.ctx is not None or server_profiler._active:
             reply = _serve_call(func, args, kwargs, caller, None, None, rref_id)
         else:
@@ -114,15 +114,18 @@ def _unloaded(e):
     if not isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
         return _failed(e)
     try:
-        raise _not_found(e) from None
+        _not_found(e)
     except RuntimeError as found:
         return _failed(found)
 
 
 def _not_found(e):
-    """The error for a call whose function this worker cannot find (e,
-    unpickling it), with torch's hint."""
-    return RuntimeError(f"{e}. {_UDF_HINT}")
+    """Raises the error for a call whose function or arguments this worker
+    cannot find (e, unpickling them), with torch's hint. Raised here, so
+    that its traceback (_failed's text) is this frame whichever handler
+    met e: _serve_plain, _run_function, or _unloaded for the C half's fast
+    path."""
+    raise RuntimeError(f"{e}. {_UDF_HINT}") from None
 
 
 def _failed(e):
