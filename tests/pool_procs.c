@@ -47,7 +47,12 @@ static uint64_t rnd(struct worker *w)
 }
 
 /* A stamp: the owner, a sequence number, and the block's size, written at
- * both ends of the block. */
+ * both ends of the block. Its words are written and read as relaxed
+ * atomics: a block's bytes pass between processes, ordered by the pool's
+ * own atomics, which TSan sees only in the process that made them; a
+ * block this process wrote, freed, and another process reused and
+ * stamped, would read as a race with that earlier write (the check is
+ * the stamps' values, not their order). */
 static void stamp(struct shm_pool *p, uint64_t off, uint64_t s)
 {
 	int64_t size = pool_block_size(p, off);
@@ -55,19 +60,21 @@ static void stamp(struct shm_pool *p, uint64_t off, uint64_t s)
 
 	CHECK(size > 0, "fresh block %llu: %s", (unsigned long long)off, shmrpc_errmsg());
 	q = pool_at(p, off, (uint64_t)size);
-	q[0] = s;
-	q[1] = (uint64_t)size;
-	q[size / 8 - 1] = ~s;
+	__atomic_store_n(&q[0], s, __ATOMIC_RELAXED);
+	__atomic_store_n(&q[1], (uint64_t)size, __ATOMIC_RELAXED);
+	__atomic_store_n(&q[size / 8 - 1], ~s, __ATOMIC_RELAXED);
 }
 
 /* The stamp read at off: 0 when torn (two owners wrote the block). */
 static uint64_t stamp_of(struct shm_pool *p, uint64_t off)
 {
-	const uint64_t *q = pool_at(p, off, 16);
-	uint64_t s = q[0], size = q[1];
-	const uint64_t *end = pool_at(p, off, size);
+	uint64_t *q = pool_at(p, off, 16);
+	uint64_t s = __atomic_load_n(&q[0], __ATOMIC_RELAXED);
+	uint64_t size = __atomic_load_n(&q[1], __ATOMIC_RELAXED);
+	uint64_t *end = pool_at(p, off, size);
 
-	return size >= 64 && end && end[size / 8 - 1] == ~s ? s : 0;
+	return size >= 64 && end && __atomic_load_n(&end[size / 8 - 1], __ATOMIC_RELAXED) == ~s
+	       ? s : 0;
 }
 
 static uint64_t block_bytes(struct worker *w)
