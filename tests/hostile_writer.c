@@ -372,7 +372,6 @@ static void scribble(const char *kind, uint64_t small_off, uint64_t large_off)
 	pool_detach(&p);
 }
 
-/* Worker 1's slot, seen from worker 0: what it found corrupt. */
 /* Worker rank's corrupt_found (what it found) or, !found, its
  * replies_taken, replies_watched and servers_watched together (each 0
  * once it restored a stray 1: where its threads do not take their
@@ -464,9 +463,20 @@ static int worker(void)
 			CHECK(found_by(1) & bit, "%s: worker 1 found nothing", k->name);
 		}
 		if (!strcmp(k->name, "promises")) {
-			for (int i = 0; i < 1000 && slot_word(1, false); i++)
-				usleep(10000);
-			CHECK(!slot_word(1, false), "promises: worker 1 left a stray replies_taken, "
+			/* While its load runs, worker 1's threads write 1 in
+			 * these words of their own (a call spinning for its
+			 * reply, the idle spinner): one look can see theirs.
+			 * Its load stopped, nothing of it watches: the words
+			 * must read 0 and stay so. */
+			int zeros = 0;
+
+			CHECK_OK(shmrpc_rpc_sync(1, "stop", NULL, 0, 20000, &f));
+			shmrpc_future_free(f);
+			for (int i = 0; i < 2000 && zeros < 20; i++) {
+				zeros = slot_word(1, false) ? 0 : zeros + 1;
+				usleep(5000);
+			}
+			CHECK(zeros >= 20, "promises: worker 1 left a stray replies_taken, "
 			      "replies_watched or servers_watched");
 		}
 		fprintf(stderr, "hostile %s: %d steps failed naming %s\n", k->name, failed,
