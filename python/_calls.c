@@ -479,14 +479,14 @@ static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
 	return -1;
 }
 
-/* The tensor that a value of one common tensor is (_marshal._TENSORS:
- * the mark, no pickle, one handle), from the message msg, as _result
- * gives it; NULL with an exception set. */
-static PyObject *tensor_value(PyObject *msg)
+/* The torch tensor that a value of one common tensor is (_marshal._TENSORS:
+ * the mark, no pickle, one handle), from its message m, as _result gives
+ * it; NULL with an exception set. */
+static PyObject *tensor_value(const struct python_msg *m, bool take)
 {
-	PyObject *tuple = take_torch_of(PyTuple_GetItem(msg, 2)), *t = NULL;
+	PyObject *tuple = torch_of_handles(m->tensors, 1, take), *t = NULL;
 
-	if (tuple && PyTuple_Size(tuple) == 1)
+	if (tuple)
 		t = new_ref(PyTuple_GetItem(tuple, 0));
 	Py_XDECREF(tuple);
 	return t;
@@ -496,8 +496,10 @@ static PyObject *tensor_value(PyObject *msg)
  * it: the empty pickle None, a bare pickle unpickled here, one common
  * tensor taken here, anything else (RRefs, other tensors, a
  * RemoteException to raise) by _result itself; the live mark (an RRef's
- * value its owner keeps, _marshal._LIVE) is fast.general, no error set. */
-static PyObject *reply_value(shmrpc_future *f)
+ * value its owner keeps, _marshal._LIVE) is fast.general, no error set.
+ * take: f is the caller's alone, and read once (rpc_sync's): its tensor
+ * gives its reference to the torch tensor (torch_of_handles). */
+static PyObject *reply_value(shmrpc_future *f, bool take)
 {
 	const shmrpc_value *v = shmrpc_future_value(f);
 	struct arena a = { 0 };
@@ -515,8 +517,12 @@ static PyObject *reply_value(shmrpc_future *f)
 	else if (bare && (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
 		value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL);
 		Py_DECREF(data);
+	} else if (tensor) {
+		value = tensor_value(&m, take);
 	}
 	arena_free(&a);
+	if (tensor)
+		return value;
 	if (bare) {
 		if (!value || value == fast.general ||
 		    (is_exc = PyObject_IsInstance(value, fast.remote_exc)) == 0)
@@ -527,7 +533,7 @@ static PyObject *reply_value(shmrpc_future *f)
 	}
 	if (!(msg = msg_to_py(v)))
 		return NULL;
-	value = tensor ? tensor_value(msg) : PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
+	value = PyObject_CallFunctionObjArgs(fast.result, msg, NULL);
 	Py_DECREF(msg);
 	return value;
 }
@@ -601,7 +607,7 @@ static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_future_wait(f, -1);
 	Py_END_ALLOW_THREADS
-	if ((res = rc ? wait_failed(rc) : reply_value(f)) == fast.general) {
+	if ((res = rc ? wait_failed(rc) : reply_value(f, true)) == fast.general) {
 		Py_CLEAR(res);
 		PyErr_SetString(PyExc_RuntimeError, "a Python call's reply was an RRef's live mark");
 	}
@@ -665,7 +671,7 @@ static PyObject *mod_rref_value(PyObject *m, PyObject *a)
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_rref_to_here(HANDLE(handle), SHMRPC_TIMEOUT_DEFAULT, &f);
 	Py_END_ALLOW_THREADS
-	if ((res = rc ? wait_failed(rc) : reply_value(f)) && res != fast.general)
+	if ((res = rc ? wait_failed(rc) : reply_value(f, false)) && res != fast.general)
 		common_count++;
 	shmrpc_future_free(f);
 	return res;

@@ -130,22 +130,20 @@ static bool tensors_form(const char *p, size_t len, size_t head)
 }
 
 /* The (args, {}) of a call of common tensors alone: the message's
- * tensors as torch tensors, each holding its handle (take_torch, as
- * _from_handles gives them). New reference; NULL with no exception where
- * the plain handler must take them (an error cleared: it meets it
- * again, from the message's own handles, which these objects copied). */
+ * tensors as torch tensors, as _from_handles gives them, each taking its
+ * handle's reference over (torch_of_handles: the message's handles are
+ * spent, and the plain handler cannot read them after). New reference;
+ * NULL with an exception set, answered as the plain handler answers what
+ * _from_handles raises (_unloaded). */
 static PyObject *tensors_taken(const struct python_msg *m)
 {
-	PyObject *objs = handle_objects((void *const *)m->tensors, m->ntensors, false);
-	PyObject *args = objs ? take_torch_of(objs) : NULL, *call = NULL, *kwargs;
+	PyObject *args = torch_of_handles(m->tensors, m->ntensors, true), *call = NULL, *kwargs;
 
 	if (args && (kwargs = PyDict_New())) {
 		call = PyTuple_Pack(2, args, kwargs);
 		Py_DECREF(kwargs);
 	}
 	Py_XDECREF(args);
-	Py_XDECREF(objs);
-	PyErr_Clear();
 	return call;
 }
 
@@ -416,14 +414,15 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 		return 0;
 	Py_INCREF(hold);
 	if (!(func = named_func(&f, p, head)) ||
-	    (tensors && !(call = tensors_taken(m))) ||
 	    (!tensors && head < m->len && !(call = call_loaded(&f, p + head, m->len - head)) &&
 	     !PyErr_Occurred())) {
 		Py_XDECREF(func);
 		Py_DECREF(hold);
 		return 0;
 	}
-	if (PyErr_Occurred()) /* the arguments' pickle raised it */
+	if (tensors) /* last: the plain handler could not read them after */
+		call = tensors_taken(m);
+	if (PyErr_Occurred()) /* the arguments' pickle or their take raised it */
 		*reply = failed_reply(f.unloaded);
 	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id)))
 		*reply = failed_reply(f.failed);

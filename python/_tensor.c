@@ -116,7 +116,6 @@ PyObject *take_capsule(PyObject *obj)
 {
 	const DLTensor *dl;
 	DLManagedTensor *dm;
-	PyObject *cap;
 	int rc;
 
 	if (!PyObject_TypeCheck(obj, (PyTypeObject *)TensorType)) {
@@ -134,7 +133,16 @@ PyObject *take_capsule(PyObject *obj)
 	if ((rc = shmrpc_tensor_to_dlpack(HANDLE(obj), &dm)))
 		return fail(rc);
 	HANDLE(obj) = NULL; /* dm owns t now */
-	if (!(cap = PyCapsule_New(dm, "dltensor", capsule_free)))
+	return capsule_of(dm);
+}
+
+/* A DLPack capsule of dm, which it owns from now on (dm deleted if the
+ * capsule cannot be made). NULL with an exception set. */
+PyObject *capsule_of(DLManagedTensor *dm)
+{
+	PyObject *cap = PyCapsule_New(dm, "dltensor", capsule_free);
+
+	if (!cap)
 		dm->deleter(dm);
 	return cap;
 }

@@ -283,6 +283,23 @@ bool torch_known(void)
 	return from_dlpack != NULL;
 }
 
+static PyObject *not_known(void)
+{
+	PyErr_SetString(PyExc_RuntimeError, "take_torch: torch is not known to shmrpc yet "
+			"(_marshal._know_torch runs first)");
+	return NULL;
+}
+
+/* torch's tensor of DLPack capsule cap (NULL: its error is set), which it
+ * consumes; cap's reference dropped. NULL with an exception set. */
+static PyObject *torch_of_capsule(PyObject *cap)
+{
+	PyObject *t = cap ? PyObject_CallFunctionObjArgs(from_dlpack, cap, NULL) : NULL;
+
+	Py_XDECREF(cap);
+	return t;
+}
+
 /* take_torch(handles: list) -> (torch tensor...) of received host handles,
  * each holding its handle's own reference (take_capsule: the handles are
  * the message's, used once, and left empty). A tuple: a call's arguments
@@ -292,11 +309,8 @@ PyObject *take_torch_of(PyObject *handles)
 	Py_ssize_t n;
 	PyObject *tuple;
 
-	if (!from_dlpack) {
-		PyErr_SetString(PyExc_RuntimeError, "take_torch: torch is not known to shmrpc yet "
-				"(_marshal._know_torch runs first)");
-		return NULL;
-	}
+	if (!from_dlpack)
+		return not_known();
 	if (!PyList_Check(handles)) {
 		PyErr_SetString(PyExc_TypeError, "take_torch: a message's tensors come in a list");
 		return NULL;
@@ -305,10 +319,55 @@ PyObject *take_torch_of(PyObject *handles)
 	if (!(tuple = PyTuple_New(n)))
 		return NULL;
 	for (Py_ssize_t i = 0; i < n; i++) {
-		PyObject *cap = take_capsule(PyList_GetItem(handles, i)), *t;
+		PyObject *t = torch_of_capsule(take_capsule(PyList_GetItem(handles, i)));
 
-		t = cap ? PyObject_CallFunctionObjArgs(from_dlpack, cap, NULL) : NULL;
-		Py_XDECREF(cap);
+		if (!t) {
+			Py_DECREF(tuple); /* the tensors made so far free their blocks */
+			return NULL;
+		}
+		PyTuple_SetItem(tuple, i, t); /* steals t */
+	}
+	return tuple;
+}
+
+/* The torch tensor of received host handle h, with a reference of its
+ * own: h's (take: python_tensor_take, h spent) or one retained, the new
+ * handle given to the capsule torch consumes. No Tensor object between,
+ * as take_torch's handles are (a call's arguments and a reply's value,
+ * read in C: python/_serve_fast.c, _calls.c). NULL with an exception
+ * set. */
+static PyObject *torch_of(shmrpc_tensor *h, bool take)
+{
+	const DLTensor *dl = shmrpc_tensor_dl(h);
+	DLManagedTensor *dm;
+	shmrpc_tensor *t;
+	int rc;
+
+	if (!dl || dl->device.device_type != kDLCPU) {
+		PyErr_SetString(PyExc_TypeError, "take_torch: a host tensor is needed (a CUDA "
+				"tensor's consumer names its stream: __dlpack__(stream))");
+		return NULL;
+	}
+	if ((rc = take ? python_tensor_take(h, &t) : shmrpc_tensor_retain(h, &t)))
+		return fail(rc);
+	if ((rc = shmrpc_tensor_to_dlpack(t, &dm))) {
+		shmrpc_tensor_free(t);
+		return fail(rc);
+	}
+	return torch_of_capsule(capsule_of(dm));
+}
+
+PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take)
+{
+	PyObject *tuple;
+
+	if (!from_dlpack)
+		return not_known();
+	if (!(tuple = PyTuple_New(n)))
+		return NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		PyObject *t = torch_of(h[i], take);
+
 		if (!t) {
 			Py_DECREF(tuple); /* the tensors made so far free their blocks */
 			return NULL;

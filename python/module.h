@@ -49,6 +49,9 @@ PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *s
 /* A DLPack capsule holding a host Tensor's own reference, the Tensor left
  * empty (take_dlpack). NULL with an exception set. */
 PyObject *take_capsule(PyObject *obj);
+/* A DLPack capsule owning dm (deleted if none can be made). NULL with an
+ * exception set. */
+PyObject *capsule_of(DLManagedTensor *dm);
 
 /* _torch.c: torch_handle(obj) from C: obj's handle when it is the common
  * tensor, else None; NULL with an exception set. */
@@ -61,6 +64,11 @@ PyObject *torch_handles_of(PyObject *args);
  * message's list of host handles, each taking its handle's reference;
  * NULL with an exception set (also before torch is known). */
 PyObject *take_torch_of(PyObject *handles);
+/* The torch tensors (a tuple) of a received message's n host handles h,
+ * each with a reference of its own: h's, which take gives away (the
+ * message's handles spent: python_tensor_take), or one retained; NULL
+ * with an exception set (also before torch is known). */
+PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take);
 /* Whether torch is known (know_torch ran): take_torch_of works. */
 bool torch_known(void);
 

@@ -66,6 +66,11 @@ int python_take_replies(bool on)
 	return 0;
 }
 
+int python_tensor_take(shmrpc_tensor *t, shmrpc_tensor **out)
+{
+	return tensor_take_over(t, out);
+}
+
 int python_rank_named(const char *name)
 {
 	struct agent *ag;

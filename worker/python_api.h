@@ -70,6 +70,12 @@ SHMRPC_HIDDEN bool python_on_executor(void);
  * turning it off without an agent is nothing. */
 SHMRPC_HIDDEN int python_take_replies(bool on);
 
+/* A received message's tensor t made the binding's own: a new handle in
+ * *out with t's reference, t keeping none (tensor_take_over), where
+ * nothing reads t's bytes after: a request's tensors in the handler that
+ * serves it, a reply's taken by the one waiting for it. */
+SHMRPC_HIDDEN int python_tensor_take(shmrpc_tensor *t, shmrpc_tensor **out);
+
 /* The rank of the worker named name (a call's destination by name):
  * shmrpc_get_worker_info's, without formatting its name; -ENOENT or
  * -ENOTCONN, with the error's sentence. */

@@ -184,6 +184,9 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 		}
 		return rc;
 	}
+	if (t->spent)
+		return shmrpc__fail(-EINVAL, "this tensor handle gave its reference to another "
+				    "(a received message's, read once): retain that one");
 	if ((rc = tensor_pool_get(&p)))
 		return rc;
 	rc = tensor_make_handle(p, t->off, t->dl.dtype, t->dl.ndim, t->shape, out);
@@ -197,12 +200,36 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 	return rc;
 }
 
+int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out)
+{
+	int rc;
+
+	/* A device or heap tensor's reference is a count in this process:
+	 * a retain costs what a take-over would. */
+	if (t->dev || t->heap || t->spent)
+		return shmrpc_tensor_retain(t, out);
+	if ((rc = tensor_new_handle(t->dl.dtype, t->dl.ndim, t->shape, out)))
+		return rc;
+	(*out)->view = t->view;
+	/* Relaxed: t's own reference keeps the count above zero. */
+	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
+	(*out)->off = t->off;
+	(*out)->dl.data = t->dl.data;
+	(*out)->dl.device = t->dl.device;
+	t->spent = true;
+	return 0;
+}
+
 void shmrpc_tensor_free(shmrpc_tensor *t)
 {
 	struct agent *ag = worker_agent;
 
 	if (!t)
 		return;
+	if (t->spent) {
+		tensor_handle_discard(t);
+		return;
+	}
 	if (t->dev || t->heap) {
 		if (t->dev)
 			tensor_dev_put(t->dev);

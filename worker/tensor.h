@@ -116,6 +116,10 @@ struct shmrpc_tensor {
 	uint64_t nbytes;
 	DLTensor dl;
 	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
+	/* Its pool reference went to another handle (tensor_take_over): it
+	 * describes the bytes still (tensor_list_covers reads it), and its
+	 * free drops nothing. */
+	bool spent;
 };
 
 /* The handles a message or a value holds: tensors and RRefs. take: when
@@ -150,6 +154,13 @@ struct tensor_list {
 	/* When decoding: how many of the handles came covered (no ack owed). */
 	uint32_t ncovered;
 };
+
+/* A new handle of t's bytes with t's reference, which t gives up (spent):
+ * for a handle its holder reads no more, as a received message's once the
+ * binding made its objects of it, the pool's count and records left as
+ * they are (shmrpc_tensor_retain would take a reference that t's free
+ * then drops). A device or heap tensor, or a spent one, is retained. */
+SHMRPC_HIDDEN int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out);
 
 /* The agent's view of its pool: made when it attaches (one reference, the
  * agent's), dropped when it detaches; unmapped by the last holder. */

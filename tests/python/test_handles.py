@@ -162,3 +162,45 @@ def test_reply_failing_as_it_is_sent():
     assert bool((got == 9.0).all()), "the callee serves on"
     del got
     assert settles(1, base), f"the callee holds {pool_refs(1)} references, {base} before"
+
+
+def keep_arg(x):
+    """Keeps its argument past the call (and says whether the C way served
+    it: neither package handler on the stack), returning it."""
+    import sys
+    from shmrpc import _serve
+    frame, way = sys._getframe(), "C"
+    while frame is not None:
+        if frame.f_code in (_serve._serve_plain.__code__, _serve._run_function.__code__):
+            way = frame.f_code.co_name
+        frame = frame.f_back
+    _kept.setdefault("args", []).append((way, x))
+    return x
+
+
+def kept_args():
+    """The ways that served keep_arg, and the sums of the tensors kept."""
+    return [(way, float(x.sum())) for way, x in _kept.pop("args")]
+
+
+def test_taken_handles_outlive_their_messages():
+    """The C ways give a received message's handle to the torch tensor made
+    of it (the handle spent, its reference moved: python_tensor_take): the
+    callee's argument and the caller's reply outlive their messages, and
+    blocks freed meanwhile do not take their bytes; once dropped, each side
+    holds what it held before."""
+    base0, base1 = pool_refs(0), pool_refs(1)
+    calls = rpc._shmrpc.common_calls()
+    rpc.rpc_sync(CALLEE, keep_arg, args=(torch.zeros(1),))  # the callee caches the name
+    mine = [rpc.empty(256, "float32", like="torch").fill_(i) for i in range(6)]
+    back = [rpc.rpc_sync(CALLEE, keep_arg, args=(t,)) for t in mine]
+    assert rpc._shmrpc.common_calls() - calls == 7, "the caller's C way made the calls"
+    del mine  # the replies hold the blocks now, with the callee's kept tensors
+    churn = [rpc.empty(256, "float32", like="torch").fill_(-1) for _ in range(32)]
+    del churn
+    assert [float(t.sum()) for t in back] == [256.0 * i for i in range(6)]
+    assert rpc.rpc_sync(CALLEE, kept_args) == \
+        [("_serve_plain", 0.0)] + [("C", 256.0 * i) for i in range(6)]
+    del back
+    assert settles(1, base1), f"the callee holds {pool_refs(1)} references, {base1} before"
+    assert settles(0, base0), f"the caller holds {pool_refs(0)} references, {base0} before"
