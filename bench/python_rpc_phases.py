@@ -1,12 +1,13 @@
 """Where a Python call's time goes, phase by phase, in a real two-worker
 job: no perf needed (the 16-core device machine has none). Prints
 
-  BENCH py_phases op=rpc_sync|remote_to_here mode=MODE calls= total_ns=
+  BENCH py_phases op=rpc_sync|remote_to_here|echo mode=MODE calls= total_ns=
         caller_send_ns= to_callee_ns= queued_ns= callee_in_ns= callee_out_ns=
         to_caller_ns= caller_return_ns= python_pct=
 
 Rank 0 makes empty calls to rank 1 (rpc_sync, and remote()+to_here() of
-None with its RRef dropped) in batches, each call between two
+None with its RRef dropped), and with torch the rpc_sync echo of a 1 KiB
+tensor of the pool (shmrpc.empty), in batches, each call between two
 time.perf_counter_ns() stamps; the function called stamps when it runs.
 After each batch both workers' flight recorders are read
 (shmrpc-inspect --json --trace) and each call's records found by its
@@ -59,6 +60,11 @@ STAMPS = []  # rank 1: when each call's function ran
 
 def stamp():
     STAMPS.append(time.perf_counter_ns())
+
+
+def stamp_echo(t):
+    STAMPS.append(time.perf_counter_ns())
+    return t
 
 
 def take_stamps():
@@ -148,6 +154,12 @@ def worker(out, quick):
         batches = 5 if quick else 30
         ops = {"rpc_sync": lambda: rpc.rpc_sync("w1", stamp),
                "remote_to_here": lambda: rpc.remote("w1", stamp).to_here()}
+        try:
+            import torch  # noqa: F401 (the echo's tensor is a torch tensor)
+            t = rpc.empty(1024, "uint8", like="torch")
+            ops["echo"] = lambda: rpc.rpc_sync("w1", stamp_echo, args=(t,))
+        except ImportError:
+            pass
         fig = {name: measure(rpc, op, batches, inspect) for name, op in ops.items()}
         with open(out, "w") as f:
             json.dump(fig, f)

@@ -294,12 +294,14 @@ static PyObject *general_reply(const struct fast_objs *f, uint32_t caller, PyObj
 	return reply;
 }
 
-/* The reply of result, not None: for a remote call (rref_id) _reply's (its
- * pickle, or the live mark with the value kept here); for a call one
- * common tensor's handle after the mark, as _dumps gives it (asked here
- * once torch is known), or _dumps' itself. Steals result; new reference,
- * or NULL with an exception set. */
-static PyObject *result_reply(const struct fast_objs *f, PyObject *result, uint64_t rref_id)
+/* The reply of result, not None, to request m: for a remote call
+ * (rref_id) _reply's (its pickle, or the live mark with the value kept
+ * here); for a call one common tensor's handle after the mark, as _dumps
+ * gives it (asked here once torch is known; one of m's tensors sent back,
+ * described without a reference: torch_reply_handle), or _dumps' itself.
+ * Steals result; new reference, or NULL with an exception set. */
+static PyObject *result_reply(const struct fast_objs *f, PyObject *result, uint64_t rref_id,
+			      const struct python_msg *m)
 {
 	PyObject *handle = NULL, *reply = NULL, *id;
 
@@ -307,7 +309,8 @@ static PyObject *result_reply(const struct fast_objs *f, PyObject *result, uint6
 		if ((id = PyLong_FromUnsignedLongLong(rref_id)))
 			reply = PyObject_CallFunctionObjArgs(f->reply, result, id, NULL);
 		Py_XDECREF(id);
-	} else if (torch_known() && !(handle = torch_handle_of(result))) {
+	} else if (torch_known() &&
+		   !(handle = torch_reply_handle(result, m->tensors, m->ntensors))) {
 		reply = NULL;
 	} else if (handle && handle != Py_None) {
 		reply = Py_BuildValue("(O[][N])", tensors_mark, handle); /* steals handle */
@@ -350,14 +353,14 @@ static PyObject *called(PyObject *func, PyObject *call)
 	return PyObject_Call(func, PyTuple_GetItem(call, 0), PyDict_Size(kwargs) ? kwargs : NULL);
 }
 
-/* The reply to the call of func (call: as called's; rref_id a remote
+/* The reply to request m, the call of func (call: as called's; rref_id a remote
  * call's RRef, or 0), as _serve_plain's try block makes it: _serve_call's
  * where general_way says so; else the function's result, waited for if
  * async_execution's (async_waited), the empty pickle for None,
  * result_reply's otherwise; a live value's marked (live_marked). New
  * reference; NULL with an exception set. */
 static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
-			    PyObject *call, uint64_t rref_id)
+			    PyObject *call, uint64_t rref_id, const struct python_msg *m)
 {
 	PyObject *result;
 	int general = general_way(f, func);
@@ -371,7 +374,7 @@ static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject
 		Py_DECREF(result);
 		return new_ref(empty_reply);
 	}
-	return result ? live_marked(result_reply(f, result, rref_id)) : NULL;
+	return result ? live_marked(result_reply(f, result, rref_id, m)) : NULL;
 }
 
 /* answer(e) of the exception pending: _failed's (what the function
@@ -424,7 +427,7 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 		call = tensors_taken(m);
 	if (PyErr_Occurred()) /* the arguments' pickle or their take raised it */
 		*reply = failed_reply(f.unloaded);
-	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id)))
+	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id, m)))
 		*reply = failed_reply(f.failed);
 	Py_XDECREF(call);
 	Py_DECREF(func);

@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <string.h>
 
 #include "shmrpc.h"
 #include "python/module.h"
@@ -219,6 +220,29 @@ PyObject *torch_handle_of(PyObject *obj)
 	int ok = torch_plain(obj, &p);
 
 	return ok == 1 ? plain_handle(&p) : ok == 0 ? new_ref(Py_None) : NULL;
+}
+
+PyObject *torch_reply_handle(PyObject *obj, shmrpc_tensor *const *req, uint32_t n)
+{
+	struct plain p;
+	int ok = torch_plain(obj, &p);
+
+	if (ok != 1)
+		return ok == 0 ? new_ref(Py_None) : NULL;
+	for (uint32_t i = 0; i < n; i++) {
+		const DLTensor *dl = shmrpc_tensor_dl(req[i]);
+		shmrpc_tensor *t;
+		int rc;
+
+		if (dl && dl->device.device_type == kDLCPU && (uintptr_t)dl->data == p.addr &&
+		    dl->dtype.code == p.dtype.code && dl->dtype.bits == p.dtype.bits &&
+		    dl->dtype.lanes == p.dtype.lanes && dl->ndim == p.ndim &&
+		    !memcmp(dl->shape, p.shape, (size_t)p.ndim * sizeof(*p.shape))) {
+			rc = python_tensor_echoed(req[i], &t);
+			return rc ? fail(rc) : tensor_wrap(t);
+		}
+	}
+	return plain_handle(&p);
 }
 
 static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)

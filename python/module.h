@@ -56,6 +56,13 @@ PyObject *capsule_of(DLManagedTensor *dm);
 /* _torch.c: torch_handle(obj) from C: obj's handle when it is the common
  * tensor, else None; NULL with an exception set. */
 PyObject *torch_handle_of(PyObject *obj);
+/* torch_handle_of(obj) for a reply to a request whose tensors are req[n]:
+ * where obj is the common tensor on the bytes of one of them (the same
+ * address, dtype and shape: an echo), that one's handle without a
+ * reference of its own (python_tensor_echoed: the reply carries it
+ * covered, and the caller's request pin keeps the block); else
+ * torch_handle_of's answer. */
+PyObject *torch_reply_handle(PyObject *obj, shmrpc_tensor *const *req, uint32_t n);
 /* torch_handles(args), args a call's tuple, from C: [handle...]
  * when every argument is the common tensor, each given once, else None;
  * NULL with an exception set. */

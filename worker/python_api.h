@@ -76,6 +76,12 @@ SHMRPC_HIDDEN int python_take_replies(bool on);
  * serves it, a reply's taken by the one waiting for it. */
 SHMRPC_HIDDEN int python_tensor_take(shmrpc_tensor *t, shmrpc_tensor **out);
 
+/* The handle of a reply's tensor that is the request's tensor t (the same
+ * pool block, bytes, dtype and shape), served in the binding's fast path:
+ * without a reference of its own (tensor_described), the caller's request
+ * pin keeping the block; a device or heap tensor's is retained. */
+SHMRPC_HIDDEN int python_tensor_echoed(shmrpc_tensor *t, shmrpc_tensor **out);
+
 /* The rank of the worker named name (a call's destination by name):
  * shmrpc_get_worker_info's, without formatting its name; -ENOENT or
  * -ENOTCONN, with the error's sentence. */

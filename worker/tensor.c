@@ -200,6 +200,22 @@ int shmrpc_tensor_retain(shmrpc_tensor *t, shmrpc_tensor **out)
 	return rc;
 }
 
+/* A new handle of pool tensor t's bytes, without a pool reference. */
+static int same_bytes(const shmrpc_tensor *t, shmrpc_tensor **out)
+{
+	int rc = tensor_new_handle(t->dl.dtype, t->dl.ndim, t->shape, out);
+
+	if (rc)
+		return rc;
+	(*out)->view = t->view;
+	/* Relaxed: t's own reference keeps the count above zero. */
+	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
+	(*out)->off = t->off;
+	(*out)->dl.data = t->dl.data;
+	(*out)->dl.device = t->dl.device;
+	return 0;
+}
+
 int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out)
 {
 	int rc;
@@ -208,16 +224,21 @@ int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out)
 	 * a retain costs what a take-over would. */
 	if (t->dev || t->heap || t->spent)
 		return shmrpc_tensor_retain(t, out);
-	if ((rc = tensor_new_handle(t->dl.dtype, t->dl.ndim, t->shape, out)))
-		return rc;
-	(*out)->view = t->view;
-	/* Relaxed: t's own reference keeps the count above zero. */
-	atomic_fetch_add_explicit(&t->view->refs, 1, memory_order_relaxed);
-	(*out)->off = t->off;
-	(*out)->dl.data = t->dl.data;
-	(*out)->dl.device = t->dl.device;
-	t->spent = true;
-	return 0;
+	if ((rc = same_bytes(t, out)) == 0)
+		t->spent = true;
+	return rc;
+}
+
+int tensor_described(const shmrpc_tensor *t, shmrpc_tensor **out)
+{
+	int rc;
+
+	if (t->dev || t->heap)
+		return shmrpc__fail(-EINVAL, "only a pool tensor's handle can be described "
+				    "without a reference");
+	if ((rc = same_bytes(t, out)) == 0)
+		(*out)->spent = true;
+	return rc;
 }
 
 void shmrpc_tensor_free(shmrpc_tensor *t)

@@ -162,6 +162,13 @@ struct tensor_list {
  * then drops). A device or heap tensor, or a spent one, is retained. */
 SHMRPC_HIDDEN int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out);
 
+/* A new handle of pool tensor t's bytes with no reference of its own
+ * (spent from the start): for a reply's tensor that is one of its
+ * request's (tensor_list_covers), which the reply only describes: the
+ * caller's request pin keeps the block until it has unpacked the reply.
+ * -EINVAL for a device or heap tensor. */
+SHMRPC_HIDDEN int tensor_described(const shmrpc_tensor *t, shmrpc_tensor **out);
+
 /* The agent's view of its pool: made when it attaches (one reference, the
  * agent's), dropped when it detaches; unmapped by the last holder. */
 SHMRPC_HIDDEN int tensor_view_open(struct shm_pool *p, struct tensor_view **out);
