@@ -461,8 +461,10 @@ static void raise_from_none(PyObject *make, bool by_text)
 static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
 		     shmrpc_future **f)
 {
+	/* give: the tensors' handles are torch_handles' own, dropped after the
+	 * send (their Tensors' only holder is that list). */
 	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL,
-				     .context_id = -1 };
+				     .context_id = -1, .give = true };
 	int rc;
 
 	if (msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg))

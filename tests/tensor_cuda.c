@@ -169,7 +169,7 @@ static void edges(shmrpc_tensor *t)
 	memcpy(wire + 20, &ndim, 4);
 	memcpy(wire + 24, &vulkan, 4);
 	memcpy(wire + 32, &(int64_t){ 16 }, 8);
-	CHECK(tensor_unpack((const char *)wire, sizeof(wire), NULL, &cpu) == -ENOTSUP &&
+	CHECK(tensor_unpack((const char *)wire, sizeof(wire), NULL, NULL, &cpu) == -ENOTSUP &&
 	      strstr(shmrpc_errmsg(), "device type 7 came in"), "a Vulkan descriptor: %s",
 	      shmrpc_errmsg());
 	CHECK_OK(shmrpc_tensor_alloc((DLDataType){ kDLUInt, 8, 1 }, 1, shape, &cpu));

@@ -110,7 +110,9 @@ int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
 			continue; /* went inline: its bytes are in the message */
 		if (i < sent->n && sent->covers && tensor_list_covers(sent->covers, s))
 			continue; /* the caller's request pin keeps it */
-		rc = shmrpc_tensor_retain(s, &t);
+		if (sent->give && s->spent)
+			continue; /* given already: listed twice */
+		rc = sent->give && i < sent->n ? tensor_take_over(s, &t) : shmrpc_tensor_retain(s, &t);
 		if (rc == 0 && (rc = tensor_list_add(held, t)))
 			shmrpc_tensor_free(t);
 	}

@@ -116,6 +116,7 @@ static void finish(shmrpc_future *f)
 
 uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 {
+	struct pin *pin;
 	uint32_t ntensors;
 	size_t used;
 	int rc;
@@ -126,13 +127,17 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 		pins_release(f->dst, f->msg_id, PIN_REQUEST);
 		return 0;
 	}
-	rc = value_unpack(buf, len, &f->arena, &f->value, &used, &f->tensors);
 	/* The request's pin kept the blocks of the reply's covered tensors
-	 * (VALUE_EXT_TENSOR_COVERED) until now: we hold our own references to
-	 * them, as the callee does to the request's. Released before
+	 * (VALUE_EXT_TENSOR_COVERED) until now: its handles give them their
+	 * references (an echo's block changes no count), and we hold our own
+	 * to them, as the callee does to the request's. Released before
 	 * finish(), as it was before the unpack: a caller woken by its reply
 	 * finds the pool as the call left it. */
-	pins_release(f->dst, f->msg_id, PIN_REQUEST);
+	pin = pins_take(f->dst, f->msg_id, PIN_REQUEST);
+	f->tensors.pinned = pins_held(pin);
+	rc = value_unpack(buf, len, &f->arena, &f->value, &used, &f->tensors);
+	f->tensors.pinned = NULL;
+	pins_drop(pin);
 	if (rc == 0 && used != len)
 		rc = shmrpc__fail(-EBADMSG, "a reply of %zu bytes holds %zu bytes after its value",
 				  len, len - used);

@@ -64,20 +64,53 @@ int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_l
 	return 0;
 }
 
-enum pin_match { MATCH_ONE, MATCH_PEER, MATCH_ALL };
-
-/* Takes out the pins that match; frees them after the lock is dropped. */
-static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+/* A pin taken out of the list goes: its UNPINNED (status), its handles. */
+static void drop(struct pin *pin, uint32_t status)
 {
-	static const uint32_t status[] = { [MATCH_ONE] = SHM_TRACE_OK,
-					   [MATCH_PEER] = SHM_TRACE_PEER_DEAD,
-					   [MATCH_ALL] = SHM_TRACE_SHUTDOWN };
+	trace_pin(pin, SHM_TRACE_UNPINNED, status);
+	tensor_list_free(&pin->held);
+	free(pin);
+}
+
+struct pin *pins_take(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	struct pin **at, *pin;
+
+	pthread_mutex_lock(&pins.lock);
+	for (at = &pins.head; (pin = *at) && (pin->peer != peer || pin->msg_id != msg_id ||
+					      pin->kind != kind);)
+		at = &pin->next;
+	if (pin)
+		*at = pin->next;
+	pthread_mutex_unlock(&pins.lock);
+	return pin;
+}
+
+struct tensor_list *pins_held(struct pin *pin)
+{
+	return pin ? &pin->held : NULL;
+}
+
+void pins_drop(struct pin *pin)
+{
+	if (pin)
+		drop(pin, SHM_TRACE_OK);
+}
+
+void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
+{
+	pins_drop(pins_take(peer, msg_id, kind));
+}
+
+/* Takes out the pins of peer (every one if all); frees them after the
+ * lock is dropped. */
+static void release_if(bool all, uint32_t peer)
+{
 	struct pin **at, *pin, *gone = NULL;
 
 	pthread_mutex_lock(&pins.lock);
 	for (at = &pins.head; (pin = *at);) {
-		if (how == MATCH_ALL || (pin->peer == peer && (how == MATCH_PEER ||
-			(pin->msg_id == msg_id && pin->kind == kind)))) {
+		if (all || pin->peer == peer) {
 			*at = pin->next;
 			pin->next = gone;
 			gone = pin;
@@ -88,25 +121,18 @@ static void release_if(enum pin_match how, uint32_t peer, uint64_t msg_id, enum 
 	pthread_mutex_unlock(&pins.lock);
 	while ((pin = gone)) {
 		gone = pin->next;
-		trace_pin(pin, SHM_TRACE_UNPINNED, status[how]);
-		tensor_list_free(&pin->held);
-		free(pin);
+		drop(pin, all ? SHM_TRACE_SHUTDOWN : SHM_TRACE_PEER_DEAD);
 	}
-}
-
-void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind)
-{
-	release_if(MATCH_ONE, peer, msg_id, kind);
 }
 
 void pins_release_peer(uint32_t peer)
 {
-	release_if(MATCH_PEER, peer, 0, PIN_REQUEST);
+	release_if(false, peer);
 }
 
 void pins_release_all(void)
 {
-	release_if(MATCH_ALL, 0, 0, PIN_REQUEST);
+	release_if(true, 0);
 }
 
 /* ---- TENSOR_ACK ---- */

@@ -22,6 +22,14 @@ enum pin_kind {
 SHMRPC_HIDDEN int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind,
 			   struct tensor_list *sent);
 SHMRPC_HIDDEN void pins_release(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
+/* pins_release in two steps, for the reply that releases a request's pin
+ * (future_complete_packed): the pin of (peer, msg_id, kind) taken out of
+ * the list (NULL: none), its handles (pins_held) lent to the reply's
+ * decoding meanwhile (tensor_list.pinned), then pins_drop. */
+struct pin;
+SHMRPC_HIDDEN struct pin *pins_take(uint32_t peer, uint64_t msg_id, enum pin_kind kind);
+SHMRPC_HIDDEN struct tensor_list *pins_held(struct pin *pin);
+SHMRPC_HIDDEN void pins_drop(struct pin *pin);
 /* peer died: its pins, both kinds, go. */
 SHMRPC_HIDDEN void pins_release_peer(uint32_t peer);
 /* The agent stops: every pin goes. */

@@ -320,7 +320,7 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 			 shmrpc_future **out)
 {
 	struct agent *ag;
-	struct tensor_list sent = { 0 };
+	struct tensor_list sent = { .give = r->give };
 	struct arena a = { 0 };
 	msgpack_sbuffer sb;
 	msgpack_packer pk;

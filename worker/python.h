@@ -73,6 +73,11 @@ struct python_request {
 	uint64_t rref_id;   /* a remote call's RRef (0: none), for its handler too */
 	uint32_t rref_slot;
 	bool live;          /* a remote call's handler keeps the result (above) */
+	/* python_request_async: msg's tensor handles are the binding's to
+	 * give, which it frees after the call returns: the request's pin
+	 * takes their references over (tensor_list.give), and they are spent
+	 * from then on, sent or not (their free then drops nothing). */
+	bool give;
 	struct python_msg msg;
 };
 

@@ -132,6 +132,16 @@ struct tensor_list {
 	shmrpc_rref **r;
 	uint32_t nr, rcap;
 	bool take;
+	/* When encoding: the handles are the sender's to give (the binding's
+	 * own, dropped once sent): the message's pin takes each one's
+	 * reference over (tensor_take_over) instead of retaining a copy. The
+	 * handles are spent from then on, whether the message goes or not. */
+	bool give;
+	/* When decoding a reply: its request's pin (pins_take), whose handles
+	 * give their references to the reply's covered tensors of the same
+	 * bytes (tensor_unpack), instead of a new reference each that the
+	 * pin's release then drops. */
+	struct tensor_list *pinned;
 	/* When decoding: where received CUDA tensors land (devmap_landing();
 	 * NULL: on the sender's ordinal). */
 	const struct devmap_landing *land;
@@ -218,9 +228,11 @@ SHMRPC_HIDDEN int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_te
 /* A descriptor received: a new handle holding its own reference. A CUDA
  * tensor lands by land (NULL: on its own device): on another device it is
  * copied there (cuda_import_copy), the copy owned by the handle's bytes,
- * which hold the received tensor until the copy goes. */
+ * which hold the received tensor until the copy goes. pinned (a covered
+ * tensor of a reply: its request's pin, else NULL): a handle of the pin
+ * with the same bytes gives its reference over (tensor_take_over). */
 SHMRPC_HIDDEN int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
-				shmrpc_tensor **out);
+				struct tensor_list *pinned, shmrpc_tensor **out);
 
 /* How often the loop thread has a producer's exports checked while there
  * are any. */

@@ -233,9 +233,27 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 	return rc;
 }
 
-int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
-		  shmrpc_tensor **out)
+/* The handle of pinned (a request's pin) of the CPU tensor w describes
+ * (shape: its sizes), that still holds its reference; NULL if none. */
+static shmrpc_tensor *pinned_of(struct tensor_list *pinned, const struct tensor_wire *w,
+				const int64_t *shape)
 {
+	for (uint32_t i = 0; pinned && i < pinned->n; i++) {
+		shmrpc_tensor *t = pinned->t[i];
+
+		if (!t->heap && !t->dev && !t->spent && t->off == w->off && t->nbytes == w->nbytes &&
+		    t->dl.dtype.code == w->code && t->dl.dtype.bits == w->bits &&
+		    t->dl.dtype.lanes == w->lanes && t->dl.ndim == w->ndim &&
+		    !memcmp(t->shape, shape, (size_t)w->ndim * sizeof(*shape)))
+			return t;
+	}
+	return NULL;
+}
+
+int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *land,
+		  struct tensor_list *pinned, shmrpc_tensor **out)
+{
+	shmrpc_tensor *mine;
 	struct shm_pool *p;
 	struct tensor_wire w;
 	int64_t shape[SHMRPC_TENSOR_MAX_DIMS];
@@ -266,6 +284,10 @@ int tensor_unpack(const char *data, uint32_t len, const struct devmap_landing *l
 	if (w.device_id != 0)
 		return shmrpc__fail(-EBADMSG, "a CPU tensor descriptor names device %d",
 				    (int)w.device_id);
+	/* Our own handle of these bytes, which is all the descriptor can
+	 * name: its reference is ours to take. */
+	if ((mine = pinned_of(pinned, &w, shape)))
+		return tensor_take_over(mine, out);
 	/* Nothing from another process is trusted: the block must exist and hold the bytes. */
 	block = pool_block_size(p, w.off);
 	if (block < 0)

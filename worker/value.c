@@ -220,7 +220,9 @@ static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
 			shmrpc_tensor *t;
 			int rc = o->via.ext.type == VALUE_EXT_TENSOR_INLINE
 					 ? tensor_unpack_inline(o->via.ext.ptr, o->via.ext.size, &t)
-					 : tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land, &t);
+					 : tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land,
+							 o->via.ext.type == VALUE_EXT_TENSOR_COVERED
+								 ? got->pinned : NULL, &t);
 
 			/* A covered one must be a CPU tensor (as the sender
 			 * chose it): a CUDA one's event wants its pin. */
