@@ -87,6 +87,23 @@ int tensor_list_add_event(struct tensor_list *l, const struct cuda_ipc_desc *d)
 	return 0;
 }
 
+/* Whether sent's i-th tensor (its made ones after its own) is sent by
+ * reference and not covered: what a pin must hold. */
+static bool by_ref(const struct tensor_list *sent, uint32_t i)
+{
+	const shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n];
+
+	return !s->heap && !(i < sent->n && sent->covers && tensor_list_covers(sent->covers, s));
+}
+
+bool tensor_list_pins(const struct tensor_list *sent)
+{
+	for (uint32_t i = 0; i < sent->n + sent->nmade; i++)
+		if (by_ref(sent, i))
+			return true;
+	return sent->nev != 0;
+}
+
 int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
 {
 	uint32_t had = held->nev;
@@ -106,10 +123,10 @@ int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held)
 	for (uint32_t i = 0; i < sent->n + sent->nmade && rc == 0; i++) {
 		shmrpc_tensor *s = i < sent->n ? sent->t[i] : sent->made[i - sent->n], *t;
 
-		if (s->heap)
-			continue; /* went inline: its bytes are in the message */
-		if (i < sent->n && sent->covers && tensor_list_covers(sent->covers, s))
-			continue; /* the caller's request pin keeps it */
+		/* Inline (its bytes in the message), or covered (the caller's
+		 * request pin keeps it). */
+		if (!by_ref(sent, i))
+			continue;
 		if (sent->give && s->spent)
 			continue; /* given already: listed twice */
 		rc = sent->give && i < sent->n ? tensor_take_over(s, &t) : shmrpc_tensor_retain(s, &t);

@@ -41,15 +41,18 @@ static void trace_pin(const struct pin *pin, uint32_t kind, uint32_t status)
 
 int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_list *sent)
 {
-	struct pin *pin = calloc(1, sizeof(*pin));
+	struct pin *pin;
 	int rc;
 
-	if (!pin)
+	/* Nothing by reference (all inline or covered: an echo's reply):
+	 * nothing to wait for, and no pin made to find that out. */
+	if (!tensor_list_pins(sent))
+		return 0;
+	if (!(pin = calloc(1, sizeof(*pin))))
 		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
 	rc = tensor_list_hold(sent, &pin->held);
-	/* Nothing by reference (all inline): nothing to wait for. */
-	if (rc || (!pin->held.n && !pin->held.nev)) {
+	if (rc) {
 		tensor_list_free(&pin->held);
 		free(pin);
 		return rc;

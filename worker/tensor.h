@@ -203,6 +203,9 @@ SHMRPC_HIDDEN int tensor_list_add_event(struct tensor_list *l, const struct cuda
  * reference (not inline; the pool copies the encoding made included), and
  * moves sent's CUDA events there. */
 SHMRPC_HIDDEN int tensor_list_hold(struct tensor_list *sent, struct tensor_list *held);
+/* Whether tensor_list_hold(sent) would hold anything: a tensor by
+ * reference and not covered, or an event. */
+SHMRPC_HIDDEN bool tensor_list_pins(const struct tensor_list *sent);
 /* True when t, a tensor being sent, is one of request's received handles
  * by reference: a CPU pool tensor with the same block, bytes, dtype and
  * shape (a slice, a view of another shape or dtype, an inline or CUDA
