@@ -38,7 +38,9 @@ static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_layout, *s_is_contiguo
 /* A question the common tensor is asked (torch_plain): an attribute or a
  * method of torch.Tensor, found on the type once (know_torch) and asked of
  * a tensor without the lookup on its type each time (an exact
- * torch.Tensor: nothing of its own can shadow the type's). A getter is
+ * torch.Tensor: no instance attribute shadows a getter, a data
+ * descriptor; one that shadows a method, set on the tensor itself, is
+ * not asked: torch's RPC reads the tensor in C++, as this does). A getter is
  * called through its type's descr_get slot, where the interpreter gives
  * a static type's slots (3.10 and later); else, and before torch is
  * known, the attribute is looked up as usual. */

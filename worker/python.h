@@ -75,8 +75,9 @@ struct python_request {
 	bool live;          /* a remote call's handler keeps the result (above) */
 	/* python_request_async: msg's tensor handles are the binding's to
 	 * give, which it frees after the call returns: the request's pin
-	 * takes their references over (tensor_list.give), and they are spent
-	 * from then on, sent or not (their free then drops nothing). */
+	 * takes their references over (tensor_list.give). Those it took are
+	 * spent, sent or not (their free drops nothing); those it did not (a
+	 * send refused before the pin, a tensor inline) keep theirs. */
 	bool give;
 	struct python_msg msg;
 };

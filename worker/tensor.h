@@ -169,7 +169,8 @@ struct tensor_list {
  * for a handle its holder reads no more, as a received message's once the
  * binding made its objects of it, the pool's count and records left as
  * they are (shmrpc_tensor_retain would take a reference that t's free
- * then drops). A device or heap tensor, or a spent one, is retained. */
+ * then drops). A device or heap tensor is retained; a spent one is
+ * refused (-EINVAL), as by shmrpc_tensor_retain. */
 SHMRPC_HIDDEN int tensor_take_over(shmrpc_tensor *t, shmrpc_tensor **out);
 
 /* A new handle of pool tensor t's bytes with no reference of its own
