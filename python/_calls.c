@@ -249,21 +249,10 @@ static PyObject *entry_new(PyObject *named)
  * the new one): 1, 0, or -1. */
 static int entry_holds(PyObject *e, PyObject *func)
 {
-	PyObject *scope = PyTuple_GetItem(e, E_SCOPE), *found;
-	int r;
+	int r = name_holds(PyTuple_GetItem(e, E_NAMED), PyTuple_GetItem(e, E_MODULE),
+			   PyTuple_GetItem(e, E_MOD), PyTuple_GetItem(e, E_SCOPE),
+			   PyTuple_GetItem(e, E_NAME), func);
 
-	if (scope == Py_None) {
-		if (!(found = PyObject_CallMethod(PyTuple_GetItem(e, E_NAMED), "holds", NULL)))
-			return -1;
-		r = PyObject_IsTrue(found);
-		Py_DECREF(found);
-	} else {
-		found = PyDict_GetItemWithError(PyImport_GetModuleDict(),
-						PyTuple_GetItem(e, E_MODULE));
-		if (found == PyTuple_GetItem(e, E_MOD))
-			found = PyDict_GetItemWithError(scope, PyTuple_GetItem(e, E_NAME));
-		r = found == func ? 1 : PyErr_Occurred() ? -1 : 0;
-	}
 	if (r == 1 && (r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) == 1)
 		r = attr_is(func, s_qualname, PyTuple_GetItem(e, E_NAME));
 	return r;

@@ -28,7 +28,6 @@ struct fast_objs {
 	PyObject *heads;         /* _marshal._named_heads: head bytes -> _Named */
 	PyObject *named_type;    /* _marshal._Named */
 	PyObject *function_type; /* types.FunctionType */
-	PyObject *sys;           /* the module sys, for sys.modules (holds) */
 	PyObject *call_method;   /* _calls._call_method: served by _serve_call */
 	PyObject *contexts;      /* the module _contexts (_tls.ctx) */
 	PyObject *profiler;      /* the module server_profiler (_active) */
@@ -49,8 +48,7 @@ static PyObject *fast_tuple;
 static struct fast_objs fast;
 
 /* The attribute names asked, interned once (names_make). */
-static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_holds, *s_modules, *s_tls,
-	*s_ctx, *s_active, *s_dict;
+static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_tls, *s_ctx, *s_active, *s_dict;
 
 /* The empty pickle: the reply to a result of None (_serve_plain's b"");
  * the mark of a value of common tensors alone (_marshal._TENSORS); what
@@ -62,10 +60,10 @@ static PyObject *empty_reply, *tensors_mark, *live_tail;
  * exception set. */
 static int names_make(void)
 {
-	static const char *const text[] = { "func", "module", "mod", "scope", "name", "holds",
-					    "modules", "_tls", "ctx", "_active", "__dict__" };
-	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_holds,
-			       &s_modules, &s_tls, &s_ctx, &s_active, &s_dict };
+	static const char *const text[] = { "func", "module", "mod", "scope", "name",
+					    "_tls", "ctx", "_active", "__dict__" };
+	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name,
+			       &s_tls, &s_ctx, &s_active, &s_dict };
 
 	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
 		if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i])))
@@ -83,9 +81,9 @@ int fast_set(PyObject *objs)
 	struct fast_objs got = { 0 };
 
 	if (objs && (names_make() ||
-		     !PyArg_ParseTuple(objs, "O!O!O!O!OO!O!OOOOOOOO:set_handler's fast path",
+		     !PyArg_ParseTuple(objs, "O!O!O!OO!O!OOOOOOOO:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
-				       &PyType_Type, &got.function_type, &PyModule_Type, &got.sys,
+				       &PyType_Type, &got.function_type,
 				       &got.call_method, &PyModule_Type, &got.contexts,
 				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
@@ -148,31 +146,19 @@ static PyObject *tensors_taken(const struct python_msg *m)
 }
 
 /* Whether named (a _Named) still finds its function func, as holds()
- * says: for a name without a dot (scope, the module's dict), sys.modules
- * still has that module under its name, and the dict that function under
- * its name, asked here; a dotted name, which _resolve walks, asks holds()
- * itself. 1, 0, or -1 with an exception set. */
-static int holds(const struct fast_objs *f, PyObject *named, PyObject *func)
+ * says (name_holds, from its fields). 1, 0, or -1 with an exception set. */
+static int holds(PyObject *named, PyObject *func)
 {
 	PyObject *scope = PyObject_GetAttr(named, s_scope);
 	PyObject *module = PyObject_GetAttr(named, s_module), *mod = PyObject_GetAttr(named, s_mod);
 	PyObject *name = PyObject_GetAttr(named, s_name);
-	PyObject *modules = PyObject_GetAttr(f->sys, s_modules), *said;
-	int rc = scope && module && mod && name && modules ? 0 : -1;
+	int rc = scope && module && mod && name ? name_holds(named, module, mod, scope, name, func)
+						: -1;
 
-	if (rc == 0 && scope == Py_None) {
-		said = PyObject_CallMethodObjArgs(named, s_holds, NULL);
-		rc = said ? PyObject_IsTrue(said) : -1;
-		Py_XDECREF(said);
-	} else if (rc == 0 && PyDict_CheckExact(scope) && PyDict_CheckExact(modules)) {
-		rc = PyDict_GetItemWithError(modules, module) == mod &&
-		     PyDict_GetItemWithError(scope, name) == func ? 1 : PyErr_Occurred() ? -1 : 0;
-	}
 	Py_XDECREF(scope);
 	Py_XDECREF(module);
 	Py_XDECREF(mod);
 	Py_XDECREF(name);
-	Py_XDECREF(modules);
 	return rc;
 }
 
@@ -187,7 +173,7 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
 
 	Py_XINCREF(named); /* borrowed from a dict that the lookups below may change */
 	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type &&
-	    (func = PyObject_GetAttr(named, s_func)) && holds(f, named, func) != 1)
+	    (func = PyObject_GetAttr(named, s_func)) && holds(named, func) != 1)
 		Py_CLEAR(func);
 	Py_XDECREF(named);
 	Py_XDECREF(head);

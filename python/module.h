@@ -103,6 +103,15 @@ int fast_serve(uint32_t caller, const struct python_request *in,
  * waited. */
 void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
 
+/* _named.c: whether a function sent by name still finds func, as
+ * _marshal._Named.holds asks, from the _Named's fields: for a name
+ * without a dot (scope, its module's dict), sys.modules still maps module
+ * to mod and scope maps name to func; a dotted one (scope None) asks
+ * named.holds() itself. 1, 0 (also where sys.modules or scope is no dict:
+ * the Python path asks), or -1 with an exception set. */
+int name_holds(PyObject *named, PyObject *module, PyObject *mod, PyObject *scope,
+	       PyObject *name, PyObject *func);
+
 /* _calls.c: the rank of the worker named by the str name: >= 0, shmrpc's
  * -errno, or INT_MIN with Python's error set. */
 int rank_named(PyObject *name);

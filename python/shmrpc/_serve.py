@@ -100,7 +100,7 @@ def _fast():
     _call_method, the thread's context, the server profiler) and calling
     the same Python for the rest (_reply keeps a remote call's value,
     _unloaded answers arguments that failed to unpickle)."""
-    return (_named_heads, _Named, types.FunctionType, sys, _call_method, _contexts,
+    return (_named_heads, _Named, types.FunctionType, _call_method, _contexts,
             server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
             _failed, _reply, _unloaded)
 
