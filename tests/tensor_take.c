@@ -9,6 +9,7 @@
  * the pool empties: nothing was dropped twice or kept.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "shmrpc.h"
@@ -22,6 +23,9 @@
 #define SETTLE_NS 30000000000ull
 
 static const DLDataType i64 = { kDLInt, 64, 1 };
+/* Rank 1's executor threads take turns at them, one call after another:
+ * ordered through rank 0's process, which TSan does not see. */
+static pthread_mutex_t taken_lock = PTHREAD_MUTEX_INITIALIZER;
 static shmrpc_tensor *taken[ROUNDS];
 static int ntaken;
 
@@ -35,14 +39,13 @@ static int64_t sum_of(const shmrpc_tensor *t)
 	return s;
 }
 
-/* take(t): t taken over and kept; returns its sum. */
-static int fn_take(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+/* take(t), under taken_lock: t taken over and kept; returns its sum. */
+static int take(shmrpc_call *c, const shmrpc_value *a, shmrpc_value *r)
 {
 	shmrpc_tensor *t = a[0].u.t, *again;
 	bool pooled = !t->heap;
 	int rc;
 
-	(void)n, (void)u;
 	if (ntaken == ROUNDS)
 		return shmrpc_call_error(c, "ValueError", "too many tensors taken");
 	if ((rc = tensor_take_over(t, &taken[ntaken])))
@@ -59,6 +62,17 @@ static int fn_take(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_val
 	return 0;
 }
 
+static int fn_take(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
+{
+	int rc;
+
+	(void)n, (void)u;
+	pthread_mutex_lock(&taken_lock);
+	rc = take(c, a, r);
+	pthread_mutex_unlock(&taken_lock);
+	return rc;
+}
+
 /* check(): the sums of what was taken (rank 0's tensors freed since), then
  * every one let go. */
 static int fn_check(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_value *r, void *u)
@@ -66,11 +80,13 @@ static int fn_check(shmrpc_call *c, const shmrpc_value *a, uint32_t n, shmrpc_va
 	int64_t s = 0;
 
 	(void)c, (void)a, (void)n, (void)u;
+	pthread_mutex_lock(&taken_lock);
 	for (int i = 0; i < ntaken; i++) {
 		s += sum_of(taken[i]);
 		shmrpc_tensor_free(taken[i]);
 	}
 	ntaken = 0;
+	pthread_mutex_unlock(&taken_lock);
 	*r = shmrpc_int(s);
 	return 0;
 }
