@@ -7,6 +7,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/spin.h"
+#include "common/zalloc.h"
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/link.h"
@@ -16,7 +17,7 @@
 
 shmrpc_future *future_new(void)
 {
-	shmrpc_future *f = calloc(1, sizeof(*f));
+	shmrpc_future *f = zalloc(sizeof(*f));
 	pthread_condattr_t ca;
 
 	if (!f)

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "common/error.h"
+#include "common/zalloc.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/pins.h"
@@ -48,7 +49,7 @@ int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_l
 	 * nothing to wait for, and no pin made to find that out. */
 	if (!tensor_list_pins(sent))
 		return 0;
-	if (!(pin = calloc(1, sizeof(*pin))))
+	if (!(pin = zalloc(sizeof(*pin))))
 		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
 	rc = tensor_list_hold(sent, &pin->held);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/zalloc.h"
 #include "ipc/doorbell.h"
 #include "worker/client.h"
 #include "worker/executor.h"
@@ -137,7 +138,7 @@ void rref_set_collect(void (*collect)(struct agent *ag))
 shmrpc_rref *rref_handle_new(struct agent *ag, uint64_t id, uint64_t fork_id, uint32_t slot,
 			       uint32_t owner)
 {
-	shmrpc_rref *r = calloc(1, sizeof(*r));
+	shmrpc_rref *r = zalloc(sizeof(*r));
 
 	if (!r)
 		return shmrpc__fail(-ENOMEM, "out of memory making an RRef handle"), NULL;

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "common/spin.h"
+#include "common/zalloc.h"
 #include "worker/executor.h"
 #include "worker/future.h"
 #include "worker/link.h"
@@ -134,7 +135,7 @@ int rref_owner_store(struct agent *ag, uint64_t id, uint32_t slot, const shmrpc_
 	block = rc == 0 && !(len & RREF_VALUE_INLINE);
 	/* A record is what the collection frees (a block, references, a live
 	 * value): an inline value that is not live needs none. */
-	if (rc == 0 && (block || (live && !error)) && !(rec = calloc(1, sizeof(*rec))))
+	if (rc == 0 && (block || (live && !error)) && !(rec = zalloc(sizeof(*rec))))
 		rc = shmrpc__fail(-ENOMEM, "out of memory storing an RRef's value");
 	if (rc) {
 		char msg[1024];

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/zalloc.h"
 #include "shm/pool.h"
 #include "worker/cuda.h"
 #include "worker/link.h"
@@ -58,7 +59,7 @@ int tensor_new_handle(DLDataType dtype, int32_t ndim, const int64_t *shape, shmr
 					    (long long)shape[i]);
 		n *= (uint64_t)shape[i];
 	}
-	if (!(t = calloc(1, sizeof(*t))))
+	if (!(t = zalloc(sizeof(*t))))
 		return shmrpc__fail(-ENOMEM, "out of memory making a tensor handle");
 	t->nbytes = n;
 	memcpy(t->shape, shape, (size_t)ndim * sizeof(*shape));
@@ -346,7 +347,7 @@ int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_to_dlpack: a tensor and out must be given");
 	if (t->dev && tensor_dev_check(t->dev))
 		return -SHMRPC_EPEERDEAD;
-	if (!(e = calloc(1, sizeof(*e))))
+	if (!(e = zalloc(sizeof(*e))))
 		return shmrpc__fail(-ENOMEM, "out of memory exporting a tensor");
 	e->t = t;
 	e->m.dl_tensor = t->dl;
@@ -400,7 +401,7 @@ static int from_cuda(DLManagedTensor *m, shmrpc_tensor **out)
 	rc = cuda_probe();
 	if (rc)
 		return rc;
-	if (!(d = calloc(1, sizeof(*d))))
+	if (!(d = zalloc(sizeof(*d))))
 		return shmrpc__fail(-ENOMEM, "out of memory taking a CUDA tensor");
 	atomic_init(&d->refs, 1);
 	d->owner = m;
