@@ -185,9 +185,6 @@ static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pick
 /* What an RRef's value is when its owner keeps it live (_marshal._LIVE,
  * worker/python.h): a user's to_here asks the owner for it. */
 #define LIVE_MARK '\x02'
-/* A value, or a call's arguments, of common tensors alone, no pickle
- * (_marshal._TENSORS, docs/PROTOCOL.md). */
-#define TENSORS_MARK '\x03'
 
 /* A function's entry in fast.funcs: its _Named (named), what _Named knows
  * of it (head, the payload's reference; tensors_head, a call of tensors

@@ -417,19 +417,40 @@ static PyObject *handler_reply(uint32_t caller, const struct python_request *in,
 	return res;
 }
 
+/* out, the reply of a common tensor alone (_marshal._TENSORS), t: its
+ * handle, taken; its list in a. 0, or -ENOMEM with t freed. */
+static int reply_tensor(shmrpc_tensor *t, struct arena *a, struct python_request *out)
+{
+	static const char mark = TENSORS_MARK;
+	shmrpc_tensor **list = arena_alloc(a, sizeof(*list));
+
+	if (!list) {
+		shmrpc_tensor_free(t);
+		return shmrpc__fail(-ENOMEM, "out of memory replying with a tensor");
+	}
+	list[0] = t;
+	out->msg = (struct python_msg){ .data = &mark, .len = 1, .tensors = list, .ntensors = 1 };
+	return 0;
+}
+
 /* The handler (python_handler_fn) on an executor thread: the GIL, the
- * reply of the fast path (python/_serve_fast.c) or else of the package's
- * handler, the reply into the call's arena. */
+ * reply of the fast path (python/_serve_fast.c: a Python object, or a
+ * tensor's handle) or else of the package's handler, the reply into the
+ * call's arena. */
 int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		struct profile_events *ops, struct arena *a)
 {
 	PyGILState_STATE g = gil_take();
+	shmrpc_tensor *tensor = NULL;
 	PyObject *res;
 	int rc;
 
-	if (!fast_serve(caller, in, ops, &res))
+	if (!fast_serve(caller, in, ops, &res, &tensor))
 		res = handler_reply(caller, in, ops);
-	rc = res && reply_read(res, a, out) == 0 ? 0 : handler_failed();
+	if (tensor)
+		rc = reply_tensor(tensor, a, out);
+	else
+		rc = res && reply_read(res, a, out) == 0 ? 0 : handler_failed();
 	Py_XDECREF(res);
 	PyGILState_Release(g);
 	return rc;

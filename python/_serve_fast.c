@@ -51,10 +51,9 @@ static struct fast_objs fast;
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_tls, *s_ctx, *s_active, *s_dict;
 
 /* The empty pickle: the reply to a result of None (_serve_plain's b"");
- * the mark of a value of common tensors alone (_marshal._TENSORS); what
- * a reply whose value its owner keeps live ends in (_serve_plain's
+ * what a reply whose value its owner keeps live ends in (_serve_plain's
  * (0, True)). */
-static PyObject *empty_reply, *tensors_mark, *live_tail;
+static PyObject *empty_reply, *live_tail;
 
 /* The names above and the empty reply, made once. 0, or -1 with an
  * exception set. */
@@ -69,7 +68,6 @@ static int names_make(void)
 		if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i])))
 			return -1;
 	if ((!empty_reply && !(empty_reply = PyBytes_FromStringAndSize(NULL, 0))) ||
-	    (!tensors_mark && !(tensors_mark = PyBytes_FromStringAndSize("\x03", 1))) ||
 	    (!live_tail && !(live_tail = Py_BuildValue("(iO)", 0, Py_True))))
 		return -1;
 	return 0;
@@ -124,7 +122,7 @@ static bool args_served(const char *p, size_t len, size_t head)
  * (here once torch is known, tensors_taken). */
 static bool tensors_form(const char *p, size_t len, size_t head)
 {
-	return head + 1 == len && p[head] == '\x03' && torch_known();
+	return head + 1 == len && p[head] == TENSORS_MARK && torch_known();
 }
 
 /* The (args, {}) of a call of common tensors alone: the message's
@@ -282,36 +280,30 @@ static PyObject *general_reply(const struct fast_objs *f, uint32_t caller, PyObj
 
 /* The reply of result, not None, to request m: for a remote call
  * (rref_id) _reply's (its pickle, or the live mark with the value kept
- * here); for a call one common tensor's handle after the mark, as _dumps
- * gives it (asked here once torch is known; one of m's tensors sent back,
- * described without a reference: torch_reply_handle), or _dumps' itself.
- * Steals result; new reference, or NULL with an exception set. */
+ * here); for a call of a common tensor its handle as *tensor, no reply
+ * made (what _dumps gives, the mark and the handle; asked here once torch
+ * is known; one of m's tensors sent back is described without a
+ * reference: torch_reply_tensor), or else _dumps' reply. Steals result;
+ * new reference, or NULL: with *tensor set, or with an exception set. */
 static PyObject *result_reply(const struct fast_objs *f, PyObject *result, uint64_t rref_id,
-			      const struct python_msg *m)
+			      const struct python_msg *m, shmrpc_tensor **tensor)
 {
-	PyObject *handle = NULL, *reply = NULL, *id;
+	PyObject *reply = NULL, *id;
 
 	if (rref_id) {
 		if ((id = PyLong_FromUnsignedLongLong(rref_id)))
 			reply = PyObject_CallFunctionObjArgs(f->reply, result, id, NULL);
 		Py_XDECREF(id);
-	} else if (torch_known() &&
-		   !(handle = torch_reply_handle(result, m->tensors, m->ntensors))) {
-		reply = NULL;
-	} else if (handle && handle != Py_None) {
-		reply = Py_BuildValue("(O[][N])", tensors_mark, handle); /* steals handle */
-		handle = NULL;
-	} else {
+	} else if (!torch_known() || !torch_reply_tensor(result, m->tensors, m->ntensors, tensor)) {
 		reply = PyObject_CallFunctionObjArgs(f->dumps, result, NULL);
 	}
-	Py_XDECREF(handle);
 	Py_DECREF(result);
 	return reply;
 }
 
 /* reply, and (0, True) after it when it is a live value's (its pickle the
  * live mark, _marshal._LIVE), as _serve_plain's last line adds: the C
- * half then keeps the RRef's value here. Steals reply. */
+ * half then keeps the RRef's value here. Steals reply; NULL stays NULL. */
 static PyObject *live_marked(PyObject *reply)
 {
 	PyObject *data, *marked;
@@ -343,10 +335,12 @@ static PyObject *called(PyObject *func, PyObject *call)
  * call's RRef, or 0), as _serve_plain's try block makes it: _serve_call's
  * where general_way says so; else the function's result, waited for if
  * async_execution's (async_waited), the empty pickle for None,
- * result_reply's otherwise; a live value's marked (live_marked). New
- * reference; NULL with an exception set. */
+ * result_reply's otherwise (a common tensor's as *tensor); a live value's
+ * marked (live_marked). New reference; NULL with *tensor set or with an
+ * exception set. */
 static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject *func,
-			    PyObject *call, uint64_t rref_id, const struct python_msg *m)
+			    PyObject *call, uint64_t rref_id, const struct python_msg *m,
+			    shmrpc_tensor **tensor)
 {
 	PyObject *result;
 	int general = general_way(f, func);
@@ -360,7 +354,7 @@ static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject
 		Py_DECREF(result);
 		return new_ref(empty_reply);
 	}
-	return result ? live_marked(result_reply(f, result, rref_id, m)) : NULL;
+	return result ? live_marked(result_reply(f, result, rref_id, m, tensor)) : NULL;
 }
 
 /* answer(e) of the exception pending: _failed's (what the function
@@ -386,7 +380,7 @@ static PyObject *failed_reply(PyObject *answer)
 }
 
 int fast_serve(uint32_t caller, const struct python_request *in,
-	       const struct profile_events *ops, PyObject **reply)
+	       const struct profile_events *ops, PyObject **reply, shmrpc_tensor **tensor)
 {
 	const struct python_msg *m = &in->msg;
 	const struct fast_objs f = fast;
@@ -395,6 +389,7 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	size_t head = 0;
 	bool tensors;
 
+	*tensor = NULL;
 	if (!hold || ops || (in->type != MSG_PYTHON_CALL && in->type != MSG_PYTHON_REMOTE_CALL) ||
 	    m->nrrefs || !(head = head_len(p, m->len)))
 		return 0;
@@ -413,7 +408,7 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 		call = tensors_taken(m);
 	if (PyErr_Occurred()) /* the arguments' pickle or their take raised it */
 		*reply = failed_reply(f.unloaded);
-	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id, m)))
+	else if (!(*reply = call_reply(&f, caller, func, call, in->rref_id, m, tensor)) && !*tensor)
 		*reply = failed_reply(f.failed);
 	Py_XDECREF(call);
 	Py_DECREF(func);

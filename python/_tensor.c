@@ -380,19 +380,24 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
  * of the tensor (as_strided) and a capsule, and its deleter frees them:
  * most of what sending a tensor cost (docs/ARCHITECTURE.md, "A tensor
  * echo"). NULL with an exception set. */
-PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape)
+int host_tensor(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape,
+		shmrpc_tensor **out)
 {
-	shmrpc_tensor *t;
-	int rc;
-
 	/* No deleter: the array stays its owner's. No strides: compact. */
-	rc = shmrpc_tensor_from_dlpack(
+	return shmrpc_tensor_from_dlpack(
 		&(DLManagedTensor){ .dl_tensor = { .data = (void *)addr,
 						    .device = { kDLCPU, 0 },
 						    .ndim = ndim,
 						    .dtype = dtype,
 						    .shape = shape } },
-		&t);
+		out);
+}
+
+PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape)
+{
+	shmrpc_tensor *t;
+	int rc = host_tensor(addr, dtype, ndim, shape, &t);
+
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 

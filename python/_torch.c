@@ -284,27 +284,30 @@ PyObject *torch_handle_of(PyObject *obj)
 	return ok == 1 ? plain_handle(&p) : ok == 0 ? new_ref(Py_None) : NULL;
 }
 
-PyObject *torch_reply_handle(PyObject *obj, shmrpc_tensor *const *req, uint32_t n)
+int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shmrpc_tensor **out)
 {
 	struct plain p;
-	int ok = torch_plain(obj, &p);
+	int ok = torch_plain(obj, &p), rc;
+	uint32_t i;
 
 	if (ok != 1)
-		return ok == 0 ? new_ref(Py_None) : NULL;
-	for (uint32_t i = 0; i < n; i++) {
+		return ok;
+	for (i = 0; i < n; i++) {
 		const DLTensor *dl = shmrpc_tensor_dl(req[i]);
-		shmrpc_tensor *t;
-		int rc;
 
 		if (dl && dl->device.device_type == kDLCPU && (uintptr_t)dl->data == p.addr &&
 		    dl->dtype.code == p.dtype.code && dl->dtype.bits == p.dtype.bits &&
 		    dl->dtype.lanes == p.dtype.lanes && dl->ndim == p.ndim &&
-		    !memcmp(dl->shape, p.shape, (size_t)p.ndim * sizeof(*p.shape))) {
-			rc = python_tensor_echoed(req[i], &t);
-			return rc ? fail(rc) : tensor_wrap(t);
-		}
+		    !memcmp(dl->shape, p.shape, (size_t)p.ndim * sizeof(*p.shape)))
+			break;
 	}
-	return plain_handle(&p);
+	rc = i < n ? python_tensor_echoed(req[i], out)
+		   : host_tensor(p.addr, p.dtype, p.ndim, p.shape, out);
+	if (rc) {
+		fail(rc);
+		return -1;
+	}
+	return 1;
 }
 
 static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)

@@ -43,8 +43,12 @@ PyObject *handle_objects(void *const *h, uint32_t n, bool rrefs);
 /* _tensor.c: the helpers of _torch.c. The sizes of dims (a tuple, or
  * torch.Size) into shape: how many, or -1 with an exception set. */
 Py_ssize_t shape_of(PyObject *dims, int64_t shape[SHMRPC_TENSOR_MAX_DIMS]);
-/* A Tensor of the contiguous host array at addr: a pool block's without a
- * copy, else copied once (from_host). NULL with an exception set. */
+/* A handle of the contiguous host array at addr: a pool block's without a
+ * copy, else copied once. host_tensor: 0 or -errno, its sentence set
+ * (fail makes the exception); host_handle: the handle as a Tensor
+ * (from_host), NULL with an exception set. */
+int host_tensor(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape,
+		shmrpc_tensor **out);
 PyObject *host_handle(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape);
 /* A DLPack capsule holding a host Tensor's own reference, the Tensor left
  * empty (take_dlpack). NULL with an exception set. */
@@ -56,13 +60,14 @@ PyObject *capsule_of(DLManagedTensor *dm);
 /* _torch.c: torch_handle(obj) from C: obj's handle when it is the common
  * tensor, else None; NULL with an exception set. */
 PyObject *torch_handle_of(PyObject *obj);
-/* torch_handle_of(obj) for a reply to a request whose tensors are req[n]:
- * where obj is the common tensor on the bytes of one of them (the same
- * address, dtype and shape: an echo), that one's handle without a
- * reference of its own (python_tensor_echoed: the reply carries it
- * covered, and the caller's request pin keeps the block); else
- * torch_handle_of's answer. */
-PyObject *torch_reply_handle(PyObject *obj, shmrpc_tensor *const *req, uint32_t n);
+/* obj's handle, as torch_handle_of's, for a reply to a request whose
+ * tensors are req[n], no Tensor made: where obj is the common tensor on
+ * the bytes of one of them (the same address, dtype and shape: an echo),
+ * that one's handle without a reference of its own (python_tensor_echoed:
+ * the reply carries it covered, and the caller's request pin keeps the
+ * block). 1 with *out set, 0 where obj is not the common tensor (it is
+ * pickled), -1 with an exception set. */
+int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shmrpc_tensor **out);
 /* torch_handles(args), args a call's tuple, from C: [handle...]
  * when every argument is the common tensor, each given once, else None;
  * NULL with an exception set. */
@@ -89,15 +94,21 @@ PyGILState_STATE gil_take(void);
 int run_handler(uint32_t caller, const struct python_request *in, struct python_request *out,
 		struct profile_events *ops, struct arena *a);
 
+/* A value, or a call's arguments, of common tensors alone, no pickle
+ * (_marshal._TENSORS, docs/PROTOCOL.md). */
+#define TENSORS_MARK '\x03'
+
 /* _serve_fast.c: the common Python call served in C, as the plain
  * handler (_serve._serve_plain) would serve it. fast_set: the objects it
  * reads (_serve._fast()'s tuple), or NULL for no fast path; 0, or -1 with
  * an exception set. fast_serve: 1 when it served in (*reply the handler's
  * reply, or NULL with an exception set where the plain handler would have
- * raised), 0 when it ran nothing and the handlers must serve it. */
+ * raised, or NULL with *tensor set: the reply is that common tensor alone,
+ * TENSORS_MARK and its handle, no object made), 0 when it ran nothing and
+ * the handlers must serve it. */
 int fast_set(PyObject *objs);
 int fast_serve(uint32_t caller, const struct python_request *in,
-	       const struct profile_events *ops, PyObject **reply);
+	       const struct profile_events *ops, PyObject **reply, shmrpc_tensor **tensor);
 
 /* _handler.c: how often executor threads took the GIL, and how long they
  * waited. */
