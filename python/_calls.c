@@ -197,7 +197,7 @@ enum { E_NAMED, E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_FN, 
 /* Whether o's attribute name is want: 1, 0, or -1 with an exception. */
 static int attr_is(PyObject *o, PyObject *name, PyObject *want)
 {
-	PyObject *v = PyObject_GetAttr(o, name);
+	PyObject *v = attr_of(o, name);
 
 	if (!v)
 		return -1;
@@ -349,7 +349,7 @@ static int state_common(PyObject *timeout)
 	if ((r = attr_is(fast.core, s_initialized, Py_True)) != 1 ||
 	    (r = attr_is(fast.core, s_timeout_override, Py_False)) != 1)
 		return r;
-	if (!(pickler = PyObject_GetAttr(fast.marshal, s_default_pickler)))
+	if (!(pickler = attr_of(fast.marshal, s_default_pickler)))
 		return -1;
 	Py_DECREF(pickler); /* its identity alone */
 	if ((r = attr_is(fast.marshal, s_pickler_ok, pickler)) != 1 ||

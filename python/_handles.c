@@ -21,6 +21,46 @@ PyObject *new_ref(PyObject *o)
 	return o;
 }
 
+PyObject *attr_of(PyObject *o, PyObject *name)
+{
+	PyObject *v;
+
+	if (PyModule_CheckExact(o) && (v = PyDict_GetItemWithError(PyModule_GetDict(o), name)))
+		return new_ref(v);
+	return PyErr_Occurred() ? NULL : PyObject_GetAttr(o, name);
+}
+
+int known_attr_learn(struct known_attr *a, PyObject *type)
+{
+	PyObject *desc = PyObject_GetAttr(type, *a->name);
+
+	if (!desc)
+		return -1;
+	Py_CLEAR(a->desc);
+	a->get = NULL;
+	if (!a->method) {
+		/* PyType_GetSlot takes static types from 3.10 on; 3.9 raises. */
+		a->get = (descrgetfunc)PyType_GetSlot(Py_TYPE(desc), Py_tp_descr_get);
+		if (!a->get) {
+			PyErr_Clear();
+			Py_DECREF(desc);
+			return 0;
+		}
+	}
+	a->desc = desc;
+	return 0;
+}
+
+PyObject *known_attr_get(const struct known_attr *a, PyObject *obj)
+{
+	if (a->get)
+		return a->get(a->desc, obj, (PyObject *)Py_TYPE(obj));
+	if (a->desc)
+		return PyObject_CallFunctionObjArgs(a->desc, obj, NULL);
+	return a->method ? PyObject_CallMethodObjArgs(obj, *a->name, NULL)
+			 : PyObject_GetAttr(obj, *a->name);
+}
+
 /* An exception with shmrpc's text for rc: TimeoutError for timeouts,
  * RuntimeError otherwise (the Python layer re-raises remote ones). */
 PyObject *fail(int rc)

@@ -50,6 +50,14 @@ static struct fast_objs fast;
 /* The attribute names asked, interned once (names_make). */
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_tls, *s_ctx, *s_active, *s_dict;
 
+/* A _Named's slots, found on _Named once (fast_set). */
+static struct known_attr n_func = { &s_func, false, NULL, NULL },
+			 n_module = { &s_module, false, NULL, NULL },
+			 n_mod = { &s_mod, false, NULL, NULL },
+			 n_scope = { &s_scope, false, NULL, NULL },
+			 n_name = { &s_name, false, NULL, NULL };
+static struct known_attr *const named_slots[] = { &n_func, &n_module, &n_mod, &n_scope, &n_name };
+
 /* The empty pickle: the reply to a result of None (_serve_plain's b"");
  * what a reply whose value its owner keeps live ends in (_serve_plain's
  * (0, True)). */
@@ -87,6 +95,9 @@ int fast_set(PyObject *objs)
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
 				       &got.reply, &got.unloaded)))
 		return -1;
+	for (size_t i = 0; objs && i < sizeof(named_slots) / sizeof(*named_slots); i++)
+		if (known_attr_learn(named_slots[i], got.named_type))
+			return -1;
 	Py_XINCREF(objs); /* before the old one goes: it may be the same */
 	Py_XDECREF(fast_tuple);
 	fast_tuple = objs;
@@ -147,9 +158,9 @@ static PyObject *tensors_taken(const struct python_msg *m)
  * says (name_holds, from its fields). 1, 0, or -1 with an exception set. */
 static int holds(PyObject *named, PyObject *func)
 {
-	PyObject *scope = PyObject_GetAttr(named, s_scope);
-	PyObject *module = PyObject_GetAttr(named, s_module), *mod = PyObject_GetAttr(named, s_mod);
-	PyObject *name = PyObject_GetAttr(named, s_name);
+	PyObject *scope = known_attr_get(&n_scope, named);
+	PyObject *module = known_attr_get(&n_module, named), *mod = known_attr_get(&n_mod, named);
+	PyObject *name = known_attr_get(&n_name, named);
 	int rc = scope && module && mod && name ? name_holds(named, module, mod, scope, name, func)
 						: -1;
 
@@ -171,7 +182,7 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
 
 	Py_XINCREF(named); /* borrowed from a dict that the lookups below may change */
 	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type &&
-	    (func = PyObject_GetAttr(named, s_func)) && holds(named, func) != 1)
+	    (func = known_attr_get(&n_func, named)) && holds(named, func) != 1)
 		Py_CLEAR(func);
 	Py_XDECREF(named);
 	Py_XDECREF(head);
@@ -215,7 +226,7 @@ static int general_way(const struct fast_objs *f, PyObject *func)
 
 	if (func == f->call_method)
 		return 1;
-	if (!(tls = PyObject_GetAttr(f->contexts, s_tls)))
+	if (!(tls = attr_of(f->contexts, s_tls)))
 		return -1;
 	ctx = PyObject_GetAttr(tls, s_ctx);
 	Py_DECREF(tls);
@@ -224,7 +235,7 @@ static int general_way(const struct fast_objs *f, PyObject *func)
 		return ctx ? 1 : -1;
 	}
 	Py_DECREF(ctx);
-	if (!(active = PyObject_GetAttr(f->profiler, s_active)))
+	if (!(active = attr_of(f->profiler, s_active)))
 		return -1;
 	rc = PyObject_IsTrue(active);
 	Py_DECREF(active);

@@ -35,64 +35,18 @@ static int npool_dtypes;
 static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_layout, *s_is_contiguous, *s_shape,
 	*s_data_ptr;
 
-/* A question the common tensor is asked (torch_plain): an attribute or a
- * method of torch.Tensor, found on the type once (know_torch) and asked of
- * a tensor without the lookup on its type each time (an exact
- * torch.Tensor: no instance attribute shadows a getter, a data
- * descriptor; one that shadows a method, set on the tensor itself, is
- * not asked: torch's RPC reads the tensor in C++, as this does). A getter is
- * called through its type's descr_get slot, where the interpreter gives
- * a static type's slots (3.10 and later); else, and before torch is
- * known, the attribute is looked up as usual. */
-struct question {
-	PyObject **name;
-	bool method;
-	PyObject *desc;    /* owned; NULL: looked up */
-	descrgetfunc get;  /* a getter's; NULL for a method */
-};
-static struct question q_is_cpu = { &s_is_cpu, false, NULL, NULL },
-		       q_requires_grad = { &s_requires_grad, false, NULL, NULL },
-		       q_dtype = { &s_dtype, false, NULL, NULL },
-		       q_shape = { &s_shape, false, NULL, NULL },
-		       q_is_contiguous = { &s_is_contiguous, true, NULL, NULL },
-		       q_data_ptr = { &s_data_ptr, true, NULL, NULL };
-static struct question *const questions[] = { &q_is_cpu, &q_requires_grad, &q_dtype, &q_shape,
-					      &q_is_contiguous, &q_data_ptr };
-
-/* q's descriptor on type (torch.Tensor). 0, or -1 with an exception set;
- * a getter whose slot the interpreter does not give is left looked up. */
-static int learn_question(struct question *q, PyObject *type)
-{
-	PyObject *desc = PyObject_GetAttr(type, *q->name);
-
-	if (!desc)
-		return -1;
-	Py_CLEAR(q->desc);
-	q->get = NULL;
-	if (!q->method) {
-		/* PyType_GetSlot takes static types from 3.10 on; 3.9 raises. */
-		q->get = (descrgetfunc)PyType_GetSlot(Py_TYPE(desc), Py_tp_descr_get);
-		if (!q->get) {
-			PyErr_Clear();
-			Py_DECREF(desc);
-			return 0;
-		}
-	}
-	q->desc = desc;
-	return 0;
-}
-
-/* The answer of tensor obj (exact torch.Tensor) to q: a new reference, or
- * NULL with an exception set. */
-static PyObject *ask(const struct question *q, PyObject *obj)
-{
-	if (q->get)
-		return q->get(q->desc, obj, (PyObject *)Py_TYPE(obj));
-	if (q->desc)
-		return PyObject_CallFunctionObjArgs(q->desc, obj, NULL);
-	return q->method ? PyObject_CallMethodObjArgs(obj, *q->name, NULL)
-			 : PyObject_GetAttr(obj, *q->name);
-}
+/* The questions the common tensor is asked (torch_plain), found on
+ * torch.Tensor once (know_torch: struct known_attr). One that a method
+ * set on the tensor itself would shadow is not asked so: torch's RPC
+ * reads the tensor in C++, as this does. */
+static struct known_attr q_is_cpu = { &s_is_cpu, false, NULL, NULL },
+			 q_requires_grad = { &s_requires_grad, false, NULL, NULL },
+			 q_dtype = { &s_dtype, false, NULL, NULL },
+			 q_shape = { &s_shape, false, NULL, NULL },
+			 q_is_contiguous = { &s_is_contiguous, true, NULL, NULL },
+			 q_data_ptr = { &s_data_ptr, true, NULL, NULL };
+static struct known_attr *const questions[] = { &q_is_cpu, &q_requires_grad, &q_dtype, &q_shape,
+						&q_is_contiguous, &q_data_ptr };
 
 /* *slot = a new reference to o, the one it held dropped. */
 static void keep(PyObject **slot, PyObject *o)
@@ -151,7 +105,7 @@ static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 	if (learn_dtypes(map))
 		return NULL;
 	for (size_t i = 0; i < sizeof(questions) / sizeof(*questions); i++)
-		if (learn_question(questions[i], type))
+		if (known_attr_learn(questions[i], type))
 			return NULL;
 	keep(&tensor_type, type);
 	keep(&from_dlpack, fn);
@@ -181,7 +135,7 @@ static int is_true(PyObject *v)
  * dtype), or -1 with an exception set. */
 static int pool_dtype(PyObject *obj, DLDataType *dt)
 {
-	PyObject *d = ask(&q_dtype, obj);
+	PyObject *d = known_attr_get(&q_dtype, obj);
 	int i;
 
 	if (!d)
@@ -238,14 +192,14 @@ static int torch_plain(PyObject *obj, struct plain *p)
 
 	if (!tensor_type || (PyObject *)Py_TYPE(obj) != tensor_type)
 		return 0;
-	if ((ok = is_true(ask(&q_is_cpu, obj))) != 1)
+	if ((ok = is_true(known_attr_get(&q_is_cpu, obj))) != 1)
 		return ok;
-	if ((ok = is_true(ask(&q_requires_grad, obj))) != 0)
+	if ((ok = is_true(known_attr_get(&q_requires_grad, obj))) != 0)
 		return ok < 0 ? -1 : 0;
 	if ((ok = pool_dtype(obj, &p->dtype)) != 1 ||
-	    (ok = is_true(ask(&q_is_contiguous, obj))) != 1)
+	    (ok = is_true(known_attr_get(&q_is_contiguous, obj))) != 1)
 		return ok < 0 ? unstrided(obj) : ok;
-	if (!(dims = ask(&q_shape, obj)))
+	if (!(dims = known_attr_get(&q_shape, obj)))
 		return -1;
 	/* More sizes than a handle holds: the pickler's path sends it flat. */
 	if (PyTuple_Check(dims) && PyTuple_Size(dims) > SHMRPC_TENSOR_MAX_DIMS) {
@@ -260,7 +214,7 @@ static int torch_plain(PyObject *obj, struct plain *p)
 		if (p->shape[i] == 0) /* empty: pickled (the pool's import takes them for strided) */
 			return 0;
 	p->ndim = (int32_t)n;
-	if (!(ptr = ask(&q_data_ptr, obj)))
+	if (!(ptr = known_attr_get(&q_data_ptr, obj)))
 		return unstrided(obj);
 	p->addr = (uintptr_t)PyLong_AsVoidPtr(ptr);
 	Py_DECREF(ptr);
