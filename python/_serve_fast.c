@@ -50,7 +50,7 @@ static struct fast_objs fast;
 /* The attribute names asked, interned once (names_make). */
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_tls, *s_ctx, *s_active, *s_dict;
 
-/* A _Named's slots, found on _Named once (fast_set). */
+/* A _Named's slots, found on the _Named type that each fast_set is given. */
 static struct known_attr n_func = { &s_func, false, NULL, NULL },
 			 n_module = { &s_module, false, NULL, NULL },
 			 n_mod = { &s_mod, false, NULL, NULL },
@@ -84,7 +84,10 @@ static int names_make(void)
 /* module.h says what fast_set and fast_serve return. */
 int fast_set(PyObject *objs)
 {
+	enum { NSLOTS = sizeof(named_slots) / sizeof(*named_slots) };
+	struct known_attr learnt[NSLOTS];
 	struct fast_objs got = { 0 };
+	size_t i;
 
 	if (objs && (names_make() ||
 		     !PyArg_ParseTuple(objs, "O!O!O!OO!O!OOOOOOOO:set_handler's fast path",
@@ -95,9 +98,21 @@ int fast_set(PyObject *objs)
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
 				       &got.reply, &got.unloaded)))
 		return -1;
-	for (size_t i = 0; objs && i < sizeof(named_slots) / sizeof(*named_slots); i++)
-		if (known_attr_learn(named_slots[i], got.named_type))
+	/* Learnt aside, then kept: a refused type leaves the path in effect
+	 * reading its own type's slots. */
+	for (i = 0; objs && i < NSLOTS; i++) {
+		learnt[i] = (struct known_attr){ named_slots[i]->name, named_slots[i]->method,
+						 NULL, NULL };
+		if (known_attr_learn(&learnt[i], got.named_type)) {
+			while (i--)
+				Py_XDECREF(learnt[i].desc);
 			return -1;
+		}
+	}
+	for (i = 0; objs && i < NSLOTS; i++) {
+		Py_XDECREF(named_slots[i]->desc);
+		*named_slots[i] = learnt[i];
+	}
 	Py_XINCREF(objs); /* before the old one goes: it may be the same */
 	Py_XDECREF(fast_tuple);
 	fast_tuple = objs;

@@ -262,6 +262,33 @@ def test_rebound_dotted_name():
     assert rpc.rpc_sync(PEER, Box.inside) == ("first", "C")
 
 
+class NotNamed:
+    """A _Named without some of its slots ("func" and "module" only)."""
+    __slots__ = ("func", "module")
+
+
+def set_fast_named(named_type):
+    """On the callee: set_handler's fast path given named_type for
+    _Named: the error it raises, or None."""
+    from shmrpc import _shmrpc
+    objs = list(_serve._fast())
+    objs[1] = named_type
+    try:
+        _shmrpc.set_handler(_serve._run_function, _serve._serve_plain, tuple(objs))
+    except Exception as e:
+        return type(e).__name__
+    return None
+
+
+def test_refused_named_type():
+    """set_handler refusing a fast path (a _Named type without the slots
+    it reads) leaves the one in effect as it was: calls by name are still
+    served in C."""
+    assert twice(rebound)[1] == ("first", "C")
+    assert rpc.rpc_sync(PEER, set_fast_named, args=(NotNamed,)) == "AttributeError"
+    assert rpc.rpc_sync(PEER, rebound) == ("first", "C")
+
+
 @rpc.functions.async_execution
 def async_way(value):
     """async_execution's: a Future, whose value the caller gets."""
