@@ -182,7 +182,7 @@ PyGILState_STATE gil_take(void)
 /* The handle of objs[i], a reply's Tensor that nothing else reaches (alone:
  * the reply and its list of tensors are held by the handler's caller alone;
  * the Tensor by that list alone), taken from it for the agent: its
- * reference handed over instead of copied (a handle's calloc, a pool
+ * reference handed over instead of copied (a handle's zalloc, a pool
  * reference and its holder record, then their undoing when the object
  * goes, which it does as soon as the reply is read). The Tensor is left
  * empty, as take_dlpack leaves one, for the instant before it goes. NULL when

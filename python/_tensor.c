@@ -374,12 +374,13 @@ static PyObject *mod_empty(PyObject *m, PyObject *args)
 	return rc ? fail(rc) : tensor_wrap(t);
 }
 
-/* A Tensor of the contiguous host array of dtype and shape at addr (which
- * its owner keeps alive during the call): taken without a copy when it is
- * a whole pool block, else copied once. torch's DLPack export makes a view
- * of the tensor (as_strided) and a capsule, and its deleter frees them:
- * most of what sending a tensor cost (docs/ARCHITECTURE.md, "A tensor
- * echo"). NULL with an exception set. */
+/* A handle (host_tensor) or a Tensor (host_handle) of the contiguous host
+ * array of dtype and shape at addr (which its owner keeps alive during the
+ * call): taken without a copy when it is a whole pool block, else copied
+ * once. torch's DLPack export makes a view of the tensor (as_strided) and
+ * a capsule, and its deleter frees them: most of what sending a tensor
+ * cost (docs/ARCHITECTURE.md, "A tensor echo"). host_tensor: 0 or -errno, its sentence set; host_handle: NULL
+ * with an exception set. */
 int host_tensor(uintptr_t addr, DLDataType dtype, int32_t ndim, int64_t *shape,
 		shmrpc_tensor **out)
 {

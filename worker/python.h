@@ -84,8 +84,9 @@ struct python_request {
 
 /* Runs the request in from caller (a request type python_is_request
  * accepts); fills out->msg with the pickled result (data and the arrays
- * of handles in a, the call's arena; the handles new ones, the agent's to
- * free once sent) and, for a FORWARD_AUTOGRAD_REQ, out->message_id with
+ * of handles in a, the call's arena, or data a constant that the binding
+ * owns (its one-byte mark of a reply of tensors alone): read only, never
+ * freed; the handles new ones, the agent's to free once sent) and, for a FORWARD_AUTOGRAD_REQ, out->message_id with
  * the reply's. ops, if set (a request profiled for torch's profiler,
  * worker/profile.h): the function runs under torch's profiler and the ops
  * it ran are added there. 0, or -errno with the text in shmrpc_errmsg()
