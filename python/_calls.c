@@ -165,7 +165,6 @@ static struct {
 	PyObject *dumps, *loads; /* pickle's */
 	PyObject *protocol;	 /* pickle.HIGHEST_PROTOCOL */
 	PyObject *no_kwargs;	 /* {}, the kwargs pickled beside scalars */
-	PyObject *no_list;	 /* [], a message's empty list of RRefs */
 	PyObject *no_args;	 /* (), args=None's */
 	PyObject *funcs;	 /* {func: entry}, see func_entry */
 	PyObject *torch_on;	 /* torch.autograd._profiler_enabled, once torch is met */
@@ -373,23 +372,70 @@ static bool scalars(PyObject *args)
 	return true;
 }
 
+/* A common call's tensors: its arguments' handles (torch_tensors_of),
+ * its own; in few for up to four. */
+struct call_tensors {
+	shmrpc_tensor **t;
+	uint32_t n;
+	shmrpc_tensor *few[4];
+};
+
+/* ct's handles freed (a handle the request's pin took over is spent: its
+ * free drops nothing), ct left empty. */
+static void call_tensors_free(struct call_tensors *ct)
+{
+	for (uint32_t i = 0; i < ct->n; i++)
+		shmrpc_tensor_free(ct->t[i]);
+	if (ct->t != ct->few)
+		PyMem_Free(ct->t);
+	ct->t = NULL;
+	ct->n = 0;
+}
+
+/* The tensors of args, made into ct (empty: ct->n 0) when every argument
+ * is the common tensor: 1, 0 (none made), -1 with an exception set. */
+static int call_tensors_of(PyObject *args, struct call_tensors *ct)
+{
+	Py_ssize_t n = PyTuple_Size(args);
+	int ok;
+
+	ct->t = n <= (Py_ssize_t)(sizeof(ct->few) / sizeof(*ct->few)) ? ct->few
+		: PyMem_Malloc((size_t)n * sizeof(*ct->t));
+	if (!ct->t) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	if ((ok = torch_tensors_of(args, ct->t)) == 1)
+		ct->n = (uint32_t)n;
+	else
+		call_tensors_free(ct);
+	return ok;
+}
+
+/* request's message: payload, no RRefs, ct's tensors. */
+static void call_msg(struct python_request *request, PyObject *payload,
+		     const struct call_tensors *ct)
+{
+	request->msg = (struct python_msg){ .data = PyBytes_AsString(payload),
+					    .len = (size_t)PyBytes_Size(payload),
+					    .tensors = ct->t,
+					    .ntensors = ct->n };
+}
+
 /* The payload of a call of func's entry e with args, as _pack_call makes
- * it (head; tensors_head and *tensors, the handles; head and the pickle
- * of (args, {})): a new bytes object, or NULL (an exception set, or none
- * for arguments this path does not pack). */
-static PyObject *payload_of(PyObject *e, PyObject *args, PyObject **tensors)
+ * it (head; tensors_head and ct, the handles; head and the pickle of
+ * (args, {})): a new bytes object, or NULL, ct empty (an exception set, or
+ * none for arguments this path does not pack). */
+static PyObject *payload_of(PyObject *e, PyObject *args, struct call_tensors *ct)
 {
 	PyObject *head = PyTuple_GetItem(e, E_HEAD), *pair, *data, *out;
 	Py_ssize_t hlen = PyBytes_Size(head), dlen;
 
 	if (PyTuple_Size(args) == 0)
 		return new_ref(head);
-	if (!scalars(args)) {
-		*tensors = torch_handles_of(args);
-		if (*tensors == Py_None)
-			Py_CLEAR(*tensors);
-		return *tensors ? new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD)) : NULL;
-	}
+	if (!scalars(args))
+		return call_tensors_of(args, ct) == 1 ? new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD))
+						      : NULL;
 	if (!(pair = PyTuple_Pack(2, args, fast.no_kwargs)))
 		return NULL;
 	data = PyObject_CallFunctionObjArgs(fast.dumps, pair, fast.protocol, NULL);
@@ -444,21 +490,18 @@ static void raise_from_none(PyObject *make, bool by_text)
 
 /* The call's message sent: its Future in *f, or -1 with _calls' errors
  * set (_NotSent for a RuntimeError, as _send_call words it). */
-static int sync_send(int dst, PyObject *e, PyObject *payload, PyObject *tensors,
+static int sync_send(int dst, PyObject *e, PyObject *payload, const struct call_tensors *ct,
 		     shmrpc_future **f)
 {
-	/* give: the tensors' handles are torch_handles' own, dropped after the
-	 * send (their Tensors' only holder is that list). */
+	/* give: the tensors' handles are the call's own, freed after the send. */
 	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL,
 				     .context_id = -1, .give = true };
 	int rc;
 
-	if (msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg))
-		return -1;
+	call_msg(&rq, payload, ct);
 	python_call_begin("rpc_sync", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, true);
 	rc = python_request_async(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, f);
 	python_call_end();
-	msg_free(&rq.msg);
 	if (!rc)
 		return 0;
 	fail(rc);
@@ -542,22 +585,23 @@ static int python_path_asks(void)
 
 /* Whether the call of the arguments a, (to, func[, args, kwargs,
  * timeout]) as rpc_sync and remote() take them, is the common one: 1,
- * its destination, func's entry, its payload and tensors (new
- * references, tensors NULL for none) out, and it is counted. Otherwise
- * nothing is done: 0, no error left, the Python path makes the call; or
- * -1 with an error that is no Exception (python_path_asks). */
+ * its destination, func's entry and its payload (new references) and
+ * tensors (ct, empty for none) out, and it is counted. Otherwise nothing
+ * is done: 0, no error left, the Python path makes the call; or -1 with an
+ * error that is no Exception (python_path_asks). */
 static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
-		       PyObject **payload, PyObject **tensors)
+		       PyObject **payload, struct call_tensors *ct)
 {
 	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
 
-	*e = *tensors = NULL;
+	*e = NULL;
+	*ct = (struct call_tensors){ 0 };
 	if (!fast.general || !PyArg_UnpackTuple(a, name, 2, 5, &to, &func, &args, &kwargs, &timeout) ||
 	    (args != Py_None && !PyTuple_CheckExact(args)) ||
 	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
 	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
-	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, tensors))) {
+	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, ct))) {
 		Py_CLEAR(*e);
 		return python_path_asks();
 	}
@@ -579,17 +623,18 @@ static PyObject *wait_failed(int rc)
  * sentinel of rpc_sync_setup for a call the Python path makes. */
 static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 {
-	PyObject *e, *payload, *tensors, *res;
+	struct call_tensors ct;
+	PyObject *e, *payload, *res;
 	shmrpc_future *f;
 	int dst, rc;
 
 	(void)m;
-	if ((rc = call_common(a, "rpc_sync", &dst, &e, &payload, &tensors)) <= 0)
+	if ((rc = call_common(a, "rpc_sync", &dst, &e, &payload, &ct)) <= 0)
 		return rc ? NULL : new_ref(fast.general);
-	rc = sync_send(dst, e, payload, tensors, &f);
+	rc = sync_send(dst, e, payload, &ct, &f);
 	Py_DECREF(e);
 	Py_DECREF(payload);
-	Py_XDECREF(tensors);
+	call_tensors_free(&ct);
 	if (rc)
 		return NULL;
 	Py_BEGIN_ALLOW_THREADS
@@ -610,25 +655,23 @@ static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
 {
 	struct python_request rq = { .type = MSG_PYTHON_REMOTE_CALL,
 				     .wrapped = MSG_PYTHON_REMOTE_CALL, .context_id = -1 };
-	PyObject *e, *payload, *tensors, *handle, *rref = NULL;
+	struct call_tensors ct;
+	PyObject *e, *payload, *handle, *rref = NULL;
 	shmrpc_rref *r;
 	int dst, rc;
 
 	(void)m;
-	if ((rc = call_common(a, "rpc_remote", &dst, &e, &payload, &tensors)) <= 0)
+	if ((rc = call_common(a, "rpc_remote", &dst, &e, &payload, &ct)) <= 0)
 		return rc ? NULL : new_ref(fast.general);
-	rc = -1; /* until sent: msg_from_py's error */
-	if (!msg_from_py(payload, fast.no_list, tensors ? tensors : fast.no_list, &rq.msg)) {
-		python_call_begin("rpc_remote", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, false);
-		rc = python_remote(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, &r);
-		python_call_end();
-		msg_free(&rq.msg);
-		if (rc)
-			fail(rc);
-	}
+	call_msg(&rq, payload, &ct);
+	python_call_begin("rpc_remote", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, false);
+	rc = python_remote(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, &r);
+	python_call_end();
+	if (rc)
+		fail(rc);
 	Py_DECREF(e);
 	Py_DECREF(payload);
-	Py_XDECREF(tensors);
+	call_tensors_free(&ct);
 	if (rc || !(handle = rref_wrap(r)))
 		return NULL;
 	if ((rref = PyObject_CallFunctionObjArgs(fast.object_new, fast.rref_type, NULL)) &&
@@ -696,7 +739,7 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
 		if (!*interned[i] && !(*interned[i] = PyUnicode_InternFromString(names[i])))
 			return NULL;
-	if (!(fast.no_kwargs = PyDict_New()) || !(fast.no_list = PyList_New(0)) ||
+	if (!(fast.no_kwargs = PyDict_New()) ||
 	    !(fast.no_args = PyTuple_New(0)) || !(fast.funcs = PyDict_New()))
 		return NULL;
 	fast.core = new_ref(o[1]);

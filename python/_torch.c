@@ -221,13 +221,6 @@ static int torch_plain(PyObject *obj, struct plain *p)
 	return PyErr_Occurred() ? -1 : 1;
 }
 
-/* The handle of a common tensor: its bytes' owner, obj, is alive and
- * contiguous during the call. */
-static PyObject *plain_handle(struct plain *p)
-{
-	return host_handle(p->addr, p->dtype, p->ndim, p->shape);
-}
-
 /* torch_handle(obj) -> obj's handle, or None when obj is not the common
  * tensor (it is then pickled). */
 PyObject *torch_handle_of(PyObject *obj)
@@ -235,7 +228,8 @@ PyObject *torch_handle_of(PyObject *obj)
 	struct plain p;
 	int ok = torch_plain(obj, &p);
 
-	return ok == 1 ? plain_handle(&p) : ok == 0 ? new_ref(Py_None) : NULL;
+	return ok == 1 ? host_handle(p.addr, p.dtype, p.ndim, p.shape)
+	       : ok == 0 ? new_ref(Py_None) : NULL;
 }
 
 int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shmrpc_tensor **out)
@@ -270,47 +264,71 @@ static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
 	return torch_handle_of(obj);
 }
 
-/* torch_handles(args: tuple) -> [handle...] of args when every one is the
- * common tensor, each given once, else None (a call's arguments that
- * travel without a pickle, _marshal._TENSORS). All are asked before any
- * handle is made: a plain tensor's handle is a copy, wasted if a later
- * argument is pickled. A tensor given twice goes by the pickler, which
- * sends it once and the callee gets one object twice, as torch's (each
- * handle here becomes a tensor of its own). */
-PyObject *torch_handles_of(PyObject *args)
+/* A call's arguments that travel without a pickle (_marshal._TENSORS):
+ * all are asked before any handle is made, since a plain tensor's handle
+ * is a copy, wasted if a later argument is pickled. A tensor given twice
+ * goes by the pickler, which sends it once and the callee gets one object
+ * twice, as torch's (each handle here becomes a tensor of its own). */
+int torch_tensors_of(PyObject *args, shmrpc_tensor **out)
 {
 	struct plain few[4], *p = few;
-	PyObject *list = NULL, *obj;
 	Py_ssize_t n, i, j;
-	int ok = 1;
+	int ok = 1, rc;
 
 	if (!PyTuple_Check(args)) {
 		PyErr_SetString(PyExc_TypeError, "torch_handles: a call's arguments come in a tuple");
-		return NULL;
+		return -1;
 	}
 	n = PyTuple_Size(args);
-	if (n > (Py_ssize_t)(sizeof(few) / sizeof(*few)) && !(p = PyMem_Malloc((size_t)n * sizeof(*p))))
-		return PyErr_NoMemory();
+	if (n > (Py_ssize_t)(sizeof(few) / sizeof(*few)) && !(p = PyMem_Malloc((size_t)n * sizeof(*p)))) {
+		PyErr_NoMemory();
+		return -1;
+	}
 	for (i = 0; i < n && ok == 1; i++) {
-		obj = p[i].obj = PyTuple_GetItem(args, i);
+		PyObject *obj = p[i].obj = PyTuple_GetItem(args, i);
+
 		for (j = 0; j < i && p[j].obj != obj; j++)
 			;
 		ok = j < i ? 0 : torch_plain(obj, &p[i]);
 	}
-	if (ok == 0)
-		list = new_ref(Py_None);
-	else if (ok == 1 && (list = PyList_New(n)))
-		for (i = 0; i < n; i++) {
-			PyObject *h = plain_handle(&p[i]);
-
-			if (!h) {
-				Py_CLEAR(list); /* the handles made so far go with it */
-				break;
-			}
-			PyList_SetItem(list, i, h); /* steals h */
+	for (i = 0; ok == 1 && i < n; i++)
+		if ((rc = host_tensor(p[i].addr, p[i].dtype, p[i].ndim, p[i].shape, &out[i]))) {
+			while (i--)
+				shmrpc_tensor_free(out[i]);
+			fail(rc);
+			ok = -1;
 		}
 	if (p != few)
 		PyMem_Free(p);
+	return ok;
+}
+
+/* torch_handles(args: tuple) -> [handle...] of args when every one is the
+ * common tensor, each given once, else None (torch_tensors_of's, as
+ * Tensors). */
+PyObject *torch_handles_of(PyObject *args)
+{
+	shmrpc_tensor *few[4], **t = few;
+	Py_ssize_t n = PyTuple_Check(args) ? PyTuple_Size(args) : 0, i;
+	PyObject *list;
+	int ok;
+
+	if (n > (Py_ssize_t)(sizeof(few) / sizeof(*few)) && !(t = PyMem_Malloc((size_t)n * sizeof(*t))))
+		return PyErr_NoMemory();
+	ok = torch_tensors_of(args, t);
+	list = ok == 0 ? new_ref(Py_None) : ok == 1 ? PyList_New(n) : NULL;
+	for (i = 0; ok == 1 && i < n; i++) {
+		PyObject *h;
+
+		if (!list)
+			shmrpc_tensor_free(t[i]);
+		else if ((h = tensor_wrap(t[i]))) /* which frees t[i] if it fails */
+			PyList_SetItem(list, i, h); /* steals h */
+		else
+			Py_CLEAR(list); /* the handles wrapped so far go with it */
+	}
+	if (t != few)
+		PyMem_Free(t);
 	return list;
 }
 

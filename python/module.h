@@ -91,9 +91,12 @@ PyObject *torch_handle_of(PyObject *obj);
  * block). 1 with *out set, 0 where obj is not the common tensor (it is
  * pickled), -1 with an exception set. */
 int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shmrpc_tensor **out);
-/* torch_handles(args), args a call's tuple, from C: [handle...]
- * when every argument is the common tensor, each given once, else None;
- * NULL with an exception set. */
+/* The handles of args, a call's tuple of n, when every argument is the
+ * common tensor, each given once: 1 with out[n] made (the caller's);
+ * 0 when one is not, none made; -1 with an exception set, none left.
+ * torch_handles_of: torch_handles(args) from C, the same as a list of
+ * Tensors, or None; NULL with an exception set. */
+int torch_tensors_of(PyObject *args, shmrpc_tensor **out);
 PyObject *torch_handles_of(PyObject *args);
 /* take_torch(handles) from C: the torch tensors (a tuple) of a received
  * message's list of host handles, each taking its handle's reference;

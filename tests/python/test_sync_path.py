@@ -145,6 +145,29 @@ def test_common_calls():
     assert common(lambda: rpc.rpc_sync("worker1", add, args=(None,) * 0 + (True, 1))) == 2
 
 
+def total(*ts):
+    return sum(ts)
+
+
+def same_object(a, b):
+    return a is b
+
+
+def test_common_calls_of_tensors():
+    # Six tensors, past the four whose handles the C path keeps on its
+    # stack, one of them the pool's; the same tensor twice and a tensor
+    # beside a number go pickled, as torch sends them (one object twice).
+    ts = (rpc.empty(3, "float32", like="torch"),) + tuple(
+        torch.full((3,), float(i)) for i in range(1, 6))
+    ts[0].fill_(7.0)
+    rpc.rpc_sync("worker1", ident, args=(ts[1],))  # torch is known from here on
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", total, args=ts)), sum(ts))
+    assert general(lambda: rpc.rpc_sync("worker1", same_object, args=(ts[1], ts[1]))) is True
+    assert torch.equal(general(lambda: rpc.rpc_sync("worker1", add, args=(ts[1], 1))), ts[1] + 1)
+    rref = common(lambda: rpc.remote("worker1", total, args=ts))
+    assert torch.equal(general(rref.to_here), sum(ts))
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
