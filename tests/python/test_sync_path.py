@@ -11,7 +11,10 @@ errors are those of the Python path: None, scalars, a tensor, a remote
 exception's type and text, the default timeout (1 s in this job) raised
 as RuntimeError and TimeoutError, a rank no worker has.
 """
+import json
+import os
 import pickle
+import subprocess
 import sys
 import time
 import warnings
@@ -166,6 +169,55 @@ def test_common_calls_of_tensors():
     assert torch.equal(general(lambda: rpc.rpc_sync("worker1", add, args=(ts[1], 1))), ts[1] + 1)
     rref = common(lambda: rpc.remote("worker1", total, args=ts))
     assert torch.equal(general(rref.to_here), sum(ts))
+
+
+INSPECT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    rpc.__file__)))), "bin", "shmrpc-inspect")
+
+
+def pool_refs(rank):
+    """The pool references rank holds (shmrpc-inspect's holder table)."""
+    out = subprocess.run([INSPECT, "--json", str(os.getppid())], check=True,
+                         capture_output=True, text=True)
+    return {h["rank"]: h["refs"] for h in json.loads(out.stdout)["pool"]["holders"]}.get(rank, 0)
+
+
+def settles(rank, want):
+    """Whether rank's pool references come to want (a request's pin goes at
+    the callee's TENSOR_ACK, a moment after the call returned)."""
+    deadline = time.monotonic() + 10
+    while pool_refs(rank) != want:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_common_calls_of_tensors_hold_nothing():
+    # The C path's handles of the arguments are the call's own: freed once
+    # sent (rpc_sync gives them to the request's pin, remote() has the pin
+    # retain its own), and freed when one argument's handle cannot be made
+    # (past the pool: the Python path then raises the same). The caller
+    # then holds in the pool only its own tensor, after calls of four
+    # tensors (on the stack) and of six (allocated).
+    pt = rpc.empty(3, "float32", like="torch")
+    pt.fill_(7.0)
+    ts = (pt,) + tuple(torch.full((3,), float(i)) for i in range(1, 6))
+    rpc.rpc_sync("worker1", ident, args=(ts[1],))  # torch is known from here on
+    base = pool_refs(0)
+    for args in (ts[:4], ts):
+        assert torch.equal(common(lambda: rpc.rpc_sync("worker1", total, args=args)), sum(args))
+        rref = common(lambda: rpc.remote("worker1", total, args=args))
+        assert torch.equal(rref.to_here(), sum(args))
+        del rref
+    assert settles(0, base), f"the caller holds {pool_refs(0)} references, {base} before"
+    big = torch.ones(17 * 1024 * 1024)  # 68 MiB, past the pool's 64
+    for args in ((pt, ts[1], big), ts + (big,)):
+        with pytest.raises(RuntimeError, match="pool exhausted"):
+            rpc.rpc_sync("worker1", total, args=args)
+        with pytest.raises(RuntimeError, match="pool exhausted"):
+            rpc.remote("worker1", total, args=args)
+        assert settles(0, base), f"the caller holds {pool_refs(0)} references, {base} before"
 
 
 def test_general_calls():
