@@ -92,7 +92,8 @@ static PyObject *future_profiled(PyObject *self, PyObject *unused)
 	return profiled_call(HANDLE(self), future_profiled_of);
 }
 
-/* Runs a Python callable once the future completes (an executor thread). */
+/* Runs a Python callable once the future completes: on the thread waiting
+ * for it, if one is, else on an executor (python_future_hook). */
 static void run_callback(shmrpc_future *f, void *arg)
 {
 	PyGILState_STATE g = gil_take();
@@ -115,7 +116,7 @@ static PyObject *future_add_done_callback(PyObject *self, PyObject *fn)
 		return NULL;
 	}
 	Py_INCREF(fn);
-	rc = shmrpc_future_then(HANDLE(self), run_callback, fn);
+	rc = python_future_hook(HANDLE(self), run_callback, fn);
 	if (rc) {
 		Py_DECREF(fn);
 		return fail(rc);
@@ -125,7 +126,8 @@ static PyObject *future_add_done_callback(PyObject *self, PyObject *fn)
 
 static PyMethodDef future_methods[] = {
 	{ "add_done_callback", future_add_done_callback, METH_O,
-	  "calls fn() on an executor thread once the call has completed" },
+	  "calls fn() once the call has completed: on a thread in wait() if one is, else "
+	  "on an executor thread (fn takes no lock such a waiter may hold)" },
 	{ "wait", future_wait, METH_VARARGS, "wait(timeout_ms=-1) -> (pickle, [RRef...], [Tensor...])" },
 	{ "done", future_done, METH_NOARGS, "whether the call has completed" },
 	{ "profiled", future_profiled, METH_NOARGS,

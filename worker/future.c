@@ -37,17 +37,23 @@ void future_ref(shmrpc_future *f)
 	atomic_fetch_add_explicit(&f->refs, 1, memory_order_relaxed);
 }
 
+static void free_cbs(struct future_cb *c)
+{
+	while (c) {
+		struct future_cb *next = c->next;
+
+		free(c);
+		c = next;
+	}
+}
+
 void future_unref(shmrpc_future *f)
 {
 	/* acq_rel: the last holder sees every write of the others before freeing. */
 	if (atomic_fetch_sub_explicit(&f->refs, 1, memory_order_acq_rel) != 1)
 		return;
-	while (f->cbs) {
-		struct future_cb *next = f->cbs->next;
-
-		free(f->cbs);
-		f->cbs = next;
-	}
+	free_cbs(f->cbs);
+	free_cbs(f->for_waiter);
 	arena_free(&f->arena);
 	tensor_list_free(&f->tensors);
 	free(f->errmsg);
@@ -92,12 +98,26 @@ static int submit_callback(shmrpc_future *f, void (*fn)(shmrpc_future *, void *)
 	return 0;
 }
 
-/* Marks f done, wakes its waiters and queues its callbacks; f->lock held on entry. */
+/* Marks f done, wakes its waiters and queues its callbacks, but leaves
+ * future_hook's to a waiter if one is in; f->lock held on entry. */
 static void finish(shmrpc_future *f)
 {
-	struct future_cb *cbs = f->cbs;
+	struct future_cb *cbs = f->cbs, **at = &cbs;
 
 	f->cbs = NULL;
+	/* Relaxed: under the lock, where a waiter's decrement is made. */
+	if (atomic_load_explicit(&f->waiters, memory_order_relaxed))
+		while (*at) {
+			struct future_cb *c = *at;
+
+			if (!c->by_waiter) {
+				at = &c->next;
+				continue;
+			}
+			*at = c->next;
+			c->next = f->for_waiter;
+			f->for_waiter = c;
+		}
 	if (f->profile_key)
 		f->done_ns = shmrpc_now_ns();
 	/* Release pairs with the acquire in shmrpc_future_done and the waits. */
@@ -246,11 +266,32 @@ int future_sleep_until(shmrpc_future *f, uint64_t deadline_ns)
 
 /* ---- public API ---- */
 
+/* A waiter's way out: it runs the hooks finish() left to waiters. */
+static void waiter_leave(shmrpc_future *f)
+{
+	struct future_cb *c;
+
+	pthread_mutex_lock(&f->lock);
+	atomic_fetch_sub_explicit(&f->waiters, 1, memory_order_relaxed);
+	c = f->for_waiter;
+	f->for_waiter = NULL;
+	pthread_mutex_unlock(&f->lock);
+	while (c) {
+		struct future_cb *next = c->next;
+
+		c->fn(f, c->arg);
+		free(c);
+		c = next;
+	}
+}
+
 int shmrpc_future_wait(shmrpc_future *f, int64_t timeout_ms)
 {
-	int rc = future_wait_until(f, timeout_ms < 0 ? 0
-						     : shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u);
+	int rc;
 
+	atomic_fetch_add_explicit(&f->waiters, 1, memory_order_relaxed);
+	rc = future_wait_until(f, timeout_ms < 0 ? 0 : shmrpc_now_ns() + (uint64_t)timeout_ms * 1000000u);
+	waiter_leave(f);
 	if (rc)
 		return shmrpc__fail(rc, "the call has not completed within %lld ms",
 				    (long long)timeout_ms);
@@ -291,26 +332,40 @@ const char *shmrpc_future_remote_backtrace(shmrpc_future *f)
 	return is_done(f) ? f->backtrace : NULL;
 }
 
-int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg)
+static int add_cb(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg,
+		  bool by_waiter)
 {
 	struct future_cb *c;
 
-	if (!cb)
-		return shmrpc__fail(-EINVAL, "shmrpc_future_then: no callback given");
 	pthread_mutex_lock(&f->lock);
 	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
 		pthread_mutex_unlock(&f->lock);
-		return submit_callback(f, cb, arg);
+		if (!by_waiter)
+			return submit_callback(f, cb, arg);
+		cb(f, arg); /* the caller is as good a waiter as any */
+		return 0;
 	}
 	c = malloc(sizeof(*c));
 	if (!c) {
 		pthread_mutex_unlock(&f->lock);
 		return shmrpc__fail(-ENOMEM, "out of memory adding a callback");
 	}
-	*c = (struct future_cb){ f->cbs, cb, arg };
+	*c = (struct future_cb){ f->cbs, cb, arg, by_waiter };
 	f->cbs = c;
 	pthread_mutex_unlock(&f->lock);
 	return 0;
+}
+
+int future_hook(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg)
+{
+	return add_cb(f, cb, arg, true);
+}
+
+int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg)
+{
+	if (!cb)
+		return shmrpc__fail(-EINVAL, "shmrpc_future_then: no callback given");
+	return add_cb(f, cb, arg, true);
 }
 
 void shmrpc_future_free(shmrpc_future *f)

@@ -10,6 +10,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "shmrpc.h"
@@ -21,6 +22,7 @@ struct future_cb {
 	struct future_cb *next;
 	void (*fn)(shmrpc_future *f, void *arg);
 	void *arg;
+	bool by_waiter; /* future_hook's: a waiter may run it (finish) */
 };
 
 struct shmrpc_future {
@@ -36,6 +38,11 @@ struct shmrpc_future {
 	struct arena arena;
 	struct tensor_list tensors; /* handles of the tensors in value */
 	struct future_cb *cbs;
+	/* Threads in shmrpc_future_wait: incremented relaxed on the way in (one
+	 * finish() does not see runs its hooks on an executor, as before);
+	 * decremented under lock, where finish() reads it, on the way out. */
+	_Atomic uint32_t waiters;
+	struct future_cb *for_waiter; /* future_hook's callbacks finish() left to a waiter; under lock */
 	/* The call it stands for (client side). */
 	uint64_t msg_id;
 	uint32_t dst;
@@ -61,6 +68,14 @@ SHMRPC_HIDDEN uint32_t future_complete_packed(shmrpc_future *f, const void *buf,
 /* Completes with an error; type and backtrace may be NULL. */
 SHMRPC_HIDDEN void future_fail(shmrpc_future *f, int err, const char *type, const char *msg,
 			       const char *backtrace);
+/* shmrpc_future_then for a callback that settles what the waiter itself
+ * would and takes no lock a waiter may hold (the Python Future's
+ * _from_call): run by a thread waiting in shmrpc_future_wait when f
+ * completes, if one is, else on an executor; by the caller at once if f
+ * is done already. A waiter that takes its own
+ * reply then runs it itself, with no executor woken and no GIL handed
+ * between two threads. 0, or -ENOMEM. */
+SHMRPC_HIDDEN int future_hook(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg);
 /* Waits until done or deadline_ns (0: none); an executor thread runs what
  * the call needs meanwhile (executor.h). 0, or -ETIMEDOUT. */
 SHMRPC_HIDDEN int future_wait_until(shmrpc_future *f, uint64_t deadline_ns);

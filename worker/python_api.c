@@ -71,6 +71,11 @@ int python_tensor_take(shmrpc_tensor *t, shmrpc_tensor **out)
 	return tensor_take_over(t, out);
 }
 
+int python_future_hook(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg), void *arg)
+{
+	return future_hook(f, cb, arg);
+}
+
 int python_tensor_echoed(shmrpc_tensor *t, shmrpc_tensor **out)
 {
 	return t->dev || t->heap ? shmrpc_tensor_retain(t, out) : tensor_described(t, out);

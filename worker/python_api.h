@@ -75,6 +75,10 @@ SHMRPC_HIDDEN int python_take_replies(bool on);
  * nothing reads t's bytes after: a request's tensors in the handler that
  * serves it, a reply's taken by the one waiting for it. */
 SHMRPC_HIDDEN int python_tensor_take(shmrpc_tensor *t, shmrpc_tensor **out);
+/* future_hook (worker/future.h): cb run by a thread waiting for f, if one
+ * is when f completes, else on an executor. 0, or -ENOMEM. */
+SHMRPC_HIDDEN int python_future_hook(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg),
+				     void *arg);
 
 /* The handle of a reply's tensor that is the request's tensor t (the same
  * pool block, bytes, dtype and shape), served in the binding's fast path:

@@ -147,6 +147,39 @@ def test_futures_are_torch_futures():
     assert outer and outer[0].time_range.elapsed_us() >= 0.2e6
 
 
+def test_waiter_settles_its_call():
+    # The thread waiting in wait() settles the call's Future itself (the
+    # call's completion hook runs there: future_hook), where an executor
+    # thread that ran it took the GIL from the waiter, and an
+    # rpc_async().wait() made 15 futex calls against rpc_sync's 1. With
+    # nobody waiting in shmrpc (torch's C++ wait), an executor runs it.
+    import threading
+
+    import torch
+    from shmrpc import _futures
+
+    ran = []
+    settle = _futures.Future._from_call
+
+    def recorded(self):
+        ran.append(threading.get_ident())
+        settle(self)
+
+    _futures.Future._from_call = recorded
+    try:
+        assert rpc.rpc_async("worker1", slow, args=(0.2,)).wait() == 0.2
+        # Twice: the hook, and wait()'s own look (an executor's may come later).
+        deadline = time.monotonic() + 5
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(ran) == {threading.get_ident()}, f"settled by the waiter: {ran}"
+        ran.clear()
+        assert torch._C.Future.wait(rpc.rpc_async("worker1", slow, args=(0.2,))) == 0.2
+        assert ran and threading.get_ident() not in ran, "settled by an executor"
+    finally:
+        _futures.Future._from_call = settle
+
+
 def test_remote_timeout_fails_the_rref():
     # As torch's: remote()'s own timeout fails the RRef, for good, even
     # once the owner has stored the value.
