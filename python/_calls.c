@@ -139,9 +139,11 @@ static PyObject *mod_rref_local(PyObject *m, PyObject *args)
 /* ---- rpc_sync's common call, made in C ---- */
 
 /*
- * rpc_sync(to, func, args, kwargs, timeout) as shmrpc/_calls.py makes it,
- * for the call most programs make: a module's function sent by name, with
- * no arguments, scalars or common tensors, no keywords, the default
+ * rpc_sync, rpc_async and remote() (to, func, args, kwargs, timeout) as
+ * shmrpc/_calls.py makes them, for the call most programs make: a
+ * module's function sent by name, with arguments in a tuple and keywords
+ * in a dict (none, scalars and common tensors packed here, any others by
+ * _marshal._pack_args, as the Python path packs them), the default
  * timeout, outside a distributed autograd context, not recorded by torch's
  * profiler, under the default pickler, to a worker named by a str or an
  * int. Each of these is read from the package's own state as its Python
@@ -158,6 +160,7 @@ static struct {
 	PyObject *tls;		 /* shmrpc._contexts._tls: ctx, the autograd context */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
+	PyObject *pack_args;	 /* _marshal._pack_args(named, args, kwargs) */
 	PyObject *result;	 /* _marshal._result(msg) */
 	PyObject *remote_exc;	 /* _core.RemoteException */
 	PyObject *not_sent;	 /* _calls._NotSent */
@@ -412,45 +415,109 @@ static int call_tensors_of(PyObject *args, struct call_tensors *ct)
 	return ok;
 }
 
-/* request's message: payload, no RRefs, ct's tensors. */
-static void call_msg(struct python_request *request, PyObject *payload,
-		     const struct call_tensors *ct)
+/* A common call's message: payload, its bytes (for a call of func's
+ * entry e: head, then what the arguments add), and its tensors, either
+ * handles made here (ct: the call's own, given) or the RRefs and tensors
+ * of _marshal._pack_args's (data, rrefs, tensors) (packed: the message
+ * borrows their handles and has arrays of its own). */
+struct call_args {
+	PyObject *payload;
+	PyObject *packed;
+	struct call_tensors ct;
+	struct python_msg msg;
+};
+
+/* ca's references and arrays dropped. */
+static void call_args_free(struct call_args *ca)
 {
-	request->msg = (struct python_msg){ .data = PyBytes_AsString(payload),
-					    .len = (size_t)PyBytes_Size(payload),
-					    .tensors = ct->t,
-					    .ntensors = ct->n };
+	Py_CLEAR(ca->payload);
+	if (ca->packed) {
+		msg_free(&ca->msg);
+		Py_CLEAR(ca->packed);
+	}
+	call_tensors_free(&ca->ct);
 }
 
-/* The payload of a call of func's entry e with args, as _pack_call makes
- * it (head; tensors_head and ct, the handles; head and the pickle of
- * (args, {})): a new bytes object, or NULL, ct empty (an exception set, or
- * none for arguments this path does not pack). */
-static PyObject *payload_of(PyObject *e, PyObject *args, struct call_tensors *ct)
+/* The pickle of (args, {}) after head when it fits in the frame (past
+ * _marshal._INLINE_MAX it travels in the pool: Py_None, for _pack_args);
+ * NULL with an exception set. */
+static PyObject *scalars_payload(PyObject *head, PyObject *args)
 {
-	PyObject *head = PyTuple_GetItem(e, E_HEAD), *pair, *data, *out;
+	PyObject *pair = PyTuple_Pack(2, args, fast.no_kwargs), *data, *out;
 	Py_ssize_t hlen = PyBytes_Size(head), dlen;
 
-	if (PyTuple_Size(args) == 0)
-		return new_ref(head);
-	if (!scalars(args))
-		return call_tensors_of(args, ct) == 1 ? new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD))
-						      : NULL;
-	if (!(pair = PyTuple_Pack(2, args, fast.no_kwargs)))
+	if (!pair)
 		return NULL;
 	data = PyObject_CallFunctionObjArgs(fast.dumps, pair, fast.protocol, NULL);
 	Py_DECREF(pair);
 	if (!data)
 		return NULL;
 	dlen = PyBytes_Size(data);
-	/* Past _marshal._INLINE_MAX the pickle travels in the pool. */
-	out = dlen > 16 * 1024 ? NULL : PyBytes_FromStringAndSize(NULL, hlen + dlen);
-	if (out) {
+	out = dlen > 16 * 1024 ? new_ref(Py_None) : PyBytes_FromStringAndSize(NULL, hlen + dlen);
+	if (out && out != Py_None) {
 		memcpy(PyBytes_AsString(out), PyBytes_AsString(head), (size_t)hlen);
 		memcpy(PyBytes_AsString(out) + hlen, PyBytes_AsString(data), (size_t)dlen);
 	}
 	Py_DECREF(data);
 	return out;
+}
+
+/* ca from _marshal._pack_args(named, args, kwargs): 0, or -1 with an
+ * exception set. */
+static int packed_args(PyObject *named, PyObject *args, PyObject *kwargs, struct call_args *ca)
+{
+	PyObject *p = PyObject_CallFunctionObjArgs(fast.pack_args, named, args, kwargs, NULL);
+
+	if (!p)
+		return -1;
+	if (!PyTuple_CheckExact(p) || PyTuple_Size(p) != 3 || !PyBytes_CheckExact(PyTuple_GetItem(p, 0))) {
+		PyErr_SetString(PyExc_TypeError, "_pack_args gave no (data, rrefs, tensors)");
+		Py_DECREF(p);
+		return -1;
+	}
+	if (msg_from_py(PyTuple_GetItem(p, 0), PyTuple_GetItem(p, 1), PyTuple_GetItem(p, 2),
+			&ca->msg)) {
+		Py_DECREF(p);
+		return -1;
+	}
+	ca->packed = p;
+	ca->payload = new_ref(PyTuple_GetItem(p, 0));
+	return 0;
+}
+
+/* The arguments of a call of func's entry e, made into ca as _pack_call
+ * makes them: none, head; scalars alone, head and the pickle of (args,
+ * {}); common tensors alone, tensors_head and their handles; any other,
+ * _pack_args's. 0, or -1 with an exception set (for the Python path to
+ * raise in its own words when it is a Python one: it makes the call
+ * again), ca empty. */
+static int call_args_of(PyObject *e, PyObject *args, PyObject *kwargs, struct call_args *ca)
+{
+	PyObject *head = PyTuple_GetItem(e, E_HEAD);
+	int ok = 0;
+
+	*ca = (struct call_args){ 0 };
+	if (kwargs == Py_None || PyDict_Size(kwargs) == 0) {
+		if (PyTuple_Size(args) == 0)
+			ca->payload = new_ref(head);
+		else if (scalars(args)) {
+			if (!(ca->payload = scalars_payload(head, args)))
+				return -1;
+			if (ca->payload == Py_None)
+				Py_CLEAR(ca->payload);
+		} else if ((ok = call_tensors_of(args, &ca->ct)) == 1) {
+			ca->payload = new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD));
+		} else if (ok < 0) {
+			return -1;
+		}
+	}
+	if (!ca->payload)
+		return packed_args(PyTuple_GetItem(e, E_NAMED), args, kwargs, ca);
+	ca->msg = (struct python_msg){ .data = PyBytes_AsString(ca->payload),
+				       .len = (size_t)PyBytes_Size(ca->payload),
+				       .tensors = ca->ct.t,
+				       .ntensors = ca->ct.n };
+	return 0;
 }
 
 /* The error set now replaced by make(*its args), or make(str(it)) when
@@ -488,18 +555,19 @@ static void raise_from_none(PyObject *make, bool by_text)
 	Py_XDECREF(tb);
 }
 
-/* The call's message sent: its Future in *f, or -1 with _calls' errors
- * set (_NotSent for a RuntimeError, as _send_call words it). */
-static int sync_send(int dst, PyObject *e, PyObject *payload, const struct call_tensors *ct,
-		     shmrpc_future **f)
+/* The call's message sent (kind, rpc_sync's or rpc_async's, for the
+ * profiler): its Future in *f, or -1 with _calls' errors set (_NotSent for
+ * a RuntimeError, as _send_call words it). */
+static int common_send(const char *kind, int dst, PyObject *e, const struct call_args *ca,
+		       shmrpc_future **f)
 {
-	/* give: the tensors' handles are the call's own, freed after the send. */
+	/* give: the handles made here are the call's own, freed after the send. */
 	struct python_request rq = { .type = MSG_PYTHON_CALL, .wrapped = MSG_PYTHON_CALL,
-				     .context_id = -1, .give = true };
+				     .context_id = -1, .give = !ca->packed, .msg = ca->msg };
 	int rc;
 
-	call_msg(&rq, payload, ct);
-	python_call_begin("rpc_sync", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, true);
+	python_call_begin(kind, PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0,
+			  !strcmp(kind, "rpc_sync"));
 	rc = python_request_async(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, f);
 	python_call_end();
 	if (!rc)
@@ -584,24 +652,24 @@ static int python_path_asks(void)
 }
 
 /* Whether the call of the arguments a, (to, func[, args, kwargs,
- * timeout]) as rpc_sync and remote() take them, is the common one: 1,
- * its destination, func's entry and its payload (new references) and
- * tensors (ct, empty for none) out, and it is counted. Otherwise nothing
- * is done: 0, no error left, the Python path makes the call; or -1 with an
- * error that is no Exception (python_path_asks). */
+ * timeout]) as rpc_sync, rpc_async and remote() take them, is the common
+ * one: 1, its destination, func's entry (a new reference) and its
+ * arguments (ca) out, and it is counted. Otherwise nothing is done: 0, no
+ * error left, the Python path makes the call; or -1 with an error that is
+ * no Exception (python_path_asks). */
 static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
-		       PyObject **payload, struct call_tensors *ct)
+		       struct call_args *ca)
 {
 	PyObject *to, *func, *args = Py_None, *kwargs = Py_None, *timeout = Py_None;
 
 	*e = NULL;
-	*ct = (struct call_tensors){ 0 };
+	*ca = (struct call_args){ 0 };
 	if (!fast.general || !PyArg_UnpackTuple(a, name, 2, 5, &to, &func, &args, &kwargs, &timeout) ||
 	    (args != Py_None && !PyTuple_CheckExact(args)) ||
-	    (kwargs != Py_None && !(PyDict_CheckExact(kwargs) && PyDict_Size(kwargs) == 0)) ||
+	    (kwargs != Py_None && !PyDict_CheckExact(kwargs)) ||
 	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
-	    !(*payload = payload_of(*e, args == Py_None ? fast.no_args : args, ct))) {
+	    call_args_of(*e, args == Py_None ? fast.no_args : args, kwargs, ca)) {
 		Py_CLEAR(*e);
 		return python_path_asks();
 	}
@@ -619,24 +687,34 @@ static PyObject *wait_failed(int rc)
 	return NULL;
 }
 
+/* The common call of the arguments a sent (kind: rpc_sync or rpc_async):
+ * 1 with its Future in *f; 0 for a call the Python path makes; -1 with an
+ * exception set. */
+static int common_call(PyObject *a, const char *kind, shmrpc_future **f)
+{
+	struct call_args ca;
+	PyObject *e;
+	int dst, rc;
+
+	if ((rc = call_common(a, kind, &dst, &e, &ca)) <= 0)
+		return rc;
+	rc = common_send(kind, dst, e, &ca, f);
+	Py_DECREF(e);
+	call_args_free(&ca);
+	return rc ? -1 : 1;
+}
+
 /* rpc_sync(to, func, args, kwargs, timeout) -> the result, or the
  * sentinel of rpc_sync_setup for a call the Python path makes. */
 static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 {
-	struct call_tensors ct;
-	PyObject *e, *payload, *res;
+	PyObject *res;
 	shmrpc_future *f;
-	int dst, rc;
+	int rc;
 
 	(void)m;
-	if ((rc = call_common(a, "rpc_sync", &dst, &e, &payload, &ct)) <= 0)
+	if ((rc = common_call(a, "rpc_sync", &f)) <= 0)
 		return rc ? NULL : new_ref(fast.general);
-	rc = sync_send(dst, e, payload, &ct, &f);
-	Py_DECREF(e);
-	Py_DECREF(payload);
-	call_tensors_free(&ct);
-	if (rc)
-		return NULL;
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_future_wait(f, -1);
 	Py_END_ALLOW_THREADS
@@ -648,6 +726,20 @@ static PyObject *mod_rpc_sync(PyObject *m, PyObject *a)
 	return res;
 }
 
+/* rpc_async_call(to, func, args, kwargs, timeout) -> the call in flight (a
+ * C Future, as call() gives it), or rpc_sync_setup's sentinel for a call
+ * the Python path makes (shmrpc/_calls.py, rpc_async, wraps either). */
+static PyObject *mod_rpc_async_call(PyObject *m, PyObject *a)
+{
+	shmrpc_future *f;
+	int rc;
+
+	(void)m;
+	if ((rc = common_call(a, "rpc_async", &f)) <= 0)
+		return rc ? NULL : new_ref(fast.general);
+	return future_wrap(f);
+}
+
 /* rpc_remote(to, func, args, kwargs, timeout) -> an RRef (shmrpc's
  * Python RRef, as _marshal._rref_of makes one), or rpc_sync_setup's
  * sentinel for a call the Python path makes (shmrpc/_calls.py, remote). */
@@ -655,23 +747,22 @@ static PyObject *mod_rpc_remote(PyObject *m, PyObject *a)
 {
 	struct python_request rq = { .type = MSG_PYTHON_REMOTE_CALL,
 				     .wrapped = MSG_PYTHON_REMOTE_CALL, .context_id = -1 };
-	struct call_tensors ct;
-	PyObject *e, *payload, *handle, *rref = NULL;
+	struct call_args ca;
+	PyObject *e, *handle, *rref = NULL;
 	shmrpc_rref *r;
 	int dst, rc;
 
 	(void)m;
-	if ((rc = call_common(a, "rpc_remote", &dst, &e, &payload, &ct)) <= 0)
+	if ((rc = call_common(a, "rpc_remote", &dst, &e, &ca)) <= 0)
 		return rc ? NULL : new_ref(fast.general);
-	call_msg(&rq, payload, &ct);
+	rq.msg = ca.msg;
 	python_call_begin("rpc_remote", PyBytes_AsString(PyTuple_GetItem(e, E_FN)), 0, false);
 	rc = python_remote(dst, &rq, SHMRPC_TIMEOUT_DEFAULT, &r);
 	python_call_end();
 	if (rc)
 		fail(rc);
 	Py_DECREF(e);
-	Py_DECREF(payload);
-	call_tensors_free(&ct);
+	call_args_free(&ca);
 	if (rc || !(handle = rref_wrap(r)))
 		return NULL;
 	if ((rref = PyObject_CallFunctionObjArgs(fast.object_new, fast.rref_type, NULL)) &&
@@ -748,6 +839,8 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	fast.tls = new_ref(o[4]);
 	fast.function_type = new_ref(o[5]);
 	fast.named = new_ref(o[6]);
+	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")))
+		return NULL;
 	fast.result = new_ref(o[7]);
 	fast.remote_exc = new_ref(o[8]);
 	fast.not_sent = new_ref(o[9]);
@@ -773,6 +866,9 @@ static PyMethodDef call_functions[] = {
 	{ "rpc_sync", mod_rpc_sync, METH_VARARGS,
 	  "rpc_sync(to, func, args, kwargs, timeout) -> result: the common call made here, or "
 	  "rpc_sync_setup's sentinel for shmrpc._calls.rpc_sync to make it" },
+	{ "rpc_async_call", mod_rpc_async_call, METH_VARARGS,
+	  "rpc_async_call(to, func, args, kwargs, timeout) -> the common call in flight (a Future "
+	  "of this module), or rpc_sync_setup's sentinel" },
 	{ "rpc_remote", mod_rpc_remote, METH_VARARGS,
 	  "rpc_remote(to, func, args, kwargs, timeout) -> RRef: remote()'s common call made here, "
 	  "or rpc_sync_setup's sentinel" },

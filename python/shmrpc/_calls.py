@@ -50,7 +50,11 @@ class _NotSent(RuntimeError):
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     try:
-        fut = Future(_c=_send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async"))
+        # The common call is sent in C, as rpc_sync's (below).
+        call = _shmrpc.rpc_async_call(to, func, args, kwargs, timeout)
+        if call is _GENERAL:
+            call = _send_call(_rank_of(to), func, args, kwargs, timeout, "rpc_async")
+        fut = Future(_c=call)
     except _NotSent as e:
         fut = Future()
         fut.set_exception(e)

@@ -265,18 +265,38 @@ def _from_handles(tensors):
 _TENSORS = b"\x03"
 
 
-# Objects of these exact types are never RRefs or tensors.
-_PLAIN_TYPES = frozenset((int, float, bool, str, bytes, type(None), tuple, list, dict))
+class _Loading(threading.local):
+    """unpickler: the _Unpickler loading on this thread now, whose message's
+    tensors and RRefs _ref finds (None outside _loads)."""
+    unpickler = None
+
+
+_loading = _Loading()
+
+
+def _ref(pid):
+    """An RRef or a tensor of the message being loaded, as the pickle names
+    it: _Pickler writes each as a call of this function with its id."""
+    u = _loading.unpickler
+    if u is None:
+        raise pickle.UnpicklingError("this pickle names shmrpc's RRefs or tensors: only "
+                                     "shmrpc loads it, with its message")
+    return u.ref(pid)
 
 
 class _Pickler(pickle.Pickler):
     """torch's default RPC pickler: functions by reference. RRefs and
-    tensors go beside the pickle (which names them by index): the agent
-    forks an RRef (the receiver gets a reference of its own) and hands a
-    tensor over through the pool (the receiver sees the same bytes), or a
-    small one not in the pool inside the message (a copy of its own). A
-    tensor that requires grad travels detached, with its autograd metadata
-    (shmrpc.autograd)."""
+    tensors go beside the pickle (which names them by index, a call of
+    _ref): the agent forks an RRef (the receiver gets a reference of its
+    own) and hands a tensor over through the pool (the receiver sees the
+    same bytes), or a small one not in the pool inside the message (a copy
+    of its own). A tensor that requires grad travels detached, with its
+    autograd metadata (shmrpc.autograd). The pickler asks reducer_override
+    only for objects of no builtin type, after its memo: numbers, strings
+    and the containers of builtin types cost no Python call (a persistent_id
+    hook was asked for each object: a list of three ints cost 6.5 us
+    against pickle's 1.1), and an object met again is the memo's, sent
+    once and arriving as one object, as torch's pickler memoizes it."""
 
     def __init__(self, buf):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -292,54 +312,39 @@ class _Pickler(pickle.Pickler):
         self.rrefs = []
         self.tensors = []
         self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
-        # {id(tensor or RRef): (its id, it)}: one met again is not sent
-        # again, and arrives the same object, as torch's pickler memoizes it
-        # (this hook comes before pickle's memo). It is kept: a temporary's
-        # id (a __reduce__'s) could be another's later.
-        self.pids = {}
 
-    def persistent_id(self, obj):
-        if type(obj) in _PLAIN_TYPES:  # the common case, e.g. a list of indices, at once
-            return None
-        seen = self.pids.get(id(obj))
-        if seen is not None:
-            return seen[0]
+    def reducer_override(self, obj):
         handle = _torch_handle(obj)
         if handle is not None:
-            # Its handle has its shape, so its id is the bare index (a
-            # tuple's elements would each come back here, the shape's too).
+            # Its handle has its shape, so its id is the bare index.
             self.tensors.append(handle)
-            self.pids[id(obj)] = (len(self.tensors) - 1, obj)
-            return len(self.tensors) - 1
+            return _ref, (len(self.tensors) - 1,)
         if isinstance(obj, _rref_type):
             self.rrefs.append(obj._r)
-            pid = ("rref", len(self.rrefs) - 1)
-            self.pids[id(obj)] = (pid, obj)
-            return pid
+            return _ref, (("rref", len(self.rrefs) - 1),)
         kind = _tensor_kind(obj)
-        if kind:
-            # Any DLPack producer may be sent: it may have no .shape.
-            shape = getattr(obj, "shape", None)
-            shape = None if shape is None else tuple(shape)
-            data = obj
-            if kind == "torch" and not obj.is_contiguous():
-                # As torch's: a view's whole storage and its strides (a
-                # .contiguous() or .clone() sends only its elements).
-                shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
-                data = obj.detach().new_empty(0).set_(obj.storage())
-            elif kind != "cuda" and len(shape) > _shmrpc.TENSOR_MAX_DIMS:
-                # More sizes than a handle holds: flat, given its shape back
-                # on arrival (_Unpickler), as a view's storage is.
-                data = obj.reshape(-1)
-            self.tensors.append(_to_pool(kind, data))
-            pid = (kind, len(self.tensors) - 1, shape)
-            if kind != "np" and getattr(obj, "requires_grad", False):
-                if self.grad_tensors is None:
-                    self.grad_tensors = _contexts._Outgoing()
-                pid += (self.grad_tensors.add(obj),)
-            self.pids[id(obj)] = (pid, obj)
-            return pid
-        return None
+        if not kind:
+            return NotImplemented
+        # Any DLPack producer may be sent: it may have no .shape.
+        shape = getattr(obj, "shape", None)
+        shape = None if shape is None else tuple(shape)
+        data = obj
+        if kind == "torch" and not obj.is_contiguous():
+            # As torch's: a view's whole storage and its strides (a
+            # .contiguous() or .clone() sends only its elements).
+            shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
+            data = obj.detach().new_empty(0).set_(obj.storage())
+        elif kind != "cuda" and len(shape) > _shmrpc.TENSOR_MAX_DIMS:
+            # More sizes than a handle holds: flat, given its shape back
+            # on arrival (_Unpickler), as a view's storage is.
+            data = obj.reshape(-1)
+        self.tensors.append(_to_pool(kind, data))
+        pid = (kind, len(self.tensors) - 1, shape)
+        if kind != "np" and getattr(obj, "requires_grad", False):
+            if self.grad_tensors is None:
+                self.grad_tensors = _contexts._Outgoing()
+            pid += (self.grad_tensors.add(obj),)
+        return _ref, (pid,)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -349,25 +354,21 @@ class _Unpickler(pickle.Unpickler):
         self.tensors = tensors
         self.grad_mode = grad_mode  # how a tensor sent requiring grad arrives (_contexts._Incoming)
         self.grad_tensors = None  # an _contexts._Incoming, at the first tensor that required grad
-        # {tensor index, or RRef id: what it became}: one object for one
-        # sent once and met twice (_Pickler.pids)
-        self.made = {}
 
-    def persistent_load(self, pid):
+    def load(self):
+        outer, _loading.unpickler = _loading.unpickler, self
+        try:
+            return super().load()
+        finally:
+            _loading.unpickler = outer
+
+    def ref(self, pid):
+        """What _Pickler named pid: each is met once (the memo has the rest)."""
         if type(pid) is int:  # a CPU torch tensor of its handle's shape (_Pickler)
-            t = self.made.get(pid)
-            if t is None:
-                t = self.made[pid] = _from_pool("torch", self.tensors[pid])
-            return t
+            return _from_pool("torch", self.tensors[pid])
         if pid[0] == "rref":
-            r = self.made.get(pid)
-            if r is None:
-                r = self.made[pid] = _rref_of(self.rrefs[pid[1]])
-            return r
-        t = self.made.get(pid[1])
-        if t is None:
-            t = self.made[pid[1]] = self._tensor(pid)
-        return t
+            return _rref_of(self.rrefs[pid[1]])
+        return self._tensor(pid)
 
     def _tensor(self, pid):
         handle = self.tensors[pid[1]]
@@ -419,8 +420,7 @@ def _dumps(obj):
         return b"", [], []
     if type(obj) in _IMMUTABLE_TYPES or (type(obj) is tuple and _scalars(obj)):
         # Nothing to take out of the pickle: C's pickler alone, without
-        # _Pickler's persistent_id, a Python call per object (a number
-        # took 3.0 us that way, 0.3 this way; docs/ARCHITECTURE.md).
+        # _Pickler's reset and buffer (docs/ARCHITECTURE.md).
         return _inline(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], [])
     handle = _torch_handle(obj)
     if handle is not None:
@@ -625,6 +625,13 @@ def _pack_call(func, args, kwargs, dst=None):
         return _dumps((func, tuple(args or ()), dict(kwargs or {})))
     if not args and not kwargs:
         return named.head, [], []
+    return _pack_args(named, args, kwargs)
+
+
+def _pack_args(named, args, kwargs):
+    """The payload of a call of named (a _Named) with args (a sequence)
+    and kwargs (a dict or None), not both empty: _pack_call's, and the C
+    path's for arguments it does not pack itself (python/_calls.c)."""
     # A proxy's call (name, rref, scalars...): its method's name written
     # out, its RRef the message's only one, no pickler (docs/PROTOCOL.md);
     # asked before the tensors, since its first argument is a name.

@@ -1,8 +1,8 @@
 # shmrun: -n 2 --pool-size 64M
 """The two paths of rpc_sync, remote() and a user's to_here() (worker0
 calls, worker1 serves): the common call, made in C (python/_calls.c:
-rpc_sync, rpc_remote, rref_value), and every other, made by the
-package's Python. Each case that must take the Python path is checked to
+rpc_sync, rpc_async_call, rpc_remote, rref_value), whatever its
+arguments, and every other, made by the package's Python. Each case that must take the Python path is checked to
 take it (the C path's count does not move) and to keep its meaning: an
 autograd context learns the callee, torch's profiler records the call, a
 timeout of the call's own or set for every call applies, a function no
@@ -141,8 +141,8 @@ def test_common_calls():
     assert common(lambda: rpc.rpc_sync("worker1", add, args=(1.5, 2j),
                                        timeout=rpc.constants.UNSET_RPC_TIMEOUT)) == 1.5 + 2j
     t = torch.arange(6.0)
-    # As the pickler: torch is learnt of at the first tensor sent.
-    general(lambda: rpc.rpc_sync("worker1", ident, args=(t,)))
+    # The pickler learns of torch at the first tensor sent (_pack_args).
+    common(lambda: rpc.rpc_sync("worker1", ident, args=(t,)))
     got = common(lambda: rpc.rpc_sync("worker1", ident, args=(t,)))
     assert torch.equal(got, t), "a common tensor there and back"
     assert common(lambda: rpc.rpc_sync("worker1", add, args=(None,) * 0 + (True, 1))) == 2
@@ -159,14 +159,15 @@ def same_object(a, b):
 def test_common_calls_of_tensors():
     # Six tensors, past the four whose handles the C path keeps on its
     # stack, one of them the pool's; the same tensor twice and a tensor
-    # beside a number go pickled, as torch sends them (one object twice).
+    # beside a number go pickled (_pack_args), as torch sends them (one
+    # object twice).
     ts = (rpc.empty(3, "float32", like="torch"),) + tuple(
         torch.full((3,), float(i)) for i in range(1, 6))
     ts[0].fill_(7.0)
     rpc.rpc_sync("worker1", ident, args=(ts[1],))  # torch is known from here on
     assert torch.equal(common(lambda: rpc.rpc_sync("worker1", total, args=ts)), sum(ts))
-    assert general(lambda: rpc.rpc_sync("worker1", same_object, args=(ts[1], ts[1]))) is True
-    assert torch.equal(general(lambda: rpc.rpc_sync("worker1", add, args=(ts[1], 1))), ts[1] + 1)
+    assert common(lambda: rpc.rpc_sync("worker1", same_object, args=(ts[1], ts[1]))) is True
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", add, args=(ts[1], 1))), ts[1] + 1)
     rref = common(lambda: rpc.remote("worker1", total, args=ts))
     assert torch.equal(general(rref.to_here), sum(ts))
 
@@ -220,14 +221,66 @@ def test_common_calls_of_tensors_hold_nothing():
         assert settles(0, base), f"the caller holds {pool_refs(0)} references, {base} before"
 
 
+class Box:
+    def __init__(self, n):
+        self.n = n
+
+    def get(self, plus=0):
+        return self.n + plus
+
+
+def call_method(method, rref, *args, **kwargs):
+    return method(rref.local_value(), *args, **kwargs)
+
+
+def test_common_calls_of_any_arguments():
+    # Keywords, containers, tensors inside them, RRefs, a pickle past the
+    # frame (out of line, in the pool), a proxy's call: made in C, their
+    # arguments packed by _marshal._pack_args, as the Python path packs them.
+    assert common(lambda: rpc.rpc_sync("worker1", add, args=(1,), kwargs={"b": 2})) == 3
+    assert common(lambda: rpc.rpc_sync("worker1", add, kwargs={"a": [1], "b": [2]})) == [1, 2]
+    assert common(lambda: rpc.rpc_sync("worker1", ident, args=({"k": (1, [2.0])},))) == \
+        {"k": (1, [2.0])}
+    t = torch.arange(4.0)
+    got = common(lambda: rpc.rpc_sync("worker1", ident, args=([t, {"t": t}],)))
+    assert torch.equal(got[0], t) and got[1]["t"] is got[0], "one tensor twice, one object"
+    big = list(range(10000))  # a pickle past 16 KiB
+    assert common(lambda: rpc.rpc_sync("worker1", ident, args=(big,))) == big
+    box = general(lambda: rpc.remote("worker1", Box, args=(7,)))  # a class: by the pickle
+    assert common(lambda: rpc.rpc_sync("worker1", call_method, args=(Box.get, box))) == 7
+    assert box.rpc_sync().get() == 7  # its first asks the value's type, once
+    assert common(lambda: box.rpc_sync().get()) == 7, "a proxy's call"
+    assert common(lambda: box.rpc_sync().get(plus=1)) == 8, "a proxy's call with a keyword"
+    fut = common(lambda: rpc.rpc_async("worker1", add, args=([1], [2])))
+    assert fut.wait() == [1, 2] and isinstance(fut, torch.futures.Future)
+    assert common(lambda: rpc.rpc_async("worker1", nothing)).wait() is None
+    assert general(lambda: rpc.rpc_async("worker1", add, args=(1, 2), timeout=5)).wait() == 3
+    with pytest.raises(KeyError, match="a"):
+        common(lambda: rpc.rpc_async("worker1", boom, args=("a",))).wait()
+    # Failures the Python path raises in its words, the same either way:
+    # an argument pickle refuses (raised by the call), a rank no worker has
+    # (through the Future, as torch's agent).
+    def local():
+        return 1
+    with pytest.raises(AttributeError) as c:
+        rpc.rpc_sync("worker1", ident, args=(local,))
+    with pytest.raises(AttributeError) as g:
+        general(lambda: rpc.rpc_sync("worker1", ident, args=(local,), timeout=5))
+    assert str(c.value) == str(g.value) and "pickle" in str(c.value), repr(c.value)
+    with pytest.raises(RuntimeError) as c:
+        common(lambda: rpc.rpc_async(99, add, args=([1],))).wait()
+    with pytest.raises(RuntimeError) as g:
+        general(lambda: rpc.rpc_async(99, add, args=([1],), timeout=5)).wait()
+    assert type(c.value) is type(g.value) and str(c.value) == str(g.value), \
+        f"a rank no worker has: {c.value!r} and {g.value!r}"
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
     assert general(lambda: rpc.rpc_sync(peer, add, args=(1, 2))) == 3, "a WorkerInfo"
-    assert general(lambda: rpc.rpc_sync("worker1", add, args=(1,), kwargs={"b": 2})) == 3
     assert general(lambda: rpc.rpc_sync("worker1", add, args=[1, 2])) == 3, "a list of args"
     assert general(lambda: rpc.rpc_sync("worker1", add, args=(1, 2), timeout=5)) == 3
-    assert general(lambda: rpc.rpc_sync("worker1", add, args=([1], [2]))) == [1, 2]
     assert general(lambda: rpc.rpc_sync("worker1", len, args=("abc",))) == 3, "a builtin"
     assert common(lambda: rpc.rpc_sync(me.name, add, args=(1, 2))) == 3, "to oneself"
     with pytest.raises(RuntimeError, match="could not find destination nobody"):
@@ -346,7 +399,7 @@ def test_remote_common_and_general():
         failed.to_here()
     with pytest.raises(KeyError, match="r"):
         failed.to_here(timeout=5)
-    assert general(lambda: rpc.remote("worker1", add, args=(1,), kwargs={"b": 1})).to_here() == 2
+    assert common(lambda: rpc.remote("worker1", add, args=(1,), kwargs={"b": 1})).to_here() == 2
     with dist_autograd.context():
         general(lambda: rpc.remote("worker1", nothing))
     mine = rpc.RRef([1])
