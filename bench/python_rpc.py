@@ -14,6 +14,8 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_rpc_sync mode=spin median_ns= p99_ns= vs_torch_rpc=
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_rref_proxy_rpc_sync median_ns= vs_torch_rpc= vs_py_rpc_sync=
+  BENCH py_rpc_async_wait median_ns= vs_torch_rpc= vs_py_rpc_sync=
+  BENCH py_rpc_sync args=list3|kwarg median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_remote_to_here value=1KiB_bytes|1KiB_bytearray|1MiB_tensor median_ns= vs_torch_rpc=
 
 with shmrpc's figures. py_call_floor is what a call costs in Python with
@@ -35,6 +37,9 @@ just before its echo, adds to that echo (the copy in the cache state a
 call leaves, and the rest of the call slowed by what it pushed out of the
 cache), and vs_memcpy_in_call copy_ns over that. The loop's memcpy is
 warmer than a call's can be: between two copies it touches nothing else.
+The calls programs make beside the empty one: rpc_async(...).wait(), and
+an echo of [1, 2, 3] and of one keyword (kwargs={"x": 1}), pickled both
+ways, timed in turns with py_rpc_sync as the proxy is.
 The RRef lines: a proxy's rpc_sync on a live object
 (rref.rpc_sync().get()), and remote()+to_here() of a value made once on
 the owner: 1 KiB of bytes (a value that cannot change, read
@@ -246,14 +251,17 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
     ops = [lambda: rpc.rpc_sync("w1", nothing), lambda: rpc.remote("w1", nothing).to_here()]
     if not calls_only:
         box = rpc.remote("w1", Box, args=(7,))
-        ops.append(lambda: box.rpc_sync().get())
+        ops += [lambda: box.rpc_sync().get(), lambda: rpc.rpc_async("w1", nothing).wait(),
+                lambda: rpc.rpc_sync("w1", echo, args=([1, 2, 3],)),
+                lambda: rpc.rpc_sync("w1", echo, kwargs={"x": 1})]
     runs = alternated(ops, 300 if quick else 2000)
     s = runs[0]
     fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
     fig["remote"] = runs[1][len(runs[1]) // 2]
     if calls_only:
         return fig
-    fig["proxy"] = runs[2][len(runs[2]) // 2]
+    fig["proxy"], fig["async_wait"], fig["list3"], fig["kwarg"] = (
+        r[len(r) // 2] for r in runs[2:])
     del box, ops
 
     # Pipelined: every call in flight before the first wait.
@@ -378,7 +386,7 @@ def main():
         ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
         spin = run_shmrpc(build, quick, os.path.join(tmp, "spin.json"), spin=True)
     t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}, "proxy": 0,
-                   "rref_values": {}}
+                   "async_wait": 0, "list3": 0, "kwarg": 0, "rref_values": {}}
 
     print(f"BENCH py_call_floor median_ns={ours['floor']}", flush=True)
     med, p99 = ours["sync"]
@@ -392,6 +400,13 @@ def main():
     line("py_rref_proxy_rpc_sync", [("median_ns", ours["proxy"]),
                                     ("vs_py_rpc_sync", f"{ours['proxy'] / ours['sync'][0]:.3g}")],
          ours["proxy"], t["proxy"])
+    line("py_rpc_async_wait", [("median_ns", ours["async_wait"]),
+                               ("vs_py_rpc_sync", f"{ours['async_wait'] / ours['sync'][0]:.3g}")],
+         ours["async_wait"], t["async_wait"])
+    for label in ("list3", "kwarg"):
+        line(f"py_rpc_sync args={label}", [("median_ns", ours[label]),
+                                           ("vs_py_rpc_sync", f"{ours[label] / ours['sync'][0]:.3g}")],
+             ours[label], t[label])
     for label, med in ours["rref_values"].items():
         line("py_remote_to_here", [("value", label), ("median_ns", med)], med,
              t["rref_values"].get(label))
