@@ -360,21 +360,6 @@ static int state_common(PyObject *timeout)
 	return (r = torch_may_profile()) < 0 ? -1 : !r;
 }
 
-/* Whether every item of the tuple args is a scalar no pickler hook sees
- * (_marshal._scalars: exact types, a subclass may hold anything). */
-static bool scalars(PyObject *args)
-{
-	for (Py_ssize_t i = 0; i < PyTuple_Size(args); i++) {
-		PyObject *o = PyTuple_GetItem(args, i);
-
-		if (!(o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) ||
-		      PyFloat_CheckExact(o) || PyComplex_CheckExact(o) || PyUnicode_CheckExact(o) ||
-		      PyBytes_CheckExact(o)))
-			return false;
-	}
-	return true;
-}
-
 /* A common call's tensors: its arguments' handles (torch_tensors_of),
  * its own; in few for up to four. */
 struct call_tensors {

@@ -110,6 +110,11 @@ PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take);
 /* Whether torch is known (know_torch ran): take_torch_of works. */
 bool torch_known(void);
 
+/* _dumps.c: whether the tuple t holds only scalars of exact types that
+ * hold no RRef nor tensor (None, bool, int, float, complex, str, bytes):
+ * _marshal._scalars. */
+bool scalars(PyObject *t);
+
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);
 int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m);
@@ -156,6 +161,7 @@ int rank_named(PyObject *name);
 /* Each file adds its types and functions to the module; 0 or -1 with an
  * exception. */
 int module_add_calls(PyObject *m);
+int module_add_dumps(PyObject *m);
 int module_add_future(PyObject *m);
 int module_add_handler(PyObject *m);
 int module_add_tensor(PyObject *m);

@@ -298,20 +298,14 @@ class _Pickler(pickle.Pickler):
     against pickle's 1.1), and an object met again is the memo's, sent
     once and arriving as one object, as torch's pickler memoizes it."""
 
-    def __init__(self, buf):
-        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        self.buf = buf
-        self.reset()
-
-    def reset(self):
-        """Ready for the next pickle (_dumps reuses a thread's pickler:
-        making one costs more than pickling a few numbers with it)."""
-        self.clear_memo()  # a memo entry would name an object of the last pickle
-        self.buf.seek(0)
-        self.buf.truncate()
-        self.rrefs = []
-        self.tensors = []
-        self.grad_tensors = None  # an _contexts._Outgoing, at the first tensor that requires grad
+    def __init__(self):
+        self.buf = io.BytesIO()
+        super().__init__(self.buf, protocol=pickle.HIGHEST_PROTOCOL)
+        # Ready for the next pickle (_dumps reuses a thread's pickler:
+        # making one costs more than pickling a few numbers with it): rrefs
+        # and tensors empty lists, grad_tensors None (an
+        # _contexts._Outgoing from the first tensor that requires grad).
+        _shmrpc.pickler_reset(self)
 
     def reducer_override(self, obj):
         handle = _torch_handle(obj)
@@ -399,54 +393,19 @@ _INLINE_MAX = 16 * 1024
 _OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
 
 
-class _IdlePickler(threading.local):
-    """pickler: this thread's _Pickler while no _dumps uses it (a _dumps
-    inside a _dumps, from an object's own __reduce__, makes its own)."""
-    pickler = None
-
-
-_idle = _IdlePickler()
-
-
-def _scalars(values):
-    """Whether values (a tuple) holds only scalars of _IMMUTABLE_TYPES,
-    which can hold no RRef nor tensor (exact types: a subclass may)."""
-    return all(map(_IMMUTABLE_TYPES.__contains__, map(type, values)))
-
-
-def _dumps(obj):
-    """(pickle, [C RRef...], [C Tensor...]) for the agent; None is b""."""
-    if obj is None:  # most results: no pickle to make, nor to read
-        return b"", [], []
-    if type(obj) in _IMMUTABLE_TYPES or (type(obj) is tuple and _scalars(obj)):
-        # Nothing to take out of the pickle: C's pickler alone, without
-        # _Pickler's reset and buffer (docs/ARCHITECTURE.md).
-        return _inline(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], [])
-    handle = _torch_handle(obj)
-    if handle is not None:
-        return _TENSORS, [], [handle]
-    p = _idle.pickler
-    if p is None:
-        p = _Pickler(io.BytesIO())
-    else:
-        _idle.pickler = None
-    try:
-        p.dump(obj)
-        if p.grad_tensors is not None:
-            p.grad_tensors.sent()
-        data, rrefs, tensors = p.buf.getvalue(), p.rrefs, p.tensors
-    finally:
-        p.reset()
-        _idle.pickler = p
-    return _inline(data, rrefs, tensors)
-
-
-def _inline(data, rrefs, tensors):
-    """The message of a pickle: in the frame, or past _INLINE_MAX in the pool."""
-    if len(data) > _INLINE_MAX:
-        tensors.append(_shmrpc.from_bytes(data))
-        data = _OUT_OF_LINE
-    return data, rrefs, tensors
+# _scalars(values): whether the tuple values holds only scalars of
+# _IMMUTABLE_TYPES, which can hold no RRef nor tensor (exact types: a
+# subclass may).
+# _dumps(obj) -> (pickle, [C RRef...], [C Tensor...]) for the agent: None
+# is b"", scalars pickle's alone, one common tensor _TENSORS and its
+# handle, anything else this thread's _Pickler's (python/_dumps.c).
+# _inline(data, rrefs, tensors): the message of a pickle, in the frame or
+# past _INLINE_MAX in the pool (the last tensor, data _OUT_OF_LINE).
+_shmrpc.dumps_setup(_Pickler, _TENSORS, _OUT_OF_LINE, _INLINE_MAX, pickle.dumps,
+                    pickle.HIGHEST_PROTOCOL, _shmrpc.from_bytes)
+_dumps = _shmrpc.dumps
+_inline = _shmrpc.inline
+_scalars = _shmrpc.scalars
 
 
 def _loads(msg, grad_mode="result"):

@@ -275,6 +275,34 @@ def test_common_calls_of_any_arguments():
         f"a rank no worker has: {c.value!r} and {g.value!r}"
 
 
+class PicklesInside:
+    """Pickling it makes another message on the same thread."""
+    def __reduce__(self):
+        inner = _marshal._dumps([torch.ones(2)])
+        return list, ([len(inner[2])],)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise ValueError("not this one")
+
+
+def test_dumps_inside_dumps_and_after_errors():
+    # _dumps (python/_dumps.c): a message made while the thread's pickler
+    # makes another has a pickler of its own; a failed pickle leaves the
+    # thread's pickler empty for the next (its memo, its tensors).
+    data, rrefs, tensors = _marshal._dumps([PicklesInside(), torch.full((3,), 5.0)])
+    assert not rrefs and len(tensors) == 1, f"the outer message's tensors: {tensors}"
+    got = _marshal._loads((data, rrefs, tensors))
+    assert got[0] == [1] and torch.equal(got[1], torch.full((3,), 5.0)), got
+    with pytest.raises(ValueError, match="not this one"):
+        _marshal._dumps([torch.ones(3), Unpicklable()])
+    data, rrefs, tensors = _marshal._dumps([1, "x"])
+    assert not tensors and _marshal._loads((data, rrefs, tensors)) == [1, "x"], \
+        "the pickle after a failed one holds none of it"
+    assert _marshal._dumps(None) == (b"", [], []) and _marshal._dumps((1, 2.0))[2] == []
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
