@@ -6,6 +6,7 @@
  * oversized payload, a timeout (and the late reply it leaves), futures
  * with then-callbacks, and a graceful shutdown.
  */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <unistd.h>
@@ -79,6 +80,26 @@ static void on_done(shmrpc_future *f, void *arg)
 
 	if (v && v->type == SHMRPC_INT && v->u.i == (intptr_t)arg)
 		atomic_fetch_add(&then_ran, 1);
+}
+
+/* The thread a then-callback ran on, once it has (then_on_set). */
+static pthread_t then_on;
+static atomic_int then_on_set;
+
+static void note_thread(shmrpc_future *f, void *arg)
+{
+	(void)f, (void)arg;
+	then_on = pthread_self();
+	atomic_store(&then_on_set, 1);
+}
+
+/* Waits up to 5 s for note_thread to have run; whether it ran on this thread. */
+static bool then_ran_here(void)
+{
+	for (int spins = 0; !atomic_load(&then_on_set) && spins < 5000; spins++)
+		usleep(1000);
+	CHECK(atomic_load(&then_on_set), "a then-callback did not run within 5 s");
+	return pthread_equal(then_on, pthread_self());
 }
 
 static void expect_error(int rc, int code, const char *text)
@@ -188,6 +209,37 @@ static void futures_and_callbacks(int peer)
 	CHECK(atomic_load(&then_ran) == N, "%d of %d callbacks ran", atomic_load(&then_ran), N);
 }
 
+/* shmrpc_future_then's callback runs on an executor thread, as shmrpc.h
+ * promises (it may call rpc_sync, take a lock its registering or waiting
+ * thread holds): never inline in the caller of shmrpc_future_then when f
+ * is done already, nor on a thread in shmrpc_future_wait, which only
+ * future_hook's callbacks (the Python Future's) are for. */
+static void then_runs_on_an_executor(int peer)
+{
+	shmrpc_value args[2] = { shmrpc_int(1), shmrpc_int(2) };
+	shmrpc_future *f;
+
+	CHECK_OK(shmrpc_rpc_async(peer, "add", args, 2, SHMRPC_TIMEOUT_DEFAULT, &f));
+	CHECK_OK(shmrpc_future_wait(f, -1));
+	atomic_store(&then_on_set, 0);
+	CHECK_OK(shmrpc_future_then(f, note_thread, NULL));
+	CHECK(!then_ran_here(), "the then-callback of a done future ran inline in its caller, "
+				"not on an executor thread");
+	shmrpc_future_free(f);
+	/* Registered while pending, with this thread waiting for the reply. */
+	for (int i = 0; i < 20; i++) {
+		shmrpc_value ms = shmrpc_int(5);
+
+		CHECK_OK(shmrpc_rpc_async(peer, "sleep", &ms, 1, SHMRPC_TIMEOUT_DEFAULT, &f));
+		atomic_store(&then_on_set, 0);
+		CHECK_OK(shmrpc_future_then(f, note_thread, NULL));
+		CHECK_OK(shmrpc_future_wait(f, -1));
+		CHECK(!then_ran_here(), "a then-callback ran on the thread waiting in "
+					"shmrpc_future_wait (call %d), not on an executor thread", i);
+		shmrpc_future_free(f);
+	}
+}
+
 static int worker(void)
 {
 	struct shmrpc_worker_info info;
@@ -213,6 +265,7 @@ static int worker(void)
 	values_round_trip((me + 1) % world);
 	errors((me + 1) % world, world);
 	futures_and_callbacks((me + 1) % world);
+	then_runs_on_an_executor((me + 1) % world);
 	CHECK_OK(shmrpc_shutdown(1, 30000));
 	return 0;
 }

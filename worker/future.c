@@ -365,7 +365,9 @@ int shmrpc_future_then(shmrpc_future *f, void (*cb)(shmrpc_future *f, void *arg)
 {
 	if (!cb)
 		return shmrpc__fail(-EINVAL, "shmrpc_future_then: no callback given");
-	return add_cb(f, cb, arg, true);
+	/* Not a waiter's: shmrpc.h promises an executor thread, where cb may
+	 * call rpc_sync or take a lock its registering or waiting thread holds. */
+	return add_cb(f, cb, arg, false);
 }
 
 void shmrpc_future_free(shmrpc_future *f)
