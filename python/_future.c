@@ -19,6 +19,31 @@ static void future_dealloc(PyObject *self)
 	dealloc_with(self, release_future);
 }
 
+/*
+ * The frames of this thread that may run a call's completion hook
+ * (run_callback) themselves: wait(), whose thread runs it when the call
+ * completes (future_hook), and add_done_callback, which runs it at once
+ * for a call done already. What a hook raises there that is no Exception
+ * (a KeyboardInterrupt: Ctrl-C lands on the main thread, which now runs
+ * the user's done-callbacks; a SystemExit) is raised by that frame, as
+ * the Python Future's own settling in wait() raises it, not printed and
+ * lost: an executor thread, which ran every hook before, never met one.
+ */
+static _Thread_local unsigned hook_frames;
+static _Thread_local PyObject *hook_raised[3]; /* type, value, traceback */
+
+/* The end of a frame that may have run hooks: -1 with what one raised
+ * set, else 0. */
+static int hook_frame_end(void)
+{
+	hook_frames--;
+	if (!hook_raised[0])
+		return 0;
+	PyErr_Restore(hook_raised[0], hook_raised[1], hook_raised[2]);
+	hook_raised[0] = hook_raised[1] = hook_raised[2] = NULL;
+	return -1;
+}
+
 /* wait(timeout_ms=-1) -> bytes */
 static PyObject *future_wait(PyObject *self, PyObject *args)
 {
@@ -28,9 +53,12 @@ static PyObject *future_wait(PyObject *self, PyObject *args)
 
 	if (!PyArg_ParseTuple(args, "|L", &timeout))
 		return NULL;
+	hook_frames++;
 	Py_BEGIN_ALLOW_THREADS
 	rc = shmrpc_future_wait(f, (int64_t)timeout);
 	Py_END_ALLOW_THREADS
+	if (hook_frame_end())
+		return NULL;
 	return rc ? fail(rc) : msg_to_py(shmrpc_future_value(f));
 }
 
@@ -100,8 +128,14 @@ static void run_callback(shmrpc_future *f, void *arg)
 	PyObject *res = PyObject_CallObject(arg, NULL);
 
 	(void)f;
-	if (!res)
-		PyErr_Print(); /* the Python layer catches its callbacks' errors */
+	if (!res) {
+		/* The Python layer catches its callbacks' Exceptions; one frame
+		 * raises one other error (hook_frames), the rest are printed. */
+		if (hook_frames && !hook_raised[0] && !PyErr_ExceptionMatches(PyExc_Exception))
+			PyErr_Fetch(&hook_raised[0], &hook_raised[1], &hook_raised[2]);
+		else
+			PyErr_Print();
+	}
 	Py_XDECREF(res);
 	Py_DECREF((PyObject *)arg);
 	PyGILState_Release(g);
@@ -116,7 +150,10 @@ static PyObject *future_add_done_callback(PyObject *self, PyObject *fn)
 		return NULL;
 	}
 	Py_INCREF(fn);
+	hook_frames++;
 	rc = python_future_hook(HANDLE(self), run_callback, fn);
+	if (hook_frame_end())
+		return NULL; /* fn ran, and went */
 	if (rc) {
 		Py_DECREF(fn);
 		return fail(rc);

@@ -180,6 +180,34 @@ def test_waiter_settles_its_call():
         _futures.Future._from_call = settle
 
 
+def test_waiter_raises_an_interrupt_its_hook_met():
+    # Ctrl-C while the waiter runs the call's done-callbacks itself (the
+    # hook, future_hook): the KeyboardInterrupt comes out of wait(), as out
+    # of wait()'s own settling, not printed and lost by the C hook (which
+    # left wait() returning as if nothing had been pressed). Sent from the
+    # callback on whichever thread runs it: an executor's reaches the main
+    # thread's wait() or the sleep after it all the same.
+    import os
+    import signal
+    import threading
+
+    assert threading.current_thread() is threading.main_thread(), "Ctrl-C lands there"
+    ran_on = []
+
+    def interrupted(fut):
+        ran_on.append(threading.current_thread().name)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the main thread's handler raises here
+
+    fut = rpc.rpc_async("worker1", slow, args=(0.2,))
+    fut.add_done_callback(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fut.wait()
+        time.sleep(2)  # an interrupt still pending is raised here at the latest
+    assert ran_on, "the callback ran"
+    assert fut.done() and fut.wait() == 0.2, "the call settled all the same"
+
+
 def test_remote_timeout_fails_the_rref():
     # As torch's: remote()'s own timeout fails the RRef, for good, even
     # once the owner has stored the value.
