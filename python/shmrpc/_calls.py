@@ -266,7 +266,7 @@ class RRef:
                              "arguments or result instead)")
 
     def __reduce__(self):
-        # Only the RPC pickler (persistent_id) may carry an RRef, as in torch.
+        # Only the RPC pickler (its reducer_override) may carry an RRef, as in torch.
         raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
                            "when using RPC (as an argument or a result of rpc_sync, rpc_async "
                            "or remote)")
