@@ -433,17 +433,24 @@ static PyObject *scalars_payload(PyObject *head, PyObject *args)
 
 	if (!pair)
 		return NULL;
-	data = PyObject_CallFunctionObjArgs(fast.dumps, pair, fast.protocol, NULL);
-	Py_DECREF(pair);
-	if (!data)
-		return NULL;
-	dlen = PyBytes_Size(data);
-	out = dlen > 16 * 1024 ? new_ref(Py_None) : PyBytes_FromStringAndSize(NULL, hlen + dlen);
-	if (out && out != Py_None) {
-		memcpy(PyBytes_AsString(out), PyBytes_AsString(head), (size_t)hlen);
-		memcpy(PyBytes_AsString(out) + hlen, PyBytes_AsString(data), (size_t)dlen);
+	out = scalar_pickle(head, pair); /* within the frame: fits in 512 bytes */
+	if (out == Py_None) {
+		Py_DECREF(out);
+		data = PyObject_CallFunctionObjArgs(fast.dumps, pair, fast.protocol, NULL);
+		out = NULL;
+		if (data) {
+			dlen = PyBytes_Size(data);
+			out = dlen > 16 * 1024 ? new_ref(Py_None)
+					       : PyBytes_FromStringAndSize(NULL, hlen + dlen);
+			if (out && out != Py_None) {
+				memcpy(PyBytes_AsString(out), PyBytes_AsString(head), (size_t)hlen);
+				memcpy(PyBytes_AsString(out) + hlen, PyBytes_AsString(data),
+				       (size_t)dlen);
+			}
+			Py_DECREF(data);
+		}
 	}
-	Py_DECREF(data);
+	Py_DECREF(pair);
 	return out;
 }
 
@@ -598,7 +605,8 @@ static PyObject *reply_value(shmrpc_future *f, bool take)
 		value = new_ref(Py_None);
 	else if (bare && m.len == 1 && *(const char *)m.data == LIVE_MARK)
 		value = new_ref(fast.general);
-	else if (bare && (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
+	else if (bare && !(value = scalar_unpickle(m.data, m.len)) && !PyErr_Occurred() &&
+		 (data = PyBytes_FromStringAndSize(m.data, (Py_ssize_t)m.len))) {
 		value = PyObject_CallFunctionObjArgs(fast.loads, data, NULL);
 		Py_DECREF(data);
 	} else if (tensor) {

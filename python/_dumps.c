@@ -185,9 +185,15 @@ static PyObject *mod_dumps(PyObject *m, PyObject *obj)
 	}
 	if (obj == Py_None)
 		return message(PyBytes_FromStringAndSize("", 0), PyList_New(0), PyList_New(0));
-	if (scalar(obj) || (PyTuple_CheckExact(obj) && scalars(obj)))
-		return message(PyObject_CallFunctionObjArgs(d.dumps, obj, d.protocol, NULL),
-			       PyList_New(0), PyList_New(0));
+	if (scalar(obj) || (PyTuple_CheckExact(obj) && scalars(obj))) {
+		PyObject *data = scalar_pickle(NULL, obj);
+
+		if (data == Py_None) {
+			Py_DECREF(data);
+			data = PyObject_CallFunctionObjArgs(d.dumps, obj, d.protocol, NULL);
+		}
+		return message(data, PyList_New(0), PyList_New(0));
+	}
 	if (!(h = torch_handle_of(obj)))
 		return NULL;
 	if (h != Py_None)
@@ -218,6 +224,31 @@ static PyObject *mod_scalars(PyObject *m, PyObject *t)
 		return NULL;
 	}
 	return PyBool_FromLong(scalars(t));
+}
+
+/* scalar_pickle(obj) -> its pickle written here, or None where
+ * pickle.dumps must write it (for the tests). */
+static PyObject *mod_scalar_pickle(PyObject *m, PyObject *obj)
+{
+	(void)m;
+	return scalar_pickle(NULL, obj);
+}
+
+/* scalar_unpickle(b) -> (True, its value) where scalar_unpickle reads
+ * the pickle b, else (False, None) (for the tests). */
+static PyObject *mod_scalar_unpickle(PyObject *m, PyObject *b)
+{
+	PyObject *v;
+
+	(void)m;
+	if (!PyBytes_Check(b)) {
+		PyErr_SetString(PyExc_TypeError, "scalar_unpickle() takes bytes");
+		return NULL;
+	}
+	v = scalar_unpickle(PyBytes_AsString(b), (size_t)PyBytes_Size(b));
+	if (!v)
+		return PyErr_Occurred() ? NULL : Py_BuildValue("(OO)", Py_False, Py_None);
+	return Py_BuildValue("(ON)", Py_True, v);
 }
 
 /* dumps_setup(pickler_type, tensors_mark, out_of_line, inline_max, dumps,
@@ -257,6 +288,10 @@ static PyMethodDef dumps_functions[] = {
 	  "dumps(obj) -> (pickle, [RRef...], [Tensor...]): a value's message (_marshal._dumps)" },
 	{ "inline", mod_inline, METH_VARARGS,
 	  "inline(data, rrefs, tensors) -> the message, data out of line past _INLINE_MAX" },
+	{ "scalar_pickle", mod_scalar_pickle, METH_O,
+	  "scalar_pickle(obj) -> the pickle of a scalar or a tuple of them written here, or None" },
+	{ "scalar_unpickle", mod_scalar_unpickle, METH_O,
+	  "scalar_unpickle(b) -> (True, value) where read here, else (False, None)" },
 	{ "scalars", mod_scalars, METH_O, "scalars(t) -> whether the tuple t holds scalars alone" },
 	{ "pickler_reset", mod_pickler_reset, METH_O,
 	  "pickler_reset(p): a _Pickler's memo, buffer and lists emptied" },

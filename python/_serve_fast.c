@@ -214,14 +214,19 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
  * objects name a second time. */
 static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)len), *call;
+	PyObject *data, *call = scalar_unpickle(p, len);
 
-	if (!data) {
-		PyErr_Clear();
+	if (!call && !PyErr_Occurred()) {
+		if (!(data = PyBytes_FromStringAndSize(p, (Py_ssize_t)len))) {
+			PyErr_Clear();
+			return NULL;
+		}
+		call = PyObject_CallFunctionObjArgs(f->loads, data, NULL);
+		Py_DECREF(data);
+	} else if (!call) {
+		PyErr_Clear(); /* no memory: the plain handler tries again */
 		return NULL;
 	}
-	call = PyObject_CallFunctionObjArgs(f->loads, data, NULL);
-	Py_DECREF(data);
 	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
 		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
 		     !PyDict_CheckExact(PyTuple_GetItem(call, 1))))

@@ -115,6 +115,17 @@ bool torch_known(void);
  * _marshal._scalars. */
 bool scalars(PyObject *t);
 
+/* _scalar_pickle.c: head (bytes, or NULL for none) followed by the pickle
+ * of v, a scalar, a tuple of them or a call's (args, {}), written without
+ * pickle.dumps: a new bytes object; Py_None where v is not one it writes
+ * (pickle.dumps must); NULL with an exception set. */
+PyObject *scalar_pickle(PyObject *head, PyObject *v);
+/* The value of the pickle data[len] where it holds only what scalar_pickle
+ * writes (pickle's FRAME and MEMOIZE too): a new reference; NULL with no
+ * exception where it holds anything else or is malformed (pickle.loads
+ * must read it, and say what is wrong), NULL with MemoryError set. */
+PyObject *scalar_unpickle(const void *data, size_t len);
+
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);
 int msg_from_py(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct python_msg *m);

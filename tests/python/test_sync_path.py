@@ -303,6 +303,38 @@ def test_dumps_inside_dumps_and_after_errors():
     assert _marshal._dumps(None) == (b"", [], []) and _marshal._dumps((1, 2.0))[2] == []
 
 
+SCALARS = [None, True, False, 0, 255, 256, 65535, 65536, -1, -2**31, 2**31 - 1, 2**31,
+           -2**31 - 1, 2**63 - 1, -2**63, 0.0, -0.0, 1.5, float("inf"), 1e300, "", "é€😀",
+           "x" * 255, "x" * 300, b"", b"\0" * 9, b"y" * 300, (), (1,), (1, "a"), (1, 2, 3),
+           (1, "a", None, 2.5, b"b"), ((1, 2), {}), ((), {})]
+
+
+def test_scalar_pickles():
+    # The scalars' pickles written and read in C (python/_scalar_pickle.c),
+    # not by pickle's Pickler and Unpickler objects: pickle reads what C
+    # writes, C reads what pickle writes, both to the same value; what C
+    # does not write or read is left to pickle.
+    for v in SCALARS:
+        mine = _shmrpc.scalar_pickle(v)
+        assert mine is not None and pickle.loads(mine) == v and \
+            type(pickle.loads(mine)) is type(v), f"pickle reads C's {v!r:.40}"
+        for data in (mine, pickle.dumps(v, pickle.HIGHEST_PROTOCOL)):
+            read, got = _shmrpc.scalar_unpickle(data)
+            assert read and got == v and type(got) is type(v), f"C reads {data!r:.60}"
+    assert str(_shmrpc.scalar_unpickle(_shmrpc.scalar_pickle(-0.0))[1]) == "-0.0"
+    nan = _shmrpc.scalar_unpickle(_shmrpc.scalar_pickle(float("nan")))[1]
+    assert nan != nan, "NaN"
+    for v in (2**63, -2**63 - 1, 1j, "\ud800", [1], {"a": 1}, (1, [2]), (((1,),),), "z" * 600):
+        assert _shmrpc.scalar_pickle(v) is None, f"left to pickle: {v!r:.40}"
+    shared = "abc" * 2
+    for data in (pickle.dumps([1]), pickle.dumps((shared, shared)), b"\x80\x05K", b"",
+                 pickle.dumps((1, 2))[:-1], b"\x80\x05\x8c\x02\xff\xfe."):
+        assert _shmrpc.scalar_unpickle(data) == (False, None), f"left to pickle: {data!r}"
+    assert common(lambda: rpc.rpc_sync("worker1", ident, args=(SCALARS,))) == SCALARS
+    for v in SCALARS:
+        assert common(lambda: rpc.rpc_sync("worker1", ident, args=(v,))) == v
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
