@@ -1,7 +1,8 @@
 /*
  * The common Python call served in C: a PYTHON_CALL or PYTHON_REMOTE_CALL
  * of a function sent by name, with no arguments, the pickle of (args,
- * kwargs) or common tensors alone (_TENSORS), no RRefs, not profiled. What _serve._serve_plain does for it, each of
+ * kwargs) or common tensors alone (_TENSORS), no RRefs, not profiled; or
+ * a proxy's call in the _PROXY form, on a live value kept here. What _serve._serve_plain does for it, each of
  * its decisions made on the same objects (docs/ARCHITECTURE.md, "Where a
  * Python call's time goes", eighth pass): the payload's head looked up in
  * _marshal._named_heads and its _Named's holds() asked in C, the function
@@ -39,6 +40,7 @@ struct fast_objs {
 	PyObject *failed;        /* _serve._failed */
 	PyObject *reply;         /* _serve._reply: a remote call's result kept or pickled */
 	PyObject *unloaded;      /* _serve._unloaded: the reply to arguments that failed to unpickle */
+	PyObject *owned;         /* _calls._owned: RRef id -> the live value this owner keeps */
 };
 
 /* The tuple (owned; NULL: no fast path) and its items. A call served
@@ -90,13 +92,13 @@ int fast_set(PyObject *objs)
 	size_t i;
 
 	if (objs && (names_make() ||
-		     !PyArg_ParseTuple(objs, "O!O!O!OO!O!OOOOOOOO:set_handler's fast path",
+		     !PyArg_ParseTuple(objs, "O!O!O!OO!O!OOOOOOOOO!:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
 				       &PyType_Type, &got.function_type,
 				       &got.call_method, &PyModule_Type, &got.contexts,
 				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
-				       &got.reply, &got.unloaded)))
+				       &got.reply, &got.unloaded, &PyDict_Type, &got.owned)))
 		return -1;
 	/* Learnt aside, then kept: a refused type leaves the path in effect
 	 * reading its own type's slots. */
@@ -234,18 +236,16 @@ static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t le
 	return call;
 }
 
-/* Whether _serve_plain serves a call of func through _serve_call: func
- * is _call_method, this thread is in a distributed autograd context
- * (_contexts._tls.ctx not None), or a server profiler records
- * (server_profiler._active), each asked only if the one before is not so,
- * as Python's `or`. 1, 0, or -1 with an exception set. */
-static int general_way(const struct fast_objs *f, PyObject *func)
+/* Whether this thread is in a distributed autograd context
+ * (_contexts._tls.ctx not None) or a server profiler records
+ * (server_profiler._active), the second asked only if the first is not
+ * so, as Python's `or`: then _serve_plain serves a call through
+ * _serve_call. 1, 0, or -1 with an exception set. */
+static int in_context_or_profiled(const struct fast_objs *f)
 {
 	PyObject *tls, *ctx, *active;
 	int rc;
 
-	if (func == f->call_method)
-		return 1;
 	if (!(tls = attr_of(f->contexts, s_tls)))
 		return -1;
 	ctx = PyObject_GetAttr(tls, s_ctx);
@@ -260,6 +260,14 @@ static int general_way(const struct fast_objs *f, PyObject *func)
 	rc = PyObject_IsTrue(active);
 	Py_DECREF(active);
 	return rc;
+}
+
+/* Whether _serve_plain serves a call of func through _serve_call: func
+ * is _call_method (a proxy's call not in the _PROXY form), or
+ * in_context_or_profiled. 1, 0, or -1 with an exception set. */
+static int general_way(const struct fast_objs *f, PyObject *func)
+{
+	return func == f->call_method ? 1 : in_context_or_profiled(f);
 }
 
 /* result, or, for a function that may carry async_execution's mark (not a
@@ -362,6 +370,23 @@ static PyObject *called(PyObject *func, PyObject *call)
 	return PyObject_Call(func, PyTuple_GetItem(call, 0), PyDict_Size(kwargs) ? kwargs : NULL);
 }
 
+/* The reply to request m of func's result (stolen; NULL with an
+ * exception set: NULL): waited for if async_execution's (async_waited),
+ * the empty pickle for None, result_reply's otherwise (a common tensor's
+ * as *tensor); a live value's marked (live_marked). New reference; NULL
+ * with *tensor set or with an exception set. */
+static PyObject *answer(const struct fast_objs *f, PyObject *func, PyObject *result,
+			uint64_t rref_id, const struct python_msg *m, shmrpc_tensor **tensor)
+{
+	if (result)
+		result = async_waited(f, func, result);
+	if (result == Py_None) {
+		Py_DECREF(result);
+		return new_ref(empty_reply);
+	}
+	return result ? live_marked(result_reply(f, result, rref_id, m, tensor)) : NULL;
+}
+
 /* The reply to request m, the call of func (call: as called's; rref_id a remote
  * call's RRef, or 0), as _serve_plain's try block makes it: _serve_call's
  * where general_way says so; else the function's result, waited for if
@@ -373,19 +398,12 @@ static PyObject *call_reply(const struct fast_objs *f, uint32_t caller, PyObject
 			    PyObject *call, uint64_t rref_id, const struct python_msg *m,
 			    shmrpc_tensor **tensor)
 {
-	PyObject *result;
 	int general = general_way(f, func);
 
 	if (general)
 		return live_marked(general > 0 ? general_reply(f, caller, func, call, rref_id)
 					       : NULL);
-	if ((result = called(func, call)))
-		result = async_waited(f, func, result);
-	if (result == Py_None) {
-		Py_DECREF(result);
-		return new_ref(empty_reply);
-	}
-	return result ? live_marked(result_reply(f, result, rref_id, m, tensor)) : NULL;
+	return answer(f, func, called(func, call), rref_id, m, tensor);
 }
 
 /* answer(e) of the exception pending: _failed's (what the function
@@ -410,6 +428,62 @@ static PyObject *failed_reply(PyObject *answer)
 	return reply;
 }
 
+/* Where the payload after a head of head bytes is a proxy's call in the
+ * _PROXY form (_marshal._PROXY: the mark, the method's name, a NUL, then
+ * nothing or the pickle of the other arguments), the offset of that NUL;
+ * else 0. */
+static size_t proxy_form(const char *p, size_t len, size_t head)
+{
+	const char *nul;
+
+	if (head + 1 >= len || p[head] != '\x04' ||
+	    !(nul = memchr(p + head + 1, 0, len - head - 1)))
+		return 0;
+	return args_served(p, len, (size_t)(nul + 1 - p)) ? (size_t)(nul - p) : 0;
+}
+
+/* A proxy's call (rref.rpc_sync().method(args), the _PROXY form ending at
+ * name_end) served as _serve_plain serves it through _serve_call and
+ * _call: the method of the live value this owner keeps (_calls._owned)
+ * looked up and called with the scalars sent, async_execution's honoured
+ * (answer). A value not kept there (not stored yet, or not live), a
+ * context, a server profiler, arguments the C reader leaves to pickle:
+ * the plain handler's. 1 when served (as fast_serve), 0 when nothing ran. */
+static int proxy_serve(const struct fast_objs *f, const struct python_request *in, size_t head,
+		       size_t name_end, PyObject **reply, shmrpc_tensor **tensor)
+{
+	const struct python_msg *m = &in->msg;
+	const char *p = m->data;
+	size_t rest = name_end + 1;
+	PyObject *func = named_func(f, p, head), *id = NULL, *value = NULL, *name = NULL;
+	PyObject *args = NULL, *method;
+
+	if (func == f->call_method && in_context_or_profiled(f) == 0 &&
+	    (id = PyLong_FromUnsignedLongLong(python_rref_id(m->rrefs[0]))) &&
+	    (value = PyDict_GetItemWithError(f->owned, id)) &&
+	    (name = PyUnicode_DecodeUTF8(p + head + 1, (Py_ssize_t)(name_end - head - 1), NULL)))
+		args = rest == m->len ? PyTuple_New(0) : scalar_unpickle(p + rest, m->len - rest);
+	Py_XDECREF(func);
+	Py_XDECREF(id);
+	if (!args || !PyTuple_CheckExact(args)) {
+		Py_XDECREF(name);
+		Py_XDECREF(args);
+		PyErr_Clear(); /* the plain handler meets it again */
+		return 0;
+	}
+	Py_INCREF(value); /* borrowed from a dict the method may change */
+	method = PyObject_GetAttr(value, name);
+	*reply = answer(f, method, method ? PyObject_Call(method, args, NULL) : NULL, in->rref_id,
+			m, tensor);
+	if (!*reply && !*tensor)
+		*reply = failed_reply(f->failed);
+	Py_XDECREF(method);
+	Py_DECREF(value);
+	Py_DECREF(name);
+	Py_DECREF(args);
+	return 1;
+}
+
 int fast_serve(uint32_t caller, const struct python_request *in,
 	       const struct profile_events *ops, PyObject **reply, shmrpc_tensor **tensor)
 {
@@ -417,12 +491,21 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	const struct fast_objs f = fast;
 	const char *p = m->data;
 	PyObject *hold = fast_tuple, *func, *call = NULL;
-	size_t head = 0;
+	size_t head = 0, name_end;
 	bool tensors;
+	int served;
 
 	*tensor = NULL;
 	if (!hold || ops || (in->type != MSG_PYTHON_CALL && in->type != MSG_PYTHON_REMOTE_CALL) ||
-	    m->nrrefs || !(head = head_len(p, m->len)))
+	    !(head = head_len(p, m->len)))
+		return 0;
+	if (m->nrrefs == 1 && !m->ntensors && (name_end = proxy_form(p, m->len, head))) {
+		Py_INCREF(hold);
+		served = proxy_serve(&f, in, head, name_end, reply, tensor);
+		Py_DECREF(hold);
+		return served;
+	}
+	if (m->nrrefs)
 		return 0;
 	tensors = m->ntensors && tensors_form(p, m->len, head);
 	if (!tensors && (m->ntensors || !args_served(p, m->len, head)))

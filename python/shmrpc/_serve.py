@@ -95,14 +95,15 @@ def _fast():
     """What the C half's fast path reads (python/_serve_fast.c, set with
     set_handler), in its order: it serves a PYTHON_CALL or
     PYTHON_REMOTE_CALL of a function sent by name, without RRefs, its
-    arguments none, pickled or common tensors alone, as _serve_plain
+    arguments none, pickled or common tensors alone, or a proxy's call in
+    the _PROXY form on a value in _owned, as _serve_plain
     would, asking the same objects (_named_heads and each _Named's name,
     _call_method, the thread's context, the server profiler) and calling
     the same Python for the rest (_reply keeps a remote call's value,
     _unloaded answers arguments that failed to unpickle)."""
     return (_named_heads, _Named, types.FunctionType, _call_method, _contexts,
             server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
-            _failed, _reply, _unloaded)
+            _failed, _reply, _unloaded, _owned)
 
 
 def _unloaded(e):

@@ -155,6 +155,47 @@ def test_async_execution_through_proxies():
     assert c.rpc_sync().get() == 11
 
 
+class Odd:
+    """Methods whose answers and failures a proxy's call carries back."""
+    def __init__(self):
+        self.items = []
+
+    def keep(self, *xs):
+        self.items.extend(xs)
+
+    def items_of(self):
+        return list(self.items)
+
+    def fail(self, text):
+        raise KeyError(text)
+
+    @property
+    def broken(self):
+        raise ValueError("broken property")
+
+
+def test_proxy_calls_served_as_python():
+    # A proxy's call with scalar arguments is served in C on the owner
+    # (python/_serve_fast.c, proxy_serve), the others by _serve_plain:
+    # the same answers, errors and live state either way.
+    o = rpc.remote("worker1", Odd)
+    assert o.rpc_sync().keep(1, "a", None, 2.5) is None, "None, scalars sent"
+    assert o.rpc_sync().keep([2], {"k": 3}) is None, "a list and a dict: pickled"
+    assert o.rpc_sync().keep(x := 4) is None and x == 4
+    assert o.rpc_sync().items_of() == [1, "a", None, 2.5, [2], {"k": 3}, 4]
+    assert o.rpc_async().items_of().wait()[-1] == 4
+    assert o.remote().items_of().to_here()[0] == 1, "remote(): a live value of its own"
+    with pytest.raises(KeyError, match="nope") as e:
+        o.rpc_sync().fail("nope")
+    assert "in fail" in str(e.value), f"the method's traceback: {e.value}"
+    with pytest.raises(KeyError, match="nope"):
+        o.rpc_sync().fail(text="nope")  # a keyword: the pickled form
+    with pytest.raises(ValueError, match="broken property"):
+        o.rpc_sync().broken()
+    with rpc.autograd.context():  # served inside the context: _serve_call
+        assert o.rpc_sync().items_of()[1] == "a"
+
+
 def test_unpicklable_value():
     r = rpc.remote("worker1", Locked)
     alive, ticks = r.rpc_sync().alive_ticks()
