@@ -161,6 +161,7 @@ static struct {
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
 	PyObject *pack_args;	 /* _marshal._pack_args(named, args, kwargs) */
+	PyObject *proxy_func;	 /* _marshal._proxy_func: the proxies' _calls._call_method */
 	PyObject *result;	 /* _marshal._result(msg) */
 	PyObject *remote_exc;	 /* _core.RemoteException */
 	PyObject *not_sent;	 /* _calls._NotSent */
@@ -404,11 +405,14 @@ static int call_tensors_of(PyObject *args, struct call_tensors *ct)
  * entry e: head, then what the arguments add), and its tensors, either
  * handles made here (ct: the call's own, given) or the RRefs and tensors
  * of _marshal._pack_args's (data, rrefs, tensors) (packed: the message
- * borrows their handles and has arrays of its own). */
+ * borrows their handles and has arrays of its own); a proxy's call's one
+ * RRef (rref, the handle of held, the C RRef object). */
 struct call_args {
 	PyObject *payload;
 	PyObject *packed;
 	struct call_tensors ct;
+	PyObject *held;
+	shmrpc_rref *rref;
 	struct python_msg msg;
 };
 
@@ -416,6 +420,7 @@ struct call_args {
 static void call_args_free(struct call_args *ca)
 {
 	Py_CLEAR(ca->payload);
+	Py_CLEAR(ca->held);
 	if (ca->packed) {
 		msg_free(&ca->msg);
 		Py_CLEAR(ca->packed);
@@ -477,13 +482,88 @@ static int packed_args(PyObject *named, PyObject *args, PyObject *kwargs, struct
 	return 0;
 }
 
+/* b, the concatenation of the n parts: a new bytes object, or NULL with
+ * an exception set. */
+static PyObject *bytes_of(const void *const *part, const Py_ssize_t *len, int n)
+{
+	Py_ssize_t all = 0;
+	PyObject *b;
+	char *at;
+
+	for (int i = 0; i < n; i++)
+		all += len[i];
+	if (!(b = PyBytes_FromStringAndSize(NULL, all)))
+		return NULL;
+	at = PyBytes_AsString(b);
+	for (int i = 0; i < n; i++) {
+		memcpy(at, part[i], (size_t)len[i]);
+		at += len[i];
+	}
+	return b;
+}
+
+/* A proxy's call, args (name, rref, scalars...) of the proxies' function,
+ * in the _PROXY form as _pack_args writes it (_marshal._proxied says
+ * when): head, the mark, the method's name, a NUL, then the pickle of the
+ * other arguments' tuple or nothing; the RRef the message's one. 1 with
+ * ca's payload and RRef made, 0 where args do not take that form, -1 with
+ * an exception set. */
+static int proxy_args(PyObject *head, PyObject *args, struct call_args *ca)
+{
+	Py_ssize_t n = PyTuple_Size(args);
+	PyObject *name = n >= 2 ? PyTuple_GetItem(args, 0) : NULL, *rest = NULL, *utf8 = NULL;
+	PyObject *data = NULL, *r = NULL;
+	int rc = -1;
+
+	if (!name || !PyUnicode_CheckExact(name) ||
+	    (PyObject *)Py_TYPE(PyTuple_GetItem(args, 1)) != fast.rref_type)
+		return 0;
+	if (!(rest = PyTuple_GetSlice(args, 2, n)) || !(utf8 = PyUnicode_AsUTF8String(name)))
+		goto out;
+	rc = 0;
+	if (!scalars(rest) || memchr(PyBytes_AsString(utf8), 0, (size_t)PyBytes_Size(utf8)) ||
+	    !(r = PyObject_GetAttr(PyTuple_GetItem(args, 1), s_r)) ||
+	    !PyObject_TypeCheck(r, (PyTypeObject *)RRefType) || !HANDLE(r))
+		goto out; /* _pack_args packs it otherwise, and says what is wrong */
+	rc = -1;
+	if (n == 2)
+		data = PyBytes_FromStringAndSize(NULL, 0);
+	else if ((data = scalar_pickle(NULL, rest)) == Py_None) {
+		Py_DECREF(data);
+		data = PyObject_CallFunctionObjArgs(fast.dumps, rest, fast.protocol, NULL);
+	}
+	if (data) {
+		const void *part[] = { PyBytes_AsString(head), "\x04", PyBytes_AsString(utf8), "",
+				       PyBytes_AsString(data) };
+		const Py_ssize_t len[] = { PyBytes_Size(head), 1, PyBytes_Size(utf8), 1,
+					   PyBytes_Size(data) };
+
+		if ((ca->payload = bytes_of(part, len, 5))) {
+			ca->held = new_ref(r);
+			ca->rref = HANDLE(r);
+			rc = 1;
+		}
+	}
+out:
+	if (rc < 0 && !PyErr_Occurred())
+		rc = 0;
+	Py_XDECREF(rest);
+	Py_XDECREF(utf8);
+	Py_XDECREF(data);
+	Py_XDECREF(r);
+	if (rc == 0)
+		PyErr_Clear();
+	return rc;
+}
+
 /* The arguments of a call of func's entry e, made into ca as _pack_call
  * makes them: none, head; scalars alone, head and the pickle of (args,
  * {}); common tensors alone, tensors_head and their handles; any other,
  * _pack_args's. 0, or -1 with an exception set (for the Python path to
  * raise in its own words when it is a Python one: it makes the call
  * again), ca empty. */
-static int call_args_of(PyObject *e, PyObject *args, PyObject *kwargs, struct call_args *ca)
+static int call_args_of(PyObject *func, PyObject *e, PyObject *args, PyObject *kwargs,
+			struct call_args *ca)
 {
 	PyObject *head = PyTuple_GetItem(e, E_HEAD);
 	int ok = 0;
@@ -492,7 +572,10 @@ static int call_args_of(PyObject *e, PyObject *args, PyObject *kwargs, struct ca
 	if (kwargs == Py_None || PyDict_Size(kwargs) == 0) {
 		if (PyTuple_Size(args) == 0)
 			ca->payload = new_ref(head);
-		else if (scalars(args)) {
+		else if (func == fast.proxy_func && (ok = proxy_args(head, args, ca)) != 0) {
+			if (ok < 0)
+				return -1;
+		} else if (scalars(args)) {
 			if (!(ca->payload = scalars_payload(head, args)))
 				return -1;
 			if (ca->payload == Py_None)
@@ -507,6 +590,8 @@ static int call_args_of(PyObject *e, PyObject *args, PyObject *kwargs, struct ca
 		return packed_args(PyTuple_GetItem(e, E_NAMED), args, kwargs, ca);
 	ca->msg = (struct python_msg){ .data = PyBytes_AsString(ca->payload),
 				       .len = (size_t)PyBytes_Size(ca->payload),
+				       .rrefs = ca->held ? &ca->rref : NULL,
+				       .nrrefs = ca->held ? 1 : 0,
 				       .tensors = ca->ct.t,
 				       .ntensors = ca->ct.n };
 	return 0;
@@ -662,7 +747,7 @@ static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
 	    (kwargs != Py_None && !PyDict_CheckExact(kwargs)) ||
 	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
-	    call_args_of(*e, args == Py_None ? fast.no_args : args, kwargs, ca)) {
+	    call_args_of(func, *e, args == Py_None ? fast.no_args : args, kwargs, ca)) {
 		Py_CLEAR(*e);
 		return python_path_asks();
 	}
@@ -832,7 +917,8 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	fast.tls = new_ref(o[4]);
 	fast.function_type = new_ref(o[5]);
 	fast.named = new_ref(o[6]);
-	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")))
+	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")) ||
+	    !(fast.proxy_func = PyObject_GetAttrString(fast.marshal, "_proxy_func")))
 		return NULL;
 	fast.result = new_ref(o[7]);
 	fast.remote_exc = new_ref(o[8]);
