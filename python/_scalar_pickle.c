@@ -192,25 +192,26 @@ PyObject *scalar_unpickle(const void *data, size_t len)
 	int sp = 0, marks[8], nm = 0;
 	size_t i = 2, n;
 
-	if (len < 3 || p[0] != 0x80 || p[1] < 2)
+	/* Protocols 2 to 5: pickle.loads refuses a later one (ValueError). */
+	if (len < 3 || p[0] != 0x80 || p[1] < 2 || p[1] > 5)
 		return NULL;
 	while (i < len) {
 		unsigned char op = p[i++];
 		size_t left = len - i;
 
 		switch (op) {
-		case 0x95: /* FRAME: its length is the rest */
-			if (left < 8)
+		case 0x95: /* FRAME: pickle.loads refuses one longer than the rest */
+			if (left < 8 || (uint64_t)get_le(p + i, 8, false) > left - 8)
 				goto unread;
 			i += 8;
 			continue;
-		case 0x94: /* MEMOIZE, BINPUT, LONG_BINPUT: no BINGET reads the memo here */
-			continue;
-		case 'q':
+		case 0x94: /* MEMOIZE, BINPUT, LONG_BINPUT: no BINGET reads the memo here, */
+		case 'q':  /* but pickle.loads refuses one with nothing above the mark */
 		case 'r':
-			if (left < (op == 'q' ? 1u : 4u))
+			n = op == 0x94 ? 0 : op == 'q' ? 1 : 4;
+			if (left < n || sp == (nm ? marks[nm - 1] : 0))
 				goto unread;
-			i += op == 'q' ? 1 : 4;
+			i += n;
 			continue;
 		case '.':
 			if (sp != 1 || nm || i != len)

@@ -335,6 +335,29 @@ def test_scalar_pickles():
         assert common(lambda: rpc.rpc_sync("worker1", ident, args=(v,))) == v
 
 
+def test_scalar_unpickle_refuses_what_pickle_refuses():
+    # A payload comes from another process: what scalar_unpickle reads
+    # pickle.loads must read to the same value, and what pickle.loads
+    # refuses it must leave to pickle.loads, to raise its own error (a
+    # protocol past 5, a FRAME longer than the rest, a memo write with
+    # nothing above the mark). Found by fuzzing these opcodes.
+    frame = b"\x80\x05\x95" + (11).to_bytes(8, "little") + b"K\x01."
+    for data in (b"\x80\x06K\x01.", b"\x80\xffK\x01.", b"\x80\x05\x94K\x01.",
+                 b"\x80\x05q\x00K\x01.", b"\x80\x05K\x01(\x94t\x94.", frame,
+                 b"\x80\x05\x95" + (2**63).to_bytes(8, "little") + b"K\x01.",
+                 b"\x80\x05(r\x00\x00\x00\x00K\x01t."):
+        with pytest.raises(Exception):  # noqa: B017 (pickle's own, whichever it is)
+            pickle.loads(data)
+        assert _shmrpc.scalar_unpickle(data) == (False, None), \
+            f"read where pickle.loads raises: {data!r}"
+    # The same opcodes where pickle.loads takes them are still read here.
+    for data in (b"\x80\x05\x95" + (3).to_bytes(8, "little") + b"K\x01.",
+                 b"\x80\x05K\x01\x94.", b"\x80\x05K\x01q\x00.", b"\x80\x05K\x01r\x00\x00\x00\x00.",
+                 b"\x80\x02(K\x02\x94t."):
+        assert _shmrpc.scalar_unpickle(data) == (True, pickle.loads(data)), \
+            f"C reads {data!r} as pickle.loads does"
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
