@@ -105,9 +105,15 @@ static bool scalar_put(struct out *o, PyObject *v, int depth)
 		put1(o, 'G');
 		put(o, b, 8);
 	} else if (PyUnicode_CheckExact(v)) {
-		PyObject *u = PyUnicode_AsUTF8String(v);
+		PyObject *u;
 
-		if (!u) { /* a lone surrogate: pickle writes it its own way */
+		/* More characters than the budget has bytes: pickle's, not
+		 * encoded here first (a large str's UTF-8 cost more than
+		 * pickling it). */
+		if (PyUnicode_GetLength(v) > PICKLE_MAX)
+			return false;
+		if (!(u = PyUnicode_AsUTF8String(v))) {
+			/* a lone surrogate: pickle writes it its own way */
 			PyErr_Clear();
 			return false;
 		}
@@ -126,8 +132,8 @@ static bool scalar_put(struct out *o, PyObject *v, int depth)
 		}
 		if (n > 3)
 			put1(o, '('); /* MARK */
-		for (Py_ssize_t i = 0; i < n; i++)
-			if (!scalar_put(o, PyTuple_GetItem(v, i), depth + 1))
+		for (Py_ssize_t i = 0; i < n; i++) /* no further once past the budget */
+			if (o->full || !scalar_put(o, PyTuple_GetItem(v, i), depth + 1))
 				return false;
 		put1(o, n == 1 ? 0x85 : n == 2 ? 0x86 : n == 3 ? 0x87 : 't'); /* TUPLE1-3, TUPLE */
 	} else {

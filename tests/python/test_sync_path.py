@@ -358,6 +358,18 @@ def test_scalar_unpickle_refuses_what_pickle_refuses():
             f"C reads {data!r} as pickle.loads does"
 
 
+def test_scalar_pickle_stops_at_its_budget():
+    # scalar_pickle writes 512 bytes at most: a larger str or a long tuple
+    # is pickle's (a str of more characters than that refused before its
+    # UTF-8 is made, a tuple at the first element past the budget: what it
+    # saves is time, which no test here decides), and their message is
+    # pickle's, read back the same.
+    big = ("\u00e9" * 100_000, tuple(range(200_000)), ("s",) * 200_000, "x" * 513)
+    for v in big:
+        assert _shmrpc.scalar_pickle(v) is None, f"a {type(v).__name__} of {len(v)}"
+        assert _marshal._loads(_marshal._dumps(v)) == v
+
+
 def test_general_calls():
     me = rpc.get_worker_info()
     peer = rpc.get_worker_info("worker1")
