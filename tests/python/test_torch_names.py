@@ -199,11 +199,18 @@ def test_waiter_raises_an_interrupt_its_hook_met():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)  # the main thread's handler raises here
 
-    fut = rpc.rpc_async("worker1", slow, args=(0.2,))
-    fut.add_done_callback(interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        fut.wait()
-        time.sleep(2)  # an interrupt still pending is raised here at the latest
+    # Python's own SIGINT handler, which a process started in the
+    # background of a shell without job control (a CI run's) does not get:
+    # SIGINT is ignored there from the start.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        fut = rpc.rpc_async("worker1", slow, args=(0.2,))
+        fut.add_done_callback(interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fut.wait()
+            time.sleep(2)  # an interrupt still pending is raised here at the latest
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert ran_on, "the callback ran"
     assert fut.done() and fut.wait() == 0.2, "the call settled all the same"
 
