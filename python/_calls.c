@@ -905,9 +905,8 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13],
 			       &o[14], &o[15]))
 		return NULL;
-	for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
-		if (!*interned[i] && !(*interned[i] = PyUnicode_InternFromString(names[i])))
-			return NULL;
+	if (intern_names(names, interned, sizeof(names) / sizeof(*names)))
+		return NULL;
 	if (!(fast.no_kwargs = PyDict_New()) ||
 	    !(fast.no_args = PyTuple_New(0)) || !(fast.funcs = PyDict_New()))
 		return NULL;

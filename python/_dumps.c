@@ -269,9 +269,8 @@ static PyObject *mod_dumps_setup(PyObject *m, PyObject *a)
 	if (!PyArg_ParseTuple(a, "OSSnOOO:dumps_setup", &o[0], &o[1], &o[2], &d.inline_max, &o[4],
 			      &o[5], &o[6]))
 		return NULL;
-	for (size_t i = 0; i < sizeof(names) / sizeof(*names); i++)
-		if (!*interned[i] && !(*interned[i] = PyUnicode_InternFromString(names[i])))
-			return NULL;
+	if (intern_names(names, interned, sizeof(names) / sizeof(*names)))
+		return NULL;
 	d.tensors_mark = new_ref(o[1]);
 	d.out_of_line = new_ref(o[2]);
 	d.dumps = new_ref(o[4]);

@@ -21,6 +21,14 @@ PyObject *new_ref(PyObject *o)
 	return o;
 }
 
+int intern_names(const char *const *text, PyObject **const *slot, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!*slot[i] && !(*slot[i] = PyUnicode_InternFromString(text[i])))
+			return -1;
+	return 0;
+}
+
 PyObject *attr_of(PyObject *o, PyObject *name)
 {
 	PyObject *v;

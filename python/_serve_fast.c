@@ -74,9 +74,8 @@ static int names_make(void)
 	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name,
 			       &s_tls, &s_ctx, &s_active, &s_dict };
 
-	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-		if (!*names[i] && !(*names[i] = PyUnicode_InternFromString(text[i])))
-			return -1;
+	if (intern_names(text, names, sizeof(names) / sizeof(names[0])))
+		return -1;
 	if ((!empty_reply && !(empty_reply = PyBytes_FromStringAndSize(NULL, 0))) ||
 	    (!live_tail && !(live_tail = Py_BuildValue("(iO)", 0, Py_True))))
 		return -1;

@@ -27,6 +27,9 @@ PyObject *new_ref(PyObject *o);
  * the type's lookup, about 200 instructions). New reference; NULL with
  * an exception set. */
 PyObject *attr_of(PyObject *o, PyObject *name);
+/* Each slot[i] not set yet made text[i], interned (the names a file asks,
+ * made once). 0, or -1 with an exception set. */
+int intern_names(const char *const *text, PyObject **const *slot, size_t n);
 /* An attribute or a method of a type, found on the type once and asked of
  * an object of exactly that type without the lookup on its type each
  * time (no instance attribute shadows a data descriptor: a getter, a
