@@ -15,7 +15,15 @@
  * and then). A partner that answers within a few microseconds is thus met
  * spinning, which spares both a wake-up (tens of microseconds on a VM whose
  * idle vCPU halts); one that takes longer, or a machine with more busy
- * threads than cores, soon costs about 1 µs a wait.
+ * threads than cores, soon costs a few µs a wait (the probes).
+ *
+ * The maximum is above a wake-up plus the partner's work of a Python call
+ * (tens of µs): a side that sleeps adds its wake-up to the other side's
+ * next wait, so with a maximum below both together, two sides that once
+ * slept keep sleeping (each one's spin runs out on the other's wake-up).
+ * At 16 µs, a 1 KiB tensor echo from Python (about 9 µs of work a side)
+ * fell into that state in one run of two and took 5.5 times an empty call
+ * instead of 2 (docs/ARCHITECTURE.md, "The spin's maximum").
  */
 #ifndef SHMRPC_COMMON_SPIN_H
 #define SHMRPC_COMMON_SPIN_H
@@ -28,7 +36,7 @@
 #include "common/compiler.h"
 
 #define SHMRPC_SPIN_MIN_NS 250u
-#define SHMRPC_SPIN_MAX_NS 16000u
+#define SHMRPC_SPIN_MAX_NS 64000u
 #define SHMRPC_SPIN_START_NS 2000u
 /* Every so many waits a budget below the maximum spins the maximum once: a
  * spin that ran out says nothing of how much longer the work took (the

@@ -1,8 +1,8 @@
 /* The adaptive spin budget (common/spin.h), driven by hand: it starts at
- * 2 µs and doubles up to 16 µs while spins meet the work; at 16 µs it stays
+ * 2 µs and doubles up to 64 µs while spins meet the work; at 64 µs it stays
  * while a quarter or more of the recent spins there meet it (a partner
- * quick half the time keeps it), else it halves down to 250 ns; below 16 µs
- * it spins the whole 16 µs every 16th wait, and such a probe that meets the
+ * quick half the time keeps it), else it halves down to 250 ns; below 64 µs
+ * it spins the whole 64 µs every 16th wait, and such a probe that meets the
  * work sets the maximum at once, one that runs out changes nothing; nor
  * does a spin cut short by the waiter's deadline that runs out. */
 #include <stdio.h>
