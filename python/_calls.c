@@ -193,9 +193,10 @@ static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pick
  * of it (head, the payload's reference; tensors_head, a call of tensors
  * alone's; module and name, the reference; mod and scope, the module and
  * its dict that must still find the function, scope None where the name
- * has a dot), and fn, its name for the profiler (_func_name's, its
- * __qualname__) in UTF-8. */
-enum { E_NAMED, E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_FN, E_N };
+ * has a dot; qualname, the function's __qualname__, which name is but for
+ * a builtin found by a shorter one), and fn, its name for the profiler
+ * (_func_name's, qualname) in UTF-8. */
+enum { E_NAMED, E_HEAD, E_TENSORS_HEAD, E_MODULE, E_MOD, E_SCOPE, E_NAME, E_QUALNAME, E_FN, E_N };
 
 /* Whether o's attribute name is want: 1, 0, or -1 with an exception. */
 static int attr_is(PyObject *o, PyObject *name, PyObject *want)
@@ -215,7 +216,8 @@ static int attr_is(PyObject *o, PyObject *name, PyObject *want)
  * another function (the callee reads the name up to its first NUL). */
 static PyObject *entry_new(PyObject *named)
 {
-	static const char *slots[] = { "head", "tensors_head", "module", "mod", "scope", "name" };
+	static const char *slots[] = { "head", "tensors_head", "module", "mod", "scope", "name",
+				       "qualname" };
 	PyObject *e = PyTuple_New(E_N), *fn;
 
 	if (!e)
@@ -230,11 +232,13 @@ static PyObject *entry_new(PyObject *named)
 		}
 		PyTuple_SetItem(e, i, v);
 	}
-	if (!(fn = PyUnicode_AsUTF8String(PyTuple_GetItem(e, E_NAME)))) {
+	if (!(fn = PyUnicode_AsUTF8String(PyTuple_GetItem(e, E_QUALNAME)))) {
 		Py_DECREF(e);
 		return NULL;
 	}
 	PyTuple_SetItem(e, E_FN, fn);
+	/* A builtin's names are C strings: only a function's may hold a NUL,
+	 * and its qualname is its name. */
 	if (memchr(PyBytes_AsString(fn), '\0', (size_t)PyBytes_Size(fn))) {
 		PyErr_SetString(PyExc_ValueError, "embedded null character");
 		Py_CLEAR(e);
@@ -246,15 +250,16 @@ static PyObject *entry_new(PyObject *named)
  * in sys.modules and its name in the module's dict still find func; a
  * dotted name by holds itself) and func still has the names it was
  * entered under (a reassigned __qualname__ would make _named look under
- * the new one): 1, 0, or -1. */
+ * the new one; a builtin's cannot be reassigned): 1, 0, or -1. */
 static int entry_holds(PyObject *e, PyObject *func)
 {
 	int r = name_holds(PyTuple_GetItem(e, E_NAMED), PyTuple_GetItem(e, E_MODULE),
 			   PyTuple_GetItem(e, E_MOD), PyTuple_GetItem(e, E_SCOPE),
 			   PyTuple_GetItem(e, E_NAME), func);
 
-	if (r == 1 && (r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) == 1)
-		r = attr_is(func, s_qualname, PyTuple_GetItem(e, E_NAME));
+	if (r == 1 && (r = attr_is(func, s_module, PyTuple_GetItem(e, E_MODULE))) == 1 &&
+	    (PyObject *)Py_TYPE(func) == fast.function_type)
+		r = attr_is(func, s_qualname, PyTuple_GetItem(e, E_QUALNAME));
 	return r;
 }
 
@@ -745,7 +750,8 @@ static int call_common(PyObject *a, const char *name, int *dst, PyObject **e,
 	if (!fast.general || !PyArg_UnpackTuple(a, name, 2, 5, &to, &func, &args, &kwargs, &timeout) ||
 	    (args != Py_None && !PyTuple_CheckExact(args)) ||
 	    (kwargs != Py_None && !PyDict_CheckExact(kwargs)) ||
-	    (PyObject *)Py_TYPE(func) != fast.function_type || state_common(timeout) != 1 ||
+	    ((PyObject *)Py_TYPE(func) != fast.function_type && !PyCFunction_Check(func)) ||
+	    state_common(timeout) != 1 ||
 	    (*dst = rank_to(to)) < 0 || !(*e = func_entry(func)) ||
 	    call_args_of(func, *e, args == Py_None ? fast.no_args : args, kwargs, ca)) {
 		Py_CLEAR(*e);

@@ -271,15 +271,15 @@ static int general_way(const struct fast_objs *f, PyObject *func)
 
 /* result, or, for a function that may carry async_execution's mark (not a
  * plain function, or one with attributes: _serve_plain's test, made after
- * the call as there) and does (_is_async_execution), the value of the
- * Future it returned (_waited). Steals result; NULL with an exception
- * set. */
+ * the call as there; a builtin holds no attributes) and does
+ * (_is_async_execution), the value of the Future it returned (_waited).
+ * Steals result; NULL with an exception set. */
 static PyObject *async_waited(const struct fast_objs *f, PyObject *func, PyObject *result)
 {
 	PyObject *dict = NULL, *mark = NULL, *value;
-	int maybe = Py_TYPE(func) != (PyTypeObject *)f->function_type;
+	int maybe = !PyCFunction_Check(func);
 
-	if (!maybe)
+	if (maybe && Py_TYPE(func) == (PyTypeObject *)f->function_type)
 		maybe = (dict = PyObject_GetAttr(func, s_dict)) ? PyObject_IsTrue(dict) : -1;
 	if (maybe > 0)
 		maybe = (mark = PyObject_CallFunctionObjArgs(f->is_async, func, NULL))

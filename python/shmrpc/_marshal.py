@@ -505,17 +505,32 @@ def _resolve(module, name):
     return _finder.find_class(module, name)
 
 
+# The types of the functions that may go by name (_by_name).
+_BY_NAME_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+
+
 def _by_name(func):
-    """func's reference (module, qualified name) if pickle would send it
-    by that name and the name finds func itself, else None."""
-    if type(func) is not types.FunctionType:
+    """func's reference (module, name) if it is a function that pickle
+    would send by reference and the name finds func itself, else None.
+    A builtin may be one too: a module's function (math.sqrt), or one of
+    torch's operators, found as torch.add though its qualified name is
+    _VariableFunctionsClass.add (torch puts them in its module); a
+    builtin bound to an object ([].append) is not. The callee finds the
+    same object under that name."""
+    if type(func) is types.FunctionType:
+        names = (func.__qualname__,)
+    elif type(func) is types.BuiltinFunctionType and (
+            func.__self__ is None or type(func.__self__) is types.ModuleType):
+        names = (func.__qualname__, func.__name__)
+    else:
         return None
-    module, name = func.__module__, func.__qualname__
-    try:
-        if _resolve(module, name) is func:
-            return module, name
-    except Exception:
-        pass
+    module = func.__module__
+    for name in names:
+        try:
+            if _resolve(module, name) is func:
+                return module, name
+        except Exception:
+            pass
     return None
 
 
@@ -523,11 +538,14 @@ class _Named:
     """What a function sent by name costs to find once: its reference's
     bytes (the payload's head), and the module dict and name that must
     still find the function itself for the reference to hold (where the
-    name has no dot; a dotted one is looked up again every time)."""
-    __slots__ = ("func", "head", "tensors_head", "module", "mod", "scope", "name")
+    name has no dot; a dotted one is looked up again every time); and
+    its qualified name, for the profiler (_func_name), the same as name
+    but for a builtin found by a shorter one (torch.add)."""
+    __slots__ = ("func", "head", "tensors_head", "module", "mod", "scope", "name", "qualname")
 
     def __init__(self, func, module, name):
         self.func = func
+        self.qualname = func.__qualname__
         self.head = b"".join((_BY_NAME, module.encode(), b"\0", name.encode(), b"\0"))
         self.tensors_head = self.head + _TENSORS  # the head of a call of tensors alone
         self.module = module
@@ -548,8 +566,9 @@ class _Named:
             return False
 
 
-# The _Named of functions sent by name, by (module, qualified name) on the
-# caller's side and by payload head on the callee's: one entry per name
+# The _Named of functions sent by name, by the function's (module,
+# qualified name) on the caller's side and by payload head on the
+# callee's: one entry per name
 # (a function that replaces another under its name replaces its entry),
 # and only names that find their function, so neither grows with lambdas,
 # closures or rebound names.
@@ -560,13 +579,14 @@ _named_heads = {}
 def _named(func):
     """func's _Named if pickle would send it by reference and the name
     finds func itself, else None."""
-    named = _named_funcs.get((func.__module__, func.__qualname__))
+    key = (func.__module__, func.__qualname__)
+    named = _named_funcs.get(key)
     if named is not None and named.func is func and named.holds():
         return named
     ref = _by_name(func)
     if ref is None:
         return None
-    named = _named_funcs[ref] = _Named(func, *ref)
+    named = _named_funcs[key] = _Named(func, *ref)
     return named
 
 
@@ -577,7 +597,7 @@ def _pack_call(func, args, kwargs, dst=None):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     if _default_pickler is not _pickler_ok:
         _check_pickler()
-    named = _named(func) if type(func) is types.FunctionType else None
+    named = _named(func) if type(func) in _BY_NAME_TYPES else None
     if named is None:
         if _is_script_function(func):
             func = _ScriptFunction(func.qualified_name)
@@ -684,7 +704,7 @@ def _unpack_call(payload, rrefs, tensors):
     else:
         module, name = (part.decode() for part in payload[1:end - 1].split(b"\0"))
         func = _resolve(module, name)
-        if type(func) is types.FunctionType and _by_name(func) == (module, name):
+        if _by_name(func) == (module, name):
             _named_heads[head] = _Named(func, module, name)
     if end == len(payload):
         return func, (), {}

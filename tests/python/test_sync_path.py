@@ -12,6 +12,8 @@ exception's type and text, the default timeout (1 s in this job) raised
 as RuntimeError and TimeoutError, a rank no worker has.
 """
 import json
+import math
+import operator
 import os
 import pickle
 import subprocess
@@ -376,10 +378,42 @@ def test_general_calls():
     assert general(lambda: rpc.rpc_sync(peer, add, args=(1, 2))) == 3, "a WorkerInfo"
     assert general(lambda: rpc.rpc_sync("worker1", add, args=[1, 2])) == 3, "a list of args"
     assert general(lambda: rpc.rpc_sync("worker1", add, args=(1, 2), timeout=5)) == 3
-    assert general(lambda: rpc.rpc_sync("worker1", len, args=("abc",))) == 3, "a builtin"
+    d = {"k": 1}
+    assert general(lambda: rpc.rpc_sync("worker1", d.get, args=("k",))) == 1, \
+        "a builtin bound to an object"
     assert common(lambda: rpc.rpc_sync(me.name, add, args=(1, 2))) == 3, "to oneself"
     with pytest.raises(RuntimeError, match="could not find destination nobody"):
         general(lambda: rpc.rpc_sync("nobody", nothing))
+
+
+def test_builtins_go_by_name():
+    # A module's builtin, and torch's operators (torch.add: qualified name
+    # _VariableFunctionsClass.add, found as torch.add), go by name as
+    # functions do, on every kind of call; the first call of each on the
+    # Python path's check of the pickler is in test_common_calls.
+    assert common(lambda: rpc.rpc_sync("worker1", len, args=("abc",))) == 3
+    assert common(lambda: rpc.rpc_sync("worker1", math.sqrt, args=(16.0,))) == 4.0
+    assert common(lambda: rpc.rpc_sync("worker1", operator.add, args=(2, 3))) == 5
+    t = torch.arange(4.0)
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, 1))), t + 1)
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, t),
+                                                   kwargs={"alpha": 2})), 3 * t)
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", torch.mul, args=(t, t))), t * t)
+    assert torch.equal(common(lambda: rpc.rpc_async("worker1", torch.sub, args=(t, 1))).wait(),
+                       t - 1)
+    rref = common(lambda: rpc.remote("worker1", torch.ones, args=(2, 3)))
+    assert torch.equal(rref.to_here(), torch.ones(2, 3))
+    # Errors keep their type and text, and the callee's traceback.
+    with pytest.raises(ValueError, match="math domain error"):
+        common(lambda: rpc.rpc_sync("worker1", math.sqrt, args=(-1.0,)))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        common(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, torch.ones(3))))
+    # The name the calls go by, and the one the profiler is told.
+    named = _marshal._named(torch.add)
+    assert (named.module, named.name, named.qualname) == \
+        ("torch", "add", "_VariableFunctionsClass.add")
+    assert _marshal._named(d_get := {}.get) is None and general(
+        lambda: rpc.rpc_sync("worker1", d_get, args=("x", 5))) == 5, "bound to an object"
 
 
 def test_same_errors_both_ways():
