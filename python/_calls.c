@@ -464,6 +464,56 @@ static PyObject *scalars_payload(PyObject *head, PyObject *args)
 	return out;
 }
 
+/* What mixed_tensor adds the tensors of a call's arguments to. */
+struct mixed {
+	struct call_tensors *ct;
+	PyObject *objs[4]; /* the tensors given handles, by index */
+};
+
+/* scalar_pickle_tensors's question (module.h) for a call's arguments:
+ * obj's index in the message when it is the common tensor, its handle
+ * made. At most four (ct->few); a tensor given twice is not sent so: the
+ * pickler sends it once, and the callee gets one object twice, as
+ * torch's. */
+static int mixed_tensor(void *ctx, PyObject *obj)
+{
+	struct mixed *mx = ctx;
+	uint32_t n = mx->ct->n;
+	int ok;
+
+	if (n == sizeof(mx->objs) / sizeof(*mx->objs))
+		return -2;
+	for (uint32_t i = 0; i < n; i++)
+		if (mx->objs[i] == obj)
+			return -2;
+	if ((ok = torch_common_handle(obj, &mx->ct->t[n])) != 1)
+		return ok < 0 ? -1 : -2;
+	mx->objs[n] = obj;
+	mx->ct->n = n + 1;
+	return (int)n;
+}
+
+/* The payload of a call of scalars and common tensors (one at least):
+ * head, and the pickle of (args, {}) with each tensor a BINPERSID of its
+ * index, its handle in ct; Py_None (ct empty) where the arguments are not
+ * those, or do not fit in scalar_pickle's budget; NULL with an exception
+ * set (ct empty). */
+static PyObject *mixed_payload(PyObject *head, PyObject *args, struct call_tensors *ct)
+{
+	struct mixed mx = { .ct = ct };
+	PyObject *pair = PyTuple_Pack(2, args, fast.no_kwargs), *out;
+
+	if (!pair)
+		return NULL;
+	ct->t = ct->few;
+	ct->n = 0;
+	out = scalar_pickle_tensors(head, pair, mixed_tensor, &mx);
+	Py_DECREF(pair);
+	if (out == Py_None || !out)
+		call_tensors_free(ct);
+	return out;
+}
+
 /* ca from _marshal._pack_args(named, args, kwargs): 0, or -1 with an
  * exception set. */
 static int packed_args(PyObject *named, PyObject *args, PyObject *kwargs, struct call_args *ca)
@@ -563,8 +613,10 @@ out:
 
 /* The arguments of a call of func's entry e, made into ca as _pack_call
  * makes them: none, head; scalars alone, head and the pickle of (args,
- * {}); common tensors alone, tensors_head and their handles; any other,
- * _pack_args's. 0, or -1 with an exception set (for the Python path to
+ * {}); common tensors alone, tensors_head and their handles; scalars and
+ * common tensors, head and that pickle with the tensors by index
+ * (mixed_payload: the C path's own form, which _pack_args pickles); any
+ * other, _pack_args's. 0, or -1 with an exception set (for the Python path to
  * raise in its own words when it is a Python one: it makes the call
  * again), ca empty. */
 static int call_args_of(PyObject *func, PyObject *e, PyObject *args, PyObject *kwargs,
@@ -589,6 +641,11 @@ static int call_args_of(PyObject *func, PyObject *e, PyObject *args, PyObject *k
 			ca->payload = new_ref(PyTuple_GetItem(e, E_TENSORS_HEAD));
 		} else if (ok < 0) {
 			return -1;
+		} else if (torch_known()) {
+			if (!(ca->payload = mixed_payload(head, args, &ca->ct)))
+				return -1;
+			if (ca->payload == Py_None)
+				Py_CLEAR(ca->payload);
 		}
 	}
 	if (!ca->payload)

@@ -8,6 +8,12 @@
  * float, str, bytes, a tuple of them, an empty dict. Anything else (a
  * complex, a larger int, a str that UTF-8 refuses, more than fits in 512
  * bytes) is not written here: the caller asks pickle.dumps.
+ *
+ * A call's arguments may also hold common tensors (python/_torch.c)
+ * beside the scalars: each is written as pickle's BINPERSID of its index
+ * among the message's tensors, which the callee's scalar_unpickle_tensors
+ * reads from the message, and the package's _Unpickler by its
+ * persistent_load (docs/PROTOCOL.md).
  */
 #define Py_LIMITED_API 0x03090000
 #include <Python.h>
@@ -24,6 +30,8 @@ struct out {
 	unsigned char b[PICKLE_MAX];
 	size_t n;
 	bool full;
+	int (*tensor)(void *ctx, PyObject *v); /* NULL: no tensors */
+	void *ctx;
 };
 
 static void put(struct out *o, const void *p, size_t n)
@@ -65,11 +73,31 @@ static void put_sized(struct out *o, unsigned char op1, unsigned char op4, const
 	put(o, p, (size_t)n);
 }
 
+static void put_int(struct out *o, long long x)
+{
+	if (x >= 0 && x < 256) {
+		put1(o, 'K'); /* BININT1 */
+		put_le(o, (uint64_t)x, 1);
+	} else if (x >= 0 && x < 65536) {
+		put1(o, 'M'); /* BININT2 */
+		put_le(o, (uint64_t)x, 2);
+	} else if (x >= INT32_MIN && x <= INT32_MAX) {
+		put1(o, 'J'); /* BININT: signed */
+		put_le(o, (uint64_t)x, 4);
+	} else {
+		put1(o, 0x8a); /* LONG1: two's complement, little-endian */
+		put1(o, 8);
+		put_le(o, (uint64_t)x, 8);
+	}
+}
+
 /* o's pickle appended: true, or false where it is not one this writes
  * (an exception set only for a failure of Python's own). depth: a tuple
  * inside a tuple (a call's args) is written, not deeper. */
 static bool scalar_put(struct out *o, PyObject *v, int depth)
 {
+	int k;
+
 	if (v == Py_None) {
 		put1(o, 'N');
 	} else if (PyBool_Check(v)) {
@@ -80,20 +108,7 @@ static bool scalar_put(struct out *o, PyObject *v, int depth)
 
 		if (overflow || (x == -1 && PyErr_Occurred()))
 			return false;
-		if (x >= 0 && x < 256) {
-			put1(o, 'K'); /* BININT1 */
-			put_le(o, (uint64_t)x, 1);
-		} else if (x >= 0 && x < 65536) {
-			put1(o, 'M'); /* BININT2 */
-			put_le(o, (uint64_t)x, 2);
-		} else if (x >= INT32_MIN && x <= INT32_MAX) {
-			put1(o, 'J'); /* BININT: signed */
-			put_le(o, (uint64_t)x, 4);
-		} else {
-			put1(o, 0x8a); /* LONG1: two's complement, little-endian */
-			put1(o, 8);
-			put_le(o, (uint64_t)x, 8);
-		}
+		put_int(o, x);
 	} else if (PyFloat_CheckExact(v)) {
 		double d = PyFloat_AsDouble(v);
 		uint64_t bits;
@@ -136,6 +151,9 @@ static bool scalar_put(struct out *o, PyObject *v, int depth)
 			if (o->full || !scalar_put(o, PyTuple_GetItem(v, i), depth + 1))
 				return false;
 		put1(o, n == 1 ? 0x85 : n == 2 ? 0x86 : n == 3 ? 0x87 : 't'); /* TUPLE1-3, TUPLE */
+	} else if (o->tensor && (k = o->tensor(o->ctx, v)) >= 0) {
+		put_int(o, k);
+		put1(o, 'Q'); /* BINPERSID */
 	} else {
 		return false;
 	}
@@ -144,7 +162,13 @@ static bool scalar_put(struct out *o, PyObject *v, int depth)
 
 PyObject *scalar_pickle(PyObject *head, PyObject *v)
 {
-	struct out o = { .n = 0 };
+	return scalar_pickle_tensors(head, v, NULL, NULL);
+}
+
+PyObject *scalar_pickle_tensors(PyObject *head, PyObject *v, int (*tensor)(void *ctx, PyObject *v),
+				void *ctx)
+{
+	struct out o = { .n = 0, .tensor = tensor, .ctx = ctx };
 	Py_ssize_t hlen = head ? PyBytes_Size(head) : 0;
 	PyObject *out;
 
@@ -192,6 +216,12 @@ static PyObject *tuple_of(PyObject **top, Py_ssize_t n)
 #define STACK_MAX 32
 
 PyObject *scalar_unpickle(const void *data, size_t len)
+{
+	return scalar_unpickle_tensors(data, len, NULL, NULL);
+}
+
+PyObject *scalar_unpickle_tensors(const void *data, size_t len,
+				  PyObject *(*tensor)(void *ctx, long long index), void *ctx)
 {
 	const unsigned char *p = data;
 	PyObject *stack[STACK_MAX], *v;
@@ -288,6 +318,18 @@ PyObject *scalar_unpickle(const void *data, size_t len)
 			sp -= (int)n;
 			v = tuple_of(stack + sp, (Py_ssize_t)n);
 			break;
+		case 'Q': { /* BINPERSID: a tensor of the message, by its index */
+			long long index;
+
+			if (!tensor || sp == (nm ? marks[nm - 1] : 0) || !PyLong_CheckExact(stack[sp - 1]))
+				goto unread;
+			index = PyLong_AsLongLong(stack[sp - 1]);
+			if (index == -1 && PyErr_Occurred())
+				goto unread;
+			Py_DECREF(stack[--sp]);
+			v = tensor(ctx, index);
+			break;
+		}
 		case '(':
 			if (nm == (int)(sizeof(marks) / sizeof(*marks)))
 				goto unread;

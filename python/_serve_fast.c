@@ -213,6 +213,17 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
  * the exception set where the pickle raised it: the call is answered
  * here (_unloaded), since the plain handler would run the code its
  * objects name a second time. */
+/* call when it is a call's (args, kwargs), a tuple and a dict of exact
+ * types, else NULL (its reference dropped). */
+static PyObject *call_checked(PyObject *call)
+{
+	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
+		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
+		     !PyDict_CheckExact(PyTuple_GetItem(call, 1))))
+		Py_CLEAR(call);
+	return call;
+}
+
 static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
 	PyObject *data, *call = scalar_unpickle(p, len);
@@ -228,11 +239,32 @@ static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t le
 		PyErr_Clear(); /* no memory: the plain handler tries again */
 		return NULL;
 	}
-	if (call && (!PyTuple_CheckExact(call) || PyTuple_Size(call) != 2 ||
-		     !PyTuple_CheckExact(PyTuple_GetItem(call, 0)) ||
-		     !PyDict_CheckExact(PyTuple_GetItem(call, 1))))
-		Py_CLEAR(call);
-	return call;
+	return call_checked(call);
+}
+
+/* A BINPERSID in a call's arguments (scalar_unpickle_tensors): tensor
+ * index of message ctx as a torch tensor, its handle retained (the
+ * message keeps its own: a pickle left unread goes to the plain handler
+ * whole). */
+static PyObject *message_tensor(void *ctx, long long index)
+{
+	const struct python_msg *m = ctx;
+
+	return index >= 0 && (uint64_t)index < m->ntensors ? torch_of_handle(m->tensors[index])
+							    : NULL;
+}
+
+/* The (args, {}) of a call of scalars and common tensors (_calls.c's
+ * mixed_payload), from the len bytes after the head at p, its tensors
+ * the message's. New reference; NULL with no exception where it is
+ * another pickle (the pickler's: the plain handler reads it). */
+static PyObject *mixed_loaded(const struct python_msg *m, size_t head)
+{
+	PyObject *call = scalar_unpickle_tensors(m->data + head, m->len - head, message_tensor,
+						 (void *)m);
+
+	PyErr_Clear(); /* no memory: the plain handler tries again */
+	return call_checked(call);
 }
 
 /* Whether this thread is in a distributed autograd context
@@ -491,7 +523,7 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	const char *p = m->data;
 	PyObject *hold = fast_tuple, *func, *call = NULL;
 	size_t head = 0, name_end;
-	bool tensors;
+	bool tensors, mixed;
 	int served;
 
 	*tensor = NULL;
@@ -507,11 +539,13 @@ int fast_serve(uint32_t caller, const struct python_request *in,
 	if (m->nrrefs)
 		return 0;
 	tensors = m->ntensors && tensors_form(p, m->len, head);
-	if (!tensors && (m->ntensors || !args_served(p, m->len, head)))
+	mixed = !tensors && m->ntensors && head < m->len && torch_known();
+	if (!tensors && ((m->ntensors && !mixed) || !args_served(p, m->len, head)))
 		return 0;
 	Py_INCREF(hold);
 	if (!(func = named_func(&f, p, head)) ||
-	    (!tensors && head < m->len && !(call = call_loaded(&f, p + head, m->len - head)) &&
+	    (!tensors && head < m->len &&
+	     !(call = mixed ? mixed_loaded(m, head) : call_loaded(&f, p + head, m->len - head)) &&
 	     !PyErr_Occurred())) {
 		Py_XDECREF(func);
 		Py_DECREF(hold);

@@ -258,6 +258,18 @@ int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shm
 	return 1;
 }
 
+int torch_common_handle(PyObject *obj, shmrpc_tensor **out)
+{
+	struct plain p;
+	int ok = torch_plain(obj, &p), rc;
+
+	if (ok == 1 && (rc = host_tensor(p.addr, p.dtype, p.ndim, p.shape, out))) {
+		fail(rc);
+		return -1;
+	}
+	return ok;
+}
+
 static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)
 {
 	(void)m;
@@ -416,6 +428,11 @@ static PyObject *torch_of(shmrpc_tensor *h, bool take)
 		return fail(rc);
 	}
 	return torch_of_capsule(capsule_of(dm));
+}
+
+PyObject *torch_of_handle(shmrpc_tensor *h)
+{
+	return from_dlpack ? torch_of(h, false) : not_known();
 }
 
 PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take)

@@ -110,6 +110,13 @@ PyObject *take_torch_of(PyObject *handles);
  * message's handles spent: python_tensor_take), or one retained; NULL
  * with an exception set (also before torch is known). */
 PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take);
+/* The torch tensor of received host handle h, with a reference of its own
+ * (h's retained: the message keeps its handle); NULL with an exception
+ * set (also before torch is known). */
+PyObject *torch_of_handle(shmrpc_tensor *h);
+/* *out the handle of obj when it is the common tensor (above): 1, 0 (it
+ * is not: nothing made), or -1 with an exception set. */
+int torch_common_handle(PyObject *obj, shmrpc_tensor **out);
 /* Whether torch is known (know_torch ran): take_torch_of works. */
 bool torch_known(void);
 
@@ -128,6 +135,18 @@ PyObject *scalar_pickle(PyObject *head, PyObject *v);
  * exception where it holds anything else or is malformed (pickle.loads
  * must read it, and say what is wrong), NULL with MemoryError set. */
 PyObject *scalar_unpickle(const void *data, size_t len);
+/* scalar_pickle with tensors: tensor(ctx, obj) is asked of each object
+ * that is no scalar, and answers the index among the message's tensors
+ * that it gave obj (written as BINPERSID), or < 0: -2 where obj is not
+ * one it sends so (the pickle is not written: Py_None), -1 with an
+ * exception set (NULL). */
+PyObject *scalar_pickle_tensors(PyObject *head, PyObject *v, int (*tensor)(void *ctx, PyObject *v),
+				void *ctx);
+/* scalar_unpickle with the message's tensors: tensor(ctx, index) answers
+ * a BINPERSID (a new reference; NULL: the pickle is left unread, as one
+ * this does not read). */
+PyObject *scalar_unpickle_tensors(const void *data, size_t len,
+				  PyObject *(*tensor)(void *ctx, long long index), void *ctx);
 
 /* _handler.c: a message as Python objects and back. */
 PyObject *msg_to_py(const shmrpc_value *v);

@@ -356,6 +356,13 @@ class _Unpickler(pickle.Unpickler):
         finally:
             _loading.unpickler = outer
 
+    def persistent_load(self, pid):
+        """A BINPERSID: the C path's call of scalars and common tensors
+        (python/_calls.c, mixed_payload) names each tensor by its index."""
+        if type(pid) is not int or not 0 <= pid < len(self.tensors):
+            raise pickle.UnpicklingError(f"no tensor {pid!r} in this message")
+        return _from_pool("torch", self.tensors[pid])
+
     def ref(self, pid):
         """What _Pickler named pid: each is met once (the memo has the rest)."""
         if type(pid) is int:  # a CPU torch tensor of its handle's shape (_Pickler)

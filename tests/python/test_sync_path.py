@@ -289,6 +289,80 @@ class Unpicklable:
         raise ValueError("not this one")
 
 
+_plain_reads = [0]  # on worker1: the calls whose arguments the plain handler read
+
+
+def count_plain_reads():
+    from shmrpc import _serve
+    read = _serve._unpack_call
+
+    def counted(*a):
+        _plain_reads[0] += 1
+        return read(*a)
+    _serve._unpack_call = counted
+
+
+def plain_reads():
+    return _plain_reads[0]
+
+
+def fill(t, value):
+    t.fill_(value)
+
+
+def test_scalars_beside_tensors():
+    # Scalars and common tensors together (at most four tensors, each
+    # once): the pickle of (args, {}) written in C with each tensor a
+    # BINPERSID of its index (_calls.c, mixed_payload), read by the
+    # callee's C path (_serve_fast.c, mixed_loaded) without the plain
+    # handler, and by the plain handler's _Unpickler (persistent_load).
+    rpc.rpc_sync("worker1", count_plain_reads)
+    t, u = torch.arange(6.0), torch.ones(2, 3, dtype=torch.int64)
+    rpc.rpc_sync("worker1", plain_reads)
+    # A function's first call by its name is the plain handler's (it
+    # enters the name, _named_heads): these read the form in Python.
+    first = rpc.rpc_sync("worker1", plain_reads)
+    assert common(lambda: rpc.rpc_sync("worker1", pair_all, args=(u, 3)))[1] == 3
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, 2))), t + 2)
+    common(lambda: rpc.rpc_sync("worker1", fill, args=(t.clone(), 1.0)))
+    before = rpc.rpc_sync("worker1", plain_reads)
+    assert before == first + 3, "the first calls, by the plain handler"
+    for args in [(t, 1), (1, t, "x", None), (t, u, 2.5), (b"b", u, t.clone(), u.clone(), t, 0)]:
+        got = common(lambda: rpc.rpc_sync("worker1", pair_all, args=args))
+        assert len(got) == len(args) and all(
+            torch.equal(g, a) and g.dtype == a.dtype if isinstance(a, torch.Tensor) else g == a
+            for g, a in zip(got, args)), f"{args!r:.60}"
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", torch.add, args=(t, 1))), t + 1)
+    shared = rpc.empty(4, "float32", like="torch")
+    common(lambda: rpc.rpc_sync("worker1", fill, args=(shared, 2.5)))
+    assert torch.equal(shared, torch.full((4,), 2.5)), "the callee wrote the pool's bytes"
+    assert rpc.rpc_sync("worker1", plain_reads) == before, "read by the plain handler"
+    # What the form does not take goes to the pickler, as before: the same
+    # tensor twice (one object there), five tensors, one that requires
+    # grad, a list.
+    assert common(lambda: rpc.rpc_sync("worker1", same_object, args=(t, t))) is True
+    five = (t, 1) + tuple(torch.full((2,), float(i)) for i in range(4))
+    assert all(torch.equal(g, a) if isinstance(a, torch.Tensor) else g == a for g, a in
+               zip(common(lambda: rpc.rpc_sync("worker1", pair_all, args=five)), five))
+    grad = torch.ones(2, requires_grad=True)
+    assert torch.equal(common(lambda: rpc.rpc_sync("worker1", pair_all, args=(grad, 1)))[0],
+                       grad.detach())
+    assert common(lambda: rpc.rpc_sync("worker1", pair_all, args=(t, [1])))[1] == [1]
+    assert rpc.rpc_sync("worker1", plain_reads) == before + 4
+    # The plain handler's reader, and what it refuses.
+    h = _shmrpc.torch_handle(t)
+    got = _marshal._loads((b"\x80\x05K\x00QK\x07\x86.", [], [h]))
+    assert torch.equal(got[0], t) and got[1] == 7
+    with pytest.raises(pickle.UnpicklingError, match="no tensor 1"):
+        _marshal._loads((b"\x80\x05K\x01Q.", [], [_shmrpc.torch_handle(t)]))
+    assert _shmrpc.scalar_unpickle(b"\x80\x05K\x00Q.") == (False, None), \
+        "no tensors to read it with"
+
+
+def pair_all(*args):
+    return args
+
+
 def test_dumps_inside_dumps_and_after_errors():
     # _dumps (python/_dumps.c): a message made while the thread's pickler
     # makes another has a pickler of its own; a failed pickle leaves the
