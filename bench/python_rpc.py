@@ -15,7 +15,7 @@ two-worker shmrpc job (shmrun runs this file again with --worker). Prints
   BENCH py_remote_to_here mode=spin median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_rref_proxy_rpc_sync median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_rpc_async_wait median_ns= vs_torch_rpc= vs_py_rpc_sync=
-  BENCH py_rpc_sync args=list3|kwarg median_ns= vs_torch_rpc= vs_py_rpc_sync=
+  BENCH py_rpc_sync args=list3|kwarg|torch_add median_ns= vs_torch_rpc= vs_py_rpc_sync=
   BENCH py_remote_to_here value=1KiB_bytes|1KiB_bytearray|1MiB_tensor median_ns= vs_torch_rpc=
 
 with shmrpc's figures. py_call_floor is what a call costs in Python with
@@ -39,7 +39,9 @@ cache), and vs_memcpy_in_call copy_ns over that. The loop's memcpy is
 warmer than a call's can be: between two copies it touches nothing else.
 The calls programs make beside the empty one: rpc_async(...).wait(), and
 an echo of [1, 2, 3] and of one keyword (kwargs={"x": 1}), pickled both
-ways, timed in turns with py_rpc_sync as the proxy is.
+ways, and torch's own example, rpc_sync(to, torch.add, args=(a 1 KiB
+torch tensor, 1)) (args=torch_add, where torch is loaded), timed in turns
+with py_rpc_sync as the proxy is.
 The RRef lines: a proxy's rpc_sync on a live object
 (rref.rpc_sync().get()), and remote()+to_here() of a value made once on
 the owner: 1 KiB of bytes (a value that cannot change, read
@@ -254,6 +256,9 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
         ops += [lambda: box.rpc_sync().get(), lambda: rpc.rpc_async("w1", nothing).wait(),
                 lambda: rpc.rpc_sync("w1", echo, args=([1, 2, 3],)),
                 lambda: rpc.rpc_sync("w1", echo, kwargs={"x": 1})]
+        if "torch" in sys.modules:
+            one_k = sys.modules["torch"].ones(256)
+            ops.append(lambda: rpc.rpc_sync("w1", sys.modules["torch"].add, args=(one_k, 1)))
     runs = alternated(ops, 300 if quick else 2000)
     s = runs[0]
     fig["sync"] = [s[len(s) // 2], s[len(s) * 99 // 100]]
@@ -261,7 +266,9 @@ def measure(rpc, alloc, sizes, quick, calls_only=False, floor=None, plain=None):
     if calls_only:
         return fig
     fig["proxy"], fig["async_wait"], fig["list3"], fig["kwarg"] = (
-        r[len(r) // 2] for r in runs[2:])
+        r[len(r) // 2] for r in runs[2:6])
+    if len(runs) > 6:
+        fig["torch_add"] = runs[6][len(runs[6]) // 2]
     del box, ops
 
     # Pipelined: every call in flight before the first wait.
@@ -386,7 +393,7 @@ def main():
         ours = run_shmrpc(build, quick, os.path.join(tmp, "shmrpc.json"))
         spin = run_shmrpc(build, quick, os.path.join(tmp, "spin.json"), spin=True)
     t = theirs or {"sync": [0, 0], "async": 0, "remote": 0, "echo": {}, "proxy": 0,
-                   "async_wait": 0, "list3": 0, "kwarg": 0, "rref_values": {}}
+                   "async_wait": 0, "list3": 0, "kwarg": 0, "torch_add": 0, "rref_values": {}}
 
     print(f"BENCH py_call_floor median_ns={ours['floor']}", flush=True)
     med, p99 = ours["sync"]
@@ -403,7 +410,9 @@ def main():
     line("py_rpc_async_wait", [("median_ns", ours["async_wait"]),
                                ("vs_py_rpc_sync", f"{ours['async_wait'] / ours['sync'][0]:.3g}")],
          ours["async_wait"], t["async_wait"])
-    for label in ("list3", "kwarg"):
+    for label in ("list3", "kwarg", "torch_add"):
+        if label not in ours:
+            continue
         line(f"py_rpc_sync args={label}", [("median_ns", ours[label]),
                                            ("vs_py_rpc_sync", f"{ours[label] / ours['sync'][0]:.3g}")],
              ours[label], t[label])
