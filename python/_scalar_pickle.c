@@ -237,7 +237,11 @@ PyObject *scalar_unpickle_tensors(const void *data, size_t len,
 
 		switch (op) {
 		case 0x95: /* FRAME: pickle.loads refuses one longer than the rest */
-			if (left < 8 || (uint64_t)get_le(p + i, 8, false) > left - 8)
+			/* With tensors, none: the plain handler's _Unpickler reads
+			 * from a file, frame by frame, and an opcode across a
+			 * frame's end is read otherwise there (mixed_payload
+			 * writes no FRAME). */
+			if (tensor || left < 8 || (uint64_t)get_le(p + i, 8, false) > left - 8)
 				goto unread;
 			i += 8;
 			continue;

@@ -434,6 +434,32 @@ def test_scalar_unpickle_refuses_what_pickle_refuses():
             f"C reads {data!r} as pickle.loads does"
 
 
+def test_mixed_frames_left_to_the_plain_handler():
+    # A payload comes from another process. The plain handler reads a
+    # pickle with tensors from a file (_Unpickler on a BytesIO), where a
+    # FRAME is read whole before its opcodes: an opcode that crosses its
+    # end is read otherwise than pickle.loads reads the same bytes, and
+    # here it is refused. The callee's C reader (mixed_loaded), which reads
+    # as pickle.loads does, must leave such a pickle to the plain handler,
+    # not answer the call with a value (mixed_payload writes no FRAME).
+    # Found by fuzzing scalar_unpickle_tensors against _Unpickler.
+    t = torch.arange(4.0)
+    assert common(lambda: rpc.rpc_sync("worker1", pair_all, args=(t, 1)))[1] == 1  # entered
+    rest = b"K\x01\x86}\x86."
+    data = (b"\x80\x05\x95" + (10).to_bytes(8, "little") + b"K\x00Q\x95" +
+            len(rest).to_bytes(8, "little") + rest)
+    with pytest.raises(pickle.UnpicklingError):
+        _marshal._loads((data, [], [_shmrpc.torch_handle(t)]))
+    pack_args = _marshal._pack_args
+    _marshal._pack_args = lambda named, args, kwargs: (named.head + data, [],
+                                                       [_shmrpc.torch_handle(t)])
+    try:
+        with pytest.raises(Exception, match="truncated"):  # noqa: B017 (the plain handler's)
+            general(lambda: rpc.rpc_sync("worker1", pair_all, args=(t, 1), timeout=5))
+    finally:
+        _marshal._pack_args = pack_args
+
+
 def test_scalar_pickle_stops_at_its_budget():
     # scalar_pickle writes 512 bytes at most: a larger str or a long tuple
     # is pickle's (a str of more characters than that refused before its
