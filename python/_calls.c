@@ -493,11 +493,13 @@ static int mixed_tensor(void *ctx, PyObject *obj)
 	return (int)n;
 }
 
-/* The payload of a call of scalars and common tensors (one at least):
- * head, and the pickle of (args, {}) with each tensor a BINPERSID of its
- * index, its handle in ct; Py_None (ct empty) where the arguments are not
- * those, or do not fit in scalar_pickle's budget; NULL with an exception
- * set (ct empty). */
+/* The payload of a call of common tensors beside what scalar_pickle
+ * writes (scalars, tuples of them, an empty dict): head, and the pickle
+ * of (args, {}) with each tensor a BINPERSID of its index, its handle in
+ * ct (none, for arguments that scalars() refuses and scalar_pickle
+ * writes: the callee reads them as scalars'); Py_None (ct empty) where the
+ * arguments are not those, or do not fit in scalar_pickle's budget; NULL
+ * with an exception set (ct empty). */
 static PyObject *mixed_payload(PyObject *head, PyObject *args, struct call_tensors *ct)
 {
 	struct mixed mx = { .ct = ct };

@@ -246,10 +246,11 @@ PyObject *scalar_unpickle_tensors(const void *data, size_t len,
 			i += 8;
 			continue;
 		case 0x94: /* MEMOIZE, BINPUT, LONG_BINPUT: no BINGET reads the memo here, */
-		case 'q':  /* but pickle.loads refuses one with nothing above the mark */
-		case 'r':
+		case 'q':  /* but pickle.loads refuses one with nothing above the mark, */
+		case 'r':  /* and grows its memo to the index (a large one: MemoryError) */
 			n = op == 0x94 ? 0 : op == 'q' ? 1 : 4;
-			if (left < n || sp == (nm ? marks[nm - 1] : 0))
+			if (left < n || sp == (nm ? marks[nm - 1] : 0) ||
+			    (op == 'r' && get_le(p + i, 4, false) > 0xffff))
 				goto unread;
 			i += n;
 			continue;

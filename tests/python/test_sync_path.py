@@ -426,6 +426,11 @@ def test_scalar_unpickle_refuses_what_pickle_refuses():
             pickle.loads(data)
         assert _shmrpc.scalar_unpickle(data) == (False, None), \
             f"read where pickle.loads raises: {data!r}"
+    # A memo write at a large index: pickle.loads grows its memo to it
+    # (MemoryError, or as much memory as the machine gives), so whether it
+    # reads the pickle is its own to say.
+    assert _shmrpc.scalar_unpickle(b"\x80\x05)r\x00\x00\x01\x00.") == (False, None)
+    assert _shmrpc.scalar_unpickle(b"\x80\x05)r\xff\xff\x00\x00.") == (True, ())
     # The same opcodes where pickle.loads takes them are still read here.
     for data in (b"\x80\x05\x95" + (3).to_bytes(8, "little") + b"K\x01.",
                  b"\x80\x05K\x01\x94.", b"\x80\x05K\x01q\x00.", b"\x80\x05K\x01r\x00\x00\x00\x00.",
