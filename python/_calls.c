@@ -734,7 +734,8 @@ static PyObject *tensor_value(const struct python_msg *m, bool take)
 
 /* The value of the completed call or fetch f, as _marshal._result gives
  * it: the empty pickle None, a bare pickle unpickled here, one common
- * tensor taken here, anything else (RRefs, other tensors, a
+ * tensor taken here, a tuple of scalars and common tensors read here
+ * (_dumps.c), anything else (RRefs, other tensors, a
  * RemoteException to raise) by _result itself; the live mark (an RRef's
  * value its owner keeps, _marshal._LIVE) is fast.general, no error set.
  * take: f is the caller's alone, and read once (rpc_sync's): its tensor
@@ -748,6 +749,10 @@ static PyObject *reply_value(shmrpc_future *f, bool take)
 	bool ok = v && python_reply_of(v, &a, &m) == 0, bare = ok && !m.nrrefs && !m.ntensors;
 	bool tensor = ok && !m.nrrefs && m.ntensors == 1 && m.len == 1 &&
 		      *(const char *)m.data == TENSORS_MARK && torch_known();
+	/* A tuple of scalars and common tensors (_dumps.c): read here where it
+	 * is that alone, else by _result. */
+	bool mixed = ok && !m.nrrefs && m.ntensors && !tensor && m.len &&
+		     *(const unsigned char *)m.data == 0x80 && torch_known();
 	int is_exc;
 
 	if (bare && !m.len)
@@ -760,9 +765,12 @@ static PyObject *reply_value(shmrpc_future *f, bool take)
 		Py_DECREF(data);
 	} else if (tensor) {
 		value = tensor_value(&m, take);
+	} else if (mixed) {
+		value = scalar_unpickle_tensors(m.data, m.len, torch_of_msg_tensor, &m);
+		PyErr_Clear(); /* no memory: _result tries again */
 	}
 	arena_free(&a);
-	if (tensor)
+	if (tensor || (mixed && value))
 		return value;
 	if (bare) {
 		if (!value || value == fast.general ||

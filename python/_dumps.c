@@ -2,7 +2,10 @@
  * _marshal._dumps in C: a value's message, (pickle, [RRef...], [Tensor...])
  * (docs/PROTOCOL.md). None is the empty pickle; a scalar, or a tuple of
  * scalars, is pickle's alone; one common tensor is the _TENSORS mark and
- * its handle; anything else goes through this thread's _Pickler, whose
+ * its handle; a tuple of scalars and common tensors is scalar_pickle's,
+ * each tensor a BINPERSID of its index (docs/PROTOCOL.md), read by
+ * unpickle_tensors (below) and the _Unpickler's persistent_load; anything
+ * else goes through this thread's _Pickler, whose
  * reducer_override takes the tensors and RRefs out; a pickle past
  * _INLINE_MAX goes out of line, in the pool. Every value a call returns
  * and every call's arguments that are not simply scalars or tensors come
@@ -173,6 +176,58 @@ static PyObject *pickled(PyObject *obj)
 	return message(data, rrefs, tensors);
 }
 
+/* What dumps_tensor adds the tensors of a tuple to. */
+struct tuple_tensors {
+	PyObject *list;    /* their handles, Tensor objects */
+	PyObject *objs[4]; /* the tensors, by index */
+};
+
+/* scalar_pickle_tensors's question (module.h) for a value: obj's index
+ * among the message's tensors when it is the common tensor, its handle
+ * made. At most four; a tensor met twice is not sent so: the pickler
+ * sends it once, and the receiver gets one object twice. */
+static int dumps_tensor(void *ctx, PyObject *obj)
+{
+	struct tuple_tensors *tt = ctx;
+	Py_ssize_t n = PyList_Size(tt->list);
+	shmrpc_tensor *h;
+	PyObject *w;
+	int ok;
+
+	if (n == (Py_ssize_t)(sizeof(tt->objs) / sizeof(*tt->objs)))
+		return -2;
+	for (Py_ssize_t i = 0; i < n; i++)
+		if (tt->objs[i] == obj)
+			return -2;
+	if ((ok = torch_common_handle(obj, &h)) != 1)
+		return ok < 0 ? -1 : -2;
+	if (!(w = tensor_wrap(h))) /* which frees h if it fails */
+		return -1;
+	ok = PyList_Append(tt->list, w);
+	Py_DECREF(w);
+	if (ok)
+		return -1;
+	tt->objs[n] = obj;
+	return (int)n;
+}
+
+/* The message of tuple obj when scalar_pickle_tensors writes it (above);
+ * Py_None where it does not; NULL with an exception set. */
+static PyObject *tuple_message(PyObject *obj)
+{
+	struct tuple_tensors tt = { .list = PyList_New(0) };
+	PyObject *data;
+
+	if (!tt.list)
+		return NULL;
+	data = scalar_pickle_tensors(NULL, obj, dumps_tensor, &tt);
+	if (!data || data == Py_None) {
+		Py_DECREF(tt.list); /* the handles made go with it */
+		return data;
+	}
+	return message(data, PyList_New(0), tt.list);
+}
+
 /* dumps(obj) -> (pickle, [RRef...], [Tensor...]): above. */
 static PyObject *mod_dumps(PyObject *m, PyObject *obj)
 {
@@ -199,6 +254,11 @@ static PyObject *mod_dumps(PyObject *m, PyObject *obj)
 	if (h != Py_None)
 		return message(new_ref(d.tensors_mark), PyList_New(0), Py_BuildValue("[N]", h));
 	Py_DECREF(h);
+	if (PyTuple_CheckExact(obj) && torch_known()) {
+		if ((h = tuple_message(obj)) != Py_None)
+			return h;
+		Py_DECREF(h);
+	}
 	return pickled(obj);
 }
 
@@ -251,6 +311,36 @@ static PyObject *mod_scalar_unpickle(PyObject *m, PyObject *b)
 	return Py_BuildValue("(ON)", Py_True, v);
 }
 
+/* A BINPERSID of a pickle read by unpickle_tensors: the torch tensor of
+ * the Tensor at index of list ctx, its handle retained. */
+static PyObject *listed_tensor(void *ctx, long long index)
+{
+	PyObject *list = ctx, *t;
+
+	if (index < 0 || index >= PyList_Size(list))
+		return NULL;
+	t = PyList_GetItem(list, (Py_ssize_t)index);
+	return PyObject_TypeCheck(t, (PyTypeObject *)TensorType) && HANDLE(t)
+		       ? torch_of_handle(HANDLE(t)) : NULL;
+}
+
+/* unpickle_tensors(b, tensors) -> (True, value) where scalar_unpickle_tensors
+ * reads the pickle b of a message whose tensors are the list tensors,
+ * else (False, None): the _Unpickler must (_marshal._loads). */
+static PyObject *mod_unpickle_tensors(PyObject *m, PyObject *a)
+{
+	PyObject *b, *tensors, *v;
+
+	(void)m;
+	if (!PyArg_ParseTuple(a, "SO!:unpickle_tensors", &b, &PyList_Type, &tensors))
+		return NULL;
+	v = scalar_unpickle_tensors(PyBytes_AsString(b), (size_t)PyBytes_Size(b), listed_tensor,
+				    tensors);
+	if (!v)
+		return PyErr_Occurred() ? NULL : Py_BuildValue("(OO)", Py_False, Py_None);
+	return Py_BuildValue("(ON)", Py_True, v);
+}
+
 /* dumps_setup(pickler_type, tensors_mark, out_of_line, inline_max, dumps,
  * protocol, from_bytes): _marshal's objects, once at its import. */
 static PyObject *mod_dumps_setup(PyObject *m, PyObject *a)
@@ -291,6 +381,8 @@ static PyMethodDef dumps_functions[] = {
 	  "scalar_pickle(obj) -> the pickle of a scalar or a tuple of them written here, or None" },
 	{ "scalar_unpickle", mod_scalar_unpickle, METH_O,
 	  "scalar_unpickle(b) -> (True, value) where read here, else (False, None)" },
+	{ "unpickle_tensors", mod_unpickle_tensors, METH_VARARGS,
+	  "unpickle_tensors(b, tensors) -> (True, value) where read here, else (False, None)" },
 	{ "scalars", mod_scalars, METH_O, "scalars(t) -> whether the tuple t holds scalars alone" },
 	{ "pickler_reset", mod_pickler_reset, METH_O,
 	  "pickler_reset(p): a _Pickler's memo, buffer and lists emptied" },

@@ -242,25 +242,13 @@ static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t le
 	return call_checked(call);
 }
 
-/* A BINPERSID in a call's arguments (scalar_unpickle_tensors): tensor
- * index of message ctx as a torch tensor, its handle retained (the
- * message keeps its own: a pickle left unread goes to the plain handler
- * whole). */
-static PyObject *message_tensor(void *ctx, long long index)
-{
-	const struct python_msg *m = ctx;
-
-	return index >= 0 && (uint64_t)index < m->ntensors ? torch_of_handle(m->tensors[index])
-							    : NULL;
-}
-
 /* The (args, {}) of a call of scalars and common tensors (_calls.c's
  * mixed_payload), from the len bytes after the head at p, its tensors
  * the message's. New reference; NULL with no exception where it is
  * another pickle (the pickler's: the plain handler reads it). */
 static PyObject *mixed_loaded(const struct python_msg *m, size_t head)
 {
-	PyObject *call = scalar_unpickle_tensors(m->data + head, m->len - head, message_tensor,
+	PyObject *call = scalar_unpickle_tensors(m->data + head, m->len - head, torch_of_msg_tensor,
 						 (void *)m);
 
 	PyErr_Clear(); /* no memory: the plain handler tries again */

@@ -435,6 +435,14 @@ PyObject *torch_of_handle(shmrpc_tensor *h)
 	return from_dlpack ? torch_of(h, false) : not_known();
 }
 
+PyObject *torch_of_msg_tensor(void *msg, long long index)
+{
+	const struct python_msg *m = msg;
+
+	return index >= 0 && (uint64_t)index < m->ntensors ? torch_of_handle(m->tensors[index])
+							    : NULL;
+}
+
 PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take)
 {
 	PyObject *tuple;

@@ -114,6 +114,11 @@ PyObject *torch_of_handles(shmrpc_tensor *const *h, uint32_t n, bool take);
  * (h's retained: the message keeps its handle); NULL with an exception
  * set (also before torch is known). */
 PyObject *torch_of_handle(shmrpc_tensor *h);
+/* scalar_unpickle_tensors's source of a received message's tensors: the
+ * torch tensor of tensor index of msg (a struct python_msg), its handle
+ * retained (the message keeps its own: a pickle left unread is read
+ * whole by Python); NULL for an index it has not. */
+PyObject *torch_of_msg_tensor(void *msg, long long index);
 /* *out the handle of obj when it is the common tensor (above): 1, 0 (it
  * is not: nothing made), or -1 with an exception set. */
 int torch_common_handle(PyObject *obj, shmrpc_tensor **out);

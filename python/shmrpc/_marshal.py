@@ -411,6 +411,7 @@ _OUT_OF_LINE = b"\x00shmrpc: the pickle is the last tensor"
 _shmrpc.dumps_setup(_Pickler, _TENSORS, _OUT_OF_LINE, _INLINE_MAX, pickle.dumps,
                     pickle.HIGHEST_PROTOCOL, _shmrpc.from_bytes)
 _dumps = _shmrpc.dumps
+_unpickle_tensors = _shmrpc.unpickle_tensors
 _inline = _shmrpc.inline
 _scalars = _shmrpc.scalars
 
@@ -423,6 +424,12 @@ def _loads(msg, grad_mode="result"):
         return pickle.loads(data)
     if data == _TENSORS:
         return _from_handles(tensors)[0]
+    if not rrefs and data[:1] == b"\x80":
+        # A tuple of scalars and common tensors, as _dumps writes it: read
+        # in C where it is that alone (no Unpickler object).
+        read, value = _unpickle_tensors(data, tensors)
+        if read:
+            return value
     if data == _OUT_OF_LINE:
         data = tensors[-1].tobytes()
     u = _Unpickler(io.BytesIO(data), rrefs, tensors, grad_mode)

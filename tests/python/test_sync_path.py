@@ -363,6 +363,35 @@ def pair_all(*args):
     return args
 
 
+def test_values_of_scalars_and_tensors():
+    # A value that is a tuple of scalars and common tensors (a batch and
+    # its label, ("ok", batch)) is written by _dumps in the same form as
+    # such arguments, and read in C: by the common call's reply
+    # (_calls.c, reply_value), by _loads (unpickle_tensors) for the rest.
+    t, u = torch.arange(4.0), torch.ones(2, dtype=torch.int32)
+    data, rrefs, tensors = _marshal._dumps(("ok", t, 3, u))
+    assert data[:1] == b"\x80" and b"Q" in data and not rrefs and len(tensors) == 2
+    read, value = _shmrpc.unpickle_tensors(data, tensors)
+    assert read and value[0] == "ok" and value[2] == 3 and torch.equal(value[1], t) and \
+        torch.equal(value[3], u) and value[3].dtype == torch.int32
+    again = _marshal._loads(_marshal._dumps(("ok", t, 3, u)))
+    assert torch.equal(again[1], t) and again[0] == "ok"
+    # The pickler's values are not read so: the same tensor twice (one
+    # object there), a list.
+    for v in ((t, t), (t, [1])):
+        data, rrefs, tensors = _marshal._dumps(v)
+        assert _shmrpc.unpickle_tensors(data, tensors) == (False, None), f"{v!r:.40}"
+        got = _marshal._loads((data, rrefs, tensors))
+        assert torch.equal(got[0], t) and (got[0] is got[1] if v[1] is t else got[1] == [1])
+    # Over calls: the reply read in C, a Future's by _result, an RRef's value.
+    got = common(lambda: rpc.rpc_sync("worker1", pair_all, args=("ok", t, 3)))
+    assert got[0] == "ok" and torch.equal(got[1], t) and got[2] == 3
+    got = rpc.rpc_async("worker1", pair_all, args=(t, 2.5)).wait()
+    assert torch.equal(got[0], t) and got[1] == 2.5
+    got = rpc.remote("worker1", pair_all, args=(u, None)).to_here()
+    assert torch.equal(got[0], u) and got[1] is None
+
+
 def test_dumps_inside_dumps_and_after_errors():
     # _dumps (python/_dumps.c): a message made while the thread's pickler
     # makes another has a pickler of its own; a failed pickle leaves the
