@@ -464,35 +464,6 @@ static PyObject *scalars_payload(PyObject *head, PyObject *args)
 	return out;
 }
 
-/* What mixed_tensor adds the tensors of a call's arguments to. */
-struct mixed {
-	struct call_tensors *ct;
-	PyObject *objs[4]; /* the tensors given handles, by index */
-};
-
-/* scalar_pickle_tensors's question (module.h) for a call's arguments:
- * obj's index in the message when it is the common tensor, its handle
- * made. At most four (ct->few); a tensor given twice is not sent so: the
- * pickler sends it once, and the callee gets one object twice, as
- * torch's. */
-static int mixed_tensor(void *ctx, PyObject *obj)
-{
-	struct mixed *mx = ctx;
-	uint32_t n = mx->ct->n;
-	int ok;
-
-	if (n == sizeof(mx->objs) / sizeof(*mx->objs))
-		return -2;
-	for (uint32_t i = 0; i < n; i++)
-		if (mx->objs[i] == obj)
-			return -2;
-	if ((ok = torch_common_handle(obj, &mx->ct->t[n])) != 1)
-		return ok < 0 ? -1 : -2;
-	mx->objs[n] = obj;
-	mx->ct->n = n + 1;
-	return (int)n;
-}
-
 /* The payload of a call of common tensors beside what scalar_pickle
  * writes (scalars, tuples of them, an empty dict): head, and the pickle
  * of (args, {}) with each tensor a BINPERSID of its index, its handle in
@@ -502,15 +473,17 @@ static int mixed_tensor(void *ctx, PyObject *obj)
  * with an exception set (ct empty). */
 static PyObject *mixed_payload(PyObject *head, PyObject *args, struct call_tensors *ct)
 {
-	struct mixed mx = { .ct = ct };
+	_Static_assert(sizeof(ct->few) / sizeof(*ct->few) >= TORCH_TAKEN_MAX, "ct holds them");
+	struct torch_taken tk = { .n = 0 };
 	PyObject *pair = PyTuple_Pack(2, args, fast.no_kwargs), *out;
 
 	if (!pair)
 		return NULL;
-	ct->t = ct->few;
-	ct->n = 0;
-	out = scalar_pickle_tensors(head, pair, mixed_tensor, &mx);
+	out = scalar_pickle_tensors(head, pair, torch_tensor_index, &tk);
 	Py_DECREF(pair);
+	ct->t = ct->few;
+	memcpy(ct->few, tk.t, tk.n * sizeof(*tk.t));
+	ct->n = tk.n;
 	if (out == Py_None || !out)
 		call_tensors_free(ct);
 	return out;
@@ -617,8 +590,8 @@ out:
  * makes them: none, head; scalars alone, head and the pickle of (args,
  * {}); common tensors alone, tensors_head and their handles; scalars and
  * common tensors, head and that pickle with the tensors by index
- * (mixed_payload: the C path's own form, which _pack_args pickles); any
- * other, _pack_args's. 0, or -1 with an exception set (for the Python path to
+ * (mixed_payload: what _pack_args's _dumps writes too); any other,
+ * _pack_args's. 0, or -1 with an exception set (for the Python path to
  * raise in its own words when it is a Python one: it makes the call
  * again), ca empty. */
 static int call_args_of(PyObject *func, PyObject *e, PyObject *args, PyObject *kwargs,

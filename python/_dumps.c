@@ -176,56 +176,32 @@ static PyObject *pickled(PyObject *obj)
 	return message(data, rrefs, tensors);
 }
 
-/* What dumps_tensor adds the tensors of a tuple to. */
-struct tuple_tensors {
-	PyObject *list;    /* their handles, Tensor objects */
-	PyObject *objs[4]; /* the tensors, by index */
-};
-
-/* scalar_pickle_tensors's question (module.h) for a value: obj's index
- * among the message's tensors when it is the common tensor, its handle
- * made. At most four; a tensor met twice is not sent so: the pickler
- * sends it once, and the receiver gets one object twice. */
-static int dumps_tensor(void *ctx, PyObject *obj)
-{
-	struct tuple_tensors *tt = ctx;
-	Py_ssize_t n = PyList_Size(tt->list);
-	shmrpc_tensor *h;
-	PyObject *w;
-	int ok;
-
-	if (n == (Py_ssize_t)(sizeof(tt->objs) / sizeof(*tt->objs)))
-		return -2;
-	for (Py_ssize_t i = 0; i < n; i++)
-		if (tt->objs[i] == obj)
-			return -2;
-	if ((ok = torch_common_handle(obj, &h)) != 1)
-		return ok < 0 ? -1 : -2;
-	if (!(w = tensor_wrap(h))) /* which frees h if it fails */
-		return -1;
-	ok = PyList_Append(tt->list, w);
-	Py_DECREF(w);
-	if (ok)
-		return -1;
-	tt->objs[n] = obj;
-	return (int)n;
-}
-
 /* The message of tuple obj when scalar_pickle_tensors writes it (above);
  * Py_None where it does not; NULL with an exception set. */
 static PyObject *tuple_message(PyObject *obj)
 {
-	struct tuple_tensors tt = { .list = PyList_New(0) };
-	PyObject *data;
+	struct torch_taken tk = { .n = 0 };
+	PyObject *data = scalar_pickle_tensors(NULL, obj, torch_tensor_index, &tk), *list = NULL;
 
-	if (!tt.list)
-		return NULL;
-	data = scalar_pickle_tensors(NULL, obj, dumps_tensor, &tt);
-	if (!data || data == Py_None) {
-		Py_DECREF(tt.list); /* the handles made go with it */
-		return data;
+	if (data && data != Py_None)
+		list = PyList_New(tk.n);
+	for (uint32_t i = 0; i < tk.n; i++) {
+		PyObject *w;
+
+		if (!list)
+			shmrpc_tensor_free(tk.t[i]);
+		else if ((w = tensor_wrap(tk.t[i]))) /* which frees it if it fails */
+			PyList_SetItem(list, i, w);  /* steals w */
+		else
+			Py_CLEAR(list); /* the handles wrapped so far go with it */
 	}
-	return message(data, PyList_New(0), tt.list);
+	if (!data || data == Py_None)
+		return data;
+	if (!list) {
+		Py_DECREF(data);
+		return NULL;
+	}
+	return message(data, PyList_New(0), list);
 }
 
 /* dumps(obj) -> (pickle, [RRef...], [Tensor...]): above. */

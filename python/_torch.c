@@ -258,16 +258,25 @@ int torch_reply_tensor(PyObject *obj, shmrpc_tensor *const *req, uint32_t n, shm
 	return 1;
 }
 
-int torch_common_handle(PyObject *obj, shmrpc_tensor **out)
+int torch_tensor_index(void *ctx, PyObject *obj)
 {
+	struct torch_taken *tk = ctx;
 	struct plain p;
-	int ok = torch_plain(obj, &p), rc;
+	int ok, rc;
 
-	if (ok == 1 && (rc = host_tensor(p.addr, p.dtype, p.ndim, p.shape, out))) {
+	if (tk->n == TORCH_TAKEN_MAX)
+		return -2;
+	for (uint32_t i = 0; i < tk->n; i++)
+		if (tk->objs[i] == obj)
+			return -2;
+	if ((ok = torch_plain(obj, &p)) != 1)
+		return ok < 0 ? -1 : -2;
+	if ((rc = host_tensor(p.addr, p.dtype, p.ndim, p.shape, &tk->t[tk->n]))) {
 		fail(rc);
 		return -1;
 	}
-	return ok;
+	tk->objs[tk->n] = obj;
+	return (int)tk->n++;
 }
 
 static PyObject *mod_torch_handle(PyObject *m, PyObject *obj)

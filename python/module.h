@@ -119,9 +119,18 @@ PyObject *torch_of_handle(shmrpc_tensor *h);
  * retained (the message keeps its own: a pickle left unread is read
  * whole by Python); NULL for an index it has not. */
 PyObject *torch_of_msg_tensor(void *msg, long long index);
-/* *out the handle of obj when it is the common tensor (above): 1, 0 (it
- * is not: nothing made), or -1 with an exception set. */
-int torch_common_handle(PyObject *obj, shmrpc_tensor **out);
+/* The common tensors (above) of a pickle that scalar_pickle_tensors
+ * writes, given handles by torch_tensor_index, its question (module.h):
+ * obj's index when it is the common tensor, its handle made in t. At most
+ * TORCH_TAKEN_MAX; a tensor met twice is not sent so (-2: the pickler
+ * sends it once, and the receiver gets one object twice, as torch's). */
+#define TORCH_TAKEN_MAX 4
+struct torch_taken {
+	shmrpc_tensor *t[TORCH_TAKEN_MAX];
+	PyObject *objs[TORCH_TAKEN_MAX]; /* borrowed, compared only */
+	uint32_t n;
+};
+int torch_tensor_index(void *ctx, PyObject *obj);
 /* Whether torch is known (know_torch ran): take_torch_of works. */
 bool torch_known(void);
 
