@@ -206,13 +206,6 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
 	return func;
 }
 
-/* The (args, kwargs) pickled in len bytes at p, a tuple and a dict of
- * exact types, as _pack_call pickles them. New reference; NULL with no
- * exception where the pickle was not read (its bytes not copied), or
- * for another value (the plain handler unpickles it again); NULL with
- * the exception set where the pickle raised it: the call is answered
- * here (_unloaded), since the plain handler would run the code its
- * objects name a second time. */
 /* call when it is a call's (args, kwargs), a tuple and a dict of exact
  * types, else NULL (its reference dropped). */
 static PyObject *call_checked(PyObject *call)
@@ -224,6 +217,13 @@ static PyObject *call_checked(PyObject *call)
 	return call;
 }
 
+/* The (args, kwargs) pickled in len bytes at p, a tuple and a dict of
+ * exact types, as _pack_call pickles them. New reference; NULL with no
+ * exception where the pickle was not read (its bytes not copied), or
+ * for another value (the plain handler unpickles it again); NULL with
+ * the exception set where the pickle raised it: the call is answered
+ * here (_unloaded), since the plain handler would run the code its
+ * objects name a second time. */
 static PyObject *call_loaded(const struct fast_objs *f, const char *p, size_t len)
 {
 	PyObject *data, *call = scalar_unpickle(p, len);

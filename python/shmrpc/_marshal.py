@@ -357,8 +357,9 @@ class _Unpickler(pickle.Unpickler):
             _loading.unpickler = outer
 
     def persistent_load(self, pid):
-        """A BINPERSID: the C path's call of scalars and common tensors
-        (python/_calls.c, mixed_payload) names each tensor by its index."""
+        """A BINPERSID: a tuple of scalars and common tensors, a call's
+        arguments or a value (python/_calls.c, mixed_payload; _dumps.c,
+        tuple_message), names each tensor by its index."""
         if type(pid) is not int or not 0 <= pid < len(self.tensors):
             raise pickle.UnpicklingError(f"no tensor {pid!r} in this message")
         return _from_pool("torch", self.tensors[pid])
