@@ -1,6 +1,5 @@
 /* shmrpc_value <-> MessagePack; see value.h. */
 #include <errno.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,170 +150,249 @@ static bool is_tensor_ext(int8_t type)
 	       type == VALUE_EXT_TENSOR_COVERED;
 }
 
-static int convert(const msgpack_object *o, struct arena *a, shmrpc_value *v,
-		   struct tensor_list *got)
+/* An extension's value: a tensor or an RRef where got takes them. */
+static int decode_ext(int8_t type, const char *body, uint32_t size, shmrpc_value *v,
+		      struct tensor_list *got)
 {
-	switch (o->type) {
-	case MSGPACK_OBJECT_NIL:
+	if (is_tensor_ext(type) && got) {
+		shmrpc_tensor *t;
+		int rc = type == VALUE_EXT_TENSOR_INLINE
+				 ? tensor_unpack_inline(body, size, &t)
+				 : tensor_unpack(body, size, got->land,
+						 type == VALUE_EXT_TENSOR_COVERED ? got->pinned : NULL, &t);
+
+		/* A covered one must be a CPU tensor (as the sender chose
+		 * it): a CUDA one's event wants its pin. */
+		if (rc == 0 && type == VALUE_EXT_TENSOR_COVERED && t->dev) {
+			shmrpc_tensor_free(t);
+			rc = shmrpc__fail(-EBADMSG, "a reply marked a CUDA tensor as its request's "
+					  "(only CPU pool tensors can be)");
+		}
+		if (rc == 0 && (rc = tensor_list_add(got, t)))
+			shmrpc_tensor_free(t);
+		if (rc == 0) {
+			got->ncovered += type == VALUE_EXT_TENSOR_COVERED;
+			*v = shmrpc_tensor_value(t);
+		}
+		return rc;
+	}
+	if (type == VALUE_EXT_RREF && got) {
+		shmrpc_rref *r;
+		/* The operations come with the first shmrpc_init (carry.h). */
+		int rc = !rref_ops.unpack ? shmrpc__fail(-ENOTSUP, "an RRef came in, but no RPC "
+							 "agent has started in this process")
+					  : rref_ops.unpack(body, size, got->take, &r);
+
+		if (rc == 0 && (rc = tensor_list_add_rref(got, r)))
+			rref_ops.free(r);
+		if (rc == 0)
+			*v = shmrpc_rref_value(r);
+		return rc;
+	}
+	if (is_tensor_ext(type) || type == VALUE_EXT_RREF)
+		return shmrpc__fail(-EBADMSG, "%s where none can travel",
+				    type == VALUE_EXT_RREF ? "an RRef" : "a tensor");
+	return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d", type);
+}
+
+/* Where decode reads: [p, p+len), at off. */
+struct reader {
+	const uint8_t *p;
+	size_t len, off;
+	struct arena *a;
+	struct tensor_list *got;
+};
+
+/* The bytes changed under us since check() walked them (a writer still
+ * at work on shared memory): decode never reads past len either way. */
+static int torn(const struct reader *r)
+{
+	return shmrpc__fail(-EBADMSG, "malformed value: its %zu bytes changed while it was "
+			    "decoded", r->len);
+}
+
+/* n big-endian bytes at the reader, or false when fewer are left. */
+static bool take_be(struct reader *r, int n, uint64_t *out)
+{
+	if (r->len - r->off < (size_t)n)
+		return false;
+	*out = be(r->p + r->off, n);
+	r->off += (size_t)n;
+	return true;
+}
+
+/* size bytes at the reader, copied into the arena with a NUL after them
+ * (a string's terminator, harmless after bytes). */
+static int copy_body(struct reader *r, uint64_t size, const char *what, void **out)
+{
+	char *s;
+
+	if (size > r->len - r->off)
+		return torn(r);
+	if (!(s = arena_alloc(r->a, (size_t)size + 1)))
+		return shmrpc__fail(-ENOMEM, "out of memory decoding %s of %llu bytes", what,
+				    (unsigned long long)size);
+	memcpy(s, r->p + r->off, (size_t)size);
+	s[size] = '\0';
+	r->off += (size_t)size;
+	*out = s;
+	return 0;
+}
+
+static int decode(struct reader *r, shmrpc_value *v, int depth);
+
+/* n items (2n for a map) of a container into v. */
+static int decode_items(struct reader *r, uint64_t n, bool map, shmrpc_value *v, int depth)
+{
+	uint64_t slots = map ? 2 * n : n;
+	shmrpc_value *items;
+
+	/* Each item takes at least one byte. */
+	if (slots > r->len - r->off)
+		return torn(r);
+	items = arena_alloc(r->a, (size_t)slots * sizeof(*items));
+	if (!items && slots)
+		return shmrpc__fail(-ENOMEM, "out of memory decoding %llu items",
+				    (unsigned long long)n);
+	for (uint64_t i = 0; i < slots; i++) {
+		int rc = decode(r, &items[i], depth + 1);
+
+		if (rc)
+			return rc;
+	}
+	*v = map ? shmrpc_map(items, (uint32_t)n) : shmrpc_list(items, (uint32_t)n);
+	return 0;
+}
+
+/*
+ * One MessagePack object at the reader into v, as msgpack-c reads it: a
+ * float32 widened, an integer of any width that fits int64, strings and
+ * bytes copied into the arena, extensions by decode_ext. check() has
+ * walked the same bytes; every length is still checked against them.
+ */
+static int decode(struct reader *r, shmrpc_value *v, int depth)
+{
+	uint64_t n;
+	uint8_t t;
+	void *body;
+	int rc, width;
+
+	if (depth > VALUE_MAX_DEPTH || r->off >= r->len)
+		return torn(r);
+	t = r->p[r->off++];
+	if (t <= 0x7f || t >= 0xe0) {
+		*v = shmrpc_int((int8_t)t);
+		return 0;
+	}
+	switch (t & 0xf0) {
+	case 0x80:
+		return decode_items(r, t & 0x0f, true, v, depth);
+	case 0x90:
+		return decode_items(r, t & 0x0f, false, v, depth);
+	case 0xa0:
+	case 0xb0:
+		n = t & 0x1f;
+		goto str;
+	}
+	switch (t) {
+	case 0xc0:
 		*v = shmrpc_nil();
 		return 0;
-	case MSGPACK_OBJECT_BOOLEAN:
-		*v = shmrpc_bool(o->via.boolean);
+	case 0xc2:
+	case 0xc3:
+		*v = shmrpc_bool(t == 0xc3);
 		return 0;
-	case MSGPACK_OBJECT_POSITIVE_INTEGER:
-		if (o->via.u64 > INT64_MAX)
+	case 0xc4: case 0xc5: case 0xc6: /* bin 8, 16, 32 */
+		if (!take_be(r, 1 << (t - 0xc4), &n))
+			return torn(r);
+		if ((rc = copy_body(r, n, "bytes", &body)))
+			return rc;
+		*v = shmrpc_bytes(body, (uint32_t)n);
+		return 0;
+	case 0xc7: case 0xc8: case 0xc9: /* ext 8, 16, 32: size, type, body */
+		if (!take_be(r, 1 << (t - 0xc7), &n))
+			return torn(r);
+		goto ext;
+	case 0xca: { /* float 32 */
+		uint32_t bits;
+		float f;
+
+		if (!take_be(r, 4, &n))
+			return torn(r);
+		bits = (uint32_t)n;
+		memcpy(&f, &bits, sizeof(f));
+		*v = shmrpc_float(f);
+		return 0;
+	}
+	case 0xcb: { /* float 64 */
+		double d;
+
+		if (!take_be(r, 8, &n))
+			return torn(r);
+		memcpy(&d, &n, sizeof(d));
+		*v = shmrpc_float(d);
+		return 0;
+	}
+	case 0xcc: case 0xcd: case 0xce: case 0xcf: /* uint 8, 16, 32, 64 */
+		if (!take_be(r, 1 << (t - 0xcc), &n))
+			return torn(r);
+		if (n > INT64_MAX)
 			return shmrpc__fail(-EBADMSG, "integer %llu does not fit in int64",
-					    (unsigned long long)o->via.u64);
-		*v = shmrpc_int((int64_t)o->via.u64);
+					    (unsigned long long)n);
+		*v = shmrpc_int((int64_t)n);
 		return 0;
-	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
-		*v = shmrpc_int(o->via.i64);
+	case 0xd0: case 0xd1: case 0xd2: case 0xd3: /* int 8, 16, 32, 64 */
+		width = 1 << (t - 0xd0);
+		if (!take_be(r, width, &n))
+			return torn(r);
+		/* Sign-extended from its width. */
+		*v = shmrpc_int(width == 8 ? (int64_t)n
+					   : (int64_t)(n << (64 - 8 * width)) >> (64 - 8 * width));
 		return 0;
-	case MSGPACK_OBJECT_FLOAT32:
-	case MSGPACK_OBJECT_FLOAT64:
-		*v = shmrpc_float(o->via.f64);
-		return 0;
-	case MSGPACK_OBJECT_STR: {
-		char *s = arena_alloc(a, (size_t)o->via.str.size + 1);
-
-		if (!s)
-			return shmrpc__fail(-ENOMEM, "out of memory decoding a string");
-		/* An empty one's pointer may be NULL, which memcpy may not get. */
-		if (o->via.str.size)
-			memcpy(s, o->via.str.ptr, o->via.str.size);
-		*v = shmrpc_strn(s, o->via.str.size);
-		return 0;
+	case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8: /* fixext 1..16 */
+		n = 1u << (t - 0xd4);
+		goto ext;
+	case 0xd9: case 0xda: case 0xdb: /* str 8, 16, 32 */
+		if (!take_be(r, 1 << (t - 0xd9), &n))
+			return torn(r);
+		goto str;
+	case 0xdc: case 0xdd: /* array 16, 32 */
+		if (!take_be(r, t == 0xdc ? 2 : 4, &n))
+			return torn(r);
+		return decode_items(r, n, false, v, depth);
+	case 0xde: case 0xdf: /* map 16, 32 */
+		if (!take_be(r, t == 0xde ? 2 : 4, &n))
+			return torn(r);
+		return decode_items(r, n, true, v, depth);
+	default: /* 0xc1: never used */
+		return torn(r);
 	}
-	case MSGPACK_OBJECT_BIN: {
-		void *b = arena_alloc(a, o->via.bin.size);
-
-		if (!b && o->via.bin.size)
-			return shmrpc__fail(-ENOMEM, "out of memory decoding %u bytes", o->via.bin.size);
-		if (o->via.bin.size) /* as a string's */
-			memcpy(b, o->via.bin.ptr, o->via.bin.size);
-		*v = shmrpc_bytes(b, o->via.bin.size);
-		return 0;
-	}
-	case MSGPACK_OBJECT_ARRAY:
-	case MSGPACK_OBJECT_MAP: {
-		bool map = o->type == MSGPACK_OBJECT_MAP;
-		uint32_t n = map ? o->via.map.size : o->via.array.size;
-		shmrpc_value *items = arena_alloc(a, (size_t)n * (map ? 2 : 1) * sizeof(*items));
-
-		if (!items && n)
-			return shmrpc__fail(-ENOMEM, "out of memory decoding %u items", n);
-		for (uint32_t i = 0; i < n; i++) {
-			int rc = map ? convert(&o->via.map.ptr[i].key, a, &items[2 * i], got)
-					     : convert(&o->via.array.ptr[i], a, &items[i], got);
-
-			if (rc == 0 && map)
-				rc = convert(&o->via.map.ptr[i].val, a, &items[2 * i + 1], got);
-			if (rc)
-				return rc;
-		}
-		*v = map ? shmrpc_map(items, n) : shmrpc_list(items, n);
-		return 0;
-	}
-	case MSGPACK_OBJECT_EXT:
-		if (is_tensor_ext(o->via.ext.type) && got) {
-			shmrpc_tensor *t;
-			int rc = o->via.ext.type == VALUE_EXT_TENSOR_INLINE
-					 ? tensor_unpack_inline(o->via.ext.ptr, o->via.ext.size, &t)
-					 : tensor_unpack(o->via.ext.ptr, o->via.ext.size, got->land,
-							 o->via.ext.type == VALUE_EXT_TENSOR_COVERED
-								 ? got->pinned : NULL, &t);
-
-			/* A covered one must be a CPU tensor (as the sender
-			 * chose it): a CUDA one's event wants its pin. */
-			if (rc == 0 && o->via.ext.type == VALUE_EXT_TENSOR_COVERED && t->dev) {
-				shmrpc_tensor_free(t);
-				rc = shmrpc__fail(-EBADMSG, "a reply marked a CUDA tensor as its "
-						  "request's (only CPU pool tensors can be)");
-			}
-			if (rc == 0 && (rc = tensor_list_add(got, t)))
-				shmrpc_tensor_free(t);
-			if (rc == 0) {
-				got->ncovered += o->via.ext.type == VALUE_EXT_TENSOR_COVERED;
-				*v = shmrpc_tensor_value(t);
-			}
-			return rc;
-		}
-		if (o->via.ext.type == VALUE_EXT_RREF && got) {
-			shmrpc_rref *r;
-			/* The operations come with the first shmrpc_init (carry.h). */
-			int rc = !rref_ops.unpack
-					 ? shmrpc__fail(-ENOTSUP, "an RRef came in, but no RPC agent "
-							"has started in this process")
-					 : rref_ops.unpack(o->via.ext.ptr, o->via.ext.size, got->take, &r);
-
-			if (rc == 0 && (rc = tensor_list_add_rref(got, r)))
-				rref_ops.free(r);
-			if (rc == 0)
-				*v = shmrpc_rref_value(r);
-			return rc;
-		}
-		if (is_tensor_ext(o->via.ext.type) || o->via.ext.type == VALUE_EXT_RREF)
-			return shmrpc__fail(-EBADMSG, "a %s where none can travel",
-					    o->via.ext.type == VALUE_EXT_RREF ? "RRef" : "tensor");
-		return shmrpc__fail(-EBADMSG, "unknown MessagePack extension type %d",
-				    o->via.ext.type);
-	default:
-		return shmrpc__fail(-EBADMSG, "unknown MessagePack object type %d", (int)o->type);
-	}
-}
-
-/* Each thread decodes into a zone of its own, kept between calls: a fresh
- * zone per value costs a malloc and a free of msgpack's 8 KiB chunk, on
- * every request and every reply. The values are copied out (convert), so
- * the zone is cleared right after. */
-static pthread_key_t zone_key;
-static pthread_once_t zone_once = PTHREAD_ONCE_INIT;
-
-static void zone_free(void *z)
-{
-	msgpack_zone_free(z);
-}
-
-static void zone_key_make(void)
-{
-	pthread_key_create(&zone_key, zone_free);
-}
-
-static msgpack_zone *thread_zone(void)
-{
-	msgpack_zone *z;
-
-	pthread_once(&zone_once, zone_key_make);
-	z = pthread_getspecific(zone_key);
-	if (!z && (z = msgpack_zone_new(MSGPACK_ZONE_CHUNK_SIZE)) &&
-	    pthread_setspecific(zone_key, z)) {
-		msgpack_zone_free(z);
-		z = NULL;
-	}
-	return z;
+str:
+	if ((rc = copy_body(r, n, "a string", &body)))
+		return rc;
+	*v = shmrpc_strn(body, (uint32_t)n);
+	return 0;
+ext:
+	/* The type byte, then n bytes (whose size fits uint32: at most 32 bits). */
+	if (r->len - r->off < 1 || n > r->len - r->off - 1)
+		return torn(r);
+	r->off += 1 + (size_t)n;
+	return decode_ext((int8_t)r->p[r->off - n - 1], (const char *)r->p + r->off - n,
+			  (uint32_t)n, v, r->got);
 }
 
 int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out, size_t *used,
 		 struct tensor_list *got)
 {
-	msgpack_zone *zone = thread_zone();
-	msgpack_object obj;
+	struct reader r = { .p = buf, .len = len, .a = a, .got = got };
 	size_t off = 0;
-	int rc;
 
 	if (check(buf, len, &off, 0))
 		return shmrpc__fail(-EBADMSG, "malformed value: %zu bytes that are not MessagePack "
 				    "or whose lengths run past the end", len);
 	*used = off;
-	off = 0;
-	if (!zone)
-		return shmrpc__fail(-ENOMEM, "out of memory decoding a value");
-	if (msgpack_unpack(buf, *used, &off, zone, &obj) != MSGPACK_UNPACK_SUCCESS)
-		rc = shmrpc__fail(-EBADMSG, "malformed value (%zu bytes)", *used);
-	else
-		rc = convert(&obj, a, out, got);
-	msgpack_zone_clear(zone);
-	return rc;
+	r.len = off;
+	return decode(&r, out, 0);
 }
 
 static bool sig_accepts(char want, const shmrpc_value *v)
