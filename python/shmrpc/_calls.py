@@ -59,7 +59,8 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
         fut = Future()
         fut.set_exception(e)
         return fut
-    _contexts._called(fut)
+    if _contexts._tls.ctx is not None:  # _contexts._called's question, without its call
+        _contexts._called(fut)
     _note_future(fut)
     return fut
 

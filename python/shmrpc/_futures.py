@@ -82,7 +82,18 @@ class Future:
         self._finish(None, result)
 
     def wait(self):
-        if self._c is not None and not self._have:
+        # _have is set after _value and _error, and never unset: once it
+        # reads True (the GIL orders the three), neither the lock nor the
+        # call is needed. The C wait usually completes us itself: a hooked
+        # call's hook runs in the waiting thread (worker/future.c).
+        if not self._have:
+            self._wait_slow()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _wait_slow(self):
+        if self._c is not None:
             try:
                 # The C wait releases the GIL, and on an executor thread it
                 # runs what the call needs and is counted out of the pool
@@ -91,7 +102,8 @@ class Future:
                 self._c.wait()
             except Exception:
                 pass  # _from_call raises it below
-            self._from_call()
+            if not self._have:
+                self._from_call()
         waiter = None
         with self._lock:
             if not self._have:
@@ -109,9 +121,6 @@ class Future:
                 waiter.acquire()
             finally:
                 _shmrpc.blocking(False)
-        if self._error is not None:
-            raise self._error
-        return self._value
 
     def value(self):
         if not self._have:
