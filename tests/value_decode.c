@@ -177,6 +177,20 @@ static void test_containers(void)
 		CHECK(v.u.items[3].type == SHMRPC_MAP && v.u.items[3].len == 0, "form %d: [3]", i);
 		arena_free(&a);
 	}
+	/* Every byte begins a value ([[[]], {}, nil]): as many values as
+	 * bytes is what a message can hold, and is taken. */
+	{
+		static const unsigned char dense[] = { 0x93, 0x91, 0x90, 0x80, 0xc0 };
+		struct arena a = { 0 };
+		shmrpc_value v;
+		size_t used;
+
+		CHECK_OK(decode(dense, sizeof(dense), &a, &v, &used));
+		CHECK(used == sizeof(dense) && v.type == SHMRPC_LIST && v.len == 3 &&
+		      v.u.items[0].type == SHMRPC_LIST && v.u.items[0].len == 1 &&
+		      v.u.items[2].type == SHMRPC_NIL, "dense: %u/%u", v.type, v.len);
+		arena_free(&a);
+	}
 	/* Counts the bytes cannot back: refused before anything is made. */
 	expect_fail(BYTES(0xdd, 0xff, 0xff, 0xff, 0xff, 0x01), "malformed value");
 	expect_fail(BYTES(0xdf, 0x10, 0x00, 0x00, 0x00, 0x01, 0x01), "malformed value");

@@ -199,6 +199,10 @@ static int decode_ext(int8_t type, const char *body, uint32_t size, shmrpc_value
 struct reader {
 	const uint8_t *p;
 	size_t len, off;
+	/* The values made room for so far, the outermost included: each
+	 * begins at a byte of its own, so a message check() walked has no
+	 * more than len of them. */
+	size_t slots;
 	struct arena *a;
 	struct tensor_list *got;
 };
@@ -247,9 +251,13 @@ static int decode_items(struct reader *r, uint64_t n, bool map, shmrpc_value *v,
 	uint64_t slots = map ? 2 * n : n;
 	shmrpc_value *items;
 
-	/* Each item takes at least one byte. */
-	if (slots > r->len - r->off)
+	/* Each item takes at least one byte. The bytes left bound one
+	 * container, not all: bytes changed since check() could have each of
+	 * 64 nested containers claim them all again, so all the slots of the
+	 * value together are held to len as well. */
+	if (slots > r->len - r->off || slots > r->len - r->slots)
 		return torn(r);
+	r->slots += (size_t)slots;
 	items = arena_alloc(r->a, (size_t)slots * sizeof(*items));
 	if (!items && slots)
 		return shmrpc__fail(-ENOMEM, "out of memory decoding %llu items",
@@ -384,7 +392,7 @@ ext:
 int value_unpack(const void *buf, size_t len, struct arena *a, shmrpc_value *out, size_t *used,
 		 struct tensor_list *got)
 {
-	struct reader r = { .p = buf, .len = len, .a = a, .got = got };
+	struct reader r = { .p = buf, .len = len, .slots = 1, .a = a, .got = got };
 	size_t off = 0;
 
 	if (check(buf, len, &off, 0))
