@@ -79,9 +79,10 @@ static uint64_t be(const uint8_t *p, int n)
 
 /*
  * Walks one MessagePack object at *off, checking every length against the
- * bytes left. It decides nothing about meaning; it only makes sure that
- * msgpack-c, which allocates a container's slots before reading them, is
- * never handed a count the input cannot back.
+ * bytes left. It decides nothing about meaning; it makes sure that the
+ * decoder, which allocates a container's slots before reading them, is
+ * never handed a count the input cannot back, and that a value malformed
+ * anywhere is refused before any of it is made (a tensor's handle taken).
  */
 static int check(const uint8_t *p, size_t len, size_t *off, int depth)
 {

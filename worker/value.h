@@ -1,5 +1,6 @@
 /*
- * Values on the wire: shmrpc_value <-> MessagePack (msgpack-c). Decoding
+ * Values on the wire: shmrpc_value <-> MessagePack, encoded by msgpack-c
+ * and decoded here. Decoding
  * first walks the bytes with a checker that trusts no length: every string,
  * container count and nesting depth is bounded by the bytes actually there,
  * so a hostile or corrupt payload cannot make the decoder allocate or read
