@@ -16,7 +16,7 @@ struct arena_chunk {
 	_Alignas(16) unsigned char data[];
 };
 
-void *arena_alloc(struct arena *a, size_t n)
+void *arena_alloc_raw(struct arena *a, size_t n)
 {
 	struct arena_chunk *c = a->head;
 	size_t need = (n + 15u) & ~(size_t)15u;
@@ -36,7 +36,15 @@ void *arena_alloc(struct arena *a, size_t n)
 	}
 	p = c->data + c->used;
 	c->used += need;
-	memset(p, 0, n);
+	return p;
+}
+
+void *arena_alloc(struct arena *a, size_t n)
+{
+	void *p = arena_alloc_raw(a, n);
+
+	if (p)
+		memset(p, 0, n);
 	return p;
 }
 

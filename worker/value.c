@@ -234,7 +234,7 @@ static int copy_body(struct reader *r, uint64_t size, const char *what, void **o
 
 	if (size > r->len - r->off)
 		return torn(r);
-	if (!(s = arena_alloc(r->a, (size_t)size + 1)))
+	if (!(s = arena_alloc_raw(r->a, (size_t)size + 1)))
 		return shmrpc__fail(-ENOMEM, "out of memory decoding %s of %llu bytes", what,
 				    (unsigned long long)size);
 	memcpy(s, r->p + r->off, (size_t)size);
@@ -259,7 +259,9 @@ static int decode_items(struct reader *r, uint64_t n, bool map, shmrpc_value *v,
 	if (slots > r->len - r->off || slots > r->len - r->slots)
 		return torn(r);
 	r->slots += (size_t)slots;
-	items = arena_alloc(r->a, (size_t)slots * sizeof(*items));
+	/* Not zeroed: each slot is decoded before v holds them, and a
+	 * failed value is never read. */
+	items = arena_alloc_raw(r->a, (size_t)slots * sizeof(*items));
 	if (!items && slots)
 		return shmrpc__fail(-ENOMEM, "out of memory decoding %llu items",
 				    (unsigned long long)n);
