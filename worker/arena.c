@@ -1,4 +1,5 @@
 /* Bump allocator; see arena.h. */
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,8 +14,22 @@
 struct arena_chunk {
 	struct arena_chunk *next;
 	size_t used, size;
+	bool borrowed; /* arena_init's: its owner's memory, not malloc's */
 	_Alignas(16) unsigned char data[];
 };
+
+_Static_assert(sizeof(struct arena_chunk) == ARENA_CHUNK_HEAD, "arena.h's header size");
+
+void arena_init(struct arena *a, struct arena_first *first)
+{
+	struct arena_chunk *c = (struct arena_chunk *)first->bytes;
+
+	c->next = NULL;
+	c->used = 0;
+	c->size = sizeof(first->bytes) - sizeof(*c);
+	c->borrowed = true;
+	a->head = c;
+}
 
 void *arena_alloc_raw(struct arena *a, size_t n)
 {
@@ -31,6 +46,7 @@ void *arena_alloc_raw(struct arena *a, size_t n)
 			return NULL;
 		c->used = 0;
 		c->size = size;
+		c->borrowed = false;
 		c->next = a->head;
 		a->head = c;
 	}
@@ -53,7 +69,8 @@ void arena_free(struct arena *a)
 	while (a->head) {
 		struct arena_chunk *next = a->head->next;
 
-		free(a->head);
+		if (!a->head->borrowed)
+			free(a->head);
 		a->head = next;
 	}
 }

@@ -28,6 +28,7 @@ shmrpc_future *future_new(void)
 	pthread_cond_init(&f->cond, &ca);
 	pthread_condattr_destroy(&ca);
 	atomic_init(&f->refs, 1);
+	arena_init(&f->arena, &f->first);
 	return f;
 }
 

@@ -35,7 +35,8 @@ struct shmrpc_future {
 	char *errtype;
 	char *backtrace;
 	shmrpc_value value;
-	struct arena arena;
+	struct arena arena; /* starts in first (a value that moves out must not: rref_local_value) */
+	struct arena_first first;
 	struct tensor_list tensors; /* handles of the tensors in value */
 	struct future_cb *cbs;
 	/* Threads in shmrpc_future_wait: incremented relaxed on the way in (one

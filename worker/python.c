@@ -26,11 +26,12 @@ python_handler_fn python_handler(void)
 
 int python_msg_value(const struct python_msg *m, struct arena *a, shmrpc_value *out)
 {
-	shmrpc_value *items = arena_alloc(a, 3 * sizeof(*items));
-	shmrpc_value *refs = arena_alloc(a, (m->nrrefs ? m->nrrefs : 1) * sizeof(*refs));
-	shmrpc_value *tens = arena_alloc(a, (m->ntensors ? m->ntensors : 1) * sizeof(*tens));
+	/* An empty list has no items to point at (value_pack reads none). */
+	shmrpc_value *items = arena_alloc_raw(a, 3 * sizeof(*items));
+	shmrpc_value *refs = m->nrrefs ? arena_alloc_raw(a, m->nrrefs * sizeof(*refs)) : NULL;
+	shmrpc_value *tens = m->ntensors ? arena_alloc_raw(a, m->ntensors * sizeof(*tens)) : NULL;
 
-	if (!items || !refs || !tens)
+	if (!items || (m->nrrefs && !refs) || (m->ntensors && !tens))
 		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
 	if (m->len > UINT32_MAX)
 		return shmrpc__fail(-EMSGSIZE, "a pickle of %zu bytes is too large", m->len);
@@ -45,6 +46,11 @@ int python_msg_value(const struct python_msg *m, struct arena *a, shmrpc_value *
 	return 0;
 }
 
+/* What a message with no RRefs or no tensors points at: never written (a
+ * list of none), not NULL (memcpy's arguments). */
+static shmrpc_rref *no_rrefs[1];
+static shmrpc_tensor *no_tensors[1];
+
 int python_msg_of(const shmrpc_value *v, struct arena *a, struct python_msg *m)
 {
 	const shmrpc_value *it = v->u.items;
@@ -56,8 +62,9 @@ int python_msg_of(const shmrpc_value *v, struct arena *a, struct python_msg *m)
 	m->len = it[0].len;
 	m->nrrefs = it[1].len;
 	m->ntensors = it[2].len;
-	m->rrefs = arena_alloc(a, (m->nrrefs ? m->nrrefs : 1) * sizeof(*m->rrefs));
-	m->tensors = arena_alloc(a, (m->ntensors ? m->ntensors : 1) * sizeof(*m->tensors));
+	/* Empty lists, the common case, point at none: no allocation. */
+	m->rrefs = m->nrrefs ? arena_alloc(a, m->nrrefs * sizeof(*m->rrefs)) : no_rrefs;
+	m->tensors = m->ntensors ? arena_alloc(a, m->ntensors * sizeof(*m->tensors)) : no_tensors;
 	if (!m->rrefs || !m->tensors)
 		return shmrpc__fail(-ENOMEM, "out of memory decoding a Python message");
 	for (uint32_t i = 0; i < m->ntensors; i++) {
@@ -135,14 +142,14 @@ static bool bare(uint16_t type)
 
 int python_request_value(const struct python_request *r, struct arena *a, shmrpc_value *out)
 {
-	shmrpc_value *items = arena_alloc(a, 5 * sizeof(*items)), *rref, msg;
+	shmrpc_value *items, *rref, msg;
 	uint32_t n = 0;
 	int rc;
 
-	if (!items)
-		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
 	if (bare(r->type))
 		return python_msg_value(&r->msg, a, out);
+	if (!(items = arena_alloc(a, 5 * sizeof(*items))))
+		return shmrpc__fail(-ENOMEM, "out of memory encoding a Python message");
 	switch (r->type) {
 	case MSG_FORWARD_AUTOGRAD_REQ:
 	case MSG_FORWARD_AUTOGRAD_RESP:
@@ -321,7 +328,8 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 {
 	struct agent *ag;
 	struct tensor_list sent = { .give = r->give };
-	struct arena a = { 0 };
+	struct arena_first first;
+	struct arena a;
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 	shmrpc_value v;
@@ -361,6 +369,7 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 	if (r->type != MSG_PYTHON_CALL && r->type != MSG_PYTHON_RREF_FETCH_CALL &&
 	    (rc = context_check(r)))
 		return rc;
+	arena_init(&a, &first);
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	rc = python_request_value(r, &a, &v) ?: value_pack(&pk, &v, &sent);

@@ -232,14 +232,18 @@ int rref_local_value(shmrpc_rref *r, const shmrpc_value **out)
 	if (!r->local_loaded) {
 		if (!(f = future_new())) {
 			rc = shmrpc__fail(-ENOMEM, "out of memory reading an RRef's value");
-		} else if (!(rc = read_value(ag, r, SHMRPC_TIMEOUT_DEFAULT, f))) {
-			/* The future's decoded value moves into the handle. */
-			r->arena = f->arena;
-			r->local = f->value;
-			r->local_held = f->tensors;
+		} else {
+			/* The future's decoded value moves into the handle and
+			 * outlives f: in malloc's chunks, not in f's own. */
 			f->arena = (struct arena){ 0 };
-			f->tensors = (struct tensor_list){ 0 };
-			r->local_loaded = true;
+			if (!(rc = read_value(ag, r, SHMRPC_TIMEOUT_DEFAULT, f))) {
+				r->arena = f->arena;
+				r->local = f->value;
+				r->local_held = f->tensors;
+				f->arena = (struct arena){ 0 };
+				f->tensors = (struct tensor_list){ 0 };
+				r->local_loaded = true;
+			}
 		}
 		if (f)
 			future_unref(f);

@@ -5,6 +5,7 @@
  */
 #include <errno.h>
 #include <execinfo.h>
+#include <stdatomic.h>
 #include <msgpack.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -24,14 +25,47 @@
 #include "worker/trace.h"
 static void dispatch(struct request_job *rq, shmrpc_call *call);
 
+/*
+ * A request's memory is malloc'd by the thread that takes it off the ring
+ * and freed by the executor that ran it: both miss malloc's per-thread
+ * caches (the freeing thread's fills, the taking thread's stays empty),
+ * about 450 instructions a call. One small request's memory is kept for
+ * the next one instead: a slot that a free fills and a submit empties.
+ * Small requests all take REQUEST_SMALL bytes, so any of them fits.
+ */
+#define REQUEST_SMALL 512u
+static _Atomic(struct request_job *) spare_request;
+
+static struct request_job *request_alloc(size_t len)
+{
+	struct request_job *rq;
+
+	if (len > REQUEST_SMALL - sizeof(*rq))
+		return malloc(sizeof(*rq) + len);
+	/* Acquire pairs with request_free's release: the block is whole. */
+	rq = atomic_exchange_explicit(&spare_request, NULL, memory_order_acquire);
+	return rq ? rq : malloc(REQUEST_SMALL);
+}
+
+static void request_free(struct request_job *rq)
+{
+	/* Release: our use of the block before the next taker's; acquire:
+	 * the block we get back was whole when it was put. */
+	if (rq->len <= REQUEST_SMALL - sizeof(*rq))
+		rq = atomic_exchange_explicit(&spare_request, rq, memory_order_acq_rel);
+	free(rq);
+}
+
 static void run_request(struct job *j)
 {
 	struct request_job *rq = (struct request_job *)j;
 	struct agent *ag = rq->ag;
 	shmrpc_call call = { .caller = rq->src };
+	struct arena_first first;
 	const struct link_served me = { rq->src, rq->msg_id, rq->depth, &rq->up };
 	const struct link_served *outer = link_serving_swap(&me);
 
+	arena_init(&call.arena, &first);
 	trace_started(&rq->received, rq->src, rq->type, rq->msg_id, rq->len);
 	server_count(&ag->self->num_pending_futures, -1);
 	server_count(&ag->self->server_active_calls, 1);
@@ -51,7 +85,7 @@ static void run_request(struct job *j)
 	arena_free(&call.arena);
 	tensor_list_free(&call.tensors);
 	free(call.backtrace);
-	free(rq);
+	request_free(rq);
 }
 
 /* RUN_WITH_PROFILING_REQ: the wrapped request, run as itself with its
@@ -139,7 +173,7 @@ void server_submit(struct agent *ag, uint32_t src, uint16_t type, uint64_t msg_i
 		   uint64_t needed_by, uint32_t depth, const void *help, uint32_t help_n,
 		   const void *payload, size_t len)
 {
-	struct request_job *rq = malloc(sizeof(*rq) + len);
+	struct request_job *rq = request_alloc(len);
 	struct trace_mark received;
 
 	trace_received(src, type, msg_id, len, &received);
