@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 #include "common/error.h"
-#include "common/zalloc.h"
+#include "common/spare.h"
 #include "worker/executor.h"
 #include "worker/msg.h"
 #include "worker/pins.h"
@@ -26,6 +26,10 @@ static struct {
 	pthread_mutex_t lock;
 	struct pin *head;
 } pins = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+/* A reply's pin is made by the executor that sends it and dropped by the
+ * thread that takes the caller's ack: passed back (common/spare.h). */
+static struct spare spare_pin;
 
 /* The pin's handoff as the flight recorder shows it: kind PINNED or
  * UNPINNED, with its tensors and their bytes. */
@@ -49,13 +53,13 @@ int pins_add(uint32_t peer, uint64_t msg_id, enum pin_kind kind, struct tensor_l
 	 * nothing to wait for, and no pin made to find that out. */
 	if (!tensor_list_pins(sent))
 		return 0;
-	if (!(pin = zalloc(sizeof(*pin))))
+	if (!(pin = spare_take(&spare_pin, sizeof(*pin))))
 		return shmrpc__fail(-ENOMEM, "out of memory pinning tensors");
 	*pin = (struct pin){ .peer = peer, .kind = kind, .msg_id = msg_id };
 	rc = tensor_list_hold(sent, &pin->held);
 	if (rc) {
 		tensor_list_free(&pin->held);
-		free(pin);
+		spare_put(&spare_pin, pin);
 		return rc;
 	}
 	/* Before the pin is listed: its release, and so its UNPINNED, cannot
@@ -73,7 +77,7 @@ static void drop(struct pin *pin, uint32_t status)
 {
 	trace_pin(pin, SHM_TRACE_UNPINNED, status);
 	tensor_list_free(&pin->held);
-	free(pin);
+	spare_put(&spare_pin, pin);
 }
 
 struct pin *pins_take(uint32_t peer, uint64_t msg_id, enum pin_kind kind)

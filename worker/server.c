@@ -5,7 +5,6 @@
  */
 #include <errno.h>
 #include <execinfo.h>
-#include <stdatomic.h>
 #include <msgpack.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -13,6 +12,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/spare.h"
 #include "worker/executor.h"
 #include "worker/link.h"
 #include "worker/msg.h"
@@ -25,35 +25,26 @@
 #include "worker/trace.h"
 static void dispatch(struct request_job *rq, shmrpc_call *call);
 
-/*
- * A request's memory is malloc'd by the thread that takes it off the ring
- * and freed by the executor that ran it: both miss malloc's per-thread
- * caches (the freeing thread's fills, the taking thread's stays empty),
- * about 450 instructions a call. One small request's memory is kept for
- * the next one instead: a slot that a free fills and a submit empties.
- * Small requests all take REQUEST_SMALL bytes, so any of them fits.
- */
+/* A request's memory, malloc'd by the thread that takes it off the ring
+ * and freed by the executor that ran it, is passed back to the next one
+ * (common/spare.h). Small requests all take REQUEST_SMALL bytes, so that
+ * any of them fits the block. */
 #define REQUEST_SMALL 512u
-static _Atomic(struct request_job *) spare_request;
+static struct spare spare_request;
 
 static struct request_job *request_alloc(size_t len)
 {
-	struct request_job *rq;
-
-	if (len > REQUEST_SMALL - sizeof(*rq))
-		return malloc(sizeof(*rq) + len);
-	/* Acquire pairs with request_free's release: the block is whole. */
-	rq = atomic_exchange_explicit(&spare_request, NULL, memory_order_acquire);
-	return rq ? rq : malloc(REQUEST_SMALL);
+	if (len > REQUEST_SMALL - sizeof(struct request_job))
+		return malloc(sizeof(struct request_job) + len);
+	return spare_take(&spare_request, REQUEST_SMALL);
 }
 
 static void request_free(struct request_job *rq)
 {
-	/* Release: our use of the block before the next taker's; acquire:
-	 * the block we get back was whole when it was put. */
 	if (rq->len <= REQUEST_SMALL - sizeof(*rq))
-		rq = atomic_exchange_explicit(&spare_request, rq, memory_order_acq_rel);
-	free(rq);
+		spare_put(&spare_request, rq);
+	else
+		free(rq);
 }
 
 static void run_request(struct job *j)
