@@ -157,7 +157,6 @@ static struct {
 	PyObject *core;		 /* shmrpc._core: _initialized, _timeout_override */
 	PyObject *marshal;	 /* shmrpc._marshal: _default_pickler, _pickler_ok */
 	PyObject *profiler;	 /* shmrpc.profiler: _torch_state */
-	PyObject *tls;		 /* shmrpc._contexts._tls: ctx, the autograd context */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
 	PyObject *pack_args;	 /* _marshal._pack_args(named, args, kwargs) */
@@ -183,7 +182,7 @@ static unsigned long long common_count;
 
 /* The attribute names read on each call, interned once. */
 static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pickler_ok,
-	*s_torch_state, *s_ctx, *s_module, *s_qualname, *s_torch, *s_r;
+	*s_torch_state, *s_module, *s_qualname, *s_torch, *s_r;
 
 /* What an RRef's value is when its owner keeps it live (_marshal._LIVE,
  * worker/python.h): a user's to_here asks the owner for it. */
@@ -360,9 +359,8 @@ static int state_common(PyObject *timeout)
 	if (!(pickler = attr_of(fast.marshal, s_default_pickler)))
 		return -1;
 	Py_DECREF(pickler); /* its identity alone */
-	if ((r = attr_is(fast.marshal, s_pickler_ok, pickler)) != 1 ||
-	    (r = attr_is(fast.tls, s_ctx, Py_None)) != 1)
-		return r;
+	if ((r = attr_is(fast.marshal, s_pickler_ok, pickler)) != 1 || thread_in_context())
+		return r == 1 ? 0 : r;
 	return (r = torch_may_profile()) < 0 ? -1 : !r;
 }
 
@@ -929,27 +927,27 @@ static PyObject *mod_common_calls(PyObject *m, PyObject *unused)
 	return PyLong_FromUnsignedLongLong(common_count);
 }
 
-/* rpc_sync_setup(general, core, marshal, profiler, tls, function_type,
+/* rpc_sync_setup(general, core, marshal, profiler, function_type,
  * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol,
  * rref_type, object_new): the package's objects that rpc_sync, rpc_remote
  * and rref_value read (fast, above), once at import. */
 static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 {
 	static const char *const names[] = { "_initialized", "_timeout_override",
-		"_default_pickler", "_pickler_ok", "_torch_state", "ctx", "__module__",
-		"__qualname__", "torch", "_r" };
+		"_default_pickler", "_pickler_ok", "_torch_state", "__module__", "__qualname__",
+		"torch", "_r" };
 	PyObject **const interned[] = { &s_initialized, &s_timeout_override, &s_default_pickler,
-		&s_pickler_ok, &s_torch_state, &s_ctx, &s_module, &s_qualname, &s_torch, &s_r };
-	PyObject *o[16];
+		&s_pickler_ok, &s_torch_state, &s_module, &s_qualname, &s_torch, &s_r };
+	PyObject *o[15];
 
 	(void)m;
 	if (fast.general) {
 		PyErr_SetString(PyExc_RuntimeError, "rpc_sync_setup runs once");
 		return NULL;
 	}
-	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 16, 16, &o[0], &o[1], &o[2], &o[3], &o[4],
+	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 15, 15, &o[0], &o[1], &o[2], &o[3], &o[4],
 			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13],
-			       &o[14], &o[15]))
+			       &o[14]))
 		return NULL;
 	if (intern_names(names, interned, sizeof(names) / sizeof(*names)))
 		return NULL;
@@ -959,21 +957,20 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	fast.core = new_ref(o[1]);
 	fast.marshal = new_ref(o[2]);
 	fast.profiler = new_ref(o[3]);
-	fast.tls = new_ref(o[4]);
-	fast.function_type = new_ref(o[5]);
-	fast.named = new_ref(o[6]);
+	fast.function_type = new_ref(o[4]);
+	fast.named = new_ref(o[5]);
 	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")) ||
 	    !(fast.proxy_func = PyObject_GetAttrString(fast.marshal, "_proxy_func")))
 		return NULL;
-	fast.result = new_ref(o[7]);
-	fast.remote_exc = new_ref(o[8]);
-	fast.not_sent = new_ref(o[9]);
-	fast.timed_out = new_ref(o[10]);
-	fast.dumps = new_ref(o[11]);
-	fast.loads = new_ref(o[12]);
-	fast.protocol = new_ref(o[13]);
-	fast.rref_type = new_ref(o[14]);
-	fast.object_new = new_ref(o[15]);
+	fast.result = new_ref(o[6]);
+	fast.remote_exc = new_ref(o[7]);
+	fast.not_sent = new_ref(o[8]);
+	fast.timed_out = new_ref(o[9]);
+	fast.dumps = new_ref(o[10]);
+	fast.loads = new_ref(o[11]);
+	fast.protocol = new_ref(o[12]);
+	fast.rref_type = new_ref(o[13]);
+	fast.object_new = new_ref(o[14]);
 	fast.general = new_ref(o[0]); /* last: rpc_sync works from now on */
 	return new_ref(Py_None);
 }

@@ -30,7 +30,6 @@ struct fast_objs {
 	PyObject *named_type;    /* _marshal._Named */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *call_method;   /* _calls._call_method: served by _serve_call */
-	PyObject *contexts;      /* the module _contexts (_tls.ctx) */
 	PyObject *profiler;      /* the module server_profiler (_active) */
 	PyObject *loads;         /* pickle.loads */
 	PyObject *serve_call;    /* _serve._serve_call */
@@ -50,7 +49,7 @@ static PyObject *fast_tuple;
 static struct fast_objs fast;
 
 /* The attribute names asked, interned once (names_make). */
-static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_tls, *s_ctx, *s_active, *s_dict;
+static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_active, *s_dict;
 
 /* A _Named's slots, found on the _Named type that each fast_set is given. */
 static struct known_attr n_func = { &s_func, false, NULL, NULL },
@@ -70,9 +69,9 @@ static PyObject *empty_reply, *live_tail;
 static int names_make(void)
 {
 	static const char *const text[] = { "func", "module", "mod", "scope", "name",
-					    "_tls", "ctx", "_active", "__dict__" };
-	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name,
-			       &s_tls, &s_ctx, &s_active, &s_dict };
+					    "_active", "__dict__" };
+	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_active,
+			       &s_dict };
 
 	if (intern_names(text, names, sizeof(names) / sizeof(names[0])))
 		return -1;
@@ -91,10 +90,9 @@ int fast_set(PyObject *objs)
 	size_t i;
 
 	if (objs && (names_make() ||
-		     !PyArg_ParseTuple(objs, "O!O!O!OO!O!OOOOOOOOO!:set_handler's fast path",
+		     !PyArg_ParseTuple(objs, "O!O!O!OO!OOOOOOOOO!:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
-				       &PyType_Type, &got.function_type,
-				       &got.call_method, &PyModule_Type, &got.contexts,
+				       &PyType_Type, &got.function_type, &got.call_method,
 				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
 				       &got.reply, &got.unloaded, &PyDict_Type, &got.owned)))
@@ -262,18 +260,11 @@ static PyObject *mixed_loaded(const struct python_msg *m, size_t head)
  * _serve_call. 1, 0, or -1 with an exception set. */
 static int in_context_or_profiled(const struct fast_objs *f)
 {
-	PyObject *tls, *ctx, *active;
+	PyObject *active;
 	int rc;
 
-	if (!(tls = attr_of(f->contexts, s_tls)))
-		return -1;
-	ctx = PyObject_GetAttr(tls, s_ctx);
-	Py_DECREF(tls);
-	if (!ctx || ctx != Py_None) {
-		Py_XDECREF(ctx);
-		return ctx ? 1 : -1;
-	}
-	Py_DECREF(ctx);
+	if (thread_in_context())
+		return 1;
 	if (!(active = attr_of(f->profiler, s_active)))
 		return -1;
 	rc = PyObject_IsTrue(active);

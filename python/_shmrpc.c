@@ -393,7 +393,7 @@ PyMODINIT_FUNC PyInit__shmrpc(void)
 	if (!m)
 		return NULL;
 	if (module_add_future(m) || module_add_tensor(m) || module_add_torch(m) ||
-	    module_add_handler(m) || module_add_calls(m) || module_add_dumps(m) || module_add_job(m) ||
+	    module_add_handler(m) || module_add_in_context(m) || module_add_calls(m) || module_add_dumps(m) || module_add_job(m) ||
 	    PyModule_AddIntConstant(m, "TIMEOUT_DEFAULT", SHMRPC_TIMEOUT_DEFAULT) ||
 	    PyModule_AddIntConstant(m, "PROFILE_TORCH", PROFILE_TORCH) ||
 	    PyModule_AddIntConstant(m, "PROFILE_SHAPES", PROFILE_SHAPES) ||

@@ -201,6 +201,10 @@ void module_gil_stats(uint64_t *takes, uint64_t *wait_ns);
 int name_holds(PyObject *named, PyObject *module, PyObject *mod, PyObject *scope,
 	       PyObject *name, PyObject *func);
 
+/* _in_context.c: whether this thread is inside a distributed autograd
+ * context (_contexts._tls.ctx is not None), as its setter last said. */
+bool thread_in_context(void);
+
 /* _calls.c: the rank of the worker named by the str name: >= 0, shmrpc's
  * -errno, or INT_MIN with Python's error set. */
 int rank_named(PyObject *name);
@@ -211,6 +215,7 @@ int module_add_calls(PyObject *m);
 int module_add_dumps(PyObject *m);
 int module_add_future(PyObject *m);
 int module_add_handler(PyObject *m);
+int module_add_in_context(PyObject *m);
 int module_add_tensor(PyObject *m);
 int module_add_torch(PyObject *m);
 /* _job.c: adds the Job type to the module. */

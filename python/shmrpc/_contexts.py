@@ -16,9 +16,20 @@ class _ThreadState(threading.local):
     """This thread's: ctx, its context (a _Context); outgoing, see
     _run_engine. None until set, read as plain attributes: a getattr with a
     default that misses raises and catches an AttributeError, which cost
-    about half of an empty call's Python work on the caller (_calling)."""
-    ctx = None
+    about half of an empty call's Python work on the caller (_calling).
+    Setting ctx tells the C half too (_shmrpc.set_in_context), whose
+    common call asks a thread-local flag rather than this object."""
+    _ctx = None
     outgoing = None
+
+    @property
+    def ctx(self):
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, ctx):
+        self._ctx = ctx
+        _shmrpc.set_in_context(ctx is not None)
 
 
 _tls = _ThreadState()

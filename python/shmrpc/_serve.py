@@ -98,11 +98,11 @@ def _fast():
     arguments none, pickled or common tensors alone, or a proxy's call in
     the _PROXY form on a value in _owned, as _serve_plain
     would, asking the same objects (_named_heads and each _Named's name,
-    _call_method, the thread's context, the server profiler) and calling
+    _call_method, the thread's context (_shmrpc.set_in_context's), the
+    server profiler) and calling
     the same Python for the rest (_reply keeps a remote call's value,
     _unloaded answers arguments that failed to unpickle)."""
-    return (_named_heads, _Named, types.FunctionType, _call_method, _contexts,
-            server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
+    return (_named_heads, _Named, types.FunctionType, _call_method, server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
             _failed, _reply, _unloaded, _owned)
 
 

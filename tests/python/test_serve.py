@@ -15,6 +15,7 @@ _serve_plain does), and checks what comes back. Rank 0 calls rank 1.
 import functools
 import io
 import sys
+import threading
 import time
 import types
 
@@ -315,36 +316,44 @@ def test_async_execution_in_c():
 
 
 def leak_context(on):
-    """On the callee: _contexts._tls replaced by one object that every
-    thread shares, in a distributed autograd context (on), as an executor
-    thread inside one that serves a plain call would be; or the real one
-    back."""
-    if on:
-        shared = types.SimpleNamespace(ctx=_contexts._get_or_create(12345))
-        _LEAKED.append(_contexts._tls)
-        _contexts._tls = shared
-    else:
-        _contexts._tls = _LEAKED.pop()
+    """On the callee: this executor thread in a distributed autograd
+    context (on), as one inside a call that waits and serves others
+    meanwhile is, or out of it again; its thread's id."""
+    _contexts._tls.ctx = _contexts._get_or_create(12345) if on else None
+    return threading.get_ident()
 
 
-_LEAKED = []
+def leak_off():
+    _contexts._tls.ctx = None
+    return (threading.get_ident(),)
 
 
 def context_seen():
-    return _contexts._current() is None, served_by("C")
+    return _contexts._current() is None, served_by("C"), threading.get_ident()
+
+
+def on_thread(tid, fn, *args):
+    """fn(*args) on the callee until the executor thread tid runs it (the
+    pool's threads take calls in no fixed order): its result less the id."""
+    for _ in range(2000):
+        *result, ran_on = rpc.rpc_sync(PEER, fn, args=args)
+        if ran_on == tid:
+            return tuple(result)
+    pytest.fail(f"no call ran on executor thread {tid} in 2000 tries")
 
 
 def test_thread_in_context():
     """A call served by a thread that is in a distributed autograd context
     goes through _serve_call (called from C: no _serve_plain frame), which
-    runs it outside that context, as _serve_plain does."""
-    assert twice(context_seen) == [(True, "_serve_plain"), (True, "C")]
-    rpc.rpc_sync(PEER, leak_context, args=(True,))
+    runs it outside that context, as _serve_plain does. The C half learns
+    the thread's context from _contexts._tls.ctx's setter."""
+    assert [r[:2] for r in twice(context_seen)] == [(True, "_serve_plain"), (True, "C")]
+    tid = rpc.rpc_sync(PEER, leak_context, args=(True,))
     try:
-        assert rpc.rpc_sync(PEER, context_seen) == (True, "C")
+        assert on_thread(tid, context_seen) == (True, "C")
     finally:
-        rpc.rpc_sync(PEER, leak_context, args=(False,))
-    assert rpc.rpc_sync(PEER, context_seen) == (True, "C")
+        on_thread(tid, leak_off)
+    assert on_thread(tid, context_seen) == (True, "C")
 
 
 _PROFILES = []
