@@ -9,23 +9,6 @@
 
 #include "python/module.h"
 
-/* sys.modules as Python reads it (borrowed): the module sys's dict, kept,
- * looked up for "modules" at each call (PySys_GetObject would make the
- * key's str each time). NULL with an exception set. */
-static PyObject *sys_modules(void)
-{
-	static PyObject *sys, *key;
-	PyObject *dict;
-
-	if (!sys && !(sys = PyImport_ImportModule("sys")))
-		return NULL;
-	if (!key && !(key = PyUnicode_InternFromString("modules")))
-		return NULL;
-	if (!(dict = PyModule_GetDict(sys)))
-		return NULL;
-	return PyDict_GetItemWithError(dict, key);
-}
-
 int name_holds(PyObject *named, PyObject *module, PyObject *mod, PyObject *scope,
 	       PyObject *name, PyObject *func)
 {
@@ -39,10 +22,16 @@ int name_holds(PyObject *named, PyObject *module, PyObject *mod, PyObject *scope
 		Py_DECREF(found);
 		return r;
 	}
+	/* sys.modules: the interpreter's dict of modules (borrowed), which
+	 * the import system fills, without a lookup of "modules" in sys's
+	 * dict. A program that rebinds sys.modules to another dict (which
+	 * CPython does not support: imports would use both) could see the two
+	 * paths disagree on a name; neither runs a function other than the one
+	 * the module's dict names. */
+	if (!(modules = PyImport_GetModuleDict()))
+		return PyErr_Occurred() ? -1 : 0;
 	/* Another mapping than a dict, or another scope, is for the Python
 	 * path to ask. */
-	if (!(modules = sys_modules()))
-		return PyErr_Occurred() ? -1 : 0;
 	if (!PyDict_CheckExact(modules) || !PyDict_CheckExact(scope))
 		return 0;
 	found = PyDict_GetItemWithError(modules, module);
