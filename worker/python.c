@@ -227,6 +227,43 @@ static bool rref_header_of(const shmrpc_value *v, struct python_request *r)
 	return true;
 }
 
+bool python_request_plain(uint16_t type, const void *buf, size_t len, struct python_request *r)
+{
+	const uint8_t *p = buf;
+	size_t n, at;
+
+	/* 0x93: an array of 3; a bin of 8, 16 or 32 bits of length; 0x90 0x90:
+	 * two empty arrays, ending the payload: as msgpack-c's packer writes
+	 * them (python_msg_value). Another form of the same value (a longer
+	 * array header) is the decoder's to read. */
+	if (!bare(type) || len < 5 || p[0] != 0x93)
+		return false;
+	switch (p[1]) {
+	case 0xc4:
+		n = p[2];
+		at = 3;
+		break;
+	case 0xc5:
+		n = (size_t)p[2] << 8 | p[3];
+		at = 4;
+		break;
+	case 0xc6:
+		if (len < 8)
+			return false;
+		n = (size_t)p[2] << 24 | (size_t)p[3] << 16 | (size_t)p[4] << 8 | p[5];
+		at = 6;
+		break;
+	default:
+		return false;
+	}
+	if (len - at < 2 || n != len - at - 2 || p[at + n] != 0x90 || p[at + n + 1] != 0x90)
+		return false;
+	*r = (struct python_request){ .type = type, .context_id = -1,
+				      .msg = { .data = p + at, .len = n, .rrefs = no_rrefs,
+					       .tensors = no_tensors } };
+	return true;
+}
+
 int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,
 		      struct python_request *r)
 {

@@ -107,6 +107,12 @@ SHMRPC_HIDDEN int python_msg_of(const shmrpc_value *v, struct arena *a, struct p
 /* r as the value its type's payload is, built in a. */
 SHMRPC_HIDDEN int python_request_value(const struct python_request *r, struct arena *a,
 				       shmrpc_value *out);
+/* The request of type in len bytes at buf where it is a bare message with
+ * no RRefs and no tensors ([bin, [], []], a common call's), read in place
+ * (r points into buf): whether it was; any other payload is for
+ * value_unpack and python_request_of. */
+SHMRPC_HIDDEN bool python_request_plain(uint16_t type, const void *buf, size_t len,
+					struct python_request *r);
 /* The request of type a value holds (pointing into it); -EBADMSG with a
  * sentence if the value is not that type's payload. */
 SHMRPC_HIDDEN int python_request_of(uint16_t type, const shmrpc_value *v, struct arena *a,

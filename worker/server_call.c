@@ -108,7 +108,8 @@ static bool python_here(shmrpc_call *call, uint16_t type)
 }
 
 /* The Python package's request of type in buf, decoded into *in in the
- * call's arena (its RRefs and tensors are the call's); false with the call
+ * call's arena (its RRefs and tensors are the call's), or pointing into
+ * buf (a common call's: python_request_plain); false with the call
  * failed. */
 bool server_python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, size_t len,
 			  struct python_request *in)
@@ -118,6 +119,10 @@ bool server_python_decode(shmrpc_call *call, uint16_t type, const uint8_t *buf, 
 	char msg[400];
 	int rc;
 
+	/* The common call's request, read where it lies: buf outlives the
+	 * call, as the arena would. */
+	if (python_request_plain(type, buf, len, in))
+		return true;
 	call->tensors.land = devmap_landing(worker_agent, call->caller, false);
 	rc = value_unpack(buf, len, &call->arena, &req, &used, &call->tensors);
 	if (rc == 0 && used == len && python_request_of(type, &req, &call->arena, in) == 0)
