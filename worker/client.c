@@ -17,6 +17,7 @@
 #include "worker/msg.h"
 #include "worker/pins.h"
 #include "worker/profile.h"
+#include "worker/sbuf.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
 #include "worker/value.h"
@@ -468,7 +469,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 	*out = NULL;
 	if ((rc = agent_running(&ag)))
 		return rc;
-	msgpack_sbuffer_init(&sb);
+	sbuf_open(&sb);
 	rc = client_encode_call(&sb, fn, args, nargs, 0, &sent);
 	client_what(what, "call", fn, "");
 	profile_name_next("rpc_async", fn);
@@ -476,7 +477,7 @@ int shmrpc_rpc_async(int dst, const char *fn, const shmrpc_value *args, uint32_t
 		tensor_list_forget(&sent);
 	else
 		rc = client_request(ag, dst, MSG_SCRIPT_CALL, &sb, &sent, timeout_ms, what, out);
-	msgpack_sbuffer_destroy(&sb);
+	sbuf_close(&sb);
 	return rc;
 }
 

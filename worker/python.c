@@ -8,6 +8,7 @@
 #include "worker/msg.h"
 #include "worker/python.h"
 #include "worker/python_api.h"
+#include "worker/sbuf.h"
 #include "worker/value.h"
 
 static _Atomic(python_handler_fn) handler;
@@ -407,7 +408,7 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 	    (rc = context_check(r)))
 		return rc;
 	arena_init(&a, &first);
-	msgpack_sbuffer_init(&sb);
+	sbuf_open(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	rc = python_request_value(r, &a, &v) ?: value_pack(&pk, &v, &sent);
 	if (rc)
@@ -416,7 +417,7 @@ int python_request_async(int dst, const struct python_request *r, int64_t timeou
 		rc = client_request(ag, dst, r->type, &sb, &sent, timeout_ms, what, out);
 	if (rc == 0)
 		python_count_sent(r->type);
-	msgpack_sbuffer_destroy(&sb);
+	sbuf_close(&sb);
 	arena_free(&a);
 	return rc;
 }

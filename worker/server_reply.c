@@ -14,6 +14,7 @@
 #include "worker/pins.h"
 #include "worker/profile.h"
 #include "worker/rref.h"
+#include "worker/sbuf.h"
 #include "worker/server_impl.h"
 #include "worker/tensor.h"
 #include "worker/trace.h"
@@ -122,7 +123,7 @@ void server_reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 	msgpack_packer pk;
 	char msg[256];
 
-	msgpack_sbuffer_init(&sb);
+	sbuf_open(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	if (value_pack(&pk, result, &sent)) {
 		server_reply_exception(rq, "TypeError", shmrpc_errmsg(), NULL);
@@ -140,6 +141,6 @@ void server_reply_value(struct request_job *rq, shmrpc_call *call, const char *f
 	} else {
 		server_send_reply(rq, ret, sb.data, sb.size);
 	}
-	msgpack_sbuffer_destroy(&sb);
+	sbuf_close(&sb);
 	server_free_result_handles(call, &sent);
 }
