@@ -20,6 +20,7 @@
 #include "worker/python_api.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
+#include "worker/sbuf.h"
 #include "worker/value.h"
 
 /* ---- reading the value ---- */
@@ -373,7 +374,7 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 		rref_remove(&ag->rrefs, slot, id);
 		return -ENOMEM;
 	}
-	msgpack_sbuffer_init(&sb);
+	sbuf_open(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	if (py)
 		rc = python_remote_pack(&pk, py, id, slot, &sent);
@@ -389,7 +390,7 @@ static int remote(struct agent *ag, int dst, const char *fn, const shmrpc_value 
 	else
 		rc = client_request(ag, dst, py ? py->type : MSG_SCRIPT_REMOTE_CALL,
 				    &sb, &sent, timeout_ms, what, &r->created);
-	msgpack_sbuffer_destroy(&sb);
+	sbuf_close(&sb);
 	if (rc) {
 		abandon(ag, r);
 		return rc;
@@ -499,7 +500,7 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 		shmrpc_future **fut = out, *f;
 
 		*fut = NULL;
-		msgpack_sbuffer_init(&sb);
+		sbuf_open(&sb);
 		rc = client_encode_call(&sb, fn, all, nargs + 1, CALL_F_PROXY, &sent);
 		client_what(what, "call", fn, " through an RRef");
 		profile_name_next(kind == PROXY_SYNC ? "rpc_sync" : "rpc_async", fn);
@@ -508,7 +509,7 @@ static int proxy(shmrpc_rref *r, enum proxy_kind kind, const char *fn, const shm
 		else
 			rc = client_request(ag, (int)r->owner, MSG_SCRIPT_CALL, &sb, &sent, timeout_ms,
 					    what, &f);
-		msgpack_sbuffer_destroy(&sb);
+		sbuf_close(&sb);
 		if (rc == 0 && kind == PROXY_SYNC)
 			rc = client_sync_wait(f, fut);
 		else if (rc == 0)

@@ -13,6 +13,7 @@
 #include "worker/link.h"
 #include "worker/rref.h"
 #include "worker/rref_impl.h"
+#include "worker/sbuf.h"
 #include "worker/value.h"
 
 #define RECORD_BUCKETS 1024u
@@ -95,7 +96,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 	msgpack_packer pk;
 	int rc;
 
-	msgpack_sbuffer_init(&sb);
+	sbuf_open(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	rc = value_pack(&pk, v, sent);
 	if (rc == 0 && sb.size <= RREF_VALUE_INLINE_MAX && !sent->n && !sent->nr) {
@@ -104,7 +105,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 		*off = 0;
 		memcpy(off, sb.data, sb.size);
 		*len = sb.size | RREF_VALUE_INLINE;
-		msgpack_sbuffer_destroy(&sb);
+		sbuf_close(&sb);
 		return 0;
 	}
 	rc = rc ?: tensor_list_hold(sent, held);
@@ -119,7 +120,7 @@ static int store_block(struct agent *ag, const shmrpc_value *v, uint64_t *off, u
 		memcpy(pool_at(&ag->pool, *off, sb.size), sb.data, sb.size);
 		*len = sb.size;
 	}
-	msgpack_sbuffer_destroy(&sb);
+	sbuf_close(&sb);
 	return rc;
 }
 
