@@ -40,7 +40,10 @@ void *arena_alloc_raw(struct arena *a, size_t n)
 	if (need < n)
 		return NULL;
 	if (!c || c->size - c->used < need) {
-		size_t min = c ? CHUNK_MIN : CHUNK_FIRST, size = need > min ? need : min;
+		/* After a borrowed first chunk, a small one still: most values
+		 * that outgrow it are not much larger. */
+		size_t min = c && !c->borrowed ? CHUNK_MIN : CHUNK_FIRST;
+		size_t size = need > min ? need : min;
 
 		if (size > SIZE_MAX - sizeof(*c) || !(c = malloc(sizeof(*c) + size)))
 			return NULL;

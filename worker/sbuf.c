@@ -5,7 +5,7 @@
 
 #include "worker/sbuf.h"
 
-struct spare {
+struct sbuf_spare {
 	char *data;
 	size_t alloc;
 };
@@ -18,7 +18,7 @@ static pthread_once_t spare_once = PTHREAD_ONCE_INIT;
 
 static void spare_free(void *p)
 {
-	struct spare *s = p;
+	struct sbuf_spare *s = p;
 
 	free(s->data);
 	free(s);
@@ -31,9 +31,9 @@ static void spare_key_make(void)
 
 /* This thread's spare, made on first use; NULL without one (no key, no
  * memory): its buffers then start empty, as msgpack-c's do. */
-static struct spare *thread_spare(void)
+static struct sbuf_spare *thread_spare(void)
 {
-	struct spare *s;
+	struct sbuf_spare *s;
 
 	pthread_once(&spare_once, spare_key_make);
 	if (!have_key)
@@ -51,7 +51,7 @@ static struct spare *thread_spare(void)
 
 void sbuf_open(msgpack_sbuffer *sb)
 {
-	struct spare *s = thread_spare();
+	struct sbuf_spare *s = thread_spare();
 
 	msgpack_sbuffer_init(sb);
 	if (s && s->data) {
@@ -64,7 +64,7 @@ void sbuf_open(msgpack_sbuffer *sb)
 
 void sbuf_close(msgpack_sbuffer *sb)
 {
-	struct spare *s = thread_spare();
+	struct sbuf_spare *s = thread_spare();
 
 	if (s && !s->data && sb->data && sb->alloc <= SBUF_KEEP) {
 		s->data = sb->data;

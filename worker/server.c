@@ -30,6 +30,7 @@ static void dispatch(struct request_job *rq, shmrpc_call *call);
  * (common/spare.h). Small requests all take REQUEST_SMALL bytes, so that
  * any of them fits the block. */
 #define REQUEST_SMALL 512u
+_Static_assert(sizeof(struct request_job) < REQUEST_SMALL, "a small request has room for a payload");
 static struct spare spare_request;
 
 static struct request_job *request_alloc(size_t len)
