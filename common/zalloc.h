@@ -4,8 +4,8 @@
  * memset rather than calloc, because glibc's calloc (2.36) never takes
  * from malloc's per-thread cache. Its chunks still go back into that
  * cache when freed, so the cache fills, and from then on every free goes
- * the long way too (_int_free): about 400
- * instructions an object against 60 (callgrind, a Python tensor echo).
+ * the long way too (_int_free): about 400 instructions an object against
+ * 60 (callgrind, a Python tensor echo).
  * GCC turns a malloc and a memset of its bytes back into calloc; the
  * empty asm hides where p came from.
  */
