@@ -38,7 +38,29 @@ PyObject *attr_of(PyObject *o, PyObject *name)
 	return PyErr_Occurred() ? NULL : PyObject_GetAttr(o, name);
 }
 
-int known_attr_learn(struct known_attr *a, PyObject *type)
+/* The C function of sample's builtin method a (a->fn, a->flags), where
+ * its convention is one known_attr_get calls; else left through desc. 0,
+ * or -1 with an exception set. */
+static int learn_function(struct known_attr *a, PyObject *sample)
+{
+	PyObject *bound = PyObject_GetAttr(sample, *a->name);
+	int flags;
+
+	if (!bound)
+		return -1;
+	if (PyCFunction_Check(bound) && PyCFunction_GetSelf(bound) == sample) {
+		flags = PyCFunction_GetFlags(bound) & ~METH_COEXIST;
+		if (flags == METH_NOARGS || flags == METH_VARARGS ||
+		    flags == (METH_VARARGS | METH_KEYWORDS)) {
+			a->fn = PyCFunction_GetFunction(bound);
+			a->flags = flags;
+		}
+	}
+	Py_DECREF(bound);
+	return 0;
+}
+
+int known_attr_learn(struct known_attr *a, PyObject *type, PyObject *sample)
 {
 	PyObject *desc = PyObject_GetAttr(type, *a->name);
 
@@ -46,6 +68,7 @@ int known_attr_learn(struct known_attr *a, PyObject *type)
 		return -1;
 	Py_CLEAR(a->desc);
 	a->get = NULL;
+	a->fn = NULL;
 	if (!a->method) {
 		/* PyType_GetSlot takes static types from 3.10 on; 3.9 raises. */
 		a->get = (descrgetfunc)PyType_GetSlot(Py_TYPE(desc), Py_tp_descr_get);
@@ -54,15 +77,30 @@ int known_attr_learn(struct known_attr *a, PyObject *type)
 			Py_DECREF(desc);
 			return 0;
 		}
+	} else if (sample && learn_function(a, sample)) {
+		Py_DECREF(desc);
+		return -1;
 	}
 	a->desc = desc;
 	return 0;
 }
 
+/* The empty tuple a METH_VARARGS function is given. */
+static PyObject *no_args;
+
 PyObject *known_attr_get(const struct known_attr *a, PyObject *obj)
 {
 	if (a->get)
 		return a->get(a->desc, obj, (PyObject *)Py_TYPE(obj));
+	/* The function pointer's type is its convention's (flags). */
+	if (a->fn && a->flags == METH_NOARGS)
+		return a->fn(obj, NULL);
+	if (a->fn && (no_args || (no_args = PyTuple_New(0))))
+		return a->flags & METH_KEYWORDS
+			       ? ((PyCFunctionWithKeywords)(void (*)(void))a->fn)(obj, no_args, NULL)
+			       : a->fn(obj, no_args);
+	if (a->fn)
+		return NULL;
 	if (a->desc)
 		return PyObject_CallFunctionObjArgs(a->desc, obj, NULL);
 	return a->method ? PyObject_CallMethodObjArgs(obj, *a->name, NULL)

@@ -52,11 +52,11 @@ static struct fast_objs fast;
 static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_active, *s_dict;
 
 /* A _Named's slots, found on the _Named type that each fast_set is given. */
-static struct known_attr n_func = { &s_func, false, NULL, NULL },
-			 n_module = { &s_module, false, NULL, NULL },
-			 n_mod = { &s_mod, false, NULL, NULL },
-			 n_scope = { &s_scope, false, NULL, NULL },
-			 n_name = { &s_name, false, NULL, NULL };
+static struct known_attr n_func = { .name = &s_func },
+			 n_module = { .name = &s_module },
+			 n_mod = { .name = &s_mod },
+			 n_scope = { .name = &s_scope },
+			 n_name = { .name = &s_name };
 static struct known_attr *const named_slots[] = { &n_func, &n_module, &n_mod, &n_scope, &n_name };
 
 /* The empty pickle: the reply to a result of None (_serve_plain's b"");
@@ -100,9 +100,9 @@ int fast_set(PyObject *objs)
 	/* Learnt aside, then kept: a refused type leaves the path in effect
 	 * reading its own type's slots. */
 	for (i = 0; objs && i < NSLOTS; i++) {
-		learnt[i] = (struct known_attr){ named_slots[i]->name, named_slots[i]->method,
-						 NULL, NULL };
-		if (known_attr_learn(&learnt[i], got.named_type)) {
+		learnt[i] = (struct known_attr){ .name = named_slots[i]->name,
+						 .method = named_slots[i]->method };
+		if (known_attr_learn(&learnt[i], got.named_type, NULL)) {
 			while (i--)
 				Py_XDECREF(learnt[i].desc);
 			return -1;

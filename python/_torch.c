@@ -33,20 +33,21 @@ static struct {
 static int npool_dtypes;
 /* Interned attribute names. */
 static PyObject *s_is_cpu, *s_requires_grad, *s_dtype, *s_layout, *s_is_contiguous, *s_shape,
-	*s_data_ptr;
+	*s_data_ptr, *s_is_neg;
 
 /* The questions the common tensor is asked (torch_plain), found on
  * torch.Tensor once (know_torch: struct known_attr). One that a method
  * set on the tensor itself would shadow is not asked so: torch's RPC
  * reads the tensor in C++, as this does. */
-static struct known_attr q_is_cpu = { &s_is_cpu, false, NULL, NULL },
-			 q_requires_grad = { &s_requires_grad, false, NULL, NULL },
-			 q_dtype = { &s_dtype, false, NULL, NULL },
-			 q_shape = { &s_shape, false, NULL, NULL },
-			 q_is_contiguous = { &s_is_contiguous, true, NULL, NULL },
-			 q_data_ptr = { &s_data_ptr, true, NULL, NULL };
+static struct known_attr q_is_cpu = { .name = &s_is_cpu },
+			 q_requires_grad = { .name = &s_requires_grad },
+			 q_dtype = { .name = &s_dtype },
+			 q_shape = { .name = &s_shape },
+			 q_is_contiguous = { .name = &s_is_contiguous, .method = true },
+			 q_is_neg = { .name = &s_is_neg, .method = true },
+			 q_data_ptr = { .name = &s_data_ptr, .method = true };
 static struct known_attr *const questions[] = { &q_is_cpu, &q_requires_grad, &q_dtype, &q_shape,
-						&q_is_contiguous, &q_data_ptr };
+						&q_is_contiguous, &q_is_neg, &q_data_ptr };
 
 /* *slot = a new reference to o, the one it held dropped. */
 static void keep(PyObject **slot, PyObject *o)
@@ -92,7 +93,7 @@ static int learn_dtypes(PyObject *map)
  * torch (_marshal._know_torch, which knows every pool dtype then). */
 static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 {
-	PyObject *type, *map, *fn, *layout;
+	PyObject *type, *map, *fn, *layout, *sample;
 
 	(void)m;
 	if (!PyArg_ParseTuple(args, "O!O!OO", &PyType_Type, &type, &PyDict_Type, &map, &fn,
@@ -102,11 +103,14 @@ static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 		PyErr_SetString(PyExc_TypeError, "know_torch: torch's DLPack import is not callable");
 		return NULL;
 	}
-	if (learn_dtypes(map))
+	if (learn_dtypes(map) || !(sample = PyObject_CallNoArgs(type)))
 		return NULL;
 	for (size_t i = 0; i < sizeof(questions) / sizeof(*questions); i++)
-		if (known_attr_learn(questions[i], type))
+		if (known_attr_learn(questions[i], type, sample)) {
+			Py_DECREF(sample);
 			return NULL;
+		}
+	Py_DECREF(sample);
 	keep(&tensor_type, type);
 	keep(&from_dlpack, fn);
 	keep(&strided, layout);
@@ -199,6 +203,10 @@ static int torch_plain(PyObject *obj, struct plain *p)
 	if ((ok = pool_dtype(obj, &p->dtype)) != 1 ||
 	    (ok = is_true(known_attr_get(&q_is_contiguous, obj))) != 1)
 		return ok < 0 ? unstrided(obj) : ok;
+	/* A negative view (x.conj().imag) holds the bytes of what it negates:
+	 * resolved first, on the pickler's path (_marshal._to_pool). */
+	if ((ok = is_true(known_attr_get(&q_is_neg, obj))) != 0)
+		return ok < 0 ? -1 : 0;
 	if (!(dims = known_attr_get(&q_shape, obj)))
 		return -1;
 	/* More sizes than a handle holds: the pickler's path sends it flat. */
@@ -499,6 +507,7 @@ int module_add_torch(PyObject *m)
 	    !(s_is_contiguous = PyUnicode_InternFromString("is_contiguous")) ||
 	    !(s_shape = PyUnicode_InternFromString("shape")) ||
 	    !(s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
+	    !(s_is_neg = PyUnicode_InternFromString("is_neg")) ||
 	    PyModule_AddIntConstant(m, "TENSOR_MAX_DIMS", SHMRPC_TENSOR_MAX_DIMS))
 		return -1;
 	return PyModule_AddFunctions(m, torch_functions);

@@ -10,10 +10,37 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/spare.h"
 #include "worker/carry.h"
 #include "worker/cuda.h"
 
 struct rref_ops rref_ops;
+
+/* A list's first array of handles (LIST_FIRST of them; most lists never
+ * grow past it), made on one thread and freed on another as the
+ * handles are (common/spare.h). */
+#define LIST_FIRST 4
+static struct spare spare_arrays;
+
+/* arr, an array of *cap pointers (of any type), grown: the new array, *cap
+ * updated; or NULL, arr and *cap left as they were. */
+static void *pointers_grow(void *arr, uint32_t *cap)
+{
+	void *n = *cap ? realloc(arr, 2 * (size_t)*cap * sizeof(void *))
+		       : spare_take(&spare_arrays, LIST_FIRST * sizeof(void *));
+
+	if (n)
+		*cap = *cap ? 2 * *cap : LIST_FIRST;
+	return n;
+}
+
+static void pointers_free(void *a, uint32_t cap)
+{
+	if (cap == LIST_FIRST)
+		spare_put(&spare_arrays, a);
+	else
+		free(a);
+}
 
 void carry_set_rref_ops(const struct rref_ops *ops)
 {
@@ -23,28 +50,37 @@ void carry_set_rref_ops(const struct rref_ops *ops)
 int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t)
 {
 	if (l->n == l->cap) {
-		uint32_t cap = l->cap ? 2 * l->cap : 4;
-		shmrpc_tensor **n = realloc(l->t, cap * sizeof(*n));
+		shmrpc_tensor **grown = pointers_grow(l->t, &l->cap);
 
-		if (!n)
+		if (!grown)
 			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
-		l->t = n;
-		l->cap = cap;
+		l->t = grown;
 	}
 	l->t[l->n++] = t;
+	return 0;
+}
+
+int tensor_list_add_made(struct tensor_list *l, shmrpc_tensor *t)
+{
+	if (l->nmade == l->madecap) {
+		shmrpc_tensor **grown = pointers_grow(l->made, &l->madecap);
+
+		if (!grown)
+			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
+		l->made = grown;
+	}
+	l->made[l->nmade++] = t;
 	return 0;
 }
 
 int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r)
 {
 	if (l->nr == l->rcap) {
-		uint32_t cap = l->rcap ? 2 * l->rcap : 4;
-		shmrpc_rref **n = realloc(l->r, cap * sizeof(*n));
+		shmrpc_rref **grown = pointers_grow(l->r, &l->rcap);
 
-		if (!n)
+		if (!grown)
 			return shmrpc__fail(-ENOMEM, "out of memory listing RRefs");
-		l->r = n;
-		l->rcap = cap;
+		l->r = grown;
 	}
 	l->r[l->nr++] = r;
 	return 0;
@@ -66,9 +102,9 @@ void tensor_list_forget(struct tensor_list *l)
 	for (uint32_t i = 0; i < l->nev; i++)
 		cuda_export_done(&l->ev[i]);
 	free(l->ev);
-	free(l->made);
-	free(l->t);
-	free(l->r);
+	pointers_free(l->made, l->madecap);
+	pointers_free(l->t, l->cap);
+	pointers_free(l->r, l->rcap);
 	*l = (struct tensor_list){ 0 };
 }
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/spare.h"
 #include "common/zalloc.h"
 #include "shm/pool.h"
 #include "worker/cuda.h"
@@ -30,11 +31,15 @@ int tensor_pool_get(struct shm_pool **p)
 	return 0;
 }
 
+/* Handles and DLPack exports are made on one thread and dropped on another
+ * (a tensor echo: seven handles a call, on three threads). */
+static struct spare spare_handles, spare_exports;
+
 /* A handle that never got its pool reference (or whose reference is gone). */
 void tensor_handle_discard(shmrpc_tensor *t)
 {
 	tensor_view_put(t->view);
-	free(t);
+	spare_put(&spare_handles, t);
 }
 
 static uint64_t dtype_bytes(DLDataType d)
@@ -59,9 +64,9 @@ int tensor_new_handle(DLDataType dtype, int32_t ndim, const int64_t *shape, shmr
 					    (long long)shape[i]);
 		n *= (uint64_t)shape[i];
 	}
-	if (!(t = zalloc(sizeof(*t))))
+	if (!(t = spare_take(&spare_handles, sizeof(*t))))
 		return shmrpc__fail(-ENOMEM, "out of memory making a tensor handle");
-	t->nbytes = n;
+	*t = (shmrpc_tensor){ .nbytes = n };
 	memcpy(t->shape, shape, (size_t)ndim * sizeof(*shape));
 	t->dl = (DLTensor){
 		.ndim = ndim,
@@ -257,7 +262,7 @@ void shmrpc_tensor_free(shmrpc_tensor *t)
 			tensor_dev_put(t->dev);
 		else
 			tensor_heap_put(t->heap);
-		free(t);
+		spare_put(&spare_handles, t);
 		return;
 	}
 	/* A handle of a job this process has left (its agent shut down, or
@@ -336,7 +341,7 @@ static void exported_delete(DLManagedTensor *m)
 	struct exported *e = m->manager_ctx;
 
 	shmrpc_tensor_free(e->t);
-	free(e);
+	spare_put(&spare_exports, e);
 }
 
 int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out)
@@ -347,12 +352,11 @@ int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out)
 		return shmrpc__fail(-EINVAL, "shmrpc_tensor_to_dlpack: a tensor and out must be given");
 	if (t->dev && tensor_dev_check(t->dev))
 		return -SHMRPC_EPEERDEAD;
-	if (!(e = zalloc(sizeof(*e))))
+	if (!(e = spare_take(&spare_exports, sizeof(*e))))
 		return shmrpc__fail(-ENOMEM, "out of memory exporting a tensor");
-	e->t = t;
-	e->m.dl_tensor = t->dl;
-	e->m.manager_ctx = e;
-	e->m.deleter = exported_delete;
+	*e = (struct exported){ .t = t,
+				.m = { .dl_tensor = t->dl, .manager_ctx = e,
+				       .deleter = exported_delete } };
 	*out = &e->m;
 	return 0;
 }

@@ -75,23 +75,16 @@ static int pack_ext(msgpack_packer *pk, const shmrpc_tensor *t, int8_t type,
  * kept by sent until the message's pins hold it. */
 static int heap_to_pool(const shmrpc_tensor *t, struct tensor_list *sent, shmrpc_tensor **out)
 {
-	int rc;
+	int rc = shmrpc_tensor_alloc(t->dl.dtype, t->dl.ndim, t->shape, out);
 
-	if (sent->nmade == sent->madecap) {
-		uint32_t cap = sent->madecap ? 2 * sent->madecap : 4;
-		shmrpc_tensor **n = realloc(sent->made, cap * sizeof(*n));
-
-		if (!n)
-			return shmrpc__fail(-ENOMEM, "out of memory listing tensors");
-		sent->made = n;
-		sent->madecap = cap;
-	}
-	rc = shmrpc_tensor_alloc(t->dl.dtype, t->dl.ndim, t->shape, out);
 	if (rc)
 		return rc;
 	memcpy((*out)->dl.data, t->dl.data, t->nbytes);
-	sent->made[sent->nmade++] = *out;
-	return 0;
+	if ((rc = tensor_list_add_made(sent, *out))) {
+		shmrpc_tensor_free(*out);
+		*out = NULL;
+	}
+	return rc;
 }
 
 /* The bytes of the message packed so far: pk packs into an sbuffer
@@ -212,7 +205,7 @@ static int dev_unpack(const struct tensor_wire *w, const int64_t *shape,
 		rc = shmrpc__fail(-EBADMSG, "a CUDA tensor descriptor says %llu bytes for a shape of "
 				  "%llu bytes", (unsigned long long)w->nbytes,
 				  (unsigned long long)(*out)->nbytes);
-		free(*out);
+		tensor_handle_discard(*out);
 	}
 	/* The producer reused the addresses of an allocation of its tensors
 	 * parked here, so it freed that one: their entries go. */
@@ -342,7 +335,7 @@ int tensor_unpack_inline(const char *data, uint32_t len, shmrpc_tensor **out)
 	else
 		rc = tensor_heap_fill(*out, data + head);
 	if (rc) {
-		free(*out);
+		tensor_handle_discard(*out);
 		*out = NULL;
 	}
 	return rc;

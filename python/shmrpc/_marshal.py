@@ -137,8 +137,8 @@ def _to_pool(kind, obj):
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
     if kind == "torch":
-        if obj.requires_grad or not obj.is_contiguous():
-            obj = obj.detach().contiguous()
+        if obj.requires_grad or not obj.is_contiguous() or obj.is_neg():
+            obj = _resolved(obj)
         return _plain_handle(obj)
     if type(obj) is _shmrpc.Tensor:
         return obj  # received: passed on as it is (the producer's memory)
@@ -150,7 +150,7 @@ def _to_pool(kind, obj):
             # describe (a mapping has no IPC handle of its own).
             t = received[1]
         else:
-            obj = obj.detach().contiguous()
+            obj = _resolved(obj)
             if _received_cuda and _in_received(obj):
                 raise _not_supported("sending a part, or another dtype's view, of a CUDA "
                                      "tensor received from another worker (send it whole, "
@@ -171,10 +171,28 @@ def _to_pool(kind, obj):
 _received_cuda = {}
 
 
+def _resolved(obj):
+    """torch tensor obj as contiguous bytes of its values, without autograd:
+    a conjugate or negative view's (x.conj(), x.conj().imag) made real,
+    since its bytes are those of what it views, and neither torch 1.13's
+    DLPack export nor a data_ptr() says the bit."""
+    return obj.detach().resolve_conj().resolve_neg().contiguous()
+
+
+def _with_bit(obj):
+    """True when torch tensor obj is a strided conjugate or negative view
+    that needs no grad (_resolved makes one that needs grad a tensor of
+    its graph, which torch's reduce refuses)."""
+    return (obj.layout is _torch_strided and not obj.requires_grad
+            and (obj.is_conj() or obj.is_neg()))
+
+
 def _whole(obj, received):
-    """True when torch tensor obj is all of received's bytes, as received's dtype."""
+    """True when torch tensor obj is all of received's bytes, as received's
+    dtype and values."""
     return (received is not None and obj.dtype == received.dtype
-            and obj.numel() == received.numel() and obj.is_contiguous())
+            and obj.numel() == received.numel() and obj.is_contiguous()
+            and not obj.is_conj() and not obj.is_neg())
 
 
 def _in_received(obj):
@@ -318,14 +336,21 @@ class _Pickler(pickle.Pickler):
             return _ref, (("rref", len(self.rrefs) - 1),)
         kind = _tensor_kind(obj)
         if not kind:
+            if _TYPE_KINDS.get(type(obj)) == _TORCH and _with_bit(obj):
+                # torch's own reduce (a complex or bool tensor's) sends
+                # the storage of a conjugate or negative view without its
+                # bit: its values instead.
+                return _resolved(obj).__reduce_ex__(pickle.HIGHEST_PROTOCOL)
             return NotImplemented
         # Any DLPack producer may be sent: it may have no .shape.
         shape = getattr(obj, "shape", None)
         shape = None if shape is None else tuple(shape)
         data = obj
-        if kind == "torch" and not obj.is_contiguous():
+        if kind == "torch" and not obj.is_contiguous() and not obj.is_neg():
             # As torch's: a view's whole storage and its strides (a
-            # .contiguous() or .clone() sends only its elements).
+            # .contiguous() or .clone() sends only its elements). A
+            # negative view's storage is not its values: it goes resolved
+            # (_to_pool), a tensor of its own.
             shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
             data = obj.detach().new_empty(0).set_(obj.storage())
         elif kind != "cuda" and len(shape) > _shmrpc.TENSOR_MAX_DIMS:

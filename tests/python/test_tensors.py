@@ -302,6 +302,34 @@ def test_sparse_and_many_dims():
     assert back.shape == a.shape and (back == a).all(), "an array of 9 dimensions"
 
 
+def negative_of_imag():
+    import torch
+    return torch.tensor([1 + 2j]).conj().imag
+
+
+def test_negative_and_conjugate_views_keep_their_values():
+    # A negative view (x.conj().imag) and a conjugate one (x.conj()) hold
+    # the bytes of what they view and a bit that says the sign; one of a
+    # single element is contiguous, of a pool dtype, with a data_ptr() of
+    # those bytes. They arrive with their values: -2 below, not 2. They
+    # were sent as their bytes before, in C, in a list by the pickler, and
+    # as a result (a complex one by torch's own reduce); torch 1.13's RPC
+    # and DLPack export drop the bit too (docs/COMPAT.md).
+    torch = pytest.importorskip("torch")
+    from shmrpc import _marshal
+    neg = torch.tensor([1 + 2j]).conj().imag
+    assert neg.is_neg() and neg.is_contiguous() and neg.dtype == torch.float32
+    assert _marshal._torch_handle(neg) is None, "not the common tensor: its bytes are not its values"
+    assert rpc.rpc_sync(PEER, echo, args=(neg,)).tolist() == [-2.0], "an argument"
+    assert rpc.rpc_sync(PEER, echo, args=([neg, 1],))[0].tolist() == [-2.0], "in a list"
+    assert rpc.rpc_sync(PEER, negative_of_imag).tolist() == [-2.0], "a result"
+    assert rpc.remote(PEER, negative_of_imag).to_here().tolist() == [-2.0], "an RRef's value"
+    strided = torch.tensor([1 + 2j, 3 - 4j]).conj().imag
+    assert rpc.rpc_sync(PEER, echo, args=(strided,)).tolist() == [-2.0, 4.0], "not contiguous"
+    conj = torch.tensor([1 + 2j]).conj()
+    assert rpc.rpc_sync(PEER, echo, args=(conj,)).tolist() == [1 - 2j], "a conjugate view"
+
+
 def test_tensor_only_calls_from_the_first():
     # Every pool dtype takes the pickle-free form from its first tensor on
     # (the dtypes are known with torch, not learnt from a pickled first).
