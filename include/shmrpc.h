@@ -216,8 +216,9 @@ SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
  * deleter runs when the last reference of this process goes (its handles,
  * and while receivers hold it, the sends). Needs no running agent; fails
  * where CUDA is not available. Other devices are not supported yet. On
- * failure m is still the caller's. Errors: -EINVAL (m or out missing, or
- * its dtype or shape as shmrpc_tensor_alloc's), -ENOTSUP (a device other
+ * failure m is still the caller's. Errors: -EINVAL (m or out missing, its
+ * dtype or shape as shmrpc_tensor_alloc's, or host bytes with a NULL data
+ * pointer), -ENOTSUP (a device other
  * than CPU and CUDA, or a strided tensor: not supported yet); for host
  * memory -ENOTCONN and the pool's -ENOTSUP as shmrpc_tensor_alloc, the
  * pool errors, -EOVERFLOW as shmrpc_tensor_retain; for CUDA memory the

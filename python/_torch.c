@@ -226,7 +226,10 @@ static int torch_plain(PyObject *obj, struct plain *p)
 		return unstrided(obj);
 	p->addr = (uintptr_t)PyLong_AsVoidPtr(ptr);
 	Py_DECREF(ptr);
-	return PyErr_Occurred() ? -1 : 1;
+	if (PyErr_Occurred())
+		return -1;
+	/* No storage (a ZeroTensor): the pickler's path gives it bytes. */
+	return p->addr != 0;
 }
 
 /* torch_handle(obj) -> obj's handle, or None when obj is not the common

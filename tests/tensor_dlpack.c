@@ -3,8 +3,8 @@
  * DLManagedTensor (its deleter drops it); importing pool memory takes it
  * without a copy; importing other host memory copies it into the pool once
  * and counts the copy; each deleter runs exactly once; what cannot be taken
- * (strided, another device; CUDA where it is not available) is refused
- * with a clear error and left to its owner.
+ * (strided, no data, another device; CUDA where it is not available) is
+ * refused with a clear error and left to its owner.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +92,16 @@ static int worker(void)
 	CHECK(shmrpc_tensor_from_dlpack(m, &back) == -ENOTSUP && strstr(shmrpc_errmsg(), "strided"),
 	      "strided: %s", shmrpc_errmsg());
 	m->dl_tensor.strides = NULL;
+	{
+		void *data = m->dl_tensor.data;
+
+		/* No storage (torch's ZeroTensor): an error, never a read of
+		 * address 0. */
+		m->dl_tensor.data = NULL;
+		CHECK(shmrpc_tensor_from_dlpack(m, &back) == -EINVAL &&
+		      strstr(shmrpc_errmsg(), "no data"), "no data: %s", shmrpc_errmsg());
+		m->dl_tensor.data = data;
+	}
 	m->dl_tensor.device.device_type = kDLVulkan;
 	CHECK(shmrpc_tensor_from_dlpack(m, &back) == -ENOTSUP &&
 	      strstr(shmrpc_errmsg(), "not supported yet"), "vulkan: %s", shmrpc_errmsg());

@@ -444,6 +444,14 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 		return rc; /* m stays the caller's */
 	src = (const uint8_t *)d->data + d->byte_offset;
 	n = (*out)->nbytes;
+	if (!d->data && n) {
+		/* A tensor without storage (torch's ZeroTensor, data_ptr() 0). */
+		tensor_handle_discard(*out);
+		*out = NULL;
+		return shmrpc__fail(-EINVAL, "a DLPack tensor of %llu bytes has no data (its data "
+				    "pointer is NULL): give it memory first (torch: .clone())",
+				    (unsigned long long)n);
+	}
 	/* Pool memory is handed over by reference whatever its size (the
 	 * callee sees these bytes); other memory is copied: a small tensor
 	 * into our own, to travel inline, a larger one into a block. */

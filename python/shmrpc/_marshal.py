@@ -137,7 +137,7 @@ def _to_pool(kind, obj):
         import numpy as np
         return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
     if kind == "torch":
-        if obj.requires_grad or not obj.is_contiguous() or obj.is_neg():
+        if obj.requires_grad or not obj.is_contiguous() or obj.is_neg() or not obj.data_ptr():
             obj = _resolved(obj)
         return _plain_handle(obj)
     if type(obj) is _shmrpc.Tensor:
@@ -175,8 +175,10 @@ def _resolved(obj):
     """torch tensor obj as contiguous bytes of its values, without autograd:
     a conjugate or negative view's (x.conj(), x.conj().imag) made real,
     since its bytes are those of what it views, and neither torch 1.13's
-    DLPack export nor a data_ptr() says the bit."""
-    return obj.detach().resolve_conj().resolve_neg().contiguous()
+    DLPack export nor a data_ptr() says the bit; a tensor without storage
+    (a ZeroTensor, data_ptr() 0) given bytes."""
+    obj = obj.detach().resolve_conj().resolve_neg().contiguous()
+    return obj if obj.data_ptr() or not obj.numel() else obj.clone()
 
 
 def _with_bit(obj):

@@ -307,7 +307,7 @@ def negative_of_imag():
     return torch.tensor([1 + 2j]).conj().imag
 
 
-def test_negative_and_conjugate_views_keep_their_values():
+def test_tensors_whose_bytes_are_not_their_values():
     # A negative view (x.conj().imag) and a conjugate one (x.conj()) hold
     # the bytes of what they view and a bit that says the sign; one of a
     # single element is contiguous, of a pool dtype, with a data_ptr() of
@@ -328,6 +328,13 @@ def test_negative_and_conjugate_views_keep_their_values():
     assert rpc.rpc_sync(PEER, echo, args=(strided,)).tolist() == [-2.0, 4.0], "not contiguous"
     conj = torch.tensor([1 + 2j]).conj()
     assert rpc.rpc_sync(PEER, echo, args=(conj,)).tolist() == [1 - 2j], "a conjugate view"
+    # A tensor without storage (torch's ZeroTensor: data_ptr() 0) arrives
+    # as zeros; its address 0 was read before (a segmentation fault).
+    zeros = torch._efficientzerotensor(3)
+    assert zeros.data_ptr() == 0 and _marshal._torch_handle(zeros) is None
+    for back in (rpc.rpc_sync(PEER, echo, args=(zeros,)),
+                 rpc.rpc_sync(PEER, echo, args=([zeros, 1],))[0]):
+        assert back.tolist() == [0.0, 0.0, 0.0], "a tensor without storage"
 
 
 def test_tensor_only_calls_from_the_first():
