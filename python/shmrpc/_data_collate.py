@@ -62,7 +62,6 @@ _copied_batches = 0  # batches stacked outside the pool because it was full
 # more from staying in the cache (bench/dataloader.py: a 32 MiB batch
 # collated faster streamed, an 8 MiB one slower).
 _STREAM_MIN_BYTES = 16 << 20
-_DLPACK_CODES = {"i": 0, "u": 1, "f": 2}
 # A streamed batch's block is mapped writable in this worker first, in one
 # madvise(MADV_POPULATE_WRITE), rather than by a page fault per 4 KiB page
 # as the stores reach it: a 512 MiB block whose pages another process
@@ -107,7 +106,7 @@ def _pool_stack(torch, batch):
     shape = (len(batch),) + tuple(elem.shape)
     bits = elem.element_size() * 8
     try:
-        block = _shmrpc.empty(shape, _DLPACK_CODES[name[0]], bits)
+        block = _shmrpc.empty(shape, _marshal._DLPACK_CODES[name[0]], bits)
     except RuntimeError:
         _copied_batches += 1
         return torch.stack(batch, 0)

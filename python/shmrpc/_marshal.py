@@ -45,6 +45,9 @@ _POOL_TORCH_DTYPES = {"torch.int8": (0, 8), "torch.int16": (0, 16), "torch.int32
 
 
 _KDLCUDA = 2  # DLPack's device type of CUDA memory
+# DLPack's code of a dtype by its kind's letter: numpy's dtype.kind, a
+# torch dtype name's first ("int", "uint", "float"; _data_collate).
+_DLPACK_CODES = {"i": 0, "u": 1, "f": 2}
 
 # How the objects of a type are sent, asked once per type (_type_kind).
 _NOT_ARRAY, _NUMPY, _TORCH, _DLPACK = range(4)
@@ -111,7 +114,8 @@ def _tensor_kind(obj):
     # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
     # pool's DLPack import takes them for strided), are pickled.
     if how == _NUMPY:
-        return "np" if obj.dtype.kind in "iuf" and obj.size else None
+        # Of another byte order: pickled (DLPack has none), arriving as it was.
+        return "np" if obj.dtype.kind in "iuf" and obj.size and obj.dtype.isnative else None
     if how == _TORCH:
         if obj.layout is not _torch_strided:
             return None  # sparse or MKL-DNN: no strided bytes to hand over; torch pickles it
@@ -135,7 +139,13 @@ def _to_pool(kind, obj):
     travel inline), or CUDA device memory as it is (CUDA IPC, no copy)."""
     if kind == "np":
         import numpy as np
-        return _shmrpc.from_dlpack(np.ascontiguousarray(obj))
+        obj = np.ascontiguousarray(obj)
+        if obj.flags.writeable:
+            return _shmrpc.from_dlpack(obj)
+        # numpy's DLPack export refuses a read-only array (np.frombuffer's
+        # of bytes): its bytes by address, as a torch tensor's.
+        return _shmrpc.from_host(obj.ctypes.data, _DLPACK_CODES[obj.dtype.kind],
+                                 obj.dtype.itemsize * 8, obj.shape)
     if kind == "torch":
         if obj.requires_grad or not obj.is_contiguous() or obj.is_neg() or not obj.data_ptr():
             obj = _resolved(obj)
