@@ -190,25 +190,17 @@ static void measure_inline(bool quick)
 	free(ti);
 }
 
-/* Median round trip of n echoes of a size-byte pool tensor; *caught_pct:
- * the share of our hand-off spins meanwhile that met the reply. */
-static uint64_t handoff(uint64_t size, int n, double *caught_pct)
+/* Round trips of n echoes of x into t; *met and *missed grow by our
+ * hand-off spins meanwhile that met the reply and that did not. */
+static void handoff_times(shmrpc_tensor *x, int n, uint64_t *t, uint64_t *met, uint64_t *missed)
 {
-	const DLDataType u8 = { kDLUInt, 8, 1 };
-	int64_t shape[1] = { (int64_t)size };
-	uint64_t med, met0, missed0, met, missed;
-	shmrpc_tensor *x;
+	uint64_t met0, missed0, met1, missed1;
 
-	if (shmrpc_tensor_alloc(u8, 1, shape, &x))
-		die("alloc");
 	worker_handoff_counts(&met0, &missed0);
-	med = echo_median(x, n);
-	worker_handoff_counts(&met, &missed);
-	met -= met0;
-	missed -= missed0;
-	*caught_pct = met + missed ? 100.0 * (double)met / (double)(met + missed) : 0.0;
-	shmrpc_tensor_free(x);
-	return med;
+	echo_times(x, n, t);
+	worker_handoff_counts(&met1, &missed1);
+	*met += met1 - met0;
+	*missed += missed1 - missed0;
 }
 
 /* ---- device tensors ---- */
@@ -304,24 +296,50 @@ static void measure_cuda(bool quick)
 		       (double)med[2] / (double)med[0]);
 }
 
+/* The four sizes in turns, ROUNDS rounds of per echoes each, so that the
+ * machine's speed, which swings from second to second here, weighs on
+ * each alike: a figure is the median of all its size's echoes, the ratio
+ * the median of the rounds' ratios (measured one size after the other,
+ * the 1 GiB figure came out 1.0 to 2.0 times the 1 KiB one, run to run). */
 static void measure(bool quick)
 {
-	static const uint64_t sizes[] = { 1u << 10, 1u << 20, 64u << 20, 1u << 30 };
-	uint64_t med[4];
+	enum { NSIZES = 4 };
+	static const uint64_t sizes[NSIZES] = { 1u << 10, 1u << 20, 64u << 20, 1u << 30 };
+	const DLDataType u8 = { kDLUInt, 8, 1 };
+	const int per = quick ? 20 : 500;
+	uint64_t *t[NSIZES], met[NSIZES] = { 0 }, missed[NSIZES] = { 0 }, ratio[ROUNDS];
+	shmrpc_tensor *x[NSIZES];
 
-	for (int i = 0; i < 4; i++) {
+	for (int i = 0; i < NSIZES; i++) {
+		int64_t shape[1] = { (int64_t)sizes[i] };
+
+		if (!(t[i] = malloc(ROUNDS * per * sizeof(*t[i]))))
+			die("malloc");
+		if (shmrpc_tensor_alloc(u8, 1, shape, &x[i]))
+			die("alloc");
+	}
+	for (int r = 0; r < ROUNDS; r++) {
+		for (int i = 0; i < NSIZES; i++)
+			handoff_times(x[i], per, t[i] + r * per, &met[i], &missed[i]);
+		ratio[r] = 1000 * bench_median(t[NSIZES - 1] + r * per, per) /
+			   bench_median(t[0] + r * per, per); /* per mille */
+	}
+	for (int i = 0; i < NSIZES; i++) {
+		uint64_t med = bench_median(t[i], ROUNDS * per);
 		char filter[40];
-		double caught;
 
-		med[i] = handoff(sizes[i], quick ? 200 : 5000, &caught);
 		snprintf(filter, sizeof(filter), "size=%llu ", (unsigned long long)sizes[i]);
 		printf("BENCH tensor_handoff size=%llu median_ns=%llu spin_caught_pct=%.1f",
-		       (unsigned long long)sizes[i], (unsigned long long)med[i], caught);
-		bench_ratio("vs_torch_rpc", (double)med[i], bench_peer("torch_rpc_tensor", filter, "median_ns"));
-		bench_ratio("vs_torch_mp", (double)med[i], bench_peer("torch_mp_tensor", filter, "median_ns"));
+		       (unsigned long long)sizes[i], (unsigned long long)med,
+		       met[i] + missed[i] ? 100.0 * (double)met[i] / (double)(met[i] + missed[i]) : 0.0);
+		bench_ratio("vs_torch_rpc", (double)med, bench_peer("torch_rpc_tensor", filter, "median_ns"));
+		bench_ratio("vs_torch_mp", (double)med, bench_peer("torch_mp_tensor", filter, "median_ns"));
 		printf("\n");
+		shmrpc_tensor_free(x[i]);
+		free(t[i]);
 	}
-	printf("BENCH tensor_handoff ratio_1GiB_vs_1KiB=%.3g\n", (double)med[3] / (double)med[0]);
+	printf("BENCH tensor_handoff ratio_1GiB_vs_1KiB=%.3g\n",
+	       (double)bench_median(ratio, ROUNDS) / 1000.0);
 	measure_inline(quick);
 	measure_cuda(quick);
 }
@@ -331,7 +349,7 @@ int main(int argc, char **argv)
 	bool quick = argc > 1 && strcmp(argv[1], "-q") == 0;
 
 	if (!getenv("SHMRPC_RANK"))
-		return bench_run_self("-n 2 --quiet --pool-size 1100M --ring-size 524288", quick);
+		return bench_run_self("-n 2 --quiet --pool-size 1200M --ring-size 524288", quick);
 	/* Every size of measure_inline inline (the ring's half frame bounds
 	 * a message's inline bytes). */
 	setenv("SHMRPC_INLINE_MAX", "65536", 1);
