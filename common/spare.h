@@ -28,12 +28,14 @@
 #endif
 #endif
 #ifndef SPARE_SLOTS
-/* As many blocks as a tensor echo has in flight at once, on one line. */
+/* As many blocks as a tensor echo has in flight at once (one line). */
 #define SPARE_SLOTS 8
 #endif
 
+/* A line of its own: its slots change on every take and put, and would
+ * make a neighbour's line bounce between the threads too. */
 struct spare {
-	_Atomic(void *) slot[SPARE_SLOTS ? SPARE_SLOTS : 1];
+	_Alignas(64) _Atomic(void *) slot[SPARE_SLOTS ? SPARE_SLOTS : 1];
 };
 
 /* A spare block of s, or a new one of size bytes (NULL: out of memory). */

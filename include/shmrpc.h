@@ -218,11 +218,10 @@ SHMRPC_API int shmrpc_tensor_to_dlpack(shmrpc_tensor *t, DLManagedTensor **out);
  * where CUDA is not available. Other devices are not supported yet. On
  * failure m is still the caller's. Errors: -EINVAL (m or out missing, its
  * dtype or shape as shmrpc_tensor_alloc's, or host bytes with a NULL data
- * pointer), -ENOTSUP (a device other
- * than CPU and CUDA, or a strided tensor: not supported yet); for host
- * memory -ENOTCONN and the pool's -ENOTSUP as shmrpc_tensor_alloc, the
- * pool errors, -EOVERFLOW as shmrpc_tensor_retain; for CUDA memory the
- * CUDA errors. */
+ * pointer), -ENOTSUP (a device other than CPU and CUDA, or a strided
+ * tensor: not supported yet); for host memory -ENOTCONN and the pool's
+ * -ENOTSUP as shmrpc_tensor_alloc, the pool errors, -EOVERFLOW as
+ * shmrpc_tensor_retain; for CUDA memory the CUDA errors. */
 SHMRPC_API int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out);
 
 /* ---- The job ---------------------------------------------------------- */

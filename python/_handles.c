@@ -92,15 +92,16 @@ PyObject *known_attr_get(const struct known_attr *a, PyObject *obj)
 {
 	if (a->get)
 		return a->get(a->desc, obj, (PyObject *)Py_TYPE(obj));
-	/* The function pointer's type is its convention's (flags). */
-	if (a->fn && a->flags == METH_NOARGS)
-		return a->fn(obj, NULL);
-	if (a->fn && (no_args || (no_args = PyTuple_New(0))))
+	if (a->fn) {
+		/* The function pointer's type is its convention's (flags). */
+		if (a->flags == METH_NOARGS)
+			return a->fn(obj, NULL);
+		if (!no_args && !(no_args = PyTuple_New(0)))
+			return NULL;
 		return a->flags & METH_KEYWORDS
 			       ? ((PyCFunctionWithKeywords)(void (*)(void))a->fn)(obj, no_args, NULL)
 			       : a->fn(obj, no_args);
-	if (a->fn)
-		return NULL;
+	}
 	if (a->desc)
 		return PyObject_CallFunctionObjArgs(a->desc, obj, NULL);
 	return a->method ? PyObject_CallMethodObjArgs(obj, *a->name, NULL)

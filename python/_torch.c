@@ -89,28 +89,30 @@ static int learn_dtypes(PyObject *map)
 }
 
 /* know_torch(torch.Tensor, {torch dtype: (code, bits) or False},
- * torch._C._from_dlpack, torch.strided): what the functions below need of
- * torch (_marshal._know_torch, which knows every pool dtype then). */
+ * torch._C._from_dlpack, torch.strided, a CPU tensor): what the functions
+ * below need of torch (_marshal._know_torch, which knows every pool dtype
+ * then). The tensor's methods give their C functions (known_attr_learn)
+ * when it is exactly a torch.Tensor (not one of a dispatch mode's
+ * subclasses). */
 static PyObject *mod_know_torch(PyObject *m, PyObject *args)
 {
 	PyObject *type, *map, *fn, *layout, *sample;
 
 	(void)m;
-	if (!PyArg_ParseTuple(args, "O!O!OO", &PyType_Type, &type, &PyDict_Type, &map, &fn,
-			      &layout))
+	if (!PyArg_ParseTuple(args, "O!O!OOO", &PyType_Type, &type, &PyDict_Type, &map, &fn,
+			      &layout, &sample))
 		return NULL;
 	if (!PyCallable_Check(fn)) {
 		PyErr_SetString(PyExc_TypeError, "know_torch: torch's DLPack import is not callable");
 		return NULL;
 	}
-	if (learn_dtypes(map) || !(sample = PyObject_CallNoArgs(type)))
+	if (learn_dtypes(map))
 		return NULL;
+	if ((PyObject *)Py_TYPE(sample) != type)
+		sample = NULL;
 	for (size_t i = 0; i < sizeof(questions) / sizeof(*questions); i++)
-		if (known_attr_learn(questions[i], type, sample)) {
-			Py_DECREF(sample);
+		if (known_attr_learn(questions[i], type, sample))
 			return NULL;
-		}
-	Py_DECREF(sample);
 	keep(&tensor_type, type);
 	keep(&from_dlpack, fn);
 	keep(&strided, layout);
@@ -491,7 +493,8 @@ static PyObject *mod_take_torch(PyObject *m, PyObject *handles)
 
 static PyMethodDef torch_functions[] = {
 	{ "know_torch", mod_know_torch, METH_VARARGS,
-	  "know_torch(torch.Tensor, {dtype: (code, bits)}, torch._C._from_dlpack)" },
+	  "know_torch(torch.Tensor, {dtype: (code, bits)}, torch._C._from_dlpack, torch.strided, "
+	  "a CPU tensor)" },
 	{ "torch_handle", mod_torch_handle, METH_O,
 	  "torch_handle(obj) -> Tensor of a contiguous CPU torch tensor of a pool dtype, or None" },
 	{ "torch_handles", mod_torch_handles, METH_O,

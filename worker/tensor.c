@@ -442,7 +442,6 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 		rc = tensor_new_handle(d->dtype, d->ndim, d->shape, out);
 	if (rc)
 		return rc; /* m stays the caller's */
-	src = (const uint8_t *)d->data + d->byte_offset;
 	n = (*out)->nbytes;
 	if (!d->data && n) {
 		/* A tensor without storage (torch's ZeroTensor, data_ptr() 0). */
@@ -452,6 +451,8 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 				    "pointer is NULL): give it memory first (torch: .clone())",
 				    (unsigned long long)n);
 	}
+	/* No arithmetic on a NULL pointer (an empty tensor may have one). */
+	src = d->data ? (const uint8_t *)d->data + d->byte_offset : NULL;
 	/* Pool memory is handed over by reference whatever its size (the
 	 * callee sees these bytes); other memory is copied: a small tensor
 	 * into our own, to travel inline, a larger one into a block. */
@@ -464,7 +465,8 @@ int shmrpc_tensor_from_dlpack(DLManagedTensor *m, shmrpc_tensor **out)
 		copied = rc == 0;
 	} else if ((rc = pool_alloc(p, worker_agent->rank, n ? n : 1, &off)) == 0) {
 		tensor_handle_at(p, *out, off);
-		memcpy((*out)->dl.data, src, n);
+		if (n)
+			memcpy((*out)->dl.data, src, n);
 		copied = true;
 	}
 	if (rc) {

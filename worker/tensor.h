@@ -188,7 +188,8 @@ SHMRPC_HIDDEN void tensor_view_put(struct tensor_view *v);
 /* The lists' functions are carry.c's (the level above the handles). */
 SHMRPC_HIDDEN int tensor_list_add(struct tensor_list *l, shmrpc_tensor *t);
 SHMRPC_HIDDEN int tensor_list_add_rref(struct tensor_list *l, shmrpc_rref *r);
-/* t, a pool copy the encoding made, the list's own from now on. */
+/* t, a pool copy the encoding made, the list's own from now on; on
+ * failure (-ENOMEM) still the caller's. */
 SHMRPC_HIDDEN int tensor_list_add_made(struct tensor_list *l, shmrpc_tensor *t);
 /* Frees every handle of the list (dropping their references) and the list. */
 SHMRPC_HIDDEN void tensor_list_free(struct tensor_list *l);

@@ -78,7 +78,8 @@ def _know_torch(torch):
     # The common tensor's fast path, in C (python/_torch.c), which takes
     # the pool dtypes from the map now: before, _torch_handle gives None
     # for every object.
-    _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack, torch.strided)
+    _shmrpc.know_torch(torch.Tensor, _TORCH_DTYPE_OK, _from_dlpack, torch.strided,
+                       torch.empty(0, device="cpu"))
     _from_handles = _shmrpc.take_torch  # no Python call around it from now on
 
 
@@ -114,8 +115,10 @@ def _tensor_kind(obj):
     # and torch 1.13, numpy no bfloat16); the others, and empty arrays (the
     # pool's DLPack import takes them for strided), are pickled.
     if how == _NUMPY:
-        # Of another byte order: pickled (DLPack has none), arriving as it was.
-        return "np" if obj.dtype.kind in "iuf" and obj.size and obj.dtype.isnative else None
+        # Of another byte order, or a long double (none in DLPack):
+        # pickled, arriving as it was.
+        d = obj.dtype
+        return "np" if d.kind in "iuf" and d.itemsize <= 8 and obj.size and d.isnative else None
     if how == _TORCH:
         if obj.layout is not _torch_strided:
             return None  # sparse or MKL-DNN: no strided bytes to hand over; torch pickles it
@@ -349,20 +352,21 @@ class _Pickler(pickle.Pickler):
         kind = _tensor_kind(obj)
         if not kind:
             if _TYPE_KINDS.get(type(obj)) == _TORCH and _with_bit(obj):
-                # torch's own reduce (a complex or bool tensor's) sends
-                # the storage of a conjugate or negative view without its
-                # bit: its values instead.
+                # torch's own reduce (a tensor of a dtype the pool does
+                # not take: complex, bfloat16...) sends the storage of a
+                # conjugate or negative view without its bit: its values
+                # instead.
                 return _resolved(obj).__reduce_ex__(pickle.HIGHEST_PROTOCOL)
             return NotImplemented
         # Any DLPack producer may be sent: it may have no .shape.
         shape = getattr(obj, "shape", None)
         shape = None if shape is None else tuple(shape)
         data = obj
-        if kind == "torch" and not obj.is_contiguous() and not obj.is_neg():
+        if kind == "torch" and not obj.is_contiguous() and not obj.is_neg() and obj.data_ptr():
             # As torch's: a view's whole storage and its strides (a
             # .contiguous() or .clone() sends only its elements). A
-            # negative view's storage is not its values: it goes resolved
-            # (_to_pool), a tensor of its own.
+            # negative view's storage is not its values, and a ZeroTensor
+            # has none: each goes resolved (_to_pool), a tensor of its own.
             shape = {"size": shape, "stride": obj.stride(), "offset": obj.storage_offset()}
             data = obj.detach().new_empty(0).set_(obj.storage())
         elif kind != "cuda" and len(shape) > _shmrpc.TENSOR_MAX_DIMS:

@@ -60,13 +60,15 @@ def test_plain_array():
     assert rpc.rpc_sync(PEER, total, args=(plain,)) == 66.0, "the callee reads it"
     rr = rpc.remote(PEER, echo, args=(plain,))
     assert (rr.to_here() == plain).all(), "an array in an RRef"
-    # Two that numpy's DLPack export refuses, which failed the call with
-    # its BufferError: an array of the other byte order (pickled, it keeps
-    # its dtype) and a read-only one (np.frombuffer's of bytes).
+    # Those numpy's DLPack export refuses, which failed the call with its
+    # BufferError: an array of the other byte order or of long doubles
+    # (pickled, it keeps its dtype) and a read-only one (np.frombuffer's
+    # of bytes).
     swapped = np.arange(4, dtype=np.dtype(np.float32).newbyteorder())
     readonly = np.frombuffer(np.arange(4, dtype=np.float32).tobytes(), dtype=np.float32)
     assert not readonly.flags.writeable
-    for a in (swapped, readonly, readonly[::2], np.frombuffer(b"\x07", dtype=np.uint8)):
+    for a in (swapped, readonly, readonly[::2], np.frombuffer(b"\x07", dtype=np.uint8),
+              np.arange(3, dtype=np.longdouble)):  # none in DLPack either
         got = rpc.rpc_sync(PEER, echo, args=(a,))
         assert got.dtype == a.dtype and got.shape == a.shape and (got == a).all(), repr(a)
 
