@@ -196,8 +196,8 @@ def _resolved(obj):
 
 def _with_bit(obj):
     """True when torch tensor obj is a strided conjugate or negative view
-    that needs no grad (_resolved makes one that needs grad a tensor of
-    its graph, which torch's reduce refuses)."""
+    that needs no grad (resolved, one that needs grad would arrive without
+    it, which torch's reduce sends)."""
     return (obj.layout is _torch_strided and not obj.requires_grad
             and (obj.is_conj() or obj.is_neg()))
 
