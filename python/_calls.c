@@ -154,8 +154,7 @@ static PyObject *mod_rref_local(PyObject *m, PyObject *args)
  */
 static struct {
 	PyObject *general;	 /* returned for a call the Python path makes */
-	PyObject *core;		 /* shmrpc._core: _initialized, _timeout_override */
-	PyObject *marshal;	 /* shmrpc._marshal: _default_pickler, _pickler_ok */
+	PyObject *marshal;	 /* shmrpc._marshal: _pack_args, _proxy_func */
 	PyObject *profiler;	 /* shmrpc.profiler: _torch_state */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
@@ -181,8 +180,14 @@ static struct {
 static unsigned long long common_count;
 
 /* The attribute names read on each call, interned once. */
-static PyObject *s_initialized, *s_timeout_override, *s_default_pickler, *s_pickler_ok,
-	*s_torch_state, *s_module, *s_qualname, *s_torch, *s_r;
+static PyObject *s_torch_state, *s_module, *s_qualname, *s_torch, *s_r;
+
+/* Whether the package's state lets a call be the common one: initialized,
+ * no timeout of _set_rpc_timeout's, the default pickler checked. The
+ * package says so at each change (_core._state_changed, set_call_state):
+ * read here, its four module attributes cost about 600 instructions a
+ * call. Under the GIL. */
+static bool call_state_common;
 
 /* What an RRef's value is when its owner keeps it live (_marshal._LIVE,
  * worker/python.h): a user's to_here asks the owner for it. */
@@ -343,25 +348,31 @@ static int rank_to(PyObject *to)
 	return r < 0 || r > INT_MAX ? -1 : (int)r;
 }
 
-/* Whether the package's state lets a call be the common one: initialized,
- * the default timeout in effect (timeout unset), the default pickler, no
- * autograd context in this thread, torch's profiler off: 1, 0, -1. */
+/* Whether a call made now with this timeout is the common one: timeout
+ * unset, the package's state common (call_state_common), no autograd
+ * context in this thread, torch's profiler off: 1, 0, -1. */
 static int state_common(PyObject *timeout)
 {
-	PyObject *pickler;
 	int r;
 
 	if (timeout != Py_None && !(PyFloat_CheckExact(timeout) && PyFloat_AsDouble(timeout) == -1.0))
 		return 0;
-	if ((r = attr_is(fast.core, s_initialized, Py_True)) != 1 ||
-	    (r = attr_is(fast.core, s_timeout_override, Py_False)) != 1)
-		return r;
-	if (!(pickler = attr_of(fast.marshal, s_default_pickler)))
-		return -1;
-	Py_DECREF(pickler); /* its identity alone */
-	if ((r = attr_is(fast.marshal, s_pickler_ok, pickler)) != 1 || thread_in_context())
-		return r == 1 ? 0 : r;
+	if (!call_state_common || thread_in_context())
+		return 0;
 	return (r = torch_may_profile()) < 0 ? -1 : !r;
+}
+
+/* set_call_state(common): what the package's state now says (_core.
+ * _state_changed). */
+static PyObject *mod_set_call_state(PyObject *m, PyObject *common)
+{
+	int r = PyObject_IsTrue(common);
+
+	(void)m;
+	if (r < 0)
+		return NULL;
+	call_state_common = r;
+	return new_ref(Py_None);
 }
 
 /* A common call's tensors: its arguments' handles (torch_tensors_of),
@@ -927,50 +938,46 @@ static PyObject *mod_common_calls(PyObject *m, PyObject *unused)
 	return PyLong_FromUnsignedLongLong(common_count);
 }
 
-/* rpc_sync_setup(general, core, marshal, profiler, function_type,
+/* rpc_sync_setup(general, marshal, profiler, function_type,
  * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol,
  * rref_type, object_new): the package's objects that rpc_sync, rpc_remote
  * and rref_value read (fast, above), once at import. */
 static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 {
-	static const char *const names[] = { "_initialized", "_timeout_override",
-		"_default_pickler", "_pickler_ok", "_torch_state", "__module__", "__qualname__",
+	static const char *const names[] = { "_torch_state", "__module__", "__qualname__",
 		"torch", "_r" };
-	PyObject **const interned[] = { &s_initialized, &s_timeout_override, &s_default_pickler,
-		&s_pickler_ok, &s_torch_state, &s_module, &s_qualname, &s_torch, &s_r };
-	PyObject *o[15];
+	PyObject **const interned[] = { &s_torch_state, &s_module, &s_qualname, &s_torch, &s_r };
+	PyObject *o[14];
 
 	(void)m;
 	if (fast.general) {
 		PyErr_SetString(PyExc_RuntimeError, "rpc_sync_setup runs once");
 		return NULL;
 	}
-	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 15, 15, &o[0], &o[1], &o[2], &o[3], &o[4],
-			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13],
-			       &o[14]))
+	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4],
+			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
 		return NULL;
 	if (intern_names(names, interned, sizeof(names) / sizeof(*names)))
 		return NULL;
 	if (!(fast.no_kwargs = PyDict_New()) ||
 	    !(fast.no_args = PyTuple_New(0)) || !(fast.funcs = PyDict_New()))
 		return NULL;
-	fast.core = new_ref(o[1]);
-	fast.marshal = new_ref(o[2]);
-	fast.profiler = new_ref(o[3]);
-	fast.function_type = new_ref(o[4]);
-	fast.named = new_ref(o[5]);
+	fast.marshal = new_ref(o[1]);
+	fast.profiler = new_ref(o[2]);
+	fast.function_type = new_ref(o[3]);
+	fast.named = new_ref(o[4]);
 	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")) ||
 	    !(fast.proxy_func = PyObject_GetAttrString(fast.marshal, "_proxy_func")))
 		return NULL;
-	fast.result = new_ref(o[6]);
-	fast.remote_exc = new_ref(o[7]);
-	fast.not_sent = new_ref(o[8]);
-	fast.timed_out = new_ref(o[9]);
-	fast.dumps = new_ref(o[10]);
-	fast.loads = new_ref(o[11]);
-	fast.protocol = new_ref(o[12]);
-	fast.rref_type = new_ref(o[13]);
-	fast.object_new = new_ref(o[14]);
+	fast.result = new_ref(o[5]);
+	fast.remote_exc = new_ref(o[6]);
+	fast.not_sent = new_ref(o[7]);
+	fast.timed_out = new_ref(o[8]);
+	fast.dumps = new_ref(o[9]);
+	fast.loads = new_ref(o[10]);
+	fast.protocol = new_ref(o[11]);
+	fast.rref_type = new_ref(o[12]);
+	fast.object_new = new_ref(o[13]);
 	fast.general = new_ref(o[0]); /* last: rpc_sync works from now on */
 	return new_ref(Py_None);
 }
@@ -999,9 +1006,12 @@ static PyMethodDef call_functions[] = {
 	{ "common_calls", mod_common_calls, METH_NOARGS,
 	  "common_calls() -> how many calls and RRef reads were made in C (for tests)" },
 	{ "rpc_sync_setup", mod_rpc_sync_setup, METH_VARARGS,
-	  "rpc_sync_setup(general, core, marshal, profiler, tls, function_type, named, result, "
-	  "remote_exc, not_sent, timed_out, dumps, loads, protocol, rref_type, object_new): "
-	  "what rpc_sync, rpc_remote and rref_value read" },
+	  "rpc_sync_setup(general, marshal, profiler, function_type, named, result, remote_exc, "
+	  "not_sent, timed_out, dumps, loads, protocol, rref_type, object_new): what rpc_sync, "
+	  "rpc_remote and rref_value read" },
+	{ "set_call_state", mod_set_call_state, METH_O,
+	  "set_call_state(common): whether the package's state (initialized, no timeout override, "
+	  "the default pickler checked) lets a call be the common one made in C" },
 	{ NULL, NULL, 0, NULL },
 };
 

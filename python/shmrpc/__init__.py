@@ -61,6 +61,7 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
     api._check_init_args(backend, rpc_backend_options)
     _core._wait_left()
     _core._rpc_timeout, _core._timeout_override = _DEFAULT_RPC_TIMEOUT_SEC, False
+    _core._state_changed()
     joined = None
     if _core._initialized and _init_pid != os.getpid():
         # The C init refuses it too, in its words for C programs.
@@ -103,10 +104,12 @@ def init_rpc(name, backend=None, rank=None, world_size=None, rpc_backend_options
         # Initialized before the agent serves: a peer's call can come before
         # init returns here, and the function it runs may call out.
         was, _core._initialized, _init_pid = _core._initialized, True, os.getpid()
+        _core._state_changed()
         try:
             _shmrpc.init(name, threads, timeout_ms, maps)
         except BaseException:
             _core._initialized = was
+            _core._state_changed()
             raise
     except BaseException:
         if joined is not None:

@@ -163,6 +163,19 @@ def _set_rpc_timeout(rpc_timeout):
     if rpc_timeout < 0:
         raise ValueError(f"rpc_timeout {rpc_timeout}: give seconds, 0 for none")
     _rpc_timeout, _timeout_override = float(rpc_timeout), True
+    _state_changed()
+
+
+def _state_changed():
+    """Tells the calls made in C (python/_calls.c, state_common) whether
+    the state now lets a call be the common one: initialized, no timeout of
+    _set_rpc_timeout's, the default pickler checked (_marshal._pickler_ok).
+    Whoever changes _initialized, _timeout_override, _marshal._default_pickler
+    or _marshal._pickler_ok calls it after: C reads one flag, not the four
+    module attributes, on every call."""
+    marshal = sys.modules.get(__package__ + "._marshal")
+    _shmrpc.set_call_state(_initialized and not _timeout_override and marshal is not None
+                           and marshal._default_pickler is marshal._pickler_ok)
 
 
 def _worker(who, ask=_shmrpc.worker_info):

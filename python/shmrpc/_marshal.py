@@ -13,7 +13,7 @@ import threading
 import types
 import weakref
 
-from . import _contexts, _shmrpc
+from . import _contexts, _core, _shmrpc
 from ._core import RemoteException, _not_supported
 
 # The RRef class (shmrpc._calls'): RRefs are pickled by their C handle and
@@ -819,10 +819,12 @@ def _use_rpc_pickler(rpc_pickler):
     """torch's: rpc_pickler is the default pickler inside the block."""
     global _default_pickler
     before, _default_pickler = _default_pickler, rpc_pickler
+    _core._state_changed()
     try:
         yield
     finally:
         _default_pickler = before
+        _core._state_changed()
 
 
 # The pickler _check_pickler last let through (torch's, a fixed object, or
@@ -838,6 +840,7 @@ def _check_pickler():
         raise _not_supported(f"an RPC pickler of the program's own "
                              f"({type(_default_pickler).__name__}, set by _use_rpc_pickler)")
     _pickler_ok = _default_pickler
+    _core._state_changed()
 
 
 # ---- _all_gather, _barrier, _wait_all_workers ----

@@ -410,6 +410,7 @@ def shutdown(graceful=True, timeout=0):
         if joined is not None:
             joined.leave(wait_keeper=bool(graceful))
         _core._initialized = False
+        _core._state_changed()
         _core._shut_down = True
         _job_left()
 

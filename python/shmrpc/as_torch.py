@@ -149,6 +149,7 @@ def install():
     patch_futures(torch_futures)
     # torch's pickler is the default one (what _use_rpc_pickler restores).
     _marshal._default_pickler = _marshal._torch_internal_pickler()
+    _core._state_changed()
     _installed = True
 
 

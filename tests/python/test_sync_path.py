@@ -603,6 +603,7 @@ def test_timeout_set_for_all_takes_python_path():
             general(lambda: rpc.rpc_sync("worker1", slow, args=(0.5,)))
     finally:
         _core._rpc_timeout, _core._timeout_override = saved
+        _core._state_changed()
     common(lambda: rpc.rpc_sync("worker1", nothing))
 
 
@@ -612,6 +613,8 @@ def test_other_pickler_takes_python_path():
     with _marshal._use_rpc_pickler(Mine()):
         with pytest.raises(NotImplementedError, match="RPC pickler of the program's own"):
             general(lambda: rpc.rpc_sync("worker1", nothing))
+    # The pickler restored, the calls are common again (_core._state_changed).
+    common(lambda: rpc.rpc_sync("worker1", nothing))
 
 
 def test_function_rebound_under_its_name():
