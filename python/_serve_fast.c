@@ -185,26 +185,44 @@ static int holds(PyObject *named, PyObject *func)
 	return rc;
 }
 
-/* The last head looked up, kept (under the GIL): a call's head is most
- * often the last one's, and a lookup by the same bytes object neither
- * makes one nor hashes its bytes again (a bytes object keeps its hash):
- * about 300 instructions a call. */
-static PyObject *last_head;
+/* The last head looked up and the _Named the dict gave for it, kept
+ * (under the GIL): a call's head is most often the last one's, and then
+ * neither a bytes object is made nor the dict asked (its bytes compared
+ * and hashed once more: about 550 instructions a call). The _Named kept
+ * is the dict's for that head while it holds: _unpack_call replaces an
+ * entry only once it no longer holds, and two that hold name the one
+ * function the name finds. */
+static PyObject *last_head, *last_named;
 
-/* The head's bytes (len at p) as an object: last_head where it holds
- * them. New reference; NULL with an exception set. */
-static PyObject *head_object(const char *p, size_t len)
+/* *slot = o (a new reference, or NULL), the one it held dropped after:
+ * a deallocation that runs code sees the new one. */
+static void swap_ref(PyObject **slot, PyObject *o)
 {
-	PyObject *head;
+	PyObject *old = *slot;
+
+	*slot = o;
+	Py_XDECREF(old);
+}
+
+/* The _Named of the head (len bytes at p) in _named_heads: last_named
+ * where the head is last_head's bytes. New reference; NULL, with an
+ * exception set or none (no such entry). */
+static PyObject *named_of_head(const struct fast_objs *f, const char *p, size_t len)
+{
+	PyObject *head, *named;
 
 	if (last_head && PyBytes_Size(last_head) == (Py_ssize_t)len &&
-	    memcmp(PyBytes_AsString(last_head), p, len) == 0)
-		return new_ref(last_head);
-	if ((head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len))) {
-		Py_XDECREF(last_head);
-		last_head = new_ref(head);
-	}
-	return head;
+	    memcmp(PyBytes_AsString(last_head), p, len) == 0 && last_named)
+		return new_ref(last_named);
+	if (!(head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len)))
+		return NULL;
+	named = PyDict_GetItemWithError(f->heads, head);
+	Py_XINCREF(named); /* borrowed from a dict that code run below may change */
+	swap_ref(&last_named, NULL);
+	swap_ref(&last_head, head);
+	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type)
+		swap_ref(&last_named, new_ref(named));
+	return named;
 }
 
 /* The function the head (len bytes at p) names, as _unpack_call finds it:
@@ -213,15 +231,12 @@ static PyObject *head_object(const char *p, size_t len)
  * holding, an error: cleared, the plain handler meets it again). */
 static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *head = head_object(p, len);
-	PyObject *named = head ? PyDict_GetItemWithError(f->heads, head) : NULL, *func = NULL;
+	PyObject *named = named_of_head(f, p, len), *func = NULL;
 
-	Py_XINCREF(named); /* borrowed from a dict that the lookups below may change */
 	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type &&
 	    (func = known_attr_get(&n_func, named)) && holds(named, func) != 1)
 		Py_CLEAR(func);
 	Py_XDECREF(named);
-	Py_XDECREF(head);
 	PyErr_Clear();
 	return func;
 }
