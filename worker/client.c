@@ -393,6 +393,7 @@ int client_request(struct agent *ag, int dst, uint16_t type, msgpack_sbuffer *sb
 	/* Relaxed: only uniqueness matters. */
 	f->msg_id = atomic_fetch_add_explicit(&next_msg_id, 1, memory_order_relaxed);
 	/* The arguments' tensors stay alive until the callee holds them. */
+	f->sent_tensors = sent->n != 0;
 	if (sent->n && (rc = pins_add((uint32_t)dst, f->msg_id, PIN_REQUEST, sent)))
 		goto charged;
 	if (asks && (rc = profile_wrap(ag, dst, kind, name, asks, f, &type, sb)))

@@ -146,7 +146,8 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 	pthread_mutex_lock(&f->lock);
 	if (atomic_load_explicit(&f->done, memory_order_relaxed)) {
 		pthread_mutex_unlock(&f->lock);
-		pins_release(f->dst, f->msg_id, PIN_REQUEST);
+		if (f->sent_tensors)
+			pins_release(f->dst, f->msg_id, PIN_REQUEST);
 		return 0;
 	}
 	/* The request's pin kept the blocks of the reply's covered tensors
@@ -155,7 +156,7 @@ uint32_t future_complete_packed(shmrpc_future *f, const void *buf, size_t len)
 	 * to them, as the callee does to the request's. Released before
 	 * finish(), as it was before the unpack: a caller woken by its reply
 	 * finds the pool as the call left it. */
-	pin = pins_take(f->dst, f->msg_id, PIN_REQUEST);
+	pin = f->sent_tensors ? pins_take(f->dst, f->msg_id, PIN_REQUEST) : NULL;
 	f->tensors.pinned = pins_held(pin);
 	rc = value_unpack(buf, len, &f->arena, &f->value, &used, &f->tensors);
 	f->tensors.pinned = NULL;

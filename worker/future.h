@@ -47,6 +47,9 @@ struct shmrpc_future {
 	/* The call it stands for (client side). */
 	uint64_t msg_id;
 	uint32_t dst;
+	/* Tensors went with the request, so it may have a pin (pins.h) that
+	 * the reply takes; false: it has none, and no one looks for it. */
+	bool sent_tensors;
 	uint64_t deadline_ns; /* 0: none */
 	int64_t timeout_ms;
 	char *profile_key;      /* profiled call: its key (malloc); NULL otherwise */
