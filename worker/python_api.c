@@ -89,6 +89,13 @@ int python_rank_named(const char *name)
 	return rc ? rc : agent_rank_named(ag, name);
 }
 
+uint64_t python_agent_job(void)
+{
+	struct agent *ag = worker_agent;
+
+	return ag ? ag->job : 0;
+}
+
 int python_peer_gone(int rank, bool *gone, bool *died, char *why, size_t len, uint32_t *world)
 {
 	struct agent *ag = worker_agent;

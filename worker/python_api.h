@@ -90,6 +90,11 @@ SHMRPC_HIDDEN int python_tensor_echoed(shmrpc_tensor *t, shmrpc_tensor **out);
  * shmrpc_get_worker_info's, without formatting its name; -ENOENT or
  * -ENOTCONN, with the error's sentence. */
 SHMRPC_HIDDEN int python_rank_named(const char *name);
+
+/* Which of this process's agents runs (struct agent.job: 1, 2, ... per
+ * shmrpc_init), 0 when none: what a worker's name means stays so while it
+ * is the same. */
+SHMRPC_HIDDEN uint64_t python_agent_job(void);
 /* Whether rank is gone (*gone), and then whether it died rather than left
  * (*died) and why, as a call to it would fail. -EINVAL: no such rank (the
  * job's size in *world). */

@@ -66,12 +66,17 @@ def run_case(rank, world, init_method, case, q, name=None):
         out["rank"] = rank
         if case == "reinit":
             # torch's tests init_rpc again after shutdown in one process:
-            # each round is a new job, with a new keeper.
-            out["rounds"] = []
+            # each round is a new job, with a new keeper. The names turn
+            # round by round: "w0" (one str object, as a program's
+            # constant) names another rank in each round's job.
+            out["rounds"], out["w0"] = [], []
             for i in range(3):
-                rpc.init_rpc(f"w{rank}", rpc_backend_options=opts(init_method), **kwargs)
+                rpc.init_rpc(f"w{(rank + i) % world}", rpc_backend_options=opts(init_method),
+                             **kwargs)
                 out["keeper"] = rpc._joined.keeper_pid
-                out["rounds"].append(rpc.rpc_sync(f"w{(rank + 1) % world}", add, args=(rank, i)))
+                out["rounds"].append(rpc.rpc_sync((rank + 1) % world, add, args=(rank, i)))
+                out["w0"].append(rpc.rpc_sync("w0", os.getpid))
+                out.setdefault("pids", []).append(os.getpid())
                 rpc.shutdown()
                 out.setdefault("keepers", []).append(out["keeper"])
             out["ok"] = True
@@ -352,6 +357,9 @@ def test_reinit_after_shutdown(start, monkeypatch):
     for r in range(2):
         assert got[r].get("ok"), got[r]
         assert got[r]["rounds"] == [r + i for i in range(3)], got[r]
+    # Round i's w0 is rank -i mod 2.
+    for r in range(2):
+        assert got[r]["w0"] == [got[-i % 2]["pids"][i] for i in range(3)], got
     nothing_left(set(got[0]["keepers"]) | set(got[1]["keepers"]), [f"tcp:{port}"])
 
 
