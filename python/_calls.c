@@ -175,7 +175,6 @@ static PyObject *mod_rref_local(PyObject *m, PyObject *args)
 static struct {
 	PyObject *general;	 /* returned for a call the Python path makes */
 	PyObject *marshal;	 /* shmrpc._marshal: _pack_args, _proxy_func */
-	PyObject *profiler;	 /* shmrpc.profiler: _torch_state */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *named;	 /* _marshal._named(func) -> _Named or None */
 	PyObject *pack_args;	 /* _marshal._pack_args(named, args, kwargs) */
@@ -200,7 +199,7 @@ static struct {
 static unsigned long long common_count;
 
 /* The attribute names read on each call, interned once. */
-static PyObject *s_torch_state, *s_module, *s_qualname, *s_torch, *s_r;
+static PyObject *s_module, *s_qualname, *s_torch, *s_r;
 
 /* Whether the package's state lets a call be the common one: initialized,
  * no timeout of _set_rpc_timeout's, the default pickler checked. The
@@ -320,22 +319,21 @@ static PyObject *func_entry(PyObject *func)
 	return e;
 }
 
-/* Whether torch's profiler may record a call made now (profiler.
- * torch_profiling would not answer 0: torch is loaded, usable, and its
- * profiler on in this thread; the Python path asks the rest): 1, 0, -1. */
+/* Whether torch's profiler may record a call made now: torch is loaded
+ * and its profiler on in this thread (the Python path asks the rest,
+ * profiler.torch_profiling, which may still send it unprofiled): 1, 0,
+ * -1. torch, once met, stays: a module taken out of sys.modules is still
+ * the one whose profiler a program's torch calls go to. */
 static int torch_may_profile(void)
 {
-	PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), s_torch), *on;
+	PyObject *torch, *autograd, *on;
 	int r;
 
-	if (!torch || torch == Py_None)
-		return PyErr_Occurred() ? -1 : 0;
-	if ((r = attr_is(fast.profiler, s_torch_state, Py_False)) != 0)
-		return r < 0 ? -1 : 0;
 	if (!fast.torch_on) {
-		PyObject *autograd = PyObject_GetAttrString(torch, "autograd");
-
-		if (autograd)
+		torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), s_torch);
+		if (!torch || torch == Py_None)
+			return PyErr_Occurred() ? -1 : 0;
+		if ((autograd = PyObject_GetAttrString(torch, "autograd")))
 			fast.torch_on = PyObject_GetAttrString(autograd, "_profiler_enabled");
 		Py_XDECREF(autograd);
 		if (!fast.torch_on)
@@ -958,24 +956,23 @@ static PyObject *mod_common_calls(PyObject *m, PyObject *unused)
 	return PyLong_FromUnsignedLongLong(common_count);
 }
 
-/* rpc_sync_setup(general, marshal, profiler, function_type,
+/* rpc_sync_setup(general, marshal, function_type,
  * named, result, remote_exc, not_sent, timed_out, dumps, loads, protocol,
  * rref_type, object_new): the package's objects that rpc_sync, rpc_remote
  * and rref_value read (fast, above), once at import. */
 static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 {
-	static const char *const names[] = { "_torch_state", "__module__", "__qualname__",
-		"torch", "_r" };
-	PyObject **const interned[] = { &s_torch_state, &s_module, &s_qualname, &s_torch, &s_r };
-	PyObject *o[14];
+	static const char *const names[] = { "__module__", "__qualname__", "torch", "_r" };
+	PyObject **const interned[] = { &s_module, &s_qualname, &s_torch, &s_r };
+	PyObject *o[13];
 
 	(void)m;
 	if (fast.general) {
 		PyErr_SetString(PyExc_RuntimeError, "rpc_sync_setup runs once");
 		return NULL;
 	}
-	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4],
-			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
+	if (!PyArg_UnpackTuple(a, "rpc_sync_setup", 13, 13, &o[0], &o[1], &o[2], &o[3], &o[4],
+			       &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12]))
 		return NULL;
 	if (intern_names(names, interned, sizeof(names) / sizeof(*names)))
 		return NULL;
@@ -983,21 +980,20 @@ static PyObject *mod_rpc_sync_setup(PyObject *m, PyObject *a)
 	    !(fast.no_args = PyTuple_New(0)) || !(fast.funcs = PyDict_New()))
 		return NULL;
 	fast.marshal = new_ref(o[1]);
-	fast.profiler = new_ref(o[2]);
-	fast.function_type = new_ref(o[3]);
-	fast.named = new_ref(o[4]);
+	fast.function_type = new_ref(o[2]);
+	fast.named = new_ref(o[3]);
 	if (!(fast.pack_args = PyObject_GetAttrString(fast.marshal, "_pack_args")) ||
 	    !(fast.proxy_func = PyObject_GetAttrString(fast.marshal, "_proxy_func")))
 		return NULL;
-	fast.result = new_ref(o[5]);
-	fast.remote_exc = new_ref(o[6]);
-	fast.not_sent = new_ref(o[7]);
-	fast.timed_out = new_ref(o[8]);
-	fast.dumps = new_ref(o[9]);
-	fast.loads = new_ref(o[10]);
-	fast.protocol = new_ref(o[11]);
-	fast.rref_type = new_ref(o[12]);
-	fast.object_new = new_ref(o[13]);
+	fast.result = new_ref(o[4]);
+	fast.remote_exc = new_ref(o[5]);
+	fast.not_sent = new_ref(o[6]);
+	fast.timed_out = new_ref(o[7]);
+	fast.dumps = new_ref(o[8]);
+	fast.loads = new_ref(o[9]);
+	fast.protocol = new_ref(o[10]);
+	fast.rref_type = new_ref(o[11]);
+	fast.object_new = new_ref(o[12]);
 	fast.general = new_ref(o[0]); /* last: rpc_sync works from now on */
 	return new_ref(Py_None);
 }
@@ -1026,9 +1022,9 @@ static PyMethodDef call_functions[] = {
 	{ "common_calls", mod_common_calls, METH_NOARGS,
 	  "common_calls() -> how many calls and RRef reads were made in C (for tests)" },
 	{ "rpc_sync_setup", mod_rpc_sync_setup, METH_VARARGS,
-	  "rpc_sync_setup(general, marshal, profiler, function_type, named, result, remote_exc, "
-	  "not_sent, timed_out, dumps, loads, protocol, rref_type, object_new): what rpc_sync, "
-	  "rpc_remote and rref_value read" },
+	  "rpc_sync_setup(general, marshal, function_type, named, result, remote_exc, not_sent, "
+	  "timed_out, dumps, loads, protocol, rref_type, object_new): what rpc_sync, rpc_remote "
+	  "and rref_value read" },
 	{ "set_call_state", mod_set_call_state, METH_O,
 	  "set_call_state(common): whether the package's state (initialized, no timeout override, "
 	  "the default pickler checked) lets a call be the common one made in C" },

@@ -405,7 +405,7 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
 
 _marshal.set_rref_type(RRef)
 _marshal.set_proxy_func(_call_method)
-_shmrpc.rpc_sync_setup(_GENERAL, _marshal, profiler, types.FunctionType,
+_shmrpc.rpc_sync_setup(_GENERAL, _marshal, types.FunctionType,
                        _marshal._named, _result, _core.RemoteException, _NotSent,
                        _core._RpcTimeout, pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL,
                        RRef, object.__new__)
