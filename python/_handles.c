@@ -60,9 +60,37 @@ static int learn_function(struct known_attr *a, PyObject *sample)
 	return 0;
 }
 
+/* name in the dicts of type's MRO, where the interpreter finds an
+ * attribute of type's objects (getattr on the type itself gives the
+ * type's own attribute for a name such as __module__ or __qualname__,
+ * not the descriptor its objects' come from). A new reference, or NULL
+ * with an exception set (AttributeError: none has it). */
+static PyObject *type_lookup(PyObject *type, PyObject *name)
+{
+	PyObject *mro = PyObject_GetAttrString(type, "__mro__"), *found = NULL;
+
+	if (!mro)
+		return NULL;
+	for (Py_ssize_t i = 0; PyTuple_Check(mro) && i < PyTuple_Size(mro); i++) {
+		PyObject *dict = PyObject_GetAttrString(PyTuple_GetItem(mro, i), "__dict__");
+
+		if (!dict)
+			break;
+		found = PyObject_GetItem(dict, name);
+		Py_DECREF(dict);
+		if (found || !PyErr_ExceptionMatches(PyExc_KeyError))
+			break;
+		PyErr_Clear();
+	}
+	Py_DECREF(mro);
+	if (!found && !PyErr_Occurred())
+		PyErr_Format(PyExc_AttributeError, "no attribute %R on the objects of %R", name, type);
+	return found;
+}
+
 int known_attr_learn(struct known_attr *a, PyObject *type, PyObject *sample)
 {
-	PyObject *desc = PyObject_GetAttr(type, *a->name);
+	PyObject *desc = type_lookup(type, *a->name);
 
 	if (!desc)
 		return -1;

@@ -48,7 +48,8 @@ struct known_attr {
 	PyCFunction fn;
 	int flags;
 };
-/* a's descriptor on type. 0, or -1 with an exception set; a getter whose
+/* a's descriptor on type (in its MRO's dicts, as the interpreter finds
+ * an object's attribute). 0, or -1 with an exception set; a getter whose
  * slot the interpreter does not give is left looked up. With sample, an
  * object of exactly type, a method's C function is learnt from it too,
  * when the method is a builtin one of a convention above. */

@@ -648,6 +648,15 @@ def test_renamed_function_takes_python_path():
             general(lambda: rpc.rpc_sync("worker1", renamed))
     finally:
         renamed.__qualname__ = "renamed"
+    # Its __module__ too (read through FunctionType's descriptor in C):
+    # pickle looks for it in that module now.
+    renamed.__module__ = "no_such_module"
+    try:
+        with pytest.raises(pickle.PicklingError):
+            general(lambda: rpc.rpc_sync("worker1", renamed))
+    finally:
+        renamed.__module__ = __name__
+    assert common(lambda: rpc.rpc_sync("worker1", renamed)) == "renamed"
 
 
 def test_remote_common_and_general():
