@@ -30,7 +30,7 @@ struct fast_objs {
 	PyObject *named_type;    /* _marshal._Named */
 	PyObject *function_type; /* types.FunctionType */
 	PyObject *call_method;   /* _calls._call_method: served by _serve_call */
-	PyObject *profiler;      /* the module server_profiler (_active) */
+	PyObject *profiling;     /* server_profiler._active, a list changed in place */
 	PyObject *loads;         /* pickle.loads */
 	PyObject *serve_call;    /* _serve._serve_call */
 	PyObject *is_async;      /* _serve._is_async_execution */
@@ -49,7 +49,7 @@ static PyObject *fast_tuple;
 static struct fast_objs fast;
 
 /* The attribute names asked, interned once (names_make). */
-static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_active, *s_dict;
+static PyObject *s_func, *s_module, *s_mod, *s_scope, *s_name, *s_dict;
 
 /* A _Named's slots, found on the _Named type that each fast_set is given. */
 static struct known_attr n_func = { .name = &s_func },
@@ -68,10 +68,8 @@ static PyObject *empty_reply, *live_tail;
  * exception set. */
 static int names_make(void)
 {
-	static const char *const text[] = { "func", "module", "mod", "scope", "name",
-					    "_active", "__dict__" };
-	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_active,
-			       &s_dict };
+	static const char *const text[] = { "func", "module", "mod", "scope", "name", "__dict__" };
+	PyObject **names[] = { &s_func, &s_module, &s_mod, &s_scope, &s_name, &s_dict };
 
 	if (intern_names(text, names, sizeof(names) / sizeof(names[0])))
 		return -1;
@@ -93,7 +91,7 @@ int fast_set(PyObject *objs)
 		     !PyArg_ParseTuple(objs, "O!O!O!OO!OOOOOOOOO!:set_handler's fast path",
 				       &PyDict_Type, &got.heads, &PyType_Type, &got.named_type,
 				       &PyType_Type, &got.function_type, &got.call_method,
-				       &PyModule_Type, &got.profiler, &got.loads, &got.serve_call,
+				       &PyList_Type, &got.profiling, &got.loads, &got.serve_call,
 				       &got.is_async, &got.waited, &got.dumps, &got.failed,
 				       &got.reply, &got.unloaded, &PyDict_Type, &got.owned)))
 		return -1;
@@ -297,16 +295,12 @@ static PyObject *mixed_loaded(const struct python_msg *m, size_t head)
  * _serve_call. 1, 0, or -1 with an exception set. */
 static int in_context_or_profiled(const struct fast_objs *f)
 {
-	PyObject *active;
-	int rc;
+	Py_ssize_t n;
 
 	if (thread_in_context())
 		return 1;
-	if (!(active = attr_of(f->profiler, s_active)))
-		return -1;
-	rc = PyObject_IsTrue(active);
-	Py_DECREF(active);
-	return rc;
+	/* The list itself, not the module's attribute: no dict lookup. */
+	return (n = PyList_Size(f->profiling)) < 0 ? -1 : n > 0;
 }
 
 /* Whether _serve_plain serves a call of func through _serve_call: func

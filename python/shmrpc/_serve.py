@@ -102,7 +102,7 @@ def _fast():
     server profiler) and calling
     the same Python for the rest (_reply keeps a remote call's value,
     _unloaded answers arguments that failed to unpickle)."""
-    return (_named_heads, _Named, types.FunctionType, _call_method, server_profiler, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
+    return (_named_heads, _Named, types.FunctionType, _call_method, server_profiler._active, pickle.loads, _serve_call, _is_async_execution, _waited, _dumps,
             _failed, _reply, _unloaded, _owned)
 
 

@@ -26,7 +26,9 @@ import sys
 import threading
 
 _lock = threading.Lock()
-_active = []  # the profiles entered and not exited yet, oldest first
+# The profiles entered and not exited yet, oldest first: changed in place,
+# never rebound (the fast path holds this list: _serve._fast).
+_active = []
 _made = {}    # "_server_process_global_profile" -> the class, once made
 
 
