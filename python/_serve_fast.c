@@ -166,75 +166,98 @@ static PyObject *tensors_taken(const struct python_msg *m)
 	return call;
 }
 
-/* Whether named (a _Named) still finds its function func, as holds()
- * says (name_holds, from its fields). 1, 0, or -1 with an exception set. */
-static int holds(PyObject *named, PyObject *func)
-{
-	PyObject *scope = known_attr_get(&n_scope, named);
-	PyObject *module = known_attr_get(&n_module, named), *mod = known_attr_get(&n_mod, named);
-	PyObject *name = known_attr_get(&n_name, named);
-	int rc = scope && module && mod && name ? name_holds(named, module, mod, scope, name, func)
-						: -1;
+/* The last head looked up, its _Named in _named_heads (NULL: none there)
+ * and that _Named's slots (named_slots' order: func, module, mod, scope,
+ * name; set when it is made, never changed), kept under the GIL: a
+ * call's head is most often the last one's, and then neither a bytes
+ * object is made, nor the dict asked (its bytes compared and hashed
+ * once more), nor the slots read: about 750 instructions a call. The
+ * _Named kept is the dict's for that head while it holds: _unpack_call
+ * replaces an entry only once it no longer holds, and two that hold name
+ * the one function the name finds. */
+enum { NAMED_SLOTS = sizeof(named_slots) / sizeof(*named_slots) };
+static struct {
+	PyObject *head;
+	PyObject *named;
+	PyObject *slot[NAMED_SLOTS];
+} last;
 
-	Py_XDECREF(scope);
-	Py_XDECREF(module);
-	Py_XDECREF(mod);
-	Py_XDECREF(name);
-	return rc;
+/* last emptied but for head, which becomes head (a new reference). What
+ * it held goes after: a deallocation that runs code finds it consistent. */
+static void last_set(PyObject *head)
+{
+	PyObject *old[NAMED_SLOTS + 2] = { last.head, last.named };
+
+	memcpy(old + 2, last.slot, sizeof(last.slot));
+	last.head = head;
+	last.named = NULL;
+	memset(last.slot, 0, sizeof(last.slot));
+	for (size_t i = 0; i < NAMED_SLOTS + 2; i++)
+		Py_XDECREF(old[i]);
 }
 
-/* The last head looked up and the _Named the dict gave for it, kept
- * (under the GIL): a call's head is most often the last one's, and then
- * neither a bytes object is made nor the dict asked (its bytes compared
- * and hashed once more: about 550 instructions a call). The _Named kept
- * is the dict's for that head while it holds: _unpack_call replaces an
- * entry only once it no longer holds, and two that hold name the one
- * function the name finds. */
-static PyObject *last_head, *last_named;
-
-/* *slot = o (a new reference, or NULL), the one it held dropped after:
- * a deallocation that runs code sees the new one. */
-static void swap_ref(PyObject **slot, PyObject *o)
+/* Makes last the head's (len bytes at p): its _Named and slots when
+ * _named_heads has one of the _Named type. 0, or -1 with an exception
+ * set (last then names no _Named). */
+static int last_look_up(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *old = *slot;
+	PyObject *head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len), *named, *slot[NAMED_SLOTS];
 
-	*slot = o;
-	Py_XDECREF(old);
-}
-
-/* The _Named of the head (len bytes at p) in _named_heads: last_named
- * where the head is last_head's bytes. New reference; NULL, with an
- * exception set or none (no such entry). */
-static PyObject *named_of_head(const struct fast_objs *f, const char *p, size_t len)
-{
-	PyObject *head, *named;
-
-	if (last_head && PyBytes_Size(last_head) == (Py_ssize_t)len &&
-	    memcmp(PyBytes_AsString(last_head), p, len) == 0 && last_named)
-		return new_ref(last_named);
-	if (!(head = PyBytes_FromStringAndSize(p, (Py_ssize_t)len)))
-		return NULL;
-	named = PyDict_GetItemWithError(f->heads, head);
-	Py_XINCREF(named); /* borrowed from a dict that code run below may change */
-	swap_ref(&last_named, NULL);
-	swap_ref(&last_head, head);
-	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type)
-		swap_ref(&last_named, new_ref(named));
-	return named;
+	if (!head)
+		return -1;
+	last_set(head);
+	if (!(named = PyDict_GetItemWithError(f->heads, head)))
+		return PyErr_Occurred() ? -1 : 0;
+	if (Py_TYPE(named) != (PyTypeObject *)f->named_type)
+		return 0;
+	Py_INCREF(named); /* borrowed from a dict that reading its slots may change */
+	for (size_t i = 0; i < NAMED_SLOTS; i++) {
+		if (!(slot[i] = known_attr_get(named_slots[i], named))) {
+			while (i--)
+				Py_DECREF(slot[i]);
+			Py_DECREF(named);
+			return -1;
+		}
+	}
+	if (last.head != head) { /* looked up again meanwhile: that one stands */
+		for (size_t i = 0; i < NAMED_SLOTS; i++)
+			Py_DECREF(slot[i]);
+		Py_DECREF(named);
+		return 0;
+	}
+	last.named = named;
+	memcpy(last.slot, slot, sizeof(slot));
+	return 0;
 }
 
 /* The function the head (len bytes at p) names, as _unpack_call finds it:
- * its _Named in _named_heads, which holds. New reference; NULL with no
- * exception where Python must look (a head not cached or no longer
- * holding, an error: cleared, the plain handler meets it again). */
+ * its _Named in _named_heads, which holds (name_holds, from its slots).
+ * New reference; NULL with no exception where Python must look (a head
+ * not cached or no longer holding, an error: cleared, the plain handler
+ * meets it again). */
 static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *named = named_of_head(f, p, len), *func = NULL;
+	PyObject *got[NAMED_SLOTS + 1], *func = NULL;
+	int rc;
 
-	if (named && Py_TYPE(named) == (PyTypeObject *)f->named_type &&
-	    (func = known_attr_get(&n_func, named)) && holds(named, func) != 1)
-		Py_CLEAR(func);
-	Py_XDECREF(named);
+	if (!(last.head && PyBytes_Size(last.head) == (Py_ssize_t)len &&
+	      memcmp(PyBytes_AsString(last.head), p, len) == 0 && last.named) &&
+	    last_look_up(f, p, len)) {
+		PyErr_Clear();
+		return NULL;
+	}
+	if (!last.named)
+		return NULL;
+	/* Held here: name_holds may run code (a dotted name's holds) that
+	 * looks another head up. */
+	got[0] = new_ref(last.named);
+	for (size_t i = 0; i < NAMED_SLOTS; i++)
+		got[i + 1] = new_ref(last.slot[i]);
+	rc = name_holds(got[0], got[2], got[3], got[4], got[5], got[1]);
+	if (rc == 1)
+		func = new_ref(got[1]);
+	for (size_t i = 0; i < NAMED_SLOTS + 1; i++)
+		Py_DECREF(got[i]);
 	PyErr_Clear();
 	return func;
 }
