@@ -68,22 +68,26 @@ out:
 	return res;
 }
 
-/* The handles of a list of objects of type, in a (NULL: malloc'd); NULL
- * with an exception set. */
-static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32_t *n)
+/* *out = the handles of a list of objects of type, in a (NULL:
+ * malloc'd), *n of them; none for an empty list (*out NULL, as a
+ * received message's empty lists). 0, or -1 with an exception set. */
+static int handles_of(PyObject *list, PyObject *type, struct arena *a, void ***out, uint32_t *n)
 {
 	Py_ssize_t len;
-	size_t size;
 	void **h;
 
 	if (!PyList_Check(list)) {
 		PyErr_SetString(PyExc_TypeError, "a message's RRefs and tensors come in lists");
-		return NULL;
+		return -1;
 	}
-	len = PyList_Size(list);
-	size = (size_t)(len ? len : 1) * sizeof(*h);
-	if (!(h = a ? arena_alloc(a, size) : malloc(size)))
-		return (void **)PyErr_NoMemory();
+	*out = NULL;
+	*n = 0;
+	if (!(len = PyList_Size(list)))
+		return 0;
+	if (!(h = a ? arena_alloc(a, (size_t)len * sizeof(*h)) : malloc((size_t)len * sizeof(*h)))) {
+		PyErr_NoMemory();
+		return -1;
+	}
 	for (Py_ssize_t i = 0; i < len; i++) {
 		PyObject *o = PyList_GetItem(list, i);
 
@@ -91,7 +95,7 @@ static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32
 			if (!a)
 				free(h);
 			PyErr_SetString(PyExc_TypeError, "a message lists an object of the wrong type");
-			return NULL;
+			return -1;
 		}
 		if (!HANDLE(o)) { /* a Tensor emptied by take_dlpack */
 			if (!a)
@@ -99,12 +103,13 @@ static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32
 			PyErr_SetString(PyExc_ValueError, "a message lists a Tensor whose reference "
 					"went to a DLPack capsule (take_dlpack): send the tensor made "
 					"from it");
-			return NULL;
+			return -1;
 		}
 		h[i] = HANDLE(o);
 	}
+	*out = h;
 	*n = (uint32_t)len;
-	return h;
+	return 0;
 }
 
 /* A message from (pickle, [RRef...], [Tensor...]): borrows the pickle and
@@ -113,6 +118,7 @@ static void **handles_of(PyObject *list, PyObject *type, struct arena *a, uint32
 static int msg_view(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struct arena *a,
 		    struct python_msg *m)
 {
+	void **r, **t;
 	char *buf;
 	Py_ssize_t len;
 
@@ -121,15 +127,16 @@ static int msg_view(PyObject *pickled, PyObject *rrefs, PyObject *tensors, struc
 		return -1;
 	m->data = buf;
 	m->len = (size_t)len;
-	m->rrefs = (shmrpc_rref **)handles_of(rrefs, RRefType, a, &m->nrrefs);
-	if (!m->rrefs)
+	if (handles_of(rrefs, RRefType, a, &r, &m->nrrefs))
 		return -1;
-	m->tensors = (shmrpc_tensor **)handles_of(tensors, TensorType, a, &m->ntensors);
-	if (!m->tensors) {
+	if (handles_of(tensors, TensorType, a, &t, &m->ntensors)) {
 		if (!a)
-			free(m->rrefs);
+			free(r);
+		m->nrrefs = 0;
 		return -1;
 	}
+	m->rrefs = (shmrpc_rref **)r;
+	m->tensors = (shmrpc_tensor **)t;
 	return 0;
 }
 
