@@ -203,9 +203,9 @@ static PyObject *s_module, *s_qualname, *s_torch, *s_r;
 
 /* Whether the package's state lets a call be the common one: initialized,
  * no timeout of _set_rpc_timeout's, the default pickler checked. The
- * package says so at each change (_core._state_changed, set_call_state):
- * read here, its four module attributes cost about 600 instructions a
- * call. Under the GIL. */
+ * package says so at each change (_core._state_changed, set_call_state),
+ * rather than C reading its four module attributes on every call (about
+ * 600 instructions). Under the GIL. */
 static bool call_state_common;
 
 /* What an RRef's value is when its owner keeps it live (_marshal._LIVE,

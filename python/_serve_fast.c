@@ -57,7 +57,11 @@ static struct known_attr n_func = { .name = &s_func },
 			 n_mod = { .name = &s_mod },
 			 n_scope = { .name = &s_scope },
 			 n_name = { .name = &s_name };
-static struct known_attr *const named_slots[] = { &n_func, &n_module, &n_mod, &n_scope, &n_name };
+enum { SLOT_FUNC, SLOT_MODULE, SLOT_MOD, SLOT_SCOPE, SLOT_NAME, NAMED_SLOTS };
+static struct known_attr *const named_slots[NAMED_SLOTS] = {
+	[SLOT_FUNC] = &n_func, [SLOT_MODULE] = &n_module, [SLOT_MOD] = &n_mod,
+	[SLOT_SCOPE] = &n_scope, [SLOT_NAME] = &n_name,
+};
 
 /* The empty pickle: the reply to a result of None (_serve_plain's b"");
  * what a reply whose value its owner keeps live ends in (_serve_plain's
@@ -82,8 +86,7 @@ static int names_make(void)
 /* module.h says what fast_set and fast_serve return. */
 int fast_set(PyObject *objs)
 {
-	enum { NSLOTS = sizeof(named_slots) / sizeof(*named_slots) };
-	struct known_attr learnt[NSLOTS];
+	struct known_attr learnt[NAMED_SLOTS];
 	struct fast_objs got = { 0 };
 	size_t i;
 
@@ -97,7 +100,7 @@ int fast_set(PyObject *objs)
 		return -1;
 	/* Learnt aside, then kept: a refused type leaves the path in effect
 	 * reading its own type's slots. */
-	for (i = 0; objs && i < NSLOTS; i++) {
+	for (i = 0; objs && i < NAMED_SLOTS; i++) {
 		learnt[i] = (struct known_attr){ .name = named_slots[i]->name,
 						 .method = named_slots[i]->method };
 		if (known_attr_learn(&learnt[i], got.named_type, NULL)) {
@@ -106,7 +109,7 @@ int fast_set(PyObject *objs)
 			return -1;
 		}
 	}
-	for (i = 0; objs && i < NSLOTS; i++) {
+	for (i = 0; objs && i < NAMED_SLOTS; i++) {
 		Py_XDECREF(named_slots[i]->desc);
 		*named_slots[i] = learnt[i];
 	}
@@ -167,15 +170,14 @@ static PyObject *tensors_taken(const struct python_msg *m)
 }
 
 /* The last head looked up, its _Named in _named_heads (NULL: none there)
- * and that _Named's slots (named_slots' order: func, module, mod, scope,
- * name; set when it is made, never changed), kept under the GIL: a
+ * and that _Named's slots (SLOT_FUNC...; set when it is made, never
+ * changed), kept under the GIL: a
  * call's head is most often the last one's, and then neither a bytes
  * object is made, nor the dict asked (its bytes compared and hashed
  * once more), nor the slots read: about 750 instructions a call. The
  * _Named kept is the dict's for that head while it holds: _unpack_call
  * replaces an entry only once it no longer holds, and two that hold name
  * the one function the name finds. */
-enum { NAMED_SLOTS = sizeof(named_slots) / sizeof(*named_slots) };
 static struct {
 	PyObject *head;
 	PyObject *named;
@@ -237,7 +239,7 @@ static int last_look_up(const struct fast_objs *f, const char *p, size_t len)
  * meets it again). */
 static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len)
 {
-	PyObject *got[NAMED_SLOTS + 1], *func = NULL;
+	PyObject *named, *got[NAMED_SLOTS], *func = NULL;
 	int rc;
 
 	if (!(last.head && PyBytes_Size(last.head) == (Py_ssize_t)len &&
@@ -250,13 +252,15 @@ static PyObject *named_func(const struct fast_objs *f, const char *p, size_t len
 		return NULL;
 	/* Held here: name_holds may run code (a dotted name's holds) that
 	 * looks another head up. */
-	got[0] = new_ref(last.named);
+	named = new_ref(last.named);
 	for (size_t i = 0; i < NAMED_SLOTS; i++)
-		got[i + 1] = new_ref(last.slot[i]);
-	rc = name_holds(got[0], got[2], got[3], got[4], got[5], got[1]);
+		got[i] = new_ref(last.slot[i]);
+	rc = name_holds(named, got[SLOT_MODULE], got[SLOT_MOD], got[SLOT_SCOPE], got[SLOT_NAME],
+			got[SLOT_FUNC]);
 	if (rc == 1)
-		func = new_ref(got[1]);
-	for (size_t i = 0; i < NAMED_SLOTS + 1; i++)
+		func = new_ref(got[SLOT_FUNC]);
+	Py_DECREF(named);
+	for (size_t i = 0; i < NAMED_SLOTS; i++)
 		Py_DECREF(got[i]);
 	PyErr_Clear();
 	return func;
