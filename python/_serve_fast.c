@@ -171,13 +171,12 @@ static PyObject *tensors_taken(const struct python_msg *m)
 
 /* The last head looked up, its _Named in _named_heads (NULL: none there)
  * and that _Named's slots (SLOT_FUNC...; set when it is made, never
- * changed), kept under the GIL: a
- * call's head is most often the last one's, and then neither a bytes
- * object is made, nor the dict asked (its bytes compared and hashed
- * once more), nor the slots read: about 750 instructions a call. The
- * _Named kept is the dict's for that head while it holds: _unpack_call
- * replaces an entry only once it no longer holds, and two that hold name
- * the one function the name finds. */
+ * changed), kept under the GIL: a call's head is most often the last
+ * one's, and then neither a bytes object is made, nor the dict asked
+ * (its bytes compared and hashed once more), nor the slots read: about
+ * 750 instructions a call. The _Named kept is the dict's for that head
+ * while it holds: _unpack_call replaces an entry only once it no longer
+ * holds, and two that hold name the one function the name finds. */
 static struct {
 	PyObject *head;
 	PyObject *named;
@@ -212,22 +211,16 @@ static int last_look_up(const struct fast_objs *f, const char *p, size_t len)
 		return PyErr_Occurred() ? -1 : 0;
 	if (Py_TYPE(named) != (PyTypeObject *)f->named_type)
 		return 0;
-	Py_INCREF(named); /* borrowed from a dict that reading its slots may change */
+	/* The slots of the exact _Named type: member descriptors, whose reads
+	 * run no code, so last stays the head's meanwhile. */
 	for (size_t i = 0; i < NAMED_SLOTS; i++) {
 		if (!(slot[i] = known_attr_get(named_slots[i], named))) {
 			while (i--)
 				Py_DECREF(slot[i]);
-			Py_DECREF(named);
 			return -1;
 		}
 	}
-	if (last.head != head) { /* looked up again meanwhile: that one stands */
-		for (size_t i = 0; i < NAMED_SLOTS; i++)
-			Py_DECREF(slot[i]);
-		Py_DECREF(named);
-		return 0;
-	}
-	last.named = named;
+	last.named = new_ref(named); /* borrowed from the dict */
 	memcpy(last.slot, slot, sizeof(slot));
 	return 0;
 }
